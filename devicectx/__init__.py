@@ -1,0 +1,48 @@
+"""devicectx: device-agnostic PyTorch.
+
+- :func:`on_device`: torch's default device for a block, isolated per thread and asyncio task;
+- :func:`device_agnostic`: move (or check) every tensor argument of a call to one device;
+- :func:`to_device` and :func:`find_devices`: a structure-preserving move that loses nothing;
+- :func:`resolve_device`: ``"auto"``, ``LOCAL_RANK`` under torchrun, ``DEVICECTX_DEVICE``.
+
+The optional testing kit lives in :mod:`devicectx.testing` (``pip install devicectx[testing]``).
+"""
+
+from importlib.metadata import version as _version
+
+from devicectx._context import current_device, on_device
+from devicectx._decorator import device_agnostic
+from devicectx._errors import (
+    BatchTooLargeError,
+    DeviceError,
+    DeviceMismatchError,
+    DeviceUnavailableError,
+    InvalidDeviceError,
+    MoveError,
+)
+from devicectx._move import find_devices, register_container, to_device
+from devicectx._oom import shrink_batch_on_oom
+from devicectx._resolve import DeviceLike, available_devices, explain_device, resolve_device
+
+__version__ = _version("devicectx")
+
+__all__ = [
+    "BatchTooLargeError",
+    "DeviceError",
+    "DeviceLike",
+    "DeviceMismatchError",
+    "DeviceUnavailableError",
+    "InvalidDeviceError",
+    "MoveError",
+    "__version__",
+    "available_devices",
+    "current_device",
+    "device_agnostic",
+    "explain_device",
+    "find_devices",
+    "on_device",
+    "register_container",
+    "resolve_device",
+    "shrink_batch_on_oom",
+    "to_device",
+]

@@ -1,0 +1,65 @@
+"""Every exception devicectx raises.
+
+Each one subclasses what PyTorch users already catch (``ValueError`` for bad
+input, ``RuntimeError`` for a state of the machine) and :class:`DeviceError`,
+so ``except devicectx.DeviceError`` catches all of ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+class DeviceError(Exception):
+    """Base class of every devicectx exception."""
+
+
+class InvalidDeviceError(DeviceError, ValueError):
+    """A device spec that is malformed: ``"gpu"``, ``"cuda:-1"``, ``3.5``."""
+
+
+class DeviceUnavailableError(DeviceError, RuntimeError):
+    """A well-formed device that this machine does not have: ``"cuda:3"`` with 2 GPUs."""
+
+
+class MoveError(DeviceError, RuntimeError):
+    """An object inside a structure could not be moved; the message names its path."""
+
+
+class DeviceMismatchError(DeviceError, RuntimeError):
+    """Tensors (or a module) on other devices than a call needs.
+
+    Attributes:
+        devices: each device found, with the argument paths of the tensors on it.
+        target: the device the call needed, or ``None`` when none could be chosen.
+        reason: why that target was chosen, in words.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        devices: Mapping[torch.device, Sequence[str]],
+        target: torch.device | None,
+        reason: str,
+    ) -> None:
+        super().__init__(message)
+        self.devices: dict[torch.device, list[str]] = {d: list(p) for d, p in devices.items()}
+        self.target = target
+        self.reason = reason
+
+
+class BatchTooLargeError(DeviceError, torch.OutOfMemoryError):
+    """Out of memory even at the smallest batch size allowed.
+
+    It is a ``torch.OutOfMemoryError``, so code that already catches that keeps working.
+
+    Attributes:
+        tried: every batch size that was tried, in order.
+    """
+
+    def __init__(self, message: str, *, tried: Sequence[int]) -> None:
+        super().__init__(message)
+        self.tried: list[int] = list(tried)

@@ -1,0 +1,254 @@
+"""Device resolution: how a spec (``"auto"``, ``"cuda:1"``, ``0``, ...) becomes a real device.
+
+The rules, in the order ``"auto"`` tries them:
+
+1. the environment variable ``DEVICECTX_DEVICE``, when set and not empty;
+2. under ``torchrun`` (``LOCAL_RANK`` set), the accelerator at ``LOCAL_RANK % device_count``;
+3. the current accelerator (:mod:`torch.accelerator`) at its current index;
+4. the CPU.
+
+Every device that comes back carries an index where tensors allocated on it
+do (``"cuda"`` becomes ``cuda:0``), so it compares equal to ``tensor.device``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TypeAlias
+
+import torch
+
+from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
+
+DeviceLike: TypeAlias = "torch.device | str | int | None"
+"""Anything :func:`resolve_device` accepts."""
+
+ENV_VAR = "DEVICECTX_DEVICE"
+
+_VALID_FORMS = (
+    "valid forms: 'auto', 'cpu', 'cuda', 'cuda:1', 'mps', 'xpu', 'meta' (any device type torch "
+    "knows, with an optional ':index'), an int index on the current accelerator, "
+    "a torch.device, or None (same as 'auto')"
+)
+_CPU = torch.device("cpu")
+_META = torch.device("meta")
+
+
+def resolve_device(spec: DeviceLike = "auto") -> torch.device:
+    """Turn a device spec into a ``torch.device`` that exists on this machine.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+        >>> resolve_device("meta")
+        device(type='meta')
+
+    Args:
+        spec: a ``torch.device``; a string such as ``"cpu"``, ``"cuda:1"``, ``"mps"``;
+            an int, the index of a device of the current accelerator; ``None`` or
+            ``"auto"`` to pick the best device here (see :func:`explain_device`).
+
+    Returns:
+        The device. An accelerator device always has its index (``"cuda"`` -> ``cuda:0``).
+
+    Raises:
+        InvalidDeviceError: the spec is malformed (``"gpu"``, ``"cuda:-1"``, ``3.5``,
+            ``True``), or ``DEVICECTX_DEVICE``/``LOCAL_RANK`` holds a malformed value.
+        DeviceUnavailableError: the device is well formed but this machine lacks it.
+    """
+    return _resolve(spec)[0]
+
+
+def explain_device(spec: DeviceLike = "auto") -> str:
+    """Say in words which device ``spec`` resolves to here, and why.
+
+    Example:
+        >>> explain_device("meta")
+        "meta: asked for 'meta'"
+
+    Raises:
+        The same errors as :func:`resolve_device`.
+    """
+    device, why = _resolve(spec)
+    return f"{device}: {why}"
+
+
+def available_devices() -> list[torch.device]:
+    """The CPU and every index of this machine's accelerator, in order.
+
+    ``meta`` is not listed, although it is always usable: it holds no data.
+
+    Example:
+        >>> available_devices()[0]
+        device(type='cpu')
+    """
+    accelerator = accelerator_type()
+    if accelerator is None:
+        return [_CPU]
+    count = torch.accelerator.device_count()
+    return [_CPU, *(torch.device(accelerator, i) for i in range(count))]
+
+
+def _resolve(spec: object) -> tuple[torch.device, str]:
+    """Resolve ``spec``, and say why in words."""
+    if spec is None or (isinstance(spec, str) and spec.strip() == "auto"):
+        return _auto()
+    return _explicit(spec), f"asked for {_show(spec)}"
+
+
+def _auto() -> tuple[torch.device, str]:
+    env_value = os.environ.get(ENV_VAR, "").strip()
+    if env_value and env_value != "auto":
+        try:
+            device = _explicit(env_value)
+        except (InvalidDeviceError, DeviceUnavailableError) as error:
+            msg = (
+                f"environment variable {ENV_VAR}={env_value!r} is not a usable device:\n"
+                f"{error}\nfix: set {ENV_VAR} to one of the devices above, or unset it"
+            )
+            raise type(error)(msg) from None
+        return device, f"environment variable {ENV_VAR}={env_value!r}"
+
+    accelerator = accelerator_type()
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        rank = _parse_local_rank(local_rank)
+        if accelerator is None:
+            return _CPU, f"LOCAL_RANK={rank} (torchrun) but no accelerator found, so the CPU"
+        count = torch.accelerator.device_count()
+        device = torch.device(accelerator, rank % count)
+        return device, (
+            f"LOCAL_RANK={rank} (torchrun) on {count} visible {accelerator} device(s): "
+            f"index {rank} % {count} = {device.index}"
+        )
+
+    if accelerator is not None:
+        index = torch.accelerator.current_device_index()
+        return torch.device(accelerator, index), (
+            f"accelerator {accelerator!r} found, at its current index {index}"
+        )
+    return _CPU, f"no accelerator found, so the CPU (set {ENV_VAR} to choose)"
+
+
+def _parse_local_rank(value: str) -> int:
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        msg = (
+            f"environment variable LOCAL_RANK={value!r} is not a rank: torchrun sets it to "
+            f"0, 1, 2, ...\nfix: unset LOCAL_RANK, or set {ENV_VAR} to the device to use"
+        )
+        raise InvalidDeviceError(msg)
+    return rank
+
+
+def _explicit(spec: object) -> torch.device:
+    """Resolve anything but ``"auto"``: parse, then check the device exists."""
+    device = _parse(spec)
+    if device.type == "cpu":
+        if device.index not in (None, 0):
+            raise _unavailable(spec, "there is one CPU device, 'cpu'")
+        return _CPU
+    if device.type == "meta":
+        return _META
+    return _check_accelerator(spec, device)
+
+
+def _parse(spec: object) -> torch.device:
+    if isinstance(spec, torch.device):
+        return spec
+    if isinstance(spec, bool) or not isinstance(spec, (str, int)):
+        kind = type(spec).__name__
+        raise InvalidDeviceError(
+            f"invalid device {spec!r}: a {kind} is not a device\n{_VALID_FORMS}"
+        )
+    if isinstance(spec, int):
+        if spec < 0:
+            raise InvalidDeviceError(
+                f"invalid device {spec!r}: an index cannot be negative\n{_VALID_FORMS}"
+            )
+        accelerator = accelerator_type()
+        if accelerator is None:
+            raise _unavailable(spec, f"index {spec} names an accelerator, and none was found")
+        return torch.device(accelerator, spec)
+    text = spec.strip()
+    try:
+        return torch.device(text)
+    except RuntimeError:
+        kind = text.partition(":")[0]
+        problem = "an empty string" if not text else f"unknown device type {kind!r}"
+        if text and _is_known_type(kind):
+            problem = "the index after ':' must be a whole number >= 0"
+        raise InvalidDeviceError(f"invalid device {spec!r}: {problem}\n{_VALID_FORMS}") from None
+
+
+def _is_known_type(kind: str) -> bool:
+    try:
+        torch.device(kind)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _check_accelerator(spec: object, device: torch.device) -> torch.device:
+    count = _device_count(device.type)
+    if count == 0:
+        build = f"this torch build ({torch.__version__})"
+        raise _unavailable(spec, f"{build} has no usable {device.type!r} device")
+    if device.index is None:
+        return torch.device(device.type, _current_index(device.type))
+    if device.index >= count:
+        raise _unavailable(spec, f"there are {count} {device.type!r} device(s), 0 to {count - 1}")
+    return device
+
+
+def _device_count(device_type: str) -> int:
+    """How many devices of this type torch can use here; 0 when none or unknown."""
+    if device_type == accelerator_type():
+        return torch.accelerator.device_count()
+    backend = getattr(torch, device_type, None)
+    is_available = getattr(backend, "is_available", None)
+    device_count = getattr(backend, "device_count", None)
+    if not callable(is_available) or not callable(device_count):
+        return 0
+    try:
+        return int(device_count()) if is_available() else 0
+    except RuntimeError:  # a backend that is compiled in but broken (no driver)
+        return 0
+
+
+def _current_index(device_type: str) -> int:
+    if device_type == accelerator_type():
+        return torch.accelerator.current_device_index()
+    backend = getattr(torch, device_type, None)
+    current = getattr(backend, "current_device", None)
+    return int(current()) if callable(current) else 0
+
+
+def accelerator_type() -> str | None:
+    """The type of this machine's accelerator (``"cuda"``, ``"mps"``, ...), or None."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return None if accelerator is None else accelerator.type
+
+
+def _unavailable(spec: object, problem: str) -> DeviceUnavailableError:
+    here = ", ".join(str(d) for d in [*available_devices(), _META])
+    msg = (
+        f"device {_show(spec)} is not available: {problem}\n"
+        f"available here: {here}\n"
+        f"fix: pass one of those, or run on the CPU with {ENV_VAR}=cpu"
+    )
+    return DeviceUnavailableError(msg)
+
+
+def _show(spec: object) -> str:
+    return repr(str(spec)) if isinstance(spec, torch.device) else repr(spec)
+
+
+def with_index(device: torch.device) -> torch.device:
+    """``device`` with its index filled in where tensors carry one (``cuda`` -> ``cuda:0``)."""
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    return torch.device(device.type, _current_index(device.type))

@@ -1,0 +1,39 @@
+"""Shared set-up: hypothesis profiles, and a clean device state around every test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from torch.overrides import _get_current_function_mode_stack
+
+# Tensor work is slow next to plain Python, so no per-example deadline; "ci" runs the
+# default number of examples, "dev" fewer for a quick loop, "thorough" many more.
+settings.register_profile(
+    "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=20)
+settings.register_profile("thorough", parent=settings.get_profile("ci"), max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _clean_device_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Run each test with the CPU default, no torch modes, and no device variables set.
+
+    A test that leaves a default device or a mode behind fails here, by name,
+    instead of breaking whichever test happens to run next.
+    """
+    monkeypatch.delenv("DEVICECTX_DEVICE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert _get_current_function_mode_stack() == [], "a torch mode leaked into this test"
+    yield
+    leaked = _get_current_function_mode_stack()
+    if leaked:
+        torch.set_default_device(None)
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+        pytest.fail(f"the test left torch modes on the stack: {leaked}")

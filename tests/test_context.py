@@ -1,0 +1,512 @@
+"""``on_device``: the default device for a block, across nesting, errors, threads and tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.overrides import _get_current_function_mode_stack
+
+from devicectx import DeviceUnavailableError, InvalidDeviceError, current_device, on_device
+from devicectx._context import active_device
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+def allocated() -> torch.device:
+    """Where a factory call without ``device=`` allocates right now."""
+    return torch.zeros(1).device
+
+
+def test_block_sets_the_default_device_and_restores_it() -> None:
+    """Factories, get_default_device and current_device all follow the block, then revert."""
+    with on_device("meta") as device:
+        assert META == device
+        assert META == allocated()
+        assert META == torch.get_default_device()
+        assert META == current_device()
+        assert META == torch.arange(3).device
+        assert META == torch.tensor([1, 2]).device
+    assert CPU == allocated()
+    assert CPU == torch.get_default_device()
+
+
+def test_explicit_device_argument_wins() -> None:
+    """A factory called with device= is left alone, as torch's own scope does."""
+    with on_device("meta"):
+        assert CPU == torch.zeros(1, device="cpu").device
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_exit_by_exception_restores(error: type[BaseException]) -> None:
+    """Leaving by an exception, KeyboardInterrupt included, restores the previous default."""
+    with pytest.raises(error), on_device("meta"):
+        raise error
+    assert CPU == allocated()
+    assert [] == _get_current_function_mode_stack()
+
+
+def test_nesting_to_any_depth() -> None:
+    """Two hundred nested blocks each see their own device and unwind level by level."""
+    depth = 200
+    blocks = [on_device("meta" if level % 2 else "cpu") for level in range(depth)]
+    for level, block in enumerate(blocks):
+        block.__enter__()
+        assert (META if level % 2 else CPU) == allocated()
+    for level, block in reversed(list(enumerate(blocks))):
+        assert (META if level % 2 else CPU) == allocated()
+        block.__exit__(None, None, None)
+    assert CPU == allocated()
+
+
+def test_same_object_can_be_nested() -> None:
+    """One on_device object entered twice, nested, unwinds correctly."""
+    meta = on_device("meta")
+    with meta, on_device("cpu"), meta:
+        assert META == allocated()
+    assert CPU == allocated()
+
+
+def test_target_already_default_installs_nothing() -> None:
+    """An on_device whose target is already the default leaves torch's mode stack alone.
+
+    So ops inside it pay no per-op cost: nothing intercepts them.
+    """
+    with on_device("cpu"):
+        assert [] == _get_current_function_mode_stack()
+    with on_device("meta"):
+        stack = _get_current_function_mode_stack()
+        with on_device("meta"):
+            assert stack == _get_current_function_mode_stack()
+
+
+def test_active_device_reports_blocks_even_when_nothing_was_installed() -> None:
+    """active_device names the innermost block, including one that needed no mode."""
+    assert active_device() is None
+    with on_device("cpu"):
+        assert CPU == active_device()
+        with on_device("meta"):
+            assert META == active_device()
+        assert CPU == active_device()
+    assert active_device() is None
+
+
+def test_bad_spec_raises_before_any_state_changes() -> None:
+    """A malformed or missing device raises our errors at entry and changes nothing."""
+    with pytest.raises(InvalidDeviceError), on_device("gpu"):
+        pass  # pragma: no cover
+    with pytest.raises(DeviceUnavailableError), on_device("cuda:3"):
+        pass  # pragma: no cover
+    assert [] == _get_current_function_mode_stack()
+    assert active_device() is None
+
+
+def test_auto_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """on_device("auto") picks DEVICECTX_DEVICE when it is set, at entry time."""
+    block = on_device()
+    monkeypatch.setenv("DEVICECTX_DEVICE", "meta")
+    with block as device:
+        assert META == device == allocated()
+
+
+# ---- composition with torch's own scopes ----
+
+
+def test_inside_torch_device() -> None:
+    """on_device inside ``with torch.device``: innermost wins, and both unwind."""
+    with torch.device("meta"):
+        with on_device("cpu"):
+            assert CPU == allocated() == torch.get_default_device()
+        assert META == allocated()
+    assert CPU == allocated()
+    assert [] == _get_current_function_mode_stack()
+
+
+def test_torch_device_inside() -> None:
+    """``with torch.device`` inside on_device: innermost wins, and both unwind."""
+    with on_device("meta"):
+        with torch.device("cpu"):
+            assert CPU == allocated() == torch.get_default_device()
+        assert META == allocated()
+    assert CPU == allocated()
+    assert [] == _get_current_function_mode_stack()
+
+
+def test_torch_alone_loses_a_global_default_set_inside_its_scope() -> None:
+    """The torch behaviour devicectx fixes: set_default_device inside torch.device is lost."""
+    with torch.device("cpu"):
+        torch.set_default_device("meta")
+    lost = allocated()
+    torch.set_default_device(None)  # torch then pushes the scope it displaced back: clear it
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    assert CPU == lost
+
+
+def test_set_default_device_inside_block_is_kept() -> None:
+    """set_default_device inside on_device takes effect at once and outlives the block."""
+    try:
+        with on_device("cpu"), on_device("meta"):
+            torch.set_default_device("meta")
+            assert META == allocated()
+        assert META == allocated() == torch.get_default_device()
+    finally:
+        torch.set_default_device(None)
+    assert [] == _get_current_function_mode_stack()
+
+
+def test_set_default_device_twice_inside_block() -> None:
+    """A global default replaced inside a block is the one left after it."""
+    torch.set_default_device("meta")
+    try:
+        with on_device("cpu"):
+            assert CPU == allocated()
+            torch.set_default_device("cpu")
+            torch.set_default_device("meta")
+        assert META == allocated()
+    finally:
+        torch.set_default_device(None)
+    assert CPU == allocated()
+    assert [] == _get_current_function_mode_stack()
+
+
+def test_block_over_a_global_default_restores_it() -> None:
+    """A block entered over set_default_device hands the global default back on exit."""
+    torch.set_default_device("meta")
+    try:
+        with on_device("cpu"):
+            assert CPU == allocated() == torch.get_default_device()
+        assert META == allocated()
+    finally:
+        torch.set_default_device(None)
+
+
+# ---- property: any sequence of nested blocks ----
+
+block_plans = st.lists(
+    st.tuples(st.sampled_from(["cpu", "meta"]), st.booleans()), min_size=1, max_size=12
+)
+
+
+class _Planned(Exception):
+    """Raised by a planned level to leave its block by an exception."""
+
+
+@given(start=st.sampled_from([None, "meta"]), plan=block_plans)
+def test_any_nesting_sees_its_own_device_and_restores(
+    start: str | None, plan: list[tuple[str, bool]]
+) -> None:
+    """Nested blocks over {cpu, meta}, some left by exceptions: each level sees its own device.
+
+    After the outermost block the starting default (set or not) is back.
+    """
+    torch.set_default_device(start)
+    try:
+        expected_start = torch.device(start or "cpu")
+
+        def run(level: int) -> None:
+            spec, raises = plan[level]
+            try:
+                with on_device(spec):
+                    assert torch.device(spec) == allocated()
+                    if level + 1 < len(plan):
+                        run(level + 1)
+                    assert torch.device(spec) == allocated()
+                    if raises:
+                        raise _Planned
+            except _Planned:
+                pass
+
+        run(0)
+        assert expected_start == allocated() == torch.get_default_device()
+        assert active_device() is None
+    finally:
+        torch.set_default_device(None)
+
+
+# ---- threads ----
+
+
+@given(
+    plans=st.lists(st.lists(st.sampled_from(["cpu", "meta"]), max_size=6), min_size=8, max_size=8)
+)
+def test_threads_see_only_their_own_blocks(plans: list[list[str]]) -> None:
+    """Eight threads inside random nested blocks at the same moment each see only their own."""
+    barrier = threading.Barrier(len(plans))
+    seen: dict[int, list[torch.device]] = {}
+
+    def work(index: int) -> None:
+        observed: list[torch.device] = []
+
+        def nest(level: int) -> None:
+            if level == len(plans[index]):
+                barrier.wait(timeout=30)  # every thread is now inside all of its blocks
+                observed.append(allocated())
+                return
+            with on_device(plans[index][level]):
+                observed.append(allocated())
+                nest(level + 1)
+                observed.append(allocated())
+
+        nest(0)
+        observed.append(allocated())
+        seen[index] = observed
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(plans))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, plan in enumerate(plans):
+        levels = [torch.device(spec) for spec in plan]
+        innermost = levels[-1] if levels else CPU
+        assert [*levels, innermost, *reversed(levels), CPU] == seen[index]
+
+
+def test_thread_does_not_inherit_the_block_of_its_creator() -> None:
+    """A thread started inside a block allocates on the CPU: the block is not its own."""
+    seen: list[torch.device] = []
+    with on_device("meta"):
+        thread = threading.Thread(target=lambda: seen.append(allocated()))
+        thread.start()
+        thread.join()
+    assert [CPU] == seen
+
+
+# ---- asyncio ----
+
+
+async def _interleaved(scope: type[on_device] | type[torch.device]) -> dict[str, torch.device]:
+    """A enters meta; an idle task C looks; B enters cpu; A exits first; then B looks."""
+    seen: dict[str, torch.device] = {}
+    a_entered, b_entered, a_exited = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    c_looked = asyncio.Event()
+
+    async def task_a() -> None:
+        with scope("meta"):
+            a_entered.set()
+            await b_entered.wait()
+            seen["A inside"] = allocated()
+        a_exited.set()
+
+    async def task_b() -> None:
+        await c_looked.wait()
+        with scope("cpu"):
+            b_entered.set()
+            await a_exited.wait()
+            seen["B inside"] = allocated()
+        seen["B after"] = allocated()
+
+    async def task_c() -> None:
+        await a_entered.wait()
+        seen["C idle"] = allocated()
+        c_looked.set()
+
+    await asyncio.gather(task_a(), task_b(), task_c())
+    seen["after both"] = allocated()
+    return seen
+
+
+def test_torch_device_leaks_between_asyncio_tasks() -> None:
+    """torch's own scope: an idle task sees another's device, and out-of-order exits swap them."""
+    seen = asyncio.run(_interleaved(torch.device))
+    assert META == seen["C idle"]  # C entered no block but allocates on A's meta
+    assert CPU == seen["A inside"]  # A asked for meta but sees B's cpu
+    assert META == seen["B inside"]  # B asked for cpu but sees A's meta
+
+
+def test_on_device_isolates_asyncio_tasks() -> None:
+    """on_device: each task sees its own block, an idle task sees none, nothing is left over."""
+    seen = asyncio.run(_interleaved(on_device))
+    expected = {
+        "A inside": META,
+        "B inside": CPU,
+        "B after": CPU,
+        "C idle": CPU,
+        "after both": CPU,
+    }
+    assert expected == seen
+    assert [] == _get_current_function_mode_stack()
+
+
+def test_task_created_inside_a_block_inherits_it() -> None:
+    """A task created inside a block starts with it, as with every context variable."""
+
+    async def main() -> torch.device:
+        async def child() -> torch.device:
+            return allocated()
+
+        with on_device("meta"):
+            return await asyncio.create_task(child())
+
+    assert META == asyncio.run(main())
+
+
+# ---- the decorator form ----
+
+
+def test_decorated_function() -> None:
+    """A decorated function runs under the device and leaves nothing behind."""
+
+    @on_device("meta")
+    def make(n: int) -> torch.Tensor:
+        """Make n zeros."""
+        return torch.zeros(n)
+
+    assert META == make(2).device
+    assert "make" == make.__name__
+    assert "Make n zeros." == make.__doc__
+    assert CPU == allocated()
+
+
+def test_decorated_generator_is_reentered_and_does_not_leak() -> None:
+    """A decorated generator allocates on its device at every resume; its caller never does."""
+
+    @on_device("meta")
+    def numbers() -> Iterator[torch.Tensor]:
+        for n in range(3):
+            yield torch.zeros(n)
+
+    seen = []
+    for tensor in numbers():
+        seen.append((tensor.device, allocated()))
+    assert [(META, CPU)] * 3 == seen
+
+
+def test_decorated_generator_send_throw_close_and_return() -> None:
+    """send, throw, close and the return value pass through the decorated generator."""
+    events: list[object] = []
+
+    @on_device("meta")
+    def echo() -> Iterator[object]:
+        try:
+            received = yield "ready"
+            while True:
+                try:
+                    received = yield (received, allocated())
+                except KeyError as error:
+                    events.append(("caught", allocated()))
+                    received = error.args[0]
+        finally:
+            events.append(("closed", allocated()))
+
+    gen = echo()
+    assert "ready" == next(gen)
+    assert (1, META) == gen.send(1)
+    assert ("k", META) == gen.throw(KeyError("k"))
+    assert CPU == allocated()
+    gen.close()
+    assert [("caught", META), ("closed", META)] == events
+
+    @on_device("meta")
+    def returns() -> Iterator[int]:
+        yield 1
+        return 42
+
+    gen2 = returns()
+    next(gen2)
+    with pytest.raises(StopIteration) as stop:
+        next(gen2)
+    assert 42 == stop.value.value
+
+
+def test_decorated_coroutine_in_interleaved_tasks() -> None:
+    """Decorated coroutines on different devices, interleaved, each see their own."""
+
+    @on_device("meta")
+    async def on_meta(gate: asyncio.Event) -> tuple[torch.device, torch.device]:
+        before = allocated()
+        await gate.wait()
+        return before, allocated()
+
+    @on_device("cpu")
+    async def on_cpu(gate: asyncio.Event) -> torch.device:
+        gate.set()
+        return allocated()
+
+    async def main() -> tuple[tuple[torch.device, torch.device], torch.device]:
+        gate = asyncio.Event()
+        return await asyncio.gather(on_meta(gate), on_cpu(gate))
+
+    assert ((META, META), CPU) == tuple(asyncio.run(main()))
+
+
+def test_decorated_async_generator() -> None:
+    """A decorated async generator allocates on its device; its consumer does not."""
+
+    @on_device("meta")
+    async def stream() -> AsyncIterator[torch.device]:
+        for _ in range(2):
+            yield allocated()
+
+    async def main() -> list[tuple[torch.device, torch.device]]:
+        return [(item, allocated()) async for item in stream()]
+
+    assert [(META, CPU), (META, CPU)] == asyncio.run(main())
+
+
+def test_decorating_a_class_is_refused() -> None:
+    """Decorating a class raises a TypeError that says what to do instead."""
+
+    class Model(torch.nn.Module):
+        pass
+
+    with pytest.raises(TypeError) as info:
+        on_device("meta")(Model)
+    expected = (
+        "on_device cannot decorate the class Model: decorate its methods instead "
+        "(`@on_device(...)` on `def forward`), or use `with on_device(...):` inside them"
+    )
+    assert expected == str(info.value)
+
+
+# ---- torch.compile ----
+
+
+def test_compiles_with_fullgraph() -> None:
+    """A function entering on_device compiles with fullgraph=True and allocates as eager does."""
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with on_device("meta"):
+            inside = torch.zeros(2)
+        return x + 1, inside, torch.zeros(1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    plus_one, inside, outside = compiled(torch.ones(2))
+    assert (CPU, META, CPU) == (plus_one.device, inside.device, outside.device)
+    assert 0 == torch._dynamo.explain(fn)(torch.ones(2)).graph_break_count
+    assert CPU == allocated()
+
+
+def test_torch_device_does_not_compile_with_fullgraph() -> None:
+    """The contrast: torch's own ``with torch.device`` is an unsupported context in dynamo."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with torch.device("meta"):
+            return x + torch.zeros(2)
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(fn, fullgraph=True, backend="eager")(torch.ones(2))
+    while torch._C._len_torch_function_stack():  # dynamo leaves the mode behind on failure
+        torch._C._pop_torch_function_stack()
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+def test_accelerator_index_is_made_current_and_restored() -> None:
+    """On an accelerator the block's index becomes current, and the old one comes back."""
+    accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None
+    last = torch.accelerator.device_count() - 1
+    before = torch.accelerator.current_device_index()
+    with on_device(torch.device(accelerator.type, last)):
+        assert last == torch.accelerator.current_device_index()
+    assert before == torch.accelerator.current_device_index()

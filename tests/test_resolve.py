@@ -1,0 +1,232 @@
+"""Device resolution: every accepted form, the ``"auto"`` rules, and every error message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from devicectx import (
+    DeviceError,
+    DeviceUnavailableError,
+    InvalidDeviceError,
+    available_devices,
+    explain_device,
+    resolve_device,
+)
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+HAS_ACCELERATOR = torch.accelerator.is_available()
+VALID_FORMS = (
+    "valid forms: 'auto', 'cpu', 'cuda', 'cuda:1', 'mps', 'xpu', 'meta' (any device type torch "
+    "knows, with an optional ':index'), an int index on the current accelerator, "
+    "a torch.device, or None (same as 'auto')"
+)
+HERE = ", ".join(str(d) for d in [*available_devices(), META])
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("cpu", CPU),
+        ("cpu:0", CPU),
+        (" cpu ", CPU),
+        (CPU, CPU),
+        ("meta", META),
+        (torch.device("meta"), META),
+    ],
+)
+def test_explicit_specs(spec: object, expected: torch.device) -> None:
+    """Strings and torch.device objects resolve to the device tensors report."""
+    assert expected == resolve_device(spec)  # type: ignore[arg-type]
+    assert expected == torch.empty(0, device=resolve_device(spec)).device  # type: ignore[arg-type]
+
+
+def test_auto_without_accelerator_is_cpu() -> None:
+    """With no accelerator and nothing set, auto (and None) is the CPU."""
+    if HAS_ACCELERATOR:
+        pytest.skip("this machine has an accelerator")
+    assert CPU == resolve_device() == resolve_device("auto") == resolve_device(None)
+    expected = "cpu: no accelerator found, so the CPU (set DEVICECTX_DEVICE to choose)"
+    assert expected == explain_device()
+
+
+def test_env_var_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEVICECTX_DEVICE decides auto, and explain_device says so."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", "meta")
+    assert META == resolve_device("auto")
+    assert "meta: environment variable DEVICECTX_DEVICE='meta'" == explain_device()
+
+
+@pytest.mark.parametrize("value", ["", "  ", "auto"])
+def test_empty_or_auto_env_var_is_ignored(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """An empty DEVICECTX_DEVICE (as `DEVICECTX_DEVICE= cmd` sets it) means unset."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", value)
+    assert resolve_device() == resolve_device(None)
+    assert "environment variable" not in explain_device()
+
+
+def test_env_var_does_not_affect_explicit_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit spec is used as given, whatever DEVICECTX_DEVICE says."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", "meta")
+    assert CPU == resolve_device("cpu")
+
+
+def test_invalid_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A malformed DEVICECTX_DEVICE raises an error naming the variable and its value."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", "gpu")
+    with pytest.raises(InvalidDeviceError) as info:
+        resolve_device()
+    expected = (
+        "environment variable DEVICECTX_DEVICE='gpu' is not a usable device:\n"
+        f"invalid device 'gpu': unknown device type 'gpu'\n{VALID_FORMS}\n"
+        "fix: set DEVICECTX_DEVICE to one of the devices above, or unset it"
+    )
+    assert expected == str(info.value)
+
+
+def test_unavailable_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DEVICECTX_DEVICE this machine lacks raises DeviceUnavailableError naming it."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", "cuda:7")
+    with pytest.raises(DeviceUnavailableError) as info:
+        resolve_device()
+    lines = str(info.value).splitlines()
+    assert "environment variable DEVICECTX_DEVICE='cuda:7' is not a usable device:" == lines[0]
+    assert lines[1].startswith("device 'cuda:7' is not available: ")
+    assert f"available here: {HERE}" == lines[2]
+    assert "fix: pass one of those, or run on the CPU with DEVICECTX_DEVICE=cpu" == lines[3]
+    assert "fix: set DEVICECTX_DEVICE to one of the devices above, or unset it" == lines[4]
+
+
+def test_local_rank_without_accelerator_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun with no accelerator, every rank gets the CPU, and says why."""
+    if HAS_ACCELERATOR:
+        pytest.skip("this machine has an accelerator")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert CPU == resolve_device()
+    expected = "cpu: LOCAL_RANK=3 (torchrun) but no accelerator found, so the CPU"
+    assert expected == explain_device()
+
+
+@pytest.mark.skipif(not HAS_ACCELERATOR, reason="needs an accelerator")
+@given(rank=st.integers(0, 64))
+def test_local_rank_picks_rank_modulo_count(rank: int) -> None:
+    """Under torchrun, auto is the accelerator at LOCAL_RANK % device_count."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("DEVICECTX_DEVICE", raising=False)
+        patch.setenv("LOCAL_RANK", str(rank))
+        device = resolve_device()
+    assert rank % torch.accelerator.device_count() == device.index
+
+
+def test_env_var_beats_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEVICECTX_DEVICE is consulted before LOCAL_RANK."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("DEVICECTX_DEVICE", "meta")
+    assert META == resolve_device()
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "1.5"])
+def test_bad_local_rank(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """A LOCAL_RANK that is not a rank raises an error naming it."""
+    monkeypatch.setenv("LOCAL_RANK", value)
+    with pytest.raises(InvalidDeviceError) as info:
+        resolve_device()
+    expected = (
+        f"environment variable LOCAL_RANK={value!r} is not a rank: torchrun sets it to "
+        "0, 1, 2, ...\nfix: unset LOCAL_RANK, or set DEVICECTX_DEVICE to the device to use"
+    )
+    assert expected == str(info.value)
+
+
+def test_resolve_never_sets_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resolution reads the environment and leaves it exactly as it was."""
+    import os
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    before = dict(os.environ)
+    resolve_device()
+    explain_device()
+    assert before == dict(os.environ)
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ("gpu", "unknown device type 'gpu'"),
+        ("cuda:-1", "the index after ':' must be a whole number >= 0"),
+        ("cuda:x", "the index after ':' must be a whole number >= 0"),
+        ("", "an empty string"),
+        (3.5, "a float is not a device"),
+        (True, "a bool is not a device"),
+        ([0], "a list is not a device"),
+        (-1, "an index cannot be negative"),
+    ],
+)
+def test_malformed_specs(spec: object, problem: str) -> None:
+    """A malformed spec raises InvalidDeviceError (a ValueError) listing the valid forms."""
+    with pytest.raises(InvalidDeviceError) as info:
+        resolve_device(spec)  # type: ignore[arg-type]
+    assert f"invalid device {spec!r}: {problem}\n{VALID_FORMS}" == str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, DeviceError)
+
+
+@pytest.mark.skipif(HAS_ACCELERATOR, reason="checks a CPU-only machine")
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ("cuda", f"this torch build ({torch.__version__}) has no usable 'cuda' device"),
+        ("cuda:3", f"this torch build ({torch.__version__}) has no usable 'cuda' device"),
+        ("mps", f"this torch build ({torch.__version__}) has no usable 'mps' device"),
+        ("xpu:0", f"this torch build ({torch.__version__}) has no usable 'xpu' device"),
+        ("hpu", f"this torch build ({torch.__version__}) has no usable 'hpu' device"),
+        ("cpu:1", "there is one CPU device, 'cpu'"),
+        (0, "index 0 names an accelerator, and none was found"),
+    ],
+)
+def test_unavailable_devices(spec: object, problem: str) -> None:
+    """A device this machine lacks raises DeviceUnavailableError saying what is available."""
+    with pytest.raises(DeviceUnavailableError) as info:
+        resolve_device(spec)  # type: ignore[arg-type]
+    shown = repr(spec)
+    expected = (
+        f"device {shown} is not available: {problem}\n"
+        f"available here: {HERE}\n"
+        "fix: pass one of those, or run on the CPU with DEVICECTX_DEVICE=cpu"
+    )
+    assert expected == str(info.value)
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_unavailable_torch_device_is_shown_as_a_string() -> None:
+    """A torch.device in an error is shown the way the user would type it."""
+    if HAS_ACCELERATOR:
+        pytest.skip("checks a CPU-only machine")
+    with pytest.raises(DeviceUnavailableError, match=r"^device 'cuda:1' is not available"):
+        resolve_device(torch.device("cuda", 1))
+
+
+@pytest.mark.skipif(not HAS_ACCELERATOR, reason="needs an accelerator")
+def test_type_without_index_gets_the_current_index() -> None:
+    """``"cuda"`` resolves to ``cuda:<current>``, equal to a tensor's device there."""
+    accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None
+    device = resolve_device(accelerator.type)
+    assert torch.accelerator.current_device_index() == device.index
+    assert torch.empty(0, device=accelerator.type).device == device
+    assert device == resolve_device(0 if device.index == 0 else device.index)
+
+
+def test_available_devices_lists_cpu_first() -> None:
+    """available_devices starts with the CPU and lists every accelerator index."""
+    devices = available_devices()
+    assert CPU == devices[0]
+    assert torch.accelerator.device_count() == len(devices) - 1
+
+
+def test_explain_explicit_spec() -> None:
+    """explain_device on an explicit spec says it was asked for."""
+    assert "meta: asked for 'meta'" == explain_device("meta")
