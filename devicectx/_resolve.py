@@ -229,7 +229,10 @@ def _current_index(device_type: str) -> int:
 
 def accelerator_type() -> str | None:
     """The type of this machine's accelerator (``"cuda"``, ``"mps"``, ...), or None."""
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    # is_available() first: torch 2.6's current_accelerator() raises when there is none.
+    if not torch.accelerator.is_available():
+        return None
+    accelerator = torch.accelerator.current_accelerator()
     return None if accelerator is None else accelerator.type
 
 

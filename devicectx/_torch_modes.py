@@ -6,9 +6,10 @@ and chains the one it displaces through ``prev_mode``; ``with torch.device(...)`
 on top. There is no public API to find a mode in that stack or to remove one that is not on
 top, which :mod:`devicectx._context` needs to leave scopes out of order (asyncio tasks).
 
-Checked against torch 2.6 to 2.13: ``torch.utils._device.DeviceContext`` with ``prev_mode``,
-``torch._C._len_torch_function_stack``, ``torch._C._get_function_stack_at``,
-``torch.overrides._pop_mode`` and ``torch.overrides._push_mode``.
+Checked on torch 2.13.0 (what CI runs): ``torch.utils._device.DeviceContext`` with
+``prev_mode``, ``torch._C._len_torch_function_stack``, ``torch._C._get_function_stack_at``,
+``torch.overrides._pop_mode`` and ``torch.overrides._push_mode``. tests/test_context.py
+exercises every path here, so a torch release that changes them fails there first.
 """
 
 from __future__ import annotations

@@ -1,0 +1,61 @@
+"""The package as installed: version, public names, typing marker, and the README's commands."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+import devicectx
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+SETUP_COMMANDS = re.findall(r"^pip install .*$", README, flags=re.MULTILINE)
+
+
+def test_version_matches_metadata_and_pyproject() -> None:
+    """__version__ comes from the installed metadata, which comes from pyproject.toml."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == version("devicectx") == devicectx.__version__
+
+
+def test_all_is_sorted_and_importable() -> None:
+    """__all__ is sorted, and every name in it exists."""
+    assert sorted(devicectx.__all__) == devicectx.__all__
+    for name in devicectx.__all__:
+        assert hasattr(devicectx, name), name
+
+
+def test_py_typed_marker_ships() -> None:
+    """The package carries py.typed, so type checkers read its annotations."""
+    assert (Path(devicectx.__file__).parent / "py.typed").is_file()
+
+
+def test_import_pulls_in_neither_hypothesis_nor_pytest() -> None:
+    """``import devicectx`` stays light: the testing kit's dependencies are optional."""
+    code = "import sys, devicectx; print(sorted({'hypothesis', 'pytest'} & set(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert "[]" == result.stdout.strip()
+
+
+def test_readme_has_exactly_two_setup_commands() -> None:
+    """The README gives two set-up commands: run the quickstart, and run the tests."""
+    assert 2 == len(SETUP_COMMANDS), SETUP_COMMANDS
+    quickstart, tests = SETUP_COMMANDS
+    assert quickstart.endswith("python examples/quickstart.py")
+    assert "[test]" in tests
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run finds the README's test command the same way this test does."""
+    script = (ROOT / ".ci" / "run").read_text()
+    pattern = re.search(r'grep -m 1 "(.*?)" README.md', script)
+    assert pattern is not None
+    grep_pattern = pattern.group(1).replace("\\\\", "\\")
+    matches = [line for line in README.splitlines() if re.match(grep_pattern, line)]
+    assert [SETUP_COMMANDS[1]] == matches[:1]
