@@ -102,9 +102,14 @@ def _auto() -> tuple[torch.device, str]:
         try:
             device = _explicit(env_value)
         except (InvalidDeviceError, DeviceUnavailableError) as error:
+            # the inner error's own fix line suggests DEVICECTX_DEVICE=cpu: say it once, here
+            facts = "\n".join(
+                line for line in str(error).splitlines() if not line.startswith("fix:")
+            )
             msg = (
                 f"environment variable {ENV_VAR}={env_value!r} is not a usable device:\n"
-                f"{error}\nfix: set {ENV_VAR} to one of the devices above, or unset it"
+                f"{facts}\nfix: set {ENV_VAR} to one of the devices above (cpu always works), "
+                "or unset it"
             )
             raise type(error)(msg) from None
         return device, f"environment variable {ENV_VAR}={env_value!r}"

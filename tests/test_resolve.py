@@ -82,7 +82,7 @@ def test_invalid_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
     expected = (
         "environment variable DEVICECTX_DEVICE='gpu' is not a usable device:\n"
         f"invalid device 'gpu': unknown device type 'gpu'\n{VALID_FORMS}\n"
-        "fix: set DEVICECTX_DEVICE to one of the devices above, or unset it"
+        "fix: set DEVICECTX_DEVICE to one of the devices above (cpu always works), or unset it"
     )
     assert expected == str(info.value)
 
@@ -96,8 +96,8 @@ def test_unavailable_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch)
     assert "environment variable DEVICECTX_DEVICE='cuda:7' is not a usable device:" == lines[0]
     assert lines[1].startswith("device 'cuda:7' is not available: ")
     assert f"available here: {HERE}" == lines[2]
-    assert "fix: pass one of those, or run on the CPU with DEVICECTX_DEVICE=cpu" == lines[3]
-    assert "fix: set DEVICECTX_DEVICE to one of the devices above, or unset it" == lines[4]
+    fix = "fix: set DEVICECTX_DEVICE to one of the devices above (cpu always works), or unset it"
+    assert [fix] == lines[3:]
 
 
 def test_local_rank_without_accelerator_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

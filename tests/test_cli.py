@@ -1,0 +1,229 @@
+"""The device report: ``python -m devicectx`` and the ``devicectx`` script, text and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import devicectx
+from devicectx import DeviceUnavailableError, InvalidDeviceError, resolve_device
+from devicectx._cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, format_report, main
+from devicectx._report import gather_report
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(sys.executable).with_name("devicectx")
+AUTO_ON_CPU = "no accelerator found, so the CPU (set DEVICECTX_DEVICE to choose)"
+no_accelerator = pytest.mark.skipif(
+    torch.accelerator.current_accelerator(check_available=True) is not None,
+    reason="checks what 'auto' says on a machine without an accelerator",
+)
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m devicectx ARGS`` in a fresh process, with ``env`` added."""
+    return subprocess.run(
+        [sys.executable, "-m", "devicectx", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+
+
+def error_text(variable_value: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The text of the error resolve_device("auto") raises with DEVICECTX_DEVICE set so."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", variable_value)
+    with pytest.raises((InvalidDeviceError, DeviceUnavailableError)) as caught:
+        resolve_device("auto")
+    return f"devicectx: {type(caught.value).__name__}: {caught.value}"
+
+
+@no_accelerator
+def test_python_m_devicectx_prints_the_report() -> None:
+    """`python -m devicectx` exits 0 and prints every line of the report."""
+    result = run_cli()
+
+    expected = [
+        f"devicectx    {devicectx.__version__}",
+        f"torch        {torch.__version__}, built for {gather_report().build.summary}",
+        "accelerator  none",
+        f"devices      cpu  {gather_report().devices[0].name}, capability "
+        f"{torch.backends.cpu.get_cpu_capability()}",
+        f"auto         cpu: {AUTO_ON_CPU}",
+        "default      cpu (torch.get_default_device())",
+        "environment  unset: DEVICECTX_DEVICE, LOCAL_RANK, CUDA_VISIBLE_DEVICES, "
+        "HIP_VISIBLE_DEVICES",
+    ]
+    assert (EXIT_OK, "") == (result.returncode, result.stderr)
+    assert expected == result.stdout.splitlines()
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason=f"the console script is not installed at {SCRIPT}")
+def test_the_console_script_prints_the_same_json_as_python_m() -> None:
+    """The installed `devicectx` script and `python -m devicectx` give one report."""
+    script = subprocess.run(
+        [str(SCRIPT), "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    module = run_cli("--json")
+
+    assert (EXIT_OK, EXIT_OK) == (script.returncode, module.returncode)
+    assert json.loads(module.stdout) == json.loads(script.stdout)
+
+
+@no_accelerator
+def test_json_holds_every_fact_of_the_report() -> None:
+    """--json prints one JSON object with the build, the devices, "auto" and the default."""
+    result = run_cli("--json", LOCAL_RANK="1")
+
+    report = json.loads(result.stdout)
+    assert EXIT_OK == result.returncode
+    assert {
+        "devicectx",
+        "build",
+        "devices",
+        "auto",
+        "default_device",
+        "environment",
+        "problem",
+    } == set(report)
+    assert torch.__version__ == report["build"]["torch_version"]
+    assert (torch.version.cuda, torch.version.hip) == (
+        report["build"]["cuda"],
+        report["build"]["hip"],
+    )
+    assert torch.backends.mps.is_built() == report["build"]["mps"]
+    assert ["cpu"] == [device["device"] for device in report["devices"]]
+    expected_auto = {
+        "device": "cpu",
+        "reason": "LOCAL_RANK=1 (torchrun) but no accelerator found, so the CPU",
+    }
+    assert expected_auto == report["auto"]
+    assert "cpu" == report["default_device"]
+    assert "1" == report["environment"]["LOCAL_RANK"]
+    assert report["problem"] is None
+
+
+def test_devicectx_device_picks_the_device(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DEVICECTX_DEVICE=meta is where "auto" goes, and the report says why."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", "meta")
+
+    status = main(["--json"])
+
+    expected = {"device": "meta", "reason": "environment variable DEVICECTX_DEVICE='meta'"}
+    assert (EXIT_OK, expected) == (status, json.loads(capsys.readouterr().out)["auto"])
+
+
+@pytest.mark.parametrize("value", ["cuda:7", "gpu"])
+def test_a_broken_setup_says_what_is_wrong_and_exits_1(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DEVICECTX_DEVICE that is unusable here prints our error on stderr and exits 1."""
+    if value == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    expected_error = error_text(value, monkeypatch)
+
+    result = run_cli(DEVICECTX_DEVICE=value)
+
+    assert EXIT_BROKEN == result.returncode
+    assert expected_error == result.stderr.rstrip("\n")
+    assert expected_error.splitlines()[-1] == (
+        "fix: set DEVICECTX_DEVICE to one of the devices above (cpu always works), or unset it"
+    )
+    error_name = expected_error.split(":")[1].strip()
+    assert f"auto         cannot be resolved: {error_name} (see below)" in result.stdout
+
+
+def test_a_broken_setup_in_json_has_the_problem_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --json, a broken set-up still prints the report, with the problem in it."""
+    expected_error = error_text("gpu", monkeypatch)
+
+    status = main(["--json"])
+
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    problem = report["problem"]
+    assert EXIT_BROKEN == status
+    assert report["auto"] is None
+    assert expected_error == f"devicectx: {problem['error']}: {problem['message']}"
+    assert expected_error == captured.err.rstrip("\n")
+
+
+def test_a_malformed_local_rank_is_a_broken_setup(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LOCAL_RANK=abc makes "auto" unresolvable: main returns 1 and prints the error."""
+    monkeypatch.setenv("LOCAL_RANK", "abc")
+
+    status = main([])
+
+    captured = capsys.readouterr()
+    assert EXIT_BROKEN == status
+    assert captured.err.startswith("devicectx: InvalidDeviceError: environment variable LOCAL_RANK")
+
+
+def test_an_unknown_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown option returns 2 with argparse's usage line, without raising SystemExit."""
+    status = main(["--bogus"])
+
+    captured = capsys.readouterr()
+    expected = [
+        "usage: devicectx [-h] [--json] [--version]",
+        "devicectx: error: unrecognized arguments: --bogus",
+    ]
+    assert (EXIT_USAGE, "", expected) == (status, captured.out, captured.err.splitlines())
+
+
+def test_an_unknown_option_exits_2_from_the_command_line() -> None:
+    """`python -m devicectx --bogus` exits with status 2."""
+    assert EXIT_USAGE == run_cli("--bogus").returncode
+
+
+def test_version_and_help_return_0(capsys: pytest.CaptureFixture[str]) -> None:
+    """--version prints the version and --help the usage, both returning 0."""
+    assert EXIT_OK == main(["--version"])
+    assert f"devicectx {devicectx.__version__}\n" == capsys.readouterr().out
+    assert EXIT_OK == main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: devicectx [-h] [--json] [--version]")
+
+
+def test_the_default_device_is_read_at_call_time() -> None:
+    """Inside a torch device scope, the report's default device is that device."""
+    with torch.device("meta"):
+        report = gather_report()
+    assert "meta" == report.default_device
+    assert "default      meta (torch.get_default_device())" in format_report(report)
+
+
+def test_the_cpu_is_listed_first_with_its_capability() -> None:
+    """The first device is the CPU, with the vector extension torch dispatches to."""
+    cpu = gather_report().devices[0]
+    assert ("cpu", torch.backends.cpu.get_cpu_capability()) == (cpu.device, cpu.capability)
+    assert cpu.memory is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_each_gpu_is_listed_with_its_name_memory_and_capability() -> None:
+    """On a GPU machine every device has the name, memory and capability torch reports."""
+    devices = gather_report().devices[1:]
+    expected = []
+    for index in range(torch.cuda.device_count()):
+        properties = torch.cuda.get_device_properties(index)
+        capability = (
+            properties.gcnArchName
+            if torch.version.hip
+            else f"{properties.major}.{properties.minor}"
+        )
+        expected.append((f"cuda:{index}", properties.name, properties.total_memory, capability))
+    assert expected == [(d.device, d.name, d.memory, d.capability) for d in devices]

@@ -1,0 +1,185 @@
+"""Every script in examples/ runs on the CPU and prints what its docstring promises."""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from devicectx import DeviceMismatchError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+# Tested by its owner's own test file, not run from here.
+TESTED_ELSEWHERE = {"property_test_forward.py"}
+TESTED_HERE = {
+    "batches.py",
+    "mixed_device_error.py",
+    "oom_backoff.py",
+    "quickstart.py",
+    "torchrun_inference.py",
+}
+TIMEOUT_S = 120
+
+
+def run(*command: str) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` from the project root on one thread; fail with its stderr if it fails."""
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        # One thread each: the two torchrun processes and the test share a small machine.
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr}"
+    return result
+
+
+def run_example(name: str) -> list[str]:
+    """The lines an example prints, run as ``python examples/NAME``."""
+    return run(sys.executable, str(EXAMPLES / name)).stdout.splitlines()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, for torchrun's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def auto_device(local_rank: int | None = None) -> str:
+    """Where "auto" goes on this machine, by the documented rules (no DEVICECTX_DEVICE)."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None:
+        return "cpu"
+    if local_rank is None:
+        return f"{accelerator.type}:{torch.accelerator.current_device_index()}"
+    return f"{accelerator.type}:{local_rank % torch.accelerator.device_count()}"
+
+
+def test_every_example_is_tested() -> None:
+    """Each script in examples/ is run by a test here or by its owner's tests."""
+    scripts = {path.name for path in EXAMPLES.glob("*.py")}
+    assert TESTED_HERE == scripts - TESTED_ELSEWHERE
+
+
+def test_quickstart_runs_on_the_auto_device_and_returns_cpu_outputs() -> None:
+    """quickstart.py picks the "auto" device, builds the model there, and returns CPU tensors."""
+    lines = run_example("quickstart.py")
+
+    device = auto_device()
+    assert [f"device: {device}", f"model on: {device}", "outputs on: cpu"] == lines[:3]
+    top = re.fullmatch(r"top classes: \[(\d), (\d), (\d), (\d)\]", lines[3])
+    assert top is not None, lines[3]
+    assert all(int(label) in range(3) for label in top.groups())
+    sums = re.fullmatch(r"probabilities sum to: \[(.*)\]", lines[4])
+    assert sums is not None, lines[4]
+    assert [pytest.approx(1.0)] * 4 == [float(value) for value in sums.group(1).split(", ")]
+    assert 5 == len(lines)
+
+
+def test_mixed_device_error_shows_our_message_instead_of_pytorchs() -> None:
+    """mixed_device_error.py prints PyTorch's error, then DeviceMismatchError's, then the fix."""
+    lines = run_example("mixed_device_error.py")
+
+    example = runpy.run_path(str(EXAMPLES / "mixed_device_error.py"))
+    model = torch.nn.Linear(4, 2, device="meta")
+    with pytest.raises(DeviceMismatchError) as caught:
+        example["checked_loss"](model, torch.randn(8, 4), torch.randn(8, 2, device="meta"))
+    ours = f"  DeviceMismatchError: {caught.value}".splitlines()
+    ours = [ours[0], *(f"  {line}" for line in ours[1:])]
+
+    assert "PyTorch alone:" == lines[0]
+    assert lines[1].startswith("  RuntimeError: ")
+    start = lines.index("with @device_agnostic(move=False):") + 1
+    assert ours == lines[start : start + len(ours)]
+    assert [
+        "",
+        "with @device_agnostic (move=True, the default):",
+        "  loss on meta, shape ()",
+        "  the caller's inputs are still on cpu",
+    ] == lines[start + len(ours) :]
+
+
+def test_batches_of_every_kind_train_on_the_models_device() -> None:
+    """batches.py trains on a dict, a dataclass and a namedtuple; each loss goes down."""
+    lines = run_example("batches.py")
+
+    assert f"model on: {auto_device()}" == lines[0]
+    pattern = r"(\w+) +loss (\d+\.\d+) -> (\d+\.\d+), caller's batch still on cpu"
+    matches = [re.fullmatch(pattern, line) for line in lines[1:]]
+    assert all(matches), lines
+    kinds = [match.group(1) for match in matches if match]
+    assert ["dict", "dataclass", "namedtuple"] == kinds
+    for match in matches:
+        assert match is not None
+        assert float(match.group(3)) < float(match.group(2)), match.group(0)
+
+
+def test_torchrun_inference_runs_two_cooperating_processes() -> None:
+    """Under torchrun with 2 processes, each rank picks its device and all_reduce adds counts."""
+    result = run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(EXAMPLES / "torchrun_inference.py"),
+    )
+
+    pattern = (
+        r"rank (\d)/2: device (\S+) \((.*)\); (\d+) samples, "
+        r"classes \[(\d+), (\d+), (\d+)\], all ranks \[(\d+), (\d+), (\d+)\]"
+    )
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    matches = [re.fullmatch(pattern, line) for line in lines]
+    assert 2 == len(matches), result.stdout
+    assert all(matches), lines
+    found = [match for match in matches if match]
+    assert [0, 1] == [int(match.group(1)) for match in found]
+    assert [auto_device(0), auto_device(1)] == [match.group(2) for match in found]
+    assert all(f"LOCAL_RANK={rank}" in match.group(3) for rank, match in enumerate(found))
+    assert [32, 32] == [int(match.group(4)) for match in found]
+    per_rank = [[int(n) for n in match.groups()[4:7]] for match in found]
+    totals = [[int(n) for n in match.groups()[7:10]] for match in found]
+    assert totals[0] == totals[1], "the ranks disagree on the all_reduce result"
+    assert [a + b for a, b in zip(*per_rank, strict=True)] == totals[0]
+
+
+def test_oom_backoff_halves_then_remembers_then_gives_up() -> None:
+    """oom_backoff.py halves 256 down to 32, starts the next call at 32, then gives up below 8."""
+    lines = run_example("oom_backoff.py")
+
+    first_mean = re.fullmatch(r"  mean output (-?\d+\.\d+) with batch_size=32", lines[4])
+    assert first_mean is not None, lines[4]
+    mean = first_mean.group(1)
+    expected = [
+        "first call, batch_size=256:",
+        "  log: evaluate(): out of memory at batch_size=256; retrying with batch_size=128",
+        "  log: evaluate(): out of memory at batch_size=128; retrying with batch_size=64",
+        "  log: evaluate(): out of memory at batch_size=64; retrying with batch_size=32",
+        f"  mean output {mean} with batch_size=32",
+        "second call, batch_size=512: starts at the size that worked",
+        f"  mean output {mean} with batch_size=32",
+        "a device too small for the minimum batch of 8:",
+        "  log: evaluate(): out of memory at batch_size=16; retrying with batch_size=8",
+        "  BatchTooLargeError: evaluate() ran out of memory at every batch_size tried: 16, 8 "
+        "(minimum=8)",
+        "  last error: CUDA out of memory. Tried to allocate 24.00 MiB. GPU 0 has a total "
+        "capacity of 10.00 MiB",
+        "  fix: @shrink_batch_on_oom(minimum=4) to try smaller batches, or make one sample need "
+        "less memory (shorter sequences, torch.autocast), or free memory held outside the call",
+        "  sizes tried: [16, 8]",
+    ]
+    assert expected == lines
