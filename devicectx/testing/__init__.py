@@ -1,0 +1,39 @@
+"""devicectx.testing: test your own code on every device (``pip install devicectx[testing]``).
+
+- :func:`assert_device_agnostic`: run a function on each device and compare the outputs;
+- :mod:`devicectx.testing.strategies`: hypothesis strategies for devices, tensors and nested
+  batches (needs hypothesis);
+- a pytest plugin, active wherever devicectx is installed: the ``device`` fixture, the
+  ``--devices=cpu,meta`` option and the ``@pytest.mark.requires_device("cuda")`` marker.
+
+Both names are imported on first use: the pytest plugin lives in this package, so it is
+imported into every test session, and must cost nothing there and work without hypothesis.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from devicectx.testing import strategies
+    from devicectx.testing._assertions import assert_device_agnostic
+
+__all__ = ["assert_device_agnostic", "strategies"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "assert_device_agnostic":
+        return import_module("devicectx.testing._assertions").assert_device_agnostic
+    if name != "strategies":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        return import_module("devicectx.testing.strategies")
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] != "hypothesis":
+            raise
+        msg = (
+            "devicectx.testing.strategies needs hypothesis, which is not installed\n"
+            "fix: pip install 'devicectx[testing]'"
+        )
+        raise ModuleNotFoundError(msg, name="hypothesis") from None

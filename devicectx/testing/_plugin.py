@@ -1,0 +1,240 @@
+"""The pytest plugin: the ``device`` fixture, ``--devices`` and the ``requires_device`` marker.
+
+Registered with the ``pytest11`` entry point, so it is active wherever devicectx is installed
+(``pytest -p no:devicectx`` turns it off). A test session that does not use it is not changed:
+tests that do not take a ``device`` argument are left alone, and the machine's devices are
+looked up only when some test asks for them.
+
+Example (a test module)::
+
+    import pytest
+    import torch
+
+    def test_ones(device):  # runs as test_ones[cpu], test_ones[cuda:0], ...
+        assert torch.ones(2, device=device).device == device
+
+    @pytest.mark.requires_device("cuda")
+    def test_on_gpu():  # skipped, with the reason, where there is no CUDA device
+        ...
+
+Run it on chosen devices with ``pytest --devices=cpu,meta``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pytest
+
+# torch and devicectx's device code are imported only inside the hooks that need them: this
+# module is loaded into every pytest session wherever devicectx is installed.
+if TYPE_CHECKING:
+    import torch
+
+_FIXTURE = "device"
+_MARKER = "requires_device"
+_OPTION_DEST = "devicectx_devices"
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """One device the ``device`` fixture runs on, or a listed one this machine lacks."""
+
+    id: str
+    device: torch.device | None
+    skip_reason: str | None = None
+
+
+_CHOICES = pytest.StashKey[list[_Choice]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("devicectx", "devicectx: testing on every device")
+    group.addoption(
+        "--devices",
+        dest=_OPTION_DEST,
+        default=None,
+        metavar="DEVICES",
+        help=(
+            "comma-separated devices that tests taking the `device` fixture run on, e.g. "
+            "--devices=cpu,meta or --devices=cpu,cuda:1 (default: every available device: "
+            "the CPU and each accelerator index; meta only when listed). A listed device "
+            "this machine lacks gives skipped tests."
+        ),
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{_MARKER}(device): skip the test, with the reason, unless this machine has the "
+        "device: a kind ('cuda', 'mps', 'xpu') or one device ('cuda:1') (devicectx)",
+    )
+    text = config.getoption(_OPTION_DEST, default=None)
+    if text is not None:
+        # Parsed here, not at first use, so a bad spec stops the run before any test.
+        config.stash[_CHOICES] = _parse_devices_option(text)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # trylast: runs after pytest's own parametrize markers and any other hook, so a test
+    # that parametrizes `device` itself is seen as such and left alone.
+    if _FIXTURE not in metafunc.fixturenames or not _fixture_is_ours(metafunc):
+        return
+    params = [
+        pytest.param(
+            choice.device,
+            id=choice.id,
+            marks=() if choice.skip_reason is None else pytest.mark.skip(reason=choice.skip_reason),
+        )
+        for choice in _choices(metafunc.config)
+    ]
+    metafunc.parametrize(_FIXTURE, params, indirect=True)
+
+
+# Session scope: a device holds no state to reset between tests, module-scoped fixtures
+# (a model built per device) can depend on it, and hypothesis's function_scoped_fixture
+# health check does not fire in @given tests that take it. pytest groups the tests of
+# each device together, as it does for any session-scoped parameter.
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Each device to test on: the test runs once per device, with ids ``cpu``, ``cuda:0``, ...
+
+    Without ``--devices``, every available device (``devicectx.available_devices()``: the
+    CPU and each accelerator index); ``--devices=cpu,meta`` chooses, and a listed device that
+    this machine lacks gives a skipped test with the reason.
+    """
+    chosen: torch.device | None = getattr(request, "param", None)
+    if chosen is None:
+        msg = (
+            f"the {_FIXTURE!r} fixture was requested by name at run time "
+            "(request.getfixturevalue), so it could not be parametrized over the devices\n"
+            f"fix: take `{_FIXTURE}` as an argument of the test, or of a fixture it uses"
+        )
+        pytest.fail(msg, pytrace=False)
+    return chosen
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A skip mark added here is reported at the test's own location, as skipif's is.
+    for item in items:
+        for marker in item.iter_markers(name=_MARKER):
+            reason = _missing_device(marker)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # A malformed marker fails its own test here, not the whole run at collection.
+    for marker in item.iter_markers(name=_MARKER):
+        problem = _marker_problem(marker)
+        if problem is not None:
+            pytest.fail(problem, pytrace=False)
+
+
+def _choices(config: pytest.Config) -> list[_Choice]:
+    choices = config.stash.get(_CHOICES, None)
+    if choices is None:
+        from devicectx._resolve import available_devices
+
+        choices = [_Choice(str(device), device) for device in available_devices()]
+        config.stash[_CHOICES] = choices
+    return choices
+
+
+def _parse_devices_option(text: str) -> list[_Choice]:
+    from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
+    from devicectx._resolve import resolve_device
+
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        msg = (
+            f"--devices={text!r}: an empty device name\n"
+            "fix: list devices separated by commas, e.g. --devices=cpu,meta"
+        )
+        raise pytest.UsageError(msg)
+    choices: list[_Choice] = []
+    for item in items:
+        try:
+            device = resolve_device(item)
+        except InvalidDeviceError as error:
+            msg = (
+                f"--devices={text}: {error}\nfix: --devices=cpu,meta (devices separated by commas)"
+            )
+            raise pytest.UsageError(msg) from None
+        except DeviceUnavailableError as error:
+            choice = _Choice(item, None, f"{_first_line(error)} (--devices={text})")
+        else:
+            choice = _Choice(str(device), device)
+        if all(choice.id != seen.id for seen in choices):
+            choices.append(choice)
+    return choices
+
+
+def _missing_device(marker: pytest.Mark) -> str | None:
+    """Why the test must be skipped for want of the marker's device; None when it is here."""
+    from devicectx._errors import DeviceUnavailableError
+    from devicectx._resolve import resolve_device
+
+    if _marker_problem(marker) is not None:
+        return None
+    spec = marker.args[0]
+    try:
+        resolve_device(spec)
+    except DeviceUnavailableError as error:
+        return f"{_MARKER}({spec!r}): {_first_line(error)}"
+    return None
+
+
+def _marker_problem(marker: pytest.Mark) -> str | None:
+    """What is wrong with how the marker is written; None when nothing is."""
+    from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
+    from devicectx._resolve import resolve_device
+
+    if len(marker.args) != 1 or marker.kwargs:
+        given = ", ".join(
+            [*map(repr, marker.args), *(f"{k}={v!r}" for k, v in marker.kwargs.items())]
+        )
+        return (
+            f"@pytest.mark.{_MARKER}({given}): give exactly one device\n"
+            f"fix: @pytest.mark.{_MARKER}('cuda')"
+        )
+    spec = marker.args[0]
+    try:
+        resolve_device(spec)
+    except InvalidDeviceError as error:
+        return f"@pytest.mark.{_MARKER}({spec!r}): {error}\nfix: @pytest.mark.{_MARKER}('cuda')"
+    except DeviceUnavailableError:
+        pass
+    return None
+
+
+def _fixture_is_ours(metafunc: pytest.Metafunc) -> bool:
+    """True when ``device`` means this plugin's fixture and no one parametrized it already.
+
+    A conftest may define its own ``device`` fixture, and a test may parametrize ``device``
+    itself; either wins over this plugin. pytest has no public way to ask, so this reads
+    ``Metafunc._calls`` and ``Metafunc._arg2fixturedefs`` (checked on pytest 8.0 to 9.2),
+    falling back to the parametrize markers where those are missing.
+    """
+    for marker in metafunc.definition.iter_markers(name="parametrize"):
+        argnames = marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
+        names = argnames.split(",") if isinstance(argnames, str) else argnames
+        if _FIXTURE in {str(name).strip() for name in names}:
+            return False
+    if any(_FIXTURE in call.params for call in getattr(metafunc, "_calls", ())):
+        return False
+    by_name = getattr(metafunc, "_arg2fixturedefs", None)
+    if by_name is None:
+        return True
+    definitions = by_name.get(_FIXTURE)
+    if not definitions:
+        return False
+    function = getattr(definitions[-1], "func", None)
+    return getattr(function, "__module__", None) == __name__
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).partition("\n")[0]

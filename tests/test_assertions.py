@@ -1,0 +1,357 @@
+"""``assert_device_agnostic``: what it runs where, what it catches, and every message."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import pytest
+import torch
+from hypothesis import given
+from torch import nn
+
+import devicectx
+from devicectx import InvalidDeviceError
+from devicectx.testing import assert_device_agnostic, strategies
+
+CPU_META = ["cpu", "meta"]
+
+
+class Pair(NamedTuple):
+    """A namedtuple output, to show paths through fields."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+def agnostic(x: torch.Tensor, scale: float = 2.0) -> dict[str, object]:
+    """A device-agnostic function with a nested output."""
+    return {"y": x * scale, "parts": [x.sum(0), Pair(x.abs(), x.new_zeros(3))]}
+
+
+def message_lines(raised: pytest.ExceptionInfo[AssertionError]) -> list[str]:
+    """The lines of a raised assertion's message."""
+    return str(raised.value).splitlines()
+
+
+def drifting() -> Callable[[torch.Tensor], dict[str, object]]:
+    """A function that computes differently on each call: cpu twice stands in for two devices."""
+    calls = itertools.count()
+
+    def drift(x: torch.Tensor) -> dict[str, object]:
+        n = next(calls)
+        return {"logits": [x, x + n * x.new_tensor([[0.0, 0.0], [0.5, 0.25]])], "n": x.numel()}
+
+    return drift
+
+
+def test_passes_for_an_agnostic_function() -> None:
+    """A function that computes the same everywhere passes, with a nested output."""
+    assert_device_agnostic(agnostic, torch.randn(4, 3), devices=CPU_META)
+    assert_device_agnostic(agnostic, torch.randn(4, 3), scale=0.5, devices=CPU_META)
+
+
+def test_default_devices_are_the_available_devices() -> None:
+    """Without devices=, fn runs once on each available device, with its inputs there."""
+    seen: list[torch.device] = []
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.device)
+        return x + 1
+
+    assert_device_agnostic(record, torch.ones(2))
+    assert devicectx.available_devices() == seen
+
+
+def test_inputs_are_moved_together() -> None:
+    """Every tensor argument arrives on the device, and one tensor passed twice stays one."""
+    seen: list[tuple[torch.device, torch.device, bool]] = []
+
+    def record(a: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        seen.append((a.device, batch["x"].device, a is batch["x"]))
+        return a + batch["x"]
+
+    x = torch.ones(2)
+    assert_device_agnostic(record, x, batch={"x": x}, devices=CPU_META)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert [(cpu, cpu, True), (meta, meta, True)] == seen
+
+
+def test_module_as_fn_and_argument_is_copied_not_moved() -> None:
+    """A model passed as fn, as a bound method or as an argument stays on its device, unchanged."""
+    model = nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 3)
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = m(x)
+        return out
+
+    assert_device_agnostic(model, x, devices=CPU_META)
+    assert_device_agnostic(model.forward, x, devices=CPU_META)
+    assert_device_agnostic(forward, model, x, devices=CPU_META)
+    assert_device_agnostic(forward, m=model, x=x, devices=CPU_META)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert {torch.device("cpu")} == {p.device for p in model.parameters()}
+
+
+class Decorated(nn.Module):
+    """A module whose methods are decorated with @device_agnostic in the class body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    @devicectx.device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x) + torch.ones(2)
+        return out
+
+    @devicectx.device_agnostic(output="input")
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self(x).argmax(-1)
+        return out
+
+
+def test_decorated_methods_keep_their_decorator_on_the_copy() -> None:
+    """A decorated forward or method is called on each device's copy, decorator included."""
+    model, x = Decorated(), torch.randn(4, 3)
+    assert_device_agnostic(model, x, devices=CPU_META)
+    assert_device_agnostic(model.forward, x, devices=CPU_META)
+    assert_device_agnostic(model.predict, x, devices=CPU_META)
+    assert {torch.device("cpu")} == {p.device for p in model.parameters()}
+
+
+def test_catches_a_tensor_on_the_wrong_device() -> None:
+    """A tensor created without device= is caught on meta, by path, with the fix."""
+
+    def make_mask(x: torch.Tensor) -> dict[str, object]:
+        return {"x": x, "mask": [x > 0, torch.ones(x.shape[0], dtype=torch.bool)]}
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(make_mask, torch.randn(3), devices=CPU_META)
+    assert [
+        "make_mask is not device-agnostic (ran on cpu, meta):",
+        "  on meta, compared with cpu:",
+        "    out['mask'][1]: on cpu, expected meta",
+        "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), "
+        "or decorate make_mask with @devicectx.device_agnostic so they land there",
+    ] == message_lines(raised)
+
+
+def test_catches_a_tensor_moved_off_the_reference_device() -> None:
+    """A tensor sent elsewhere is caught on the reference device too."""
+
+    def to_meta(x: torch.Tensor) -> Pair:
+        return Pair(x, x.to("meta"))
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(to_meta, torch.randn(3), devices=CPU_META)
+    assert [
+        "to_meta is not device-agnostic (ran on cpu, meta):",
+        "  on cpu:",
+        "    out.second: on meta, expected cpu",
+        "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), "
+        "or decorate to_meta with @devicectx.device_agnostic so they land there",
+    ] == message_lines(raised)
+
+
+def test_catches_values_that_differ() -> None:
+    """Values that differ are reported by path, count, max abs and rel diff, and where."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(drifting(), torch.ones(2, 2), devices=["cpu", "cpu"])
+    assert [
+        "drift is not device-agnostic (ran on cpu, cpu):",
+        "  on cpu, compared with cpu:",
+        "    out['logits'][1]: 2 of 4 values differ (50.0%), rtol=1.3e-06, atol=1e-05",
+        "      max abs diff 0.5 at index (1, 0)",
+        "      max rel diff 0.5 at index (1, 0)",
+        "fix: if the difference is expected (float sums in another order, TF32), allow it: "
+        "assert_device_agnostic(drift, ..., rtol=1e-4, atol=1e-5)",
+    ] == message_lines(raised)
+
+
+def test_tolerances_are_applied() -> None:
+    """Differences within the given rtol and atol pass; integers must match exactly."""
+    assert_device_agnostic(drifting(), torch.ones(2, 2), devices=["cpu", "cpu"], rtol=0, atol=0.5)
+    calls = itertools.count()
+
+    def count_up(x: torch.Tensor) -> torch.Tensor:
+        return torch.arange(4).reshape(2, 2) * next(calls)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(count_up, torch.ones(1), devices=["cpu", "cpu"])
+    assert [
+        "    out: 3 of 4 values differ (75.0%), rtol=0, atol=0",
+        "      max abs diff 3 at index (1, 1)",
+        "      max rel diff inf at index (0, 1)",
+    ] == message_lines(raised)[2:5]
+
+
+def test_nan_in_the_same_place_is_equal() -> None:
+    """NaN where the reference has NaN is the same result; NaN elsewhere is the largest diff."""
+    calls = itertools.count()
+
+    def nan_once(x: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([float("nan"), float("nan") if next(calls) else 1.0, 2.0])
+
+    assert_device_agnostic(lambda x: x / 0 * 0, torch.ones(3), devices=["cpu", "cpu"])
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(nan_once, torch.ones(1), devices=["cpu", "cpu"])
+    assert [
+        "    out: 1 of 3 values differ (33.3%), rtol=1.3e-06, atol=1e-05",
+        "      max abs diff nan at index (1,)",
+        "      max rel diff nan at index (1,)",
+    ] == message_lines(raised)[2:5]
+
+
+def test_catches_a_dtype_shape_and_structure_that_differ() -> None:
+    """On meta, a different dtype, shape, output type or set of tensors is caught."""
+
+    def differs_on_meta(x: torch.Tensor) -> object:
+        if x.device.type != "meta":
+            return {"a": x, "b": x, "c": x}
+        return [x.double()]
+
+    def shaped(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        on_meta = x.device.type == "meta"
+        return {"a": x.double() if on_meta else x, "b": x.t() if on_meta else x, "c": x}
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(shaped, torch.ones(2, 3), devices=CPU_META)
+    assert [
+        "shaped is not device-agnostic (ran on cpu, meta):",
+        "  on meta, compared with cpu:",
+        "    out['a']: dtype torch.float64, expected torch.float32",
+        "    out['b']: shape (3, 2), expected (2, 3)",
+        "fix: make shaped return the same tensors, dtypes and shapes on every device",
+    ] == message_lines(raised)
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(differs_on_meta, torch.ones(2), devices=CPU_META)
+    assert [
+        "differs_on_meta is not device-agnostic (ran on cpu, meta):",
+        "  on meta, compared with cpu:",
+        "    out: a list, expected a dict",
+        "    out['a']: missing",
+        "    out['b']: missing",
+        "    out['c']: missing",
+        "    out[0]: unexpected tensor",
+        "fix: make differs_on_meta return the same tensors, dtypes and shapes on every device",
+    ] == message_lines(raised)
+
+
+def test_meta_first_compares_values_with_the_first_real_device() -> None:
+    """With meta first, values are compared with the first device that has values."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(drifting(), torch.ones(2, 2), devices=["meta", "cpu", "cpu"])
+    assert [
+        "drift is not device-agnostic (ran on meta, cpu, cpu):",
+        "  on cpu, compared with meta and cpu:",
+    ] == message_lines(raised)[:2]
+
+
+def test_long_lists_of_problems_are_cut() -> None:
+    """At most ten problems per device are listed, then how many more."""
+
+    def many(x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.zeros(1) for _ in range(12)]
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(many, torch.ones(1), devices=CPU_META)
+    lines = message_lines(raised)
+    assert ["    out[9]: on cpu, expected meta", "    ... and 2 more"] == lines[11:13]
+
+
+def test_raising_on_a_later_device_is_a_failure() -> None:
+    """fn raising on a device other than the first fails, naming it, chained to the error."""
+
+    def to_float(x: torch.Tensor) -> float:
+        return x.sum().item()
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(to_float, torch.ones(2), devices=CPU_META)
+    assert [
+        "to_float is not device-agnostic: it raised on meta, not on cpu:",
+        "    RuntimeError: Tensor.item() cannot be called on meta tensors",
+        "fix: make to_float work on meta, or leave meta out of devices=",
+    ] == message_lines(raised)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+def test_raising_on_the_first_device_propagates() -> None:
+    """fn raising on the first device is fn's own error, raised as it is."""
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise KeyError("labels")
+
+    with pytest.raises(KeyError, match="labels"):
+        assert_device_agnostic(broken, torch.ones(2), devices=CPU_META)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "expected"),
+    [
+        (
+            {"devices": "meta"},
+            TypeError,
+            "assert_device_agnostic(devices='meta'): devices takes a list of devices\n"
+            "fix: devices=['cpu', 'meta']",
+        ),
+        (
+            {"devices": []},
+            ValueError,
+            "assert_device_agnostic(devices=[]): no device to run on\nfix: devices=['cpu', 'meta']",
+        ),
+        (
+            {"rtol": 1e-3},
+            ValueError,
+            "assert_device_agnostic(rtol=0.001): give both rtol and atol, or neither (then "
+            "they depend on the dtype, as in torch.testing.assert_close)\n"
+            "fix: assert_device_agnostic(fn, ..., rtol=1e-5, atol=1e-8)",
+        ),
+    ],
+    ids=["devices-one-string", "devices-empty", "rtol-alone"],
+)
+def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], expected: str) -> None:
+    """Unusable devices=, rtol= or atol= raise before fn runs, saying what to write."""
+    with pytest.raises(error) as raised:
+        assert_device_agnostic(agnostic, torch.ones(1), **kwargs)  # type: ignore[arg-type]
+    assert expected == str(raised.value)
+
+
+def test_unknown_device_raises_resolve_devices_error() -> None:
+    """A malformed device in devices= raises resolve_device's own error."""
+    with pytest.raises(InvalidDeviceError, match="invalid device 'gpu'"):
+        assert_device_agnostic(agnostic, torch.ones(1), devices=["cpu", "gpu"])
+
+
+def test_with_the_plugins_device_fixture(device: torch.device) -> None:
+    """The plugin's `device` fixture and the assertion combine: cpu against each device."""
+    assert_device_agnostic(agnostic, torch.randn(3, 2), devices=["cpu", device, "meta"])
+
+
+@given(x=strategies.tensors(devices=["cpu"]))
+def test_torch_ops_are_agnostic(x: torch.Tensor) -> None:
+    """Any tensor the kit's strategy draws passes through torch's own ops on cpu and meta."""
+    assert_device_agnostic(lambda t: (t.clone(), t.reshape(-1), t.sum()), x, devices=CPU_META)
+
+
+@pytest.mark.requires_device("cuda")
+def test_catches_values_that_differ_on_cuda() -> None:
+    """A function that adds 1 only on CUDA is caught there, with its diff."""
+
+    def off_by_one(x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if x.is_cuda else x
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(off_by_one, torch.ones(2), devices=["cpu", "cuda"])
+    assert [
+        "off_by_one is not device-agnostic (ran on cpu, cuda:0):",
+        "  on cuda:0, compared with cpu:",
+        "    out: 2 of 2 values differ (100.0%), rtol=1.3e-06, atol=1e-05",
+        "      max abs diff 1 at index (0,)",
+        "      max rel diff 1 at index (0,)",
+    ] == message_lines(raised)[:5]

@@ -1,0 +1,458 @@
+"""The pytest plugin (``device`` fixture, ``--devices``, ``requires_device``), run with pytester."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import devicectx
+from devicectx import DeviceUnavailableError
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A device no machine has: no torch build has 100 CUDA devices.
+ABSENT = "cuda:99"
+
+TEST_DEVICE = """
+    import torch
+
+    def test_device(device):
+        assert isinstance(device, torch.device)
+        assert torch.ones(2, device=device).device == device
+"""
+
+
+def unavailable_reason(spec: str) -> str:
+    """The first line of resolve_device's error for ``spec`` on this machine."""
+    with pytest.raises(DeviceUnavailableError) as info:
+        devicectx.resolve_device(spec)
+    return str(info.value).partition("\n")[0]
+
+
+def collected_ids(pytester: pytest.Pytester, *args: str) -> list[str]:
+    """The node ids that ``pytest --collect-only`` lists with ``args``."""
+    result = pytester.runpytest("--collect-only", "-q", *args)
+    return [line for line in result.outlines if "::" in line]
+
+
+def skip_reasons(reprec: pytest.HookRecorder) -> dict[str, str]:
+    """Each skipped test's node id, with its skip reason."""
+    reasons = {}
+    for report in reprec.getreports("pytest_runtest_logreport"):
+        if report.skipped:
+            assert isinstance(report.longrepr, tuple)
+            reasons[report.nodeid] = report.longrepr[2].removeprefix("Skipped: ")
+    return reasons
+
+
+def test_fixture_ids_are_the_available_devices(pytester: pytest.Pytester) -> None:
+    """Without --devices, a test taking `device` runs once per available device, by its name."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    expected = [f"test_it.py::test_device[{d}]" for d in devicectx.available_devices()]
+    assert expected == collected_ids(pytester)
+    pytester.runpytest().assert_outcomes(passed=len(expected))
+
+
+def test_fixture_values_are_torch_devices(pytester: pytest.Pytester) -> None:
+    """The fixture gives each test the torch.device its id names."""
+    pytester.makepyfile(
+        test_it="""
+        import torch
+
+        def test_device(device, request):
+            assert torch.device(request.node.callspec.id) == device
+        """
+    )
+    pytester.runpytest("--devices=cpu,meta").assert_outcomes(passed=2)
+
+
+def test_devices_option_chooses_the_devices(pytester: pytest.Pytester) -> None:
+    """--devices=cpu,meta runs on exactly those, in that order, and dedupes repeats."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    expected = ["test_it.py::test_device[meta]", "test_it.py::test_device[cpu]"]
+    assert expected == collected_ids(pytester, "--devices=meta, cpu,meta,cpu:0")
+    pytester.runpytest("--devices=meta,cpu").assert_outcomes(passed=2)
+
+
+def test_missing_listed_device_is_skipped_with_reason(pytester: pytest.Pytester) -> None:
+    """A listed device this machine lacks gives a skipped test that says why, not a failure."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    option = f"--devices=cpu,{ABSENT}"
+    reprec = pytester.inline_run(option)
+    reprec.assertoutcome(passed=1, skipped=1)
+    expected = {f"test_it.py::test_device[{ABSENT}]": f"{unavailable_reason(ABSENT)} ({option})"}
+    assert expected == skip_reasons(reprec)
+
+
+def test_missing_device_reason_in_the_summary(pytester: pytest.Pytester) -> None:
+    """The skip reason shows in pytest's -rs summary, naming the option."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    result = pytester.runpytest("-rs", f"--devices={ABSENT}")
+    expected = [f"SKIPPED [1] test_it.py: {unavailable_reason(ABSENT)} (--devices={ABSENT})"]
+    assert expected == [line for line in result.outlines if line.startswith("SKIPPED")]
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        (
+            "--devices=cpu,gpu",
+            [
+                "ERROR: --devices=cpu,gpu: invalid device 'gpu': unknown device type 'gpu'",
+                "valid forms: 'auto', 'cpu', 'cuda', 'cuda:1', 'mps', 'xpu', 'meta' (any device "
+                "type torch knows, with an optional ':index'), an int index on the current "
+                "accelerator, a torch.device, or None (same as 'auto')",
+                "fix: --devices=cpu,meta (devices separated by commas)",
+            ],
+        ),
+        (
+            "--devices=cpu,,meta",
+            [
+                "ERROR: --devices='cpu,,meta': an empty device name",
+                "fix: list devices separated by commas, e.g. --devices=cpu,meta",
+            ],
+        ),
+        (
+            "--devices=",
+            [
+                "ERROR: --devices='': an empty device name",
+                "fix: list devices separated by commas, e.g. --devices=cpu,meta",
+            ],
+        ),
+    ],
+    ids=["unknown-type", "empty-item", "empty"],
+)
+def test_bad_devices_option_is_a_usage_error(
+    pytester: pytest.Pytester, option: str, expected: list[str]
+) -> None:
+    """A malformed --devices stops the run with a usage error that says what to write."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    result = pytester.runpytest(option)
+    assert pytest.ExitCode.USAGE_ERROR == result.ret
+    assert expected == [line for line in result.errlines if line]
+
+
+def test_tests_without_device_are_untouched(pytester: pytest.Pytester) -> None:
+    """A test that does not take `device` keeps its id and runs once, even with --devices."""
+    pytester.makepyfile(test_it="def test_plain(): pass")
+    assert ["test_it.py::test_plain"] == collected_ids(pytester, "--devices=cpu,meta")
+
+
+def test_unused_plugin_looks_up_no_device(pytester: pytest.Pytester) -> None:
+    """A session in which no test takes `device` never asks torch for the machine's devices."""
+    from devicectx.testing._plugin import _CHOICES
+
+    pytester.makepyfile(test_it="def test_plain(): pass")
+    reprec = pytester.inline_run()
+    reprec.assertoutcome(passed=1)
+    config = reprec.getcalls("pytest_sessionfinish")[0].session.config
+    assert _CHOICES not in config.stash
+
+
+def test_fixture_through_another_fixture(pytester: pytest.Pytester) -> None:
+    """A module-scoped fixture may take `device`: it is built once per device."""
+    pytester.makepyfile(
+        test_it="""
+        import pytest
+        import torch
+
+        BUILT = []
+
+        @pytest.fixture(scope="module")
+        def model(device):
+            BUILT.append(device)
+            return torch.nn.Linear(2, 2, device=device)
+
+        def test_one(model, device):
+            assert model.weight.device == device
+
+        def test_two(model, device):
+            assert model.weight.device == device
+
+        def test_built_once_per_device():
+            assert [torch.device("cpu"), torch.device("meta")] == BUILT
+        """
+    )
+    pytester.runpytest("--devices=cpu,meta").assert_outcomes(passed=5)
+
+
+def test_hypothesis_test_may_take_the_fixture(pytester: pytest.Pytester) -> None:
+    """A @given test taking `device` passes hypothesis's function-scoped-fixture health check."""
+    pytester.makepyfile(
+        test_it="""
+        from hypothesis import given, strategies as st
+        import torch
+
+        @given(n=st.integers(0, 3))
+        def test_zeros(device, n):
+            assert torch.zeros(n, device=device).device == device
+        """
+    )
+    pytester.runpytest("--devices=cpu,meta").assert_outcomes(passed=2)
+
+
+def test_own_device_argument_wins(pytester: pytest.Pytester) -> None:
+    """A test or conftest that defines `device` itself is not parametrized by the plugin."""
+    pytester.makeconftest(
+        """
+        import pytest
+
+        @pytest.fixture
+        def device():
+            return "from conftest"
+        """
+    )
+    pytester.makepyfile(
+        test_it="""
+        import pytest
+        from hypothesis import given, strategies as st
+
+        def test_conftest_fixture(device):
+            assert device == "from conftest"
+
+        @pytest.mark.parametrize("device", ["a", "b"])
+        def test_parametrized(device):
+            assert device in ("a", "b")
+
+        @pytest.mark.parametrize("n, device", [(1, "c")])
+        def test_parametrized_pair(n, device):
+            assert device == "c"
+
+        @given(device=st.just("drawn"))
+        def test_drawn(device):
+            assert device == "drawn"
+        """
+    )
+    expected = [
+        "test_it.py::test_conftest_fixture",
+        "test_it.py::test_parametrized[a]",
+        "test_it.py::test_parametrized[b]",
+        "test_it.py::test_parametrized_pair[1-c]",
+        "test_it.py::test_drawn",
+    ]
+    assert expected == collected_ids(pytester, "--devices=cpu,meta")
+    pytester.runpytest("--devices=cpu,meta").assert_outcomes(passed=5)
+
+
+def test_fixture_requested_at_run_time_fails_clearly(pytester: pytest.Pytester) -> None:
+    """request.getfixturevalue('device') cannot be parametrized, and the error says so."""
+    pytester.makepyfile(
+        test_it="""
+        def test_dynamic(request):
+            request.getfixturevalue("device")
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(failed=1)
+    expected = [
+        "the 'device' fixture was requested by name at run time (request.getfixturevalue), "
+        "so it could not be parametrized over the devices",
+        "fix: take `device` as an argument of the test, or of a fixture it uses",
+    ]
+    start = result.outlines.index(expected[0])
+    assert expected == result.outlines[start : start + 2]
+
+
+MARKED = f"""
+    import pytest
+
+    @pytest.mark.requires_device("cpu")
+    def test_cpu():
+        pass
+
+    @pytest.mark.requires_device("meta")
+    def test_meta():
+        pass
+
+    @pytest.mark.requires_device("{ABSENT}")
+    def test_absent():
+        pass
+
+    @pytest.mark.requires_device("cpu")
+    @pytest.mark.requires_device("{ABSENT}")
+    def test_both():
+        pass
+"""
+
+
+def test_marker_skips_with_reason_when_device_is_absent(pytester: pytest.Pytester) -> None:
+    """requires_device skips, with the reason, exactly the tests whose device is absent."""
+    pytester.makepyfile(test_it=MARKED)
+    reprec = pytester.inline_run("--strict-markers")
+    reprec.assertoutcome(passed=2, skipped=2)
+    reason = f"requires_device({ABSENT!r}): {unavailable_reason(ABSENT)}"
+    expected = {"test_it.py::test_absent": reason, "test_it.py::test_both": reason}
+    assert expected == skip_reasons(reprec)
+
+
+def test_marker_skip_points_at_the_test(pytester: pytest.Pytester) -> None:
+    """The -rs summary locates a marker skip at the test, as skipif does."""
+    pytester.makepyfile(test_it=MARKED)
+    result = pytester.runpytest("-rs", "--strict-markers", "-k", "test_absent")
+    reason = f"requires_device({ABSENT!r}): {unavailable_reason(ABSENT)}"
+    expected = [f"SKIPPED [1] test_it.py:11: {reason}"]
+    assert expected == [line for line in result.outlines if line.startswith("SKIPPED")]
+
+
+def test_marker_is_registered(pytester: pytest.Pytester) -> None:
+    """`pytest --markers` documents requires_device, so --strict-markers accepts it."""
+    result = pytester.runpytest("--markers")
+    expected = (
+        "@pytest.mark.requires_device(device): skip the test, with the reason, unless this "
+        "machine has the device: a kind ('cuda', 'mps', 'xpu') or one device ('cuda:1') "
+        "(devicectx)"
+    )
+    assert expected in result.outlines
+
+
+@pytest.mark.parametrize(
+    ("marker", "expected"),
+    [
+        (
+            "requires_device('gpu')",
+            [
+                "@pytest.mark.requires_device('gpu'): invalid device 'gpu': unknown device "
+                "type 'gpu'",
+                "valid forms: 'auto', 'cpu', 'cuda', 'cuda:1', 'mps', 'xpu', 'meta' (any device "
+                "type torch knows, with an optional ':index'), an int index on the current "
+                "accelerator, a torch.device, or None (same as 'auto')",
+                "fix: @pytest.mark.requires_device('cuda')",
+            ],
+        ),
+        (
+            "requires_device()",
+            [
+                "@pytest.mark.requires_device(): give exactly one device",
+                "fix: @pytest.mark.requires_device('cuda')",
+            ],
+        ),
+        (
+            "requires_device('cpu', kind='cuda')",
+            [
+                "@pytest.mark.requires_device('cpu', kind='cuda'): give exactly one device",
+                "fix: @pytest.mark.requires_device('cuda')",
+            ],
+        ),
+    ],
+    ids=["unknown-type", "no-device", "keyword"],
+)
+def test_malformed_marker_errors_its_test(
+    pytester: pytest.Pytester, marker: str, expected: list[str]
+) -> None:
+    """A malformed requires_device errors its own test with what to write, and no other."""
+    pytester.makepyfile(
+        test_it=f"""
+        import pytest
+
+        @pytest.mark.{marker}
+        def test_marked():
+            pass
+
+        def test_other():
+            pass
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, errors=1)
+    start = result.outlines.index(expected[0])
+    assert expected == result.outlines[start : start + len(expected)]
+
+
+@pytest.mark.requires_device("cuda")
+def test_fixture_ids_on_cuda(pytester: pytest.Pytester) -> None:
+    """On a CUDA machine the ids name each CUDA index, and --devices=cuda means the current one."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    count = torch.cuda.device_count()
+    expected = ["test_it.py::test_device[cpu]"]
+    expected += [f"test_it.py::test_device[cuda:{i}]" for i in range(count)]
+    assert expected == collected_ids(pytester)
+    current = f"cuda:{torch.cuda.current_device()}"
+    assert [f"test_it.py::test_device[{current}]"] == collected_ids(pytester, "--devices=cuda")
+    pytester.runpytest().assert_outcomes(passed=len(expected))
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter of this venv, from the project root."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+
+
+def test_import_devicectx_imports_no_test_tools() -> None:
+    """`import devicectx` (and `import devicectx.testing`) never imports hypothesis or pytest."""
+    result = run_python(
+        """
+        import sys
+        import devicectx
+        import devicectx.testing
+        loaded = {m.partition(".")[0] for m in sys.modules}
+        print(sorted(loaded & {"hypothesis", "pytest", "_pytest"}))
+        import devicectx.testing.strategies
+        print("hypothesis" in sys.modules)
+        """
+    )
+    assert ("[]\nTrue\n", "") == (result.stdout, result.stderr)
+
+
+def test_plugin_works_without_hypothesis(tmp_path: Path) -> None:
+    """In an environment without hypothesis, the plugin loads and the fixture works."""
+    (tmp_path / "test_it.py").write_text(textwrap.dedent(TEST_DEVICE))
+    result = run_python(
+        f"""
+        import sys
+        from importlib.abc import MetaPathFinder
+
+        class NoHypothesis(MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.partition(".")[0] == "hypothesis":
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+        sys.meta_path.insert(0, NoHypothesis())
+        import pytest
+        code = pytest.main(
+            [{str(tmp_path)!r}, "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+             "--devices=cpu,meta"]
+        )
+        try:
+            from devicectx.testing import strategies
+        except ModuleNotFoundError as error:
+            print(error)
+        sys.exit(code)
+        """
+    )
+    assert 0 == result.returncode, result.stdout + result.stderr
+    expected = [
+        "2 passed",
+        "devicectx.testing.strategies needs hypothesis, which is not installed",
+        "fix: pip install 'devicectx[testing]'",
+    ]
+    assert expected == [line.partition(" in ")[0] for line in result.stdout.splitlines()[-3:]]
+
+
+def test_example_passes_under_the_plugin() -> None:
+    """examples/property_test_forward.py passes as a user would run it, on cpu and meta."""
+    example = ROOT / "examples" / "property_test_forward.py"
+    command = [sys.executable, "-m", "pytest", str(example), "-q", "-p", "no:cacheprovider"]
+    result = subprocess.run(
+        [*command, "--devices=cpu,meta"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert 0 == result.returncode, result.stdout + result.stderr
+    assert "failed" not in result.stdout
+    assert "skipped" not in result.stdout
