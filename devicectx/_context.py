@@ -24,6 +24,7 @@ import torch
 
 from devicectx import _torch_modes
 from devicectx._resolve import DeviceLike, accelerator_type, resolve_device, with_index
+from devicectx._torch_modes import _len_torch_function_stack
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _CPU = torch.device("cpu")
@@ -132,11 +133,32 @@ def push_device(device: torch.device) -> _Scope:
 def pop_device(scope: _Scope) -> None:
     """Leave a scope entered with :func:`push_device`, whatever was entered since."""
     scope.closed = True
-    _ACTIVE.set(tuple(s for s in _ACTIVE.get() if s is not scope))
+    active = _ACTIVE.get()
+    if active and active[-1] is scope:
+        _ACTIVE.set(active[:-1])
+    else:
+        _ACTIVE.set(tuple(s for s in active if s is not scope))
     if scope.installed:
         _torch_modes.remove_device_mode(scope)
         if scope.previous_index is not None:
             torch.accelerator.set_device_index(scope.previous_index)
+
+
+def push_nested(device: torch.device) -> _Scope | None:
+    """:func:`push_device` for ``@device_agnostic``, which enters a scope on every call.
+
+    Where ``device`` already is the effective default, nothing is entered at all (it would
+    change nothing), so the common case costs one look at the mode stack; None comes back.
+    """
+    if (_CPU if not _len_torch_function_stack() else current_device()) == device:
+        return None
+    return push_device(device)
+
+
+def pop_nested(entered: _Scope | None) -> None:
+    """Leave a scope entered with :func:`push_nested`."""
+    if entered is not None:
+        pop_device(entered)
 
 
 class on_device:

@@ -21,6 +21,7 @@ from torch.utils._device import DeviceContext
 
 __all__ = [
     "DeviceContext",
+    "_len_torch_function_stack",
     "innermost_device_mode",
     "remove_device_mode",
 ]

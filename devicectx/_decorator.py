@@ -1,0 +1,406 @@
+"""``@device_agnostic``: run a function on one device, moving (or checking) its inputs.
+
+The decorator is a wrapt ``FunctionWrapper``, so functions, methods, classmethods,
+staticmethods and ``nn.Module.forward`` all arrive as ``(wrapped, instance, args, kwargs)``.
+Everything that can be worked out once (names of parameters, positions of excluded ones,
+whether the function is a generator) is worked out at decoration in :class:`_Plan`; a call
+only looks at its arguments. Under ``torch.compile`` the call takes the plain-Python path
+of :mod:`devicectx._compiled` instead, which dynamo can trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from types import MethodType
+from typing import Any, ParamSpec, TypeVar, overload
+
+import torch
+from torch import nn
+
+from devicectx import _compiled, _mismatch, _move
+from devicectx._context import active_device, pop_nested, push_nested
+from devicectx._inputs import Held, scan
+from devicectx._params import Params
+from devicectx._resolve import DeviceLike
+from devicectx._resumed import async_resumed, awaited, resumed
+from devicectx._target import (
+    DeviceOption,
+    Spread,
+    module_device,
+    module_devices,
+    module_label,
+    unwrap,
+)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+_Module = nn.Module
+_is_compiling = torch.compiler.is_compiling
+_FUNCTION, _GENERATOR, _COROUTINE, _ASYNC_GENERATOR = range(4)
+
+
+@overload
+def device_agnostic(wrapped: Callable[_P, _R], /) -> Callable[_P, _R]: ...
+
+
+@overload
+def device_agnostic(
+    wrapped: None = None,
+    /,
+    *,
+    device: DeviceLike = None,
+    move: bool = True,
+    output: DeviceLike = None,
+    exclude: str | Iterable[str] = (),
+    non_blocking: bool = False,
+    scope: bool = True,
+) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
+
+
+def device_agnostic(
+    wrapped: Callable[..., Any] | None = None,
+    /,
+    *,
+    device: DeviceLike = None,
+    move: bool = True,
+    output: DeviceLike = None,
+    exclude: str | Iterable[str] = (),
+    non_blocking: bool = False,
+    scope: bool = True,
+) -> Any:
+    """Run a function on one device: its tensor inputs moved (or checked), its body scoped.
+
+    Example:
+        >>> import torch
+        >>> @device_agnostic(device="meta")
+        ... def affine(x, w, b):
+        ...     return x @ w + b + torch.ones(2)  # torch.ones lands on meta too
+        >>> affine(torch.ones(2), torch.eye(2), torch.zeros(2)).device
+        device(type='meta')
+
+    The device, the first rule that applies:
+
+    1. ``device=``;
+    2. the ``nn.Module`` involved: the instance of a decorated method, else the first
+       module argument (``DataParallel`` and ``DistributedDataParallel`` looked through);
+    3. the innermost active :func:`~devicectx.on_device` (a decorated call's own scope
+       counts: a decorated function called from another one's body follows it);
+    4. the device the argument tensors agree on (0-dim CPU tensors, which PyTorch mixes
+       with any device, do not count).
+
+    Args:
+        wrapped: the function; given when used bare, as ``@device_agnostic``.
+        device: any :func:`~devicectx.resolve_device` spec, resolved at each call
+            (``"auto"`` follows the environment); ``None``: rules 2 to 4 choose.
+        move: ``True``: move every tensor in every argument, at any depth, to the target
+            (aliasing kept, nothing mutated); ``False``: move nothing, and raise if a
+            tensor is elsewhere (a 0-dim CPU tensor is allowed, as PyTorch allows it).
+        output: ``None`` leaves the result alone; a device spec moves it there;
+            ``"input"`` moves it to the device the tensor inputs came from. For a
+            generator, each yielded item; for an async function, the awaited result.
+        exclude: names of parameters whose values are neither moved nor checked.
+        non_blocking: passed to the copies to an accelerator (see
+            :func:`~devicectx.to_device` for when devicectx makes a copy safe anyway).
+        scope: run the body under ``on_device(target)``, so tensors it creates without
+            ``device=`` land on the target. Where the target already is the default,
+            torch's ops inside pay nothing for it; ``scope=False`` also saves the
+            per-call cost of entering and leaving, for hot paths that pass devices.
+
+    Returns:
+        The decorated function, with the same name, docstring, signature and static type.
+
+    Raises:
+        DeviceMismatchError: before the body runs, when ``move=False`` and a tensor is
+            off the target; when nothing chooses a target and the inputs disagree; when
+            the module involved is not on the target or is spread over several devices
+            (modules are never moved implicitly).
+        InvalidDeviceError: at decoration, for a malformed ``device=`` or ``output=``.
+        ValueError: at decoration, for an ``exclude`` name the function does not take.
+
+    Caveats:
+        - Each call scans its arguments and, where a module is involved, that module's
+          parameters and buffers; nothing is cached across calls, since a module can
+          move between them (``module.to`` changes its parameters in place).
+        - ``output="input"`` with inputs on several devices: the device of the first
+          tensor argument (0-dim CPU tensors aside).
+        - A generator's or async function's inputs are moved or checked at the call; its
+          body is scoped at every resume, and left at every yield.
+        - Under ``torch.compile`` the target is chosen while tracing, and with
+          ``fullgraph=True`` a mismatch surfaces as torch's ``Unsupported`` quoting ours.
+          Write ``@device_agnostic`` above ``@classmethod``/``@staticmethod`` there; see
+          :mod:`devicectx._compiled` for all that changes.
+    """
+    if wrapped is None:
+        for spec, argument in ((device, "device"), (output, "output")):
+            if spec is not None and not (argument == "output" and spec == "input"):
+                DeviceOption(spec, argument=argument)  # a malformed spec fails here, at once
+        return functools.partial(
+            device_agnostic,
+            device=device,
+            move=move,
+            output=output,
+            exclude=exclude,
+            non_blocking=non_blocking,
+            scope=scope,
+        )
+    if inspect.isclass(wrapped):
+        name = wrapped.__name__
+        msg = (
+            f"@device_agnostic cannot decorate the class {name}: decorate the methods that "
+            f"take tensors instead (`@device_agnostic` on `def forward`)"
+        )
+        raise TypeError(msg)
+    plan = _Plan(wrapped, device, move, output, exclude, non_blocking, scope)
+    return _compiled.wrap(wrapped, plan)
+
+
+class _Plan:
+    """What a decorated function does at each call, settled at decoration."""
+
+    __slots__ = (
+        "device",
+        "exclude",
+        "kind",
+        "move",
+        "name",
+        "non_blocking",
+        "output",
+        "params",
+        "scope",
+        "to_input",
+    )
+
+    def __init__(
+        self,
+        wrapped: Callable[..., Any],
+        device: DeviceLike,
+        move: bool,
+        output: DeviceLike,
+        exclude: str | Iterable[str],
+        non_blocking: bool,
+        scope: bool,
+    ) -> None:
+        function = getattr(wrapped, "__func__", wrapped)  # classmethod, staticmethod
+        self.name: str = getattr(function, "__qualname__", repr(function))
+        self.device = None if device is None else DeviceOption(device, argument="device")
+        self.move = move
+        self.to_input = isinstance(output, str) and output == "input"
+        self.output = (
+            None if output is None or self.to_input else DeviceOption(output, argument="output")
+        )
+        self.non_blocking = non_blocking
+        self.scope = scope
+        self.params = Params.of(function, self.name)
+        names = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+        self.exclude = self.params.exclusion(names) if names else None
+        self.kind = (
+            _ASYNC_GENERATOR
+            if inspect.isasyncgenfunction(function)
+            else _GENERATOR
+            if inspect.isgeneratorfunction(function)
+            else _COROUTINE
+            if inspect.iscoroutinefunction(function)
+            else _FUNCTION
+        )
+
+    def call(
+        self,
+        wrapped: Callable[..., Any],
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The wrapt wrapper: prepare the arguments, run the body scoped, place the result."""
+        __tracebackhide__ = True
+        if _is_compiling() and self.kind == _FUNCTION:
+            return _compiled.traced_call(self, wrapped, instance, args, kwargs)
+        # The common case inline: nothing excluded, every tensor already on the target.
+        # Anything else (moves, checks, errors, exclude=) takes prepare(), from scratch.
+        option = self.device
+        target = (option.fixed or option.resolve()) if option is not None else active_device()
+        first, uniform, module = (
+            scan(args if not kwargs else (*args, *kwargs.values()), target)
+            if self.exclude is None
+            else (None, False, None)
+        )
+        if instance is not None and isinstance(instance, _Module):
+            module = instance
+        if module is not None and uniform:
+            offset = 1 if instance is not None and type(wrapped) is MethodType else 0
+            target = self._target(module, instance, args, kwargs, offset)
+        if uniform and (first is None or target is None or first == target):
+            if target is None:
+                target = first
+            back = self.output.resolve() if self.output is not None else None
+            if self.to_input:
+                back = first
+        else:
+            args, kwargs, target, back = self.prepare(wrapped, instance, args, kwargs)
+        if self.kind != _FUNCTION:
+            return self._start(wrapped, args, kwargs, target, back)
+        scope = push_nested(target) if self.scope and target is not None else None
+        if scope is None:
+            result = wrapped(*args, **kwargs)
+        else:
+            try:
+                result = wrapped(*args, **kwargs)
+            finally:
+                pop_nested(scope)
+        return result if back is None else self.place(result, back)
+
+    def prepare(
+        self,
+        wrapped: Callable[..., Any],
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[tuple[Any, ...], dict[str, Any], torch.device | None, torch.device | None]:
+        """Choose the target, then move or check the inputs.
+
+        Returns:
+            ``(args, kwargs, target, back)``: the arguments to call with; the target
+            (``None`` when no tensor and no rule named one); where the result goes
+            (``None``: leave it).
+        """
+        __tracebackhide__ = True
+        offset = 1 if instance is not None and type(wrapped) is MethodType else 0
+        held = None if self.exclude is None else Held(self.exclude, args, kwargs, offset)
+        seen_args, seen_kwargs = (args, kwargs) if held is None else (held.args, held.kwargs)
+        option = self.device
+        # Rules 1 and 3 first, so the scan can test the inputs against a known device.
+        target = (option.fixed or option.resolve()) if option is not None else active_device()
+        first, uniform, module = scan(
+            seen_args if not seen_kwargs else (*seen_args, *seen_kwargs.values()), target
+        )
+        if instance is not None and isinstance(instance, _Module):
+            module = instance
+        if module is not None:  # rule 2, between them
+            target = self._target(module, instance, args, kwargs, offset)
+        home = first
+        if not uniform:  # the slow path: which tensors are where, by name
+            found = self._found(seen_args, seen_kwargs, offset)
+            home = next(iter(found), first)
+            if target is None and len(found) > 1:  # rule 4: the inputs must agree
+                raise _mismatch.no_common_device(self.name, found)
+        if target is None:
+            target = home
+        elif not (uniform and (first is None or first == target)):
+            if self.move:
+                moved = _move.move_call(
+                    seen_args,
+                    seen_kwargs,
+                    target,
+                    names=self.params.positional[offset:],
+                    rest=self.params.varargs or "args",
+                    non_blocking=self.non_blocking,
+                    skip=_Module,
+                )
+                args, kwargs = moved if held is None else held.merge(*moved)
+            else:
+                if uniform:
+                    found = self._found(seen_args, seen_kwargs, offset)
+                if any(device != target for device in found):
+                    reason = self._reason(module, instance, args, kwargs, offset)
+                    raise _mismatch.tensors_off_target(self.name, found, target, reason)
+        if self.output is not None:
+            return args, kwargs, target, self.output.resolve()
+        return args, kwargs, target, home if self.to_input else None
+
+    def _target(
+        self,
+        module: nn.Module,
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        offset: int,
+    ) -> torch.device | None:
+        """Rules 1 to 3 where a module is involved; ``None`` leaves the choice to the inputs."""
+        __tracebackhide__ = True
+        option = self.device
+        target = option.resolve() if option is not None else None
+        device = module_device(unwrap(module))
+        if device is Spread.SPREAD or (
+            device is not None and target is not None and device != target
+        ):
+            name = self._module_name(module, instance, args, kwargs, offset)
+            reason = option.reason() if option is not None else "a module must be on one device"
+            found = module_devices(unwrap(module), name)
+            kind = type(module).__name__
+            raise _mismatch.module_off_target(self.name, name, kind, found, target, reason)
+        if target is None:
+            target = device if device is not None else active_device()
+        return target
+
+    def _module_name(
+        self,
+        module: nn.Module,
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        offset: int,
+    ) -> str:
+        """How the call names ``module``: ``self``, or the parameter it came in."""
+        if module is instance:
+            return "self"
+        for position, value in enumerate(args):
+            if value is module:
+                return self.params.argument_name(position, offset)
+        return next((key for key, value in kwargs.items() if value is module), "module")
+
+    def _reason(
+        self,
+        module: nn.Module | None,
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        offset: int,
+    ) -> str:
+        """Why the target is what it is: for messages, so only on the way to an error."""
+        if self.device is not None:
+            return self.device.reason()
+        if module is not None and module_device(unwrap(module)) is not None:
+            name = self._module_name(module, instance, args, kwargs, offset)
+            return module_label(module, name)
+        return "the innermost on_device block"
+
+    def _found(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], offset: int
+    ) -> dict[torch.device, list[str]]:
+        """Each device the inputs are on, with the paths of their tensors on it.
+
+        0-dim CPU tensors are left out: PyTorch lets them mix with any device.
+        """
+        found: dict[torch.device, list[str]] = {}
+        for name, value, _ in self.params.named(args, kwargs, offset):
+            for path, tensor in _move.iter_tensors(value, name):
+                device = tensor.device
+                if device.type == "cpu" and tensor.dim() == 0:
+                    continue
+                found.setdefault(device, []).append(path)
+        return found
+
+    def place(self, result: Any, back: torch.device) -> Any:
+        """Move a result (or a yielded item) to where ``output=`` says."""
+        return _move.move_to(
+            result, back, non_blocking=self.non_blocking, skip=_Module, name="result"
+        )
+
+    def _start(
+        self,
+        wrapped: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: torch.device | None,
+        back: torch.device | None,
+    ) -> Any:
+        """Call a generator or async function: its body runs later, scoped at each resume."""
+        scoped = target if self.scope else None
+        inner = wrapped(*args, **kwargs)  # runs none of the body yet
+        if self.kind == _GENERATOR:
+            return resumed(self, inner, scoped, back)
+        if self.kind == _COROUTINE:
+            return awaited(self, inner, scoped, back)
+        return async_resumed(self, inner, scoped, back)

@@ -1,0 +1,143 @@
+"""A decorated function's parameters, read once at decoration for what calls need.
+
+A call must never pay for ``inspect.signature(...).bind``: errors need each argument's
+name, and ``exclude=`` needs to know which positions and keywords it covers, so both are
+worked out here from the signature, once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class Params:
+    """The names a function gives its arguments.
+
+    Attributes:
+        positional: names of the parameters that can be passed by position, in order.
+        varargs: the name of ``*args``, or ``None``.
+        keywords: every name that can be passed by keyword.
+        varkw: the name of ``**kwargs``, or ``None``.
+    """
+
+    __slots__ = ("function", "keywords", "positional", "varargs", "varkw")
+
+    def __init__(
+        self,
+        function: str,
+        positional: tuple[str, ...],
+        varargs: str | None,
+        keywords: frozenset[str],
+        varkw: str | None,
+    ) -> None:
+        self.function = function
+        self.positional = positional
+        self.varargs = varargs
+        self.keywords = keywords
+        self.varkw = varkw
+
+    @classmethod
+    def of(cls, function: Callable[..., Any], name: str) -> Params:
+        """Read ``function``'s signature; a callable without one takes anything."""
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):  # some builtins and C callables have none
+            return cls(name, (), "args", frozenset(), "kwargs")
+        params = list(signature.parameters.values())
+        kind = inspect.Parameter
+        return cls(
+            name,
+            tuple(p.name for p in params if p.kind in _POSITIONAL),
+            next((p.name for p in params if p.kind == kind.VAR_POSITIONAL), None),
+            frozenset(
+                p.name for p in params if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)
+            ),
+            next((p.name for p in params if p.kind == kind.VAR_KEYWORD), None),
+        )
+
+    def argument_name(self, where: int | str | None, offset: int) -> str:
+        """How a message names an argument: by position in ``args``, by key, or the instance.
+
+        Args:
+            where: a position in the call's ``args``; a keyword; ``None`` for ``self``.
+            offset: how many leading parameters the binding consumed (1 for a method
+                called on its instance: ``self`` is not in ``args``).
+        """
+        if where is None:
+            return "self"
+        if isinstance(where, str):
+            return where
+        index = where + offset
+        if index < len(self.positional):
+            return self.positional[index]
+        return f"{self.varargs or 'args'}[{index - len(self.positional)}]"
+
+    def named(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], offset: int
+    ) -> Iterator[tuple[str, Any, int | str]]:
+        """Each argument of a call as ``(name, value, where)``, positional ones first."""
+        for position, value in enumerate(args):
+            yield self.argument_name(position, offset), value, position
+        for key, value in kwargs.items():
+            yield key, value, key
+
+    def exclusion(self, names: Iterable[str]) -> Exclusion:
+        """What ``exclude=names`` covers.
+
+        Raises:
+            ValueError: a name the function does not take (and it has no ``**kwargs``).
+        """
+        wanted = tuple(names)
+        known = {*self.positional, *self.keywords, self.varargs, self.varkw} - {None}
+        unknown = [name for name in wanted if name not in known]
+        if unknown and self.varkw is None:
+            takes = ", ".join(repr(name) for name in sorted(known, key=self._order)) or "nothing"
+            msg = (
+                f"@device_agnostic(exclude=...) names {', '.join(map(repr, unknown))}, which "
+                f"{self.function}() does not take (it takes {takes})\n"
+                f"fix: exclude only parameters of {self.function}(), by name"
+            )
+            raise ValueError(msg)
+        positions = frozenset(i for i, name in enumerate(self.positional) if name in wanted)
+        rest_from = len(self.positional) if self.varargs in wanted else None
+        named = frozenset({*self.positional, *self.keywords})
+        return Exclusion(
+            positions, rest_from, frozenset(wanted), named if self.varkw in wanted else None
+        )
+
+    def _order(self, name: str | None) -> int:
+        order = [*self.positional, self.varargs, *sorted(self.keywords), self.varkw]
+        return order.index(name) if name in order else len(order)
+
+
+class Exclusion:
+    """The positions and keywords ``exclude=`` covers, for a call to look up in O(1)."""
+
+    __slots__ = ("keywords", "named", "positions", "rest_from")
+
+    def __init__(
+        self,
+        positions: frozenset[int],
+        rest_from: int | None,
+        keywords: frozenset[str],
+        named: frozenset[str] | None,
+    ) -> None:
+        self.positions = positions
+        self.rest_from = rest_from
+        self.keywords = keywords
+        # With **kwargs excluded: the names that are not extra keywords (these stay in).
+        self.named = named
+
+    def holds_position(self, index: int) -> bool:
+        """Whether the parameter at ``index`` of the full signature is excluded."""
+        rest_from = self.rest_from
+        return index in self.positions or (rest_from is not None and index >= rest_from)
+
+    def holds_keyword(self, key: str) -> bool:
+        """Whether an argument passed as ``key=...`` is excluded."""
+        named = self.named
+        return key in self.keywords or (named is not None and key not in named)

@@ -1,0 +1,299 @@
+"""The reading walks of the move engine: is everything on a device, and where is each tensor.
+
+Both are iterative, with an explicit stack, so depth is not limited by Python's recursion
+limit, and each looks into a container once per call (by identity), so a cycle ends and a
+container reachable twice costs once. The types a batch is made of (plain tensors, lists,
+tuples, dicts) are tested first by exact type; every other type goes through its cached
+:class:`~devicectx._containers.Kind`.
+
+- :func:`all_on`: is every tensor already on a device? No paths, no allocation per node;
+  :func:`shared_device`, the same walk, also finds the one device when none is given.
+- :func:`iter_tensors`: every tensor with its path, depth first, in structure order.
+- :func:`devices_of`: the same, grouped by device: what :func:`~devicectx.find_devices` returns.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from devicectx import _containers
+from devicectx._containers import DICT_KIND, LEAF, LEAF_KIND, MODULE, TENSOR, Kind, kind_for
+from devicectx._paths import ITEM, build, join, module_path
+
+_Tensor = torch.Tensor
+_CACHE = _containers._CACHE
+
+
+_UNTRACKED = 64
+"""Containers :func:`all_on` looks into before it starts to remember them: a batch costs
+nothing for it, and a cycle or a deeply shared structure is cut short soon after."""
+
+
+def all_on(obj: object, device: torch.device, skip_types: tuple[type, ...] = ()) -> bool:
+    """Whether every tensor in ``obj`` is on ``device`` (modules included, by parameters).
+
+    Objects of ``skip_types`` are not looked into. An object moved by its own ``.to``
+    whose tensors cannot be read counts as not on ``device``.
+    """
+    return shared_device(obj, device, skip_types) is not MIXED
+
+
+class Mixed(enum.Enum):
+    """The type of :data:`MIXED`."""
+
+    MIXED = "mixed"
+
+
+MIXED = Mixed.MIXED
+"""What :func:`shared_device` returns when the tensors are not all on one device."""
+
+
+def shared_device(
+    obj: object, device: torch.device | None = None, skip_types: tuple[type, ...] = ()
+) -> torch.device | Mixed | None:
+    """The one device every tensor in ``obj`` is on: ``device`` if given, else the first met.
+
+    Returns that device (``device`` itself when given, even if ``obj`` holds no tensor),
+    None when no device was given and ``obj`` holds no tensor, or :data:`MIXED`.
+    One walk serves both "is it all on X" and "is it all on one device, and which".
+    """
+    fast_dict, fast_list, fast_tuple = (
+        _containers.FAST_DICT,
+        _containers.FAST_LIST,
+        _containers.FAST_TUPLE,
+    )
+    stack: list[Any] = [obj]
+    pop, push = stack.pop, stack.append
+    seen: set[int] | None = None
+    budget = _UNTRACKED
+    while stack:
+        item = pop()
+        tp = type(item)
+        children: Any
+        if tp is fast_dict:
+            children = item.values()
+        elif tp is fast_list or tp is fast_tuple:
+            children = item
+        elif tp is _Tensor:
+            found = item.device
+            if found != device:
+                if device is not None:
+                    return MIXED
+                device = found
+            continue
+        else:
+            kind = _CACHE.get(tp) or kind_for(tp)
+            role = kind.role
+            if role == LEAF or (skip_types and isinstance(item, skip_types)):
+                continue
+            if role == TENSOR:
+                found = item.device
+                if found != device:
+                    if device is not None:
+                        return MIXED
+                    device = found
+                continue
+            if role == MODULE:
+                for tensor in chain(item.parameters(), item.buffers()):
+                    found = tensor.device
+                    if found != device:
+                        if device is not None:
+                            return MIXED
+                        device = found
+                continue
+            if kind.split is None:
+                return MIXED
+            children = kind.split(item)[1]
+        budget -= 1
+        if budget < 0:
+            if seen is None:
+                seen = set()
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+        for child in children:
+            tc = type(child)
+            if tc is _Tensor:
+                found = child.device
+                if found != device:
+                    if device is not None:
+                        return MIXED
+                    device = found
+            elif (
+                tc is fast_dict
+                or tc is fast_list
+                or tc is fast_tuple
+                or (_CACHE.get(tc) or kind_for(tc)) is not LEAF_KIND
+            ):
+                push(child)
+    return device
+
+
+def iter_tensors(
+    obj: object, name: str = "obj", *, modules: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in ``obj`` with its path, depth first, in the order of the structure.
+
+    A tensor held at several places is listed at each; a container met again (shared,
+    or a cycle) is not looked into again. Modules are looked into only when ``modules``.
+    """
+    tp = type(obj)
+    kind = _CACHE.get(tp) or kind_for(tp)
+    if kind.role == TENSOR:
+        yield name, obj  # type: ignore[misc]
+        return
+    if kind.role == MODULE:
+        if modules:
+            yield from _module_tensors(obj, name)  # type: ignore[arg-type]
+        return
+    if kind.split is None:
+        return
+    seen = {id(obj)}
+    stack: list[list[Any]] = [[kind.style, _children(obj, kind), None, name]]
+    while stack:
+        style, children, _, path = stack[-1]
+        for key, child in children:
+            tp = type(child)
+            if tp is _Tensor:
+                path = path or _top_path(stack)
+                yield (f"{path}[{key!r}]" if style == ITEM else join(path, style, key)), child
+                continue
+            kind = _CACHE.get(tp) or kind_for(tp)
+            role = kind.role
+            if role == LEAF:
+                continue
+            if role == TENSOR:
+                yield join(path or _top_path(stack), style, key), child
+            elif role == MODULE:
+                if modules:
+                    yield from _module_tensors(child, join(path or _top_path(stack), style, key))
+            elif kind.split is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append([kind.style, _children(child, kind), key, _eager(stack, path, key)])
+                break
+        else:
+            stack.pop()
+
+
+def devices_of(obj: object, name: str = "obj") -> dict[torch.device, list[str]]:
+    """``{device: [paths of the tensors on it]}``, modules looked into, in walk order.
+
+    What :func:`iter_tensors` with ``modules=True`` yields, grouped by device; written out
+    rather than built on it, as it is a hot path (no generator, one dict lookup per run of
+    tensors on one device).
+    """
+    found: dict[torch.device, list[str]] = {}
+    tp = type(obj)
+    kind = _CACHE.get(tp) or kind_for(tp)
+    if kind.role in (TENSOR, MODULE) or kind.split is None:
+        for path, tensor in iter_tensors(obj, name, modules=True):
+            found.setdefault(tensor.device, []).append(path)
+        return found
+    last: torch.device | None = None
+    paths: list[str] = []
+    seen = {id(obj)}
+    fast_dict, fast_list, fast_tuple = (
+        _containers.FAST_DICT,
+        _containers.FAST_LIST,
+        _containers.FAST_TUPLE,
+    )
+    stack: list[list[Any]] = [[kind.style, _children(obj, kind), None, name]]
+    while stack:
+        style, children, _, path = stack[-1]
+        for key, child in children:
+            tp = type(child)
+            if tp is _Tensor:
+                device = child.device
+                if device != last:
+                    paths = found.setdefault(device, [])
+                    last = device
+                path = path or _top_path(stack)
+                paths.append(f"{path}[{key!r}]" if style == ITEM else join(path, style, key))
+                continue
+            if tp is fast_dict or tp is fast_list or tp is fast_tuple:
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    items = iter(child.items()) if tp is fast_dict else enumerate(child)
+                    child_path = (
+                        None
+                        if path is None or len(stack) > _EAGER_DEPTH
+                        else f"{path}[{key!r}]"
+                        if style == ITEM
+                        else join(path, style, key)
+                    )
+                    stack.append([ITEM, items, key, child_path])
+                    break
+                continue
+            kind = _CACHE.get(tp) or kind_for(tp)
+            role = kind.role
+            if role == LEAF:
+                continue
+            if role in (TENSOR, MODULE):
+                child_path = join(path or _top_path(stack), style, key)
+                for tensor_path, tensor in iter_tensors(child, child_path, modules=True):
+                    device = tensor.device
+                    if device != last:
+                        paths = found.setdefault(device, [])
+                        last = device
+                    paths.append(tensor_path)
+            elif kind.split is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append([kind.style, _children(child, kind), key, _eager(stack, path, key)])
+                break
+        else:
+            stack.pop()
+    return found
+
+
+_EAGER_DEPTH = 32
+"""Down to this depth a container's path is built when it is entered (the fast way for a
+batch); below, only when a tensor in it needs it (see :func:`_top_path`)."""
+
+
+def _eager(stack: list[list[Any]], path: str | None, key: Any) -> str | None:
+    """The path of a child container of the top frame, if it is built on entry."""
+    if path is None or len(stack) > _EAGER_DEPTH:
+        return None
+    return join(path, stack[-1][0], key)
+
+
+def _top_path(stack: list[list[Any]]) -> str:
+    """The path of the container on top of ``stack``, built and kept on first use.
+
+    A frame is ``[style of its children's paths, iterator of (key, child), its key in
+    its parent, its path or None]``. Paths are built only for containers that hold a
+    tensor, from the nearest one built, so that a structure 100,000 deep with a tensor at
+    the bottom costs one path, not 100,000 ever longer ones.
+    """
+    top = len(stack) - 1
+    known = top
+    while stack[known][3] is None:
+        known -= 1
+    parts = ((stack[i - 1][0], stack[i][2]) for i in range(known + 1, top + 1))
+    path: str = build(stack[known][3], parts)
+    stack[top][3] = path
+    return path
+
+
+def _children(obj: Any, kind: Kind) -> Iterator[tuple[Any, Any]]:
+    """``(key, child)`` pairs of a container, lazily where its type allows."""
+    if kind is DICT_KIND:
+        return iter(obj.items())
+    keys, values = kind.split(obj)  # type: ignore[misc]
+    return enumerate(values) if keys is None else zip(keys, values, strict=True)
+
+
+def module_on(module: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter and buffer of ``module`` is on ``device``."""
+    return all(t.device == device for t in chain(module.parameters(), module.buffers()))
+
+
+def _module_tensors(module: nn.Module, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in chain(module.named_parameters(), module.named_buffers()):
+        yield module_path(path, name), tensor

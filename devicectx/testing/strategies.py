@@ -1,0 +1,405 @@
+"""Hypothesis strategies for device-agnostic code: devices, tensors, and nested batches.
+
+Example:
+    >>> from hypothesis import given
+    >>> from devicectx import to_device
+    >>> from devicectx.testing.strategies import nested, tensors
+    >>> @given(nested(tensors(devices=["cpu"])))
+    ... def test_moves_everything(batch):
+    ...     moved = to_device(batch, "meta")
+    ...     assert to_device(moved, "meta") is moved
+    >>> test_moves_everything()
+
+- :func:`devices`: the devices of this machine, plus ``meta`` where allowed;
+- :func:`tensors`: tensors of any dtype and shape (small), on those devices;
+- :func:`nested`: structures of every container kind :func:`~devicectx.to_device`
+  supports, holding tensors, views of them, the same tensor at several places, and plain
+  values (``None``, numbers, strings, ``torch.Size``, ``range``, iterators, ...).
+
+Needs hypothesis (``pip install 'devicectx[testing]'``); ``import devicectx`` does not
+import this module.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from hypothesis import strategies as st
+from torch.nn.utils.rnn import PackedSequence
+
+from devicectx._resolve import DeviceLike, available_devices, resolve_device
+
+__all__ = [
+    "KINDS",
+    "devices",
+    "kind_of",
+    "nested",
+    "tensors",
+]
+
+_META = torch.device("meta")
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.bool)
+
+
+def devices(*, allow_meta: bool = False) -> st.SearchStrategy[torch.device]:
+    """The devices of this machine (:func:`~devicectx.available_devices`), and ``meta``.
+
+    Args:
+        allow_meta: also draw ``meta``, the second device of a machine without an
+            accelerator: tensors on it have shapes and dtypes but no values.
+    """
+    found = available_devices()
+    return st.sampled_from([*found, _META] if allow_meta else found)
+
+
+_machine_devices = devices  # tensors() takes a parameter of that name
+
+
+def tensors(
+    devices: st.SearchStrategy[torch.device] | Sequence[DeviceLike] | None = None,
+    dtypes: st.SearchStrategy[torch.dtype] | Sequence[torch.dtype] | None = None,
+    shapes: st.SearchStrategy[tuple[int, ...]] | None = None,
+    *,
+    requires_grad: bool = False,
+) -> st.SearchStrategy[torch.Tensor]:
+    """Fresh tensors (no views) with seeded random values.
+
+    Args:
+        devices: a strategy of devices, or a list of device specs; default
+            :func:`devices` (this machine's devices, no ``meta``).
+        dtypes: a strategy of dtypes, or a list; default float32/64/16, int64/32, bool.
+        shapes: a strategy of shapes; default 0 to 3 dimensions of 0 to 4 each.
+        requires_grad: make floating-point tensors leaves that require grad.
+    """
+    device_strategy = _strategy(devices, default=_machine_devices(), convert=resolve_device)
+    dtype_strategy = _strategy(dtypes, default=st.sampled_from(_DTYPES))
+    shape_strategy = shapes if shapes is not None else _SHAPES
+    return st.builds(
+        _make_tensor,
+        shape_strategy,
+        dtype_strategy,
+        device_strategy,
+        st.integers(0, 2**31 - 1),
+        st.just(requires_grad),
+    )
+
+
+def nested(
+    leaves: st.SearchStrategy[torch.Tensor] | None = None,
+    *,
+    max_depth: int = 3,
+    plain_values: bool = True,
+) -> st.SearchStrategy[Any]:
+    """Structures of every container kind :func:`~devicectx.to_device` supports.
+
+    Each example draws a few tensors from ``leaves`` and views of them (slices,
+    transposes, ``expand``, views of views), then builds a container whose tensor leaves
+    are picked from those: so the same tensor shows up at several places, and views show
+    up with or without their base, before or after it. The container kinds are listed in
+    :data:`KINDS`; :func:`kind_of` names the kind of a container. Empty lists, tuples and
+    dicts show up too.
+
+    Args:
+        leaves: the tensors to start from; default :func:`tensors` on the CPU.
+        max_depth: how deep containers nest; 0 gives bare leaves.
+        plain_values: also put non-tensor values among the leaves.
+    """
+    if max_depth < 0:
+        msg = f"nested(max_depth={max_depth}): the depth cannot be negative\nfix: max_depth=3"
+        raise ValueError(msg)
+    source = leaves if leaves is not None else tensors(devices=["cpu"])
+    return _nested(source, max_depth, plain_values)
+
+
+# Container types the strategy builds, beyond the built-in ones.
+
+
+class Pair(NamedTuple):
+    """A namedtuple."""
+
+    first: Any
+    second: Any
+
+
+@dataclasses.dataclass
+class Box:
+    """A mutable dataclass, with a field the constructor does not take."""
+
+    value: Any
+    label: str = "box"
+    late: Any = dataclasses.field(init=False, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenBox:
+    """A frozen dataclass."""
+
+    value: Any
+    other: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlottedBox:
+    """A frozen dataclass with ``__slots__``."""
+
+    value: Any
+
+
+class TaggedList(list[Any]):
+    """A list subclass with an attribute of its own."""
+
+    tag = "tagged"
+
+
+class TupleOf(tuple[Any, ...]):
+    """A tuple subclass that is no namedtuple."""
+
+
+class FrozenMap(Mapping[Any, Any]):
+    """An immutable Mapping, rebuilt through its constructor."""
+
+    def __init__(self, items: Mapping[Any, Any]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._items!r})"
+
+
+KINDS: tuple[str, ...] = (
+    "list",
+    "tuple",
+    "namedtuple",
+    "return_types",
+    "dict",
+    "OrderedDict",
+    "defaultdict",
+    "deque",
+    "set",
+    "frozenset",
+    "dataclass",
+    "frozen dataclass",
+    "slots dataclass",
+    "PackedSequence",
+    "UserDict",
+    "Mapping",
+    "UserList",
+    "list subclass",
+    "tuple subclass",
+)
+"""Every container kind :func:`nested` builds, as :func:`kind_of` names them."""
+
+_KIND_OF_TYPE: dict[type, str] = {
+    list: "list",
+    tuple: "tuple",
+    Pair: "namedtuple",
+    torch.return_types.max: "return_types",
+    dict: "dict",
+    collections.OrderedDict: "OrderedDict",
+    collections.defaultdict: "defaultdict",
+    collections.deque: "deque",
+    set: "set",
+    frozenset: "frozenset",
+    Box: "dataclass",
+    FrozenBox: "frozen dataclass",
+    SlottedBox: "slots dataclass",
+    PackedSequence: "PackedSequence",
+    collections.UserDict: "UserDict",
+    FrozenMap: "Mapping",
+    collections.UserList: "UserList",
+    TaggedList: "list subclass",
+    TupleOf: "tuple subclass",
+}
+
+
+def kind_of(obj: object) -> str | None:
+    """The name (in :data:`KINDS`) of the container kind of ``obj``, or None for a leaf."""
+    return _KIND_OF_TYPE.get(type(obj))
+
+
+_SHAPES = st.lists(st.integers(0, 4), max_size=3).map(tuple)
+
+
+def _strategy(
+    given: Any, *, default: st.SearchStrategy[Any], convert: Callable[[Any], Any] | None = None
+) -> st.SearchStrategy[Any]:
+    if given is None:
+        return default
+    if isinstance(given, st.SearchStrategy):
+        return given
+    values = [convert(v) if convert else v for v in given]
+    return st.sampled_from(values)
+
+
+def _make_tensor(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    requires_grad: bool,
+) -> torch.Tensor:
+    if device.type == "meta":
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        if dtype.is_floating_point:
+            values = torch.randn(shape, generator=generator, dtype=torch.float64)
+        else:
+            values = torch.randint(-3, 4, shape, generator=generator)
+        tensor = values.to(dtype=dtype, device=device)
+    if requires_grad and dtype.is_floating_point:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _view_ops(tensor: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """View-making functions that apply to ``tensor``'s shape."""
+    ops: list[Callable[[torch.Tensor], torch.Tensor]] = [
+        lambda t: t.unsqueeze(0),
+        lambda t: t.view(t.shape),
+        lambda t: t.expand(2, *t.shape),
+    ]
+    if tensor.dim() >= 1 and tensor.shape[0] >= 1:
+        ops += [lambda t: t[1:], lambda t: t[:1], lambda t: t.select(0, t.shape[0] - 1)]
+    if tensor.dim() >= 1:
+        ops.append(lambda t: t[..., ::2])
+    if tensor.dim() >= 2:
+        ops += [lambda t: t.transpose(0, 1), lambda t: t.diagonal()]
+    return ops
+
+
+@st.composite
+def _view(draw: st.DrawFn, base: torch.Tensor) -> torch.Tensor:
+    op = draw(st.sampled_from(_view_ops(base)))
+    return op(base)
+
+
+@st.composite
+def _pool(draw: st.DrawFn, leaves: st.SearchStrategy[torch.Tensor]) -> list[torch.Tensor]:
+    bases = draw(st.lists(leaves, min_size=1, max_size=2))
+    views = draw(st.lists(st.sampled_from(bases).flatmap(_view), max_size=2))
+    if views:  # a view of a view: torch gives it the root base as its _base
+        views += draw(st.lists(st.sampled_from(views).flatmap(_view), max_size=1))
+    # Views of a tensor that is not in the pool, so never in the structure.
+    hidden = draw(st.lists(leaves.flatmap(_view), max_size=1))
+    return bases + views + hidden
+
+
+def _plain_values() -> st.SearchStrategy[Any]:
+    values: list[st.SearchStrategy[Any]] = [
+        st.none(),
+        st.booleans(),
+        st.integers(-5, 5),
+        st.floats(allow_nan=False, width=32),
+        st.text(max_size=3),
+        st.binary(max_size=3),
+        st.sampled_from([torch.float32, torch.int64]),
+        st.just(torch.device("cpu")),
+        st.lists(st.integers(0, 3), max_size=3).map(torch.Size),
+        st.integers(0, 5).map(range),
+        st.lists(st.integers(), max_size=3).map(iter),
+        st.integers(0, 3).map(lambda n: (i for i in range(n))),
+    ]
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional
+        pass
+    else:
+        values.append(st.lists(st.integers(-3, 3), max_size=3).map(np.array))
+    return st.one_of(values)
+
+
+def _hashable_plain() -> st.SearchStrategy[Any]:
+    return st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=3))
+
+
+def _packed(data: torch.Tensor) -> PackedSequence:
+    # One sequence as long as the first dimension: the simplest valid batch_sizes.
+    if data.dim() == 0:
+        data = data.unsqueeze(0)
+    if data.shape[0] == 0:
+        data = torch.zeros(1, dtype=data.dtype, device=data.device)
+    batch_sizes = torch.ones(data.shape[0], dtype=torch.int64)
+    return PackedSequence(data, batch_sizes)
+
+
+def _containers(
+    child: st.SearchStrategy[Any],
+    hashable: st.SearchStrategy[Any],
+    tensor: st.SearchStrategy[torch.Tensor],
+) -> st.SearchStrategy[Any]:
+    keys = st.sampled_from(["a", "b", "mask", "ids", 0, 1])
+    small = st.lists(child, min_size=2, max_size=5)
+    mapping = st.dictionaries(keys, child, min_size=2, max_size=5)
+    return _weighted(
+        [
+            small,
+            small.map(tuple),
+            st.builds(Pair, child, child),
+            st.builds(lambda a, b: torch.return_types.max((a, b)), child, child),
+            mapping,
+            mapping.map(collections.OrderedDict),
+            mapping.map(lambda m: collections.defaultdict(list, m)),
+            st.builds(collections.deque, small, st.sampled_from([None, 5])),
+            st.lists(hashable, max_size=3).map(set),
+            st.lists(hashable, max_size=3).map(frozenset),
+            st.builds(_box, child, child),
+            st.builds(FrozenBox, child, child),
+            st.builds(SlottedBox, child),
+            tensor.map(_packed),
+            mapping.map(collections.UserDict),
+            mapping.map(FrozenMap),
+            small.map(collections.UserList),
+            small.map(TaggedList),
+            small.map(TupleOf),
+            st.sampled_from([list, tuple, dict]).map(lambda empty: empty()),
+        ]
+    )
+
+
+def _weighted(choices: list[st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """One of ``choices``, each as often as it is listed."""
+    return st.sampled_from(choices).flatmap(lambda chosen: chosen)
+
+
+def _box(value: Any, late: Any) -> Box:
+    box = Box(value)
+    box.late = late
+    return box
+
+
+@st.composite
+def _nested(
+    draw: st.DrawFn,
+    leaves: st.SearchStrategy[torch.Tensor],
+    max_depth: int,
+    plain_values: bool,
+) -> Any:
+    pool = draw(_pool(leaves))
+    tensor = st.sampled_from(pool)
+    # Choices are weighted with sampled_from(...).flatmap: one_of would flatten the many
+    # plain-value and container strategies into one uniform choice among them all.
+    leaf = _weighted([tensor, tensor, _plain_values()]) if plain_values else tensor
+    hashable = _weighted([tensor, _hashable_plain()]) if plain_values else tensor
+    # The top is a container; below, a container twice as often as a leaf.
+    node: st.SearchStrategy[Any] = leaf
+    for level in range(max_depth):
+        containers = _containers(node, hashable, tensor)
+        node = (
+            containers
+            if level == max_depth - 1
+            else _weighted([containers, containers, containers, leaf])
+        )
+    return draw(node)

@@ -1,0 +1,154 @@
+"""The benchmark script's quick mode runs and writes every section, so it cannot rot.
+
+No timing is asserted: the figures of a quick run on a shared machine mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS_WITH_CASES = ("decorator", "move", "find_devices", "scope")
+STATUSES = {"ok", "not available", "error"}
+PEERS = ("send_to_device", "apply_to_collection", "optree.tree_map", "TensorDict.to")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One quick run of the script in a fresh interpreter: its output, JSON and markdown."""
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items() if k not in ("DEVICECTX_DEVICE", "LOCAL_RANK")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench.py"),
+            "--quick",
+            "--json",
+            str(out / "figures.json"),
+            "--markdown",
+            str(out / "report.md"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert 0 == done.returncode, done.stderr
+    return {
+        "stdout": done.stdout,
+        "json": json.loads((out / "figures.json").read_text()),
+        "markdown": (out / "report.md").read_text(),
+    }
+
+
+def _subjects(report: dict[str, Any], section: str) -> dict[str, dict[str, Any]]:
+    return {
+        f"{case}/{name}": figures
+        for case, body in report[section]["cases"].items()
+        for name, figures in body["subjects"].items()
+    }
+
+
+def test_json_has_every_section(run: dict[str, Any]) -> None:
+    """The JSON holds the environment, the rows and the five sections of issue 7, and more."""
+    expected = {
+        "environment",
+        "rows",
+        "decorator",
+        "move",
+        "find_devices",
+        "scope",
+        "import",
+        "transfer",
+    }
+    assert expected == set(run["json"])
+
+
+@pytest.mark.parametrize("section", SECTIONS_WITH_CASES)
+def test_every_subject_ran_or_says_why_not(run: dict[str, Any], section: str) -> None:
+    """Each subject has a known status, and a median exactly when it ran; none crashed."""
+    subjects = _subjects(run["json"], section)
+    assert subjects
+    for name, figures in subjects.items():
+        assert figures["status"] in STATUSES, name
+        assert (figures["status"] == "ok") == (figures["median_ns"] is not None), name
+        assert "error" != figures["status"], (name, figures["detail"])
+
+
+def test_sections_cover_the_cases_of_the_issue(run: dict[str, Any]) -> None:
+    """Decorator and move sections cover the flat, nested and two many-leaf trees."""
+    report = run["json"]
+    decorator = report["decorator"]["cases"]
+    assert ["flat3", "nested"] == list(decorator)[:2]
+    assert 4 == len(decorator)
+    assert [*decorator, "aliased_10"] == list(report["move"]["cases"])
+    assert list(decorator) == list(report["find_devices"]["cases"])
+    assert 3 == len(report["scope"]["cases"])
+
+
+def test_peers_all_ran(run: dict[str, Any]) -> None:
+    """The installed peers are measured in the decorator and move sections."""
+    for section in ("decorator", "move"):
+        for case in run["json"][section]["cases"].values():
+            for peer in PEERS:
+                assert "ok" == case["subjects"][peer]["status"], (section, peer)
+
+
+def test_scope_section_has_every_context(run: dict[str, Any]) -> None:
+    """Each torch call is timed with no scope, in torch's scopes and in on_device's."""
+    contexts = ["no scope", "torch.device(meta)", "on_device(meta)"]
+    contexts += ["torch.device(cpu)", "on_device(cpu)"]
+    for case in run["json"]["scope"]["cases"].values():
+        assert contexts == list(case["subjects"])
+
+
+def test_peers_copy_an_aliased_tensor_once_per_reference(run: dict[str, Any]) -> None:
+    """Copies are counted: each peer turns one tensor reachable 10 times into 10."""
+    copies = run["json"]["move"]["cases"]["aliased_10"]["copies"]
+    assert {peer: 10 for peer in PEERS} == {peer: copies[peer] for peer in PEERS}
+
+
+def test_import_cost_measured_in_a_fresh_process(run: dict[str, Any]) -> None:
+    """The import section measured ``import devicectx`` after ``import torch``."""
+    ours = run["json"]["import"]["devicectx"]
+    assert "ok" == ours["status"]
+    assert ours["median_ms"] > 0
+
+
+def test_transfer_skipped_without_accelerator(run: dict[str, Any]) -> None:
+    """Without an accelerator the transfer section says so instead of measuring."""
+    transfer = run["json"]["transfer"]
+    if torch.accelerator.is_available():
+        assert "cases" in transfer
+    else:
+        assert {"skipped": "no accelerator"} == transfer
+
+
+def test_every_row_is_complete(run: dict[str, Any]) -> None:
+    """Every row has what, devicectx, peers, ratio, target and met; met only with a target."""
+    fields = {"section", "what", "ours", "peers", "ratio", "target", "met"}
+    rows = run["json"]["rows"]
+    assert rows
+    for row in rows:
+        assert fields <= set(row), row
+        assert row["met"] in {"yes", "no", "not available", "n/a", ""}, row
+        assert (row["met"] == "") == (row["target"] == ""), row
+
+
+def test_markdown_printed_and_written(run: dict[str, Any]) -> None:
+    """The same markdown report is printed and written, starting with the summary table."""
+    header = "| section | what | devicectx | peers | ratio | target | met |"
+    assert run["markdown"].startswith("# devicectx benchmark\n")
+    assert header in run["markdown"]
+    assert run["markdown"] in run["stdout"]
+    assert len(run["json"]["rows"]) == run["markdown"].split("\n## ")[0].count("\n| ") - 2

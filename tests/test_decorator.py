@@ -1,0 +1,841 @@
+"""``@device_agnostic``: binding forms, target choice, moving and checking, scopes, threads, GC."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import threading
+import weakref
+from collections import namedtuple
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from devicectx import DeviceMismatchError, InvalidDeviceError, device_agnostic, on_device
+from devicectx._context import active_device
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+Pair = namedtuple("Pair", ["first", "second"])
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    tag: str
+
+
+def allocated() -> torch.device:
+    """Where a factory call without ``device=`` allocates right now."""
+    return torch.zeros(1).device
+
+
+def devices_of(*tensors: torch.Tensor) -> list[torch.device]:
+    """The device of each tensor, in order."""
+    return [t.device for t in tensors]
+
+
+class Net(nn.Module):
+    """A small model whose forward is decorated in the class body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    @device_agnostic
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), torch.zeros(2)
+
+
+# --- binding forms ---------------------------------------------------------------------
+
+
+def test_bare_form_runs_on_the_inputs_device() -> None:
+    """Bare ``@device_agnostic``: inputs that agree choose the device, and the body follows."""
+
+    @device_agnostic
+    def body(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.zeros(1)
+
+    x = torch.ones(2, device="meta")
+    same, new = body(x)
+    assert same is x
+    assert META == new.device
+    assert CPU == allocated()
+
+
+def test_called_form_with_no_arguments() -> None:
+    """``@device_agnostic()`` behaves as the bare form."""
+
+    @device_agnostic()
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(1)
+
+    assert META == body(torch.ones(1, device="meta")).device
+
+
+def test_keeps_name_doc_wrapped_and_signature() -> None:
+    """The decorated function reads as the original: name, qualname, doc, signature."""
+
+    def loss(pred: torch.Tensor, target: torch.Tensor, *, weight: float = 1.0) -> torch.Tensor:
+        """Mean squared error."""
+        return pred
+
+    decorated = device_agnostic(device="meta")(loss)
+    assert "loss" == decorated.__name__
+    assert loss.__qualname__ == decorated.__qualname__
+    assert "Mean squared error." == decorated.__doc__
+    assert loss is decorated.__wrapped__  # type: ignore[attr-defined]
+    assert inspect.signature(loss) == inspect.signature(decorated)
+
+
+def test_generator_and_async_functions_are_still_recognised() -> None:
+    """inspect still tells generator and async functions apart after decoration."""
+
+    @device_agnostic
+    def gen() -> Iterator[int]:
+        yield 1
+
+    @device_agnostic
+    async def coro() -> int:
+        return 1
+
+    assert inspect.isgeneratorfunction(gen)
+    assert inspect.iscoroutinefunction(coro)
+
+
+def test_instance_method() -> None:
+    """A method of a plain class: ``self`` is bound, the tensor arguments move."""
+
+    class Scaler:
+        def __init__(self) -> None:
+            self.factor = 2.0
+
+        @device_agnostic(device="meta")
+        def scale(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.factor
+
+    scaler = Scaler()
+    assert META == scaler.scale(torch.ones(2)).device
+    assert META == Scaler.scale(scaler, torch.ones(2)).device
+
+
+@pytest.mark.parametrize("order", ["outside", "inside"])
+def test_classmethod(order: str) -> None:
+    """A classmethod, with the decorator outside or inside ``@classmethod``."""
+    if order == "outside":
+
+        class Maker:
+            @device_agnostic(device="meta")
+            @classmethod
+            def make(cls, x: torch.Tensor) -> tuple[type, torch.Tensor]:
+                return cls, x
+
+    else:
+
+        class Maker:  # type: ignore[no-redef]
+            @classmethod
+            @device_agnostic(device="meta")
+            def make(cls, x: torch.Tensor) -> tuple[type, torch.Tensor]:
+                return cls, x
+
+    cls, x = Maker.make(torch.ones(1))
+    assert Maker is cls
+    assert META == x.device
+    assert META == Maker().make(torch.ones(1))[1].device
+
+
+@pytest.mark.parametrize("order", ["outside", "inside"])
+def test_staticmethod(order: str) -> None:
+    """A staticmethod, called on the class and on an instance."""
+    if order == "outside":
+
+        class Tools:
+            @device_agnostic(device="meta")
+            @staticmethod
+            def double(x: torch.Tensor) -> torch.Tensor:
+                return x * 2
+
+    else:
+
+        class Tools:  # type: ignore[no-redef]
+            @staticmethod
+            @device_agnostic(device="meta")
+            def double(x: torch.Tensor) -> torch.Tensor:
+                return x * 2
+
+    assert META == Tools.double(torch.ones(1)).device
+    assert META == Tools().double(torch.ones(1)).device
+
+
+def test_module_forward_follows_the_module() -> None:
+    """``forward`` decorated in the class body: inputs go to the module's device."""
+    net = Net().to("meta")
+    out, new = net(torch.ones(2))
+    assert [META, META] == devices_of(out, new)
+
+
+def test_decorating_a_class_is_refused() -> None:
+    """A class is not a function: the error says to decorate its methods."""
+    with pytest.raises(TypeError, match="decorate the methods"):
+        device_agnostic(Net)
+
+
+def test_malformed_device_fails_at_decoration() -> None:
+    """A malformed ``device=`` is a bug in the decorating code: it fails at once."""
+    with pytest.raises(InvalidDeviceError):
+        device_agnostic(device="gpu")
+
+
+# --- which device ------------------------------------------------------------------------
+
+
+def test_device_argument_beats_the_module() -> None:
+    """``device=`` wins; a module elsewhere is an error, never moved."""
+
+    @device_agnostic(device="meta")
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(DeviceMismatchError):
+        step(model, torch.ones(2))
+    assert CPU == model.weight.device
+
+
+def test_device_argument_beats_on_device() -> None:
+    """``device=`` wins over an enclosing ``on_device`` block."""
+
+    @device_agnostic(device="meta")
+    def body(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.zeros(1)
+
+    with on_device("cpu"):
+        assert [META, META] == devices_of(*body(torch.ones(1)))
+
+
+def test_module_beats_on_device() -> None:
+    """The module's device wins over an enclosing ``on_device`` block."""
+
+    @device_agnostic
+    def step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.zeros(1)
+
+    with on_device("cpu"):
+        assert [META, META] == devices_of(*step(nn.Linear(2, 2).to("meta"), torch.ones(2)))
+
+
+def test_instance_beats_module_arguments() -> None:
+    """For a module's method, the instance chooses, not a module passed in."""
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        @device_agnostic
+        def distill(self, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    student = Student().to("meta")
+    teacher = nn.Linear(2, 2)
+    assert META == student.distill(teacher, torch.ones(2)).device
+    assert CPU == teacher.weight.device
+
+
+def test_first_module_argument_chooses() -> None:
+    """The first module argument chooses; later ones are neither checked nor moved."""
+
+    @device_agnostic
+    def step(model: nn.Module, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    teacher = nn.Linear(2, 2)
+    assert META == step(nn.Linear(2, 2).to("meta"), teacher, x=torch.ones(2)).device
+    assert CPU == teacher.weight.device
+
+
+def test_module_passed_by_keyword_chooses() -> None:
+    """A module passed by keyword counts as a module argument."""
+
+    @device_agnostic
+    def step(x: torch.Tensor, model: nn.Module) -> torch.Tensor:
+        return x
+
+    assert META == step(torch.ones(2), model=nn.Linear(2, 2).to("meta")).device
+
+
+def test_data_parallel_is_looked_through() -> None:
+    """A DataParallel-wrapped model chooses by the model it holds."""
+
+    @device_agnostic
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    wrapped = nn.DataParallel(nn.Linear(2, 2).to("meta"))
+    assert META == step(wrapped, torch.ones(2)).device
+
+
+def test_module_moved_between_calls_is_followed() -> None:
+    """Nothing about the module is cached: after ``model.to``, the next call follows it."""
+    net = Net()
+    assert CPU == net(torch.ones(2))[0].device
+    net.to("meta")
+    assert META == net(torch.ones(2))[0].device
+
+
+def test_module_without_parameters_does_not_choose() -> None:
+    """A module with no parameters or buffers has no device: the next rule decides."""
+
+    @device_agnostic
+    def step(act: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(1)
+
+    with on_device("meta"):
+        assert META == step(nn.ReLU(), torch.ones(2)).device
+
+
+def test_module_spread_over_devices_is_refused() -> None:
+    """A module whose parameters are on several devices raises before the body runs."""
+    net = Net()
+    net.lin.bias = nn.Parameter(torch.zeros(2, device="meta"))
+    with pytest.raises(DeviceMismatchError) as error:
+        net(torch.ones(2))
+    assert {CPU: ["self.lin.weight"], META: ["self.lin.bias"]} == error.value.devices
+    assert error.value.target is None
+
+
+def test_on_device_beats_the_inputs() -> None:
+    """Inside ``on_device``, inputs elsewhere are moved to its device."""
+
+    @device_agnostic
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    with on_device("meta"):
+        assert META == body(torch.ones(1)).device
+
+
+def test_torch_default_device_is_not_on_device() -> None:
+    """torch's own default (``set_default_device``) does not choose: only on_device does."""
+
+    @device_agnostic
+    def body(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.zeros(1)
+
+    with torch.device("cpu"):
+        x, new = body(torch.ones(1, device="meta"))
+    assert [META, META] == devices_of(x, new)
+
+
+def test_nested_decorated_call_follows_the_outer_scope() -> None:
+    """A decorated function called from a decorated body sees the outer target."""
+
+    @device_agnostic
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @device_agnostic(device="meta")
+    def outer(x: torch.Tensor) -> torch.device | None:
+        assert META == inner(torch.ones(1)).device
+        return active_device()
+
+    assert META == outer(torch.ones(1))
+    assert active_device() is None
+
+
+def test_inputs_that_disagree_are_refused() -> None:
+    """With no rule to choose, inputs on two devices raise before the body runs."""
+    ran = []
+
+    @device_agnostic
+    def body(a: torch.Tensor, b: torch.Tensor) -> None:
+        ran.append(True)
+
+    with pytest.raises(DeviceMismatchError) as error:
+        body(torch.ones(1), torch.ones(1, device="meta"))
+    assert [] == ran
+    assert {CPU: ["a"], META: ["b"]} == error.value.devices
+
+
+def test_cpu_scalars_do_not_disagree() -> None:
+    """A 0-dim CPU tensor next to meta tensors does not count: the call runs on meta."""
+
+    @device_agnostic(move=False)
+    def body(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * scale, torch.zeros(1)
+
+    scale = torch.tensor(2.0)
+    out, new = body(torch.ones(2, device="meta"), scale)
+    assert [META, META] == devices_of(out, new)
+    assert CPU == scale.device
+
+
+def test_no_tensors_no_scope() -> None:
+    """A call without tensors and with no rule naming a device runs where it is."""
+
+    @device_agnostic
+    def body(n: int) -> torch.Tensor:
+        return torch.zeros(n)
+
+    assert CPU == body(2).device
+
+
+def test_auto_follows_the_environment_at_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device="auto"`` is resolved per call, so DEVICECTX_DEVICE changes are seen."""
+
+    @device_agnostic(device="auto")
+    def body() -> torch.Tensor:
+        return torch.zeros(1)
+
+    monkeypatch.setenv("DEVICECTX_DEVICE", "meta")
+    assert META == body().device
+    monkeypatch.setenv("DEVICECTX_DEVICE", "cpu")
+    assert CPU == body().device
+
+
+# --- moving and checking -----------------------------------------------------------------
+
+
+def test_nested_arguments_are_moved_and_not_mutated() -> None:
+    """Every tensor at any depth moves; containers keep their types; inputs are untouched."""
+    seen: list[Any] = []
+
+    @device_agnostic(device="meta")
+    def body(batch: dict[str, Any], pair: Pair, data: Batch, n: int, *, name: str) -> None:
+        seen.extend([batch, pair, data, n, name])
+
+    ids = torch.ones(2)
+    batch = {"x": [ids, (torch.ones(1),)], "note": "keep"}
+    pair = Pair(torch.ones(1), 3)
+    data = Batch(ids=torch.ones(2), mask=torch.ones(2), tag="t")
+    body(batch, pair, data, 5, name="n")
+    moved_batch, moved_pair, moved_data, n, name = seen
+    assert [META, META] == devices_of(moved_batch["x"][0], moved_batch["x"][1][0])
+    assert "keep" == moved_batch["note"]
+    assert Pair is type(moved_pair)
+    assert [META, META] == devices_of(moved_pair.first, moved_data.ids)
+    assert Batch is type(moved_data)
+    assert (5, "n") == (n, name)
+    assert CPU == batch["x"][0].device  # type: ignore[index]
+    assert ids is batch["x"][0]  # type: ignore[index]
+
+
+def test_tensor_passed_twice_is_moved_once() -> None:
+    """Aliasing across arguments is kept: one tensor in, one moved tensor out."""
+
+    @device_agnostic(device="meta")
+    def body(a: torch.Tensor, b: dict[str, torch.Tensor]) -> bool:
+        return a is b["same"]
+
+    x = torch.ones(2)
+    assert body(x, {"same": x})
+
+
+def test_tensors_already_on_target_are_not_copied() -> None:
+    """A tensor already on the target arrives as the same object."""
+
+    @device_agnostic(device="meta")
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    x = torch.ones(1, device="meta")
+    assert x is body(x)
+
+
+def test_move_false_passes_when_all_on_target() -> None:
+    """``move=False`` and everything on the target: the call runs with the same objects."""
+
+    @device_agnostic(device="meta", move=False)
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    x = torch.ones(1, device="meta")
+    assert x is body(x)
+
+
+def test_move_false_refuses_before_the_body() -> None:
+    """``move=False`` and a tensor elsewhere: the body never runs, arguments unchanged."""
+    ran = []
+
+    @device_agnostic(device="meta", move=False)
+    def body(x: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        ran.append(True)
+
+    x = torch.ones(1, device="meta")
+    batch = {"mask": torch.ones(1)}
+    with pytest.raises(DeviceMismatchError) as error:
+        body(x, batch)
+    assert [] == ran
+    assert {META: ["x"], CPU: ["batch['mask']"]} == error.value.devices
+    assert META == error.value.target
+    assert CPU == batch["mask"].device
+
+
+def test_module_argument_is_never_moved() -> None:
+    """Tensors move to the module's device; the module itself stays the same object."""
+
+    @device_agnostic
+    def step(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, torch.Tensor]:
+        return model, x
+
+    model = nn.Linear(2, 2).to("meta")
+    weight = model.weight
+    same, x = step(model, torch.ones(2))
+    assert model is same
+    assert weight is model.weight
+    assert META == x.device
+
+
+def test_module_inside_a_container_is_never_moved() -> None:
+    """A module nested in an argument stays where it is; the tensors around it move."""
+
+    @device_agnostic(device="meta")
+    def body(parts: list[Any]) -> list[Any]:
+        return parts
+
+    layer = nn.Linear(2, 2)
+    moved = body([layer, torch.ones(1)])
+    assert layer is moved[0]
+    assert (CPU, META) == (layer.weight.device, moved[1].device)
+
+
+@pytest.mark.parametrize("how", ["position", "keyword"])
+def test_exclude_by_name(how: str) -> None:
+    """Excluded parameters are neither moved nor checked, by position or by keyword."""
+
+    @device_agnostic(device="meta", move=False, exclude=("keep",))
+    def body(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return keep
+
+    keep = torch.ones(1)
+    x = torch.ones(1, device="meta")
+    assert keep is (body(x, keep) if how == "position" else body(x, keep=keep))
+
+
+def test_exclude_keeps_values_in_place_while_others_move() -> None:
+    """With ``move=True``, the excluded argument stays; the others move around it."""
+
+    @device_agnostic(device="meta", exclude="cache")
+    def body(
+        x: torch.Tensor, cache: torch.Tensor, y: torch.Tensor, *, z: torch.Tensor
+    ) -> list[torch.device]:
+        return devices_of(x, cache, y, z)
+
+    assert [META, CPU, META, META] == body(
+        torch.ones(1), torch.ones(1), torch.ones(1), z=torch.ones(1)
+    )
+
+
+def test_exclude_varargs_and_varkw() -> None:
+    """Naming ``*args`` or ``**kwargs`` excludes all that they collect."""
+
+    @device_agnostic(device="meta", exclude=("rest", "extra"))
+    def body(x: torch.Tensor, *rest: torch.Tensor, **extra: torch.Tensor) -> list[torch.device]:
+        return devices_of(x, *rest, *extra.values())
+
+    assert [META, CPU, CPU, CPU] == body(
+        torch.ones(1), torch.ones(1), torch.ones(1), e=torch.ones(1)
+    )
+
+
+def test_exclude_on_a_method_counts_from_after_self() -> None:
+    """For a method, positions are counted without ``self``."""
+
+    class Holder:
+        @device_agnostic(device="meta", exclude=("keep",))
+        def run(self, x: torch.Tensor, keep: torch.Tensor) -> list[torch.device]:
+            return devices_of(x, keep)
+
+    assert [META, CPU] == Holder().run(torch.ones(1), torch.ones(1))
+
+
+def test_exclude_unknown_name_is_refused() -> None:
+    """A name the function does not take is a typo: refused at decoration."""
+
+    def loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return pred
+
+    with pytest.raises(ValueError, match="'lables'"):
+        device_agnostic(exclude=("lables",))(loss)
+
+
+# --- output and scope ----------------------------------------------------------------
+
+
+def test_output_input_returns_to_where_inputs_came_from() -> None:
+    """``output="input"``: a result made elsewhere goes back to the inputs' device."""
+
+    @device_agnostic(output="input")
+    def body(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"made": torch.zeros(1, device="cpu"), "same": x}
+
+    x = torch.ones(1, device="meta")
+    result = body(x)
+    assert META == result["made"].device
+    assert x is result["same"]
+
+
+def test_output_device_moves_the_result() -> None:
+    """``output=<device>`` moves the result there, whatever the target."""
+
+    @device_agnostic(device="cpu", output="meta")
+    def body(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.zeros(1)
+
+    assert [META, META] == devices_of(*body(torch.ones(1)))
+
+
+def test_output_none_leaves_the_result() -> None:
+    """The default ``output=None`` leaves the result where the body put it."""
+
+    @device_agnostic(device="meta")
+    def body() -> torch.Tensor:
+        return torch.zeros(1, device="cpu")
+
+    assert CPU == body().device
+
+
+def test_scope_false_leaves_the_default_device() -> None:
+    """``scope=False``: inputs move, but the body's own tensors follow torch's default."""
+
+    @device_agnostic(device="meta", scope=False)
+    def body(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.zeros(1)
+
+    assert [META, CPU] == devices_of(*body(torch.ones(1)))
+
+
+def test_scope_is_left_on_exception() -> None:
+    """An exception in the body leaves the scope: the default device is restored."""
+
+    @device_agnostic(device="meta")
+    def body() -> None:
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        body()
+    assert CPU == allocated()
+
+
+# --- generators and async ------------------------------------------------------------
+
+
+def test_generator_is_scoped_at_each_resume_and_output_per_item() -> None:
+    """The device is entered at every resume and left at every yield; items are placed."""
+
+    @device_agnostic(device="cpu", output="meta")
+    def gen(x: torch.Tensor) -> Iterator[torch.Tensor]:
+        for _ in range(3):
+            assert CPU == allocated()
+            yield torch.zeros(1, device="cpu")
+
+    x = torch.ones(1)
+    with on_device("meta"):
+        items = []
+        for item in gen(x):
+            assert META == allocated()
+            items.append(item.device)
+    assert [META, META, META] == items
+
+
+def test_generator_send_throw_and_return() -> None:
+    """send, throw and the return value pass through the scoped generator."""
+
+    @device_agnostic(device="meta")
+    def gen() -> Iterator[Any]:
+        received = yield torch.zeros(1)
+        try:
+            yield received
+        except KeyError:
+            yield "caught"
+        return "done"
+
+    it = gen()
+    assert META == next(it).device
+    assert "hi" == it.send("hi")
+    assert "caught" == it.throw(KeyError("k"))
+    with pytest.raises(StopIteration) as stop:
+        next(it)
+    assert "done" == stop.value.value
+    assert CPU == allocated()
+
+
+def test_generator_inputs_are_checked_at_the_call() -> None:
+    """A generator's inputs are checked when it is called, before any item is asked for."""
+
+    @device_agnostic(device="meta", move=False)
+    def gen(x: torch.Tensor) -> Iterator[int]:
+        yield 1
+
+    with pytest.raises(DeviceMismatchError):
+        gen(torch.ones(1))
+
+
+def test_async_function() -> None:
+    """An async function's body runs scoped, and ``output=`` applies to the awaited result."""
+
+    @device_agnostic(device="cpu", output="meta")
+    async def work(x: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+        await asyncio.sleep(0)
+        return allocated(), torch.zeros(1, device="cpu")
+
+    x = torch.ones(1)
+    with on_device("meta"):
+        inside, result = asyncio.run(work(x))
+    assert (CPU, META) == (inside, result.device)
+
+
+def test_async_tasks_keep_their_own_targets() -> None:
+    """Two interleaved decorated coroutines each see their own device."""
+
+    @device_agnostic
+    async def work(x: torch.Tensor, hops: int) -> list[torch.device]:
+        seen = []
+        for _ in range(hops):
+            await asyncio.sleep(0)
+            seen.append(allocated())
+        return seen
+
+    async def main() -> list[list[torch.device]]:
+        return list(
+            await asyncio.gather(work(torch.ones(1, device="meta"), 4), work(torch.ones(1), 4))
+        )
+
+    assert [[META] * 4, [CPU] * 4] == asyncio.run(main())
+
+
+def test_async_generator() -> None:
+    """An async generator is scoped at each resume; items are placed by ``output=``."""
+
+    @device_agnostic(device="cpu", output="meta")
+    async def agen() -> AsyncIterator[tuple[torch.device, torch.Tensor]]:
+        for _ in range(2):
+            await asyncio.sleep(0)
+            yield allocated(), torch.zeros(1, device="cpu")
+
+    async def main() -> list[tuple[torch.device, torch.device]]:
+        return [(inside, item.device) async for inside, item in agen()]
+
+    assert [(CPU, META), (CPU, META)] == asyncio.run(main())
+
+
+# --- threads and garbage ----------------------------------------------------------------
+
+
+def test_threads_each_see_their_own_target() -> None:
+    """Eight threads calling one decorated function concurrently never see each other."""
+
+    @device_agnostic
+    def body(x: torch.Tensor) -> torch.device:
+        return allocated()
+
+    barrier = threading.Barrier(8)
+    results: dict[int, list[torch.device]] = {}
+
+    def run(index: int) -> None:
+        x = torch.ones(1, device="meta" if index % 2 else "cpu")
+        barrier.wait()
+        results[index] = [body(x) for _ in range(200)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected = {i: [META if i % 2 else CPU] * 200 for i in range(8)}
+    assert expected == results
+
+
+def make_decorated() -> Callable[[torch.Tensor], torch.Tensor]:
+    """A fresh function, decorated, with nothing else holding it."""
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.zeros(1)
+
+    return device_agnostic(device="meta")(body)
+
+
+@pytest.mark.parametrize("calls", [0, 2])
+def test_decorated_function_is_freed_without_the_cycle_collector(calls: int) -> None:
+    """Dropping the last reference frees the wrapper and the function: no reference cycle."""
+    gc.collect()
+    gc.disable()
+    try:
+        decorated = make_decorated()
+        for _ in range(calls):
+            decorated(torch.ones(1))
+        wrapper_ref = weakref.ref(decorated)
+        function_ref = weakref.ref(decorated.__wrapped__)  # type: ignore[attr-defined]
+        del decorated
+        assert wrapper_ref() is None
+        assert function_ref() is None
+    finally:
+        gc.enable()
+
+
+def test_failed_call_leaves_no_cycle() -> None:
+    """A call that raises DeviceMismatchError leaves nothing to the cycle collector."""
+    gc.collect()
+    gc.disable()
+    try:
+
+        @device_agnostic(move=False, device="meta")
+        def body(x: torch.Tensor) -> None:
+            pass
+
+        with pytest.raises(DeviceMismatchError):
+            body(torch.ones(1))
+        ref = weakref.ref(body)
+        del body
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+# --- a real accelerator (skipped without one) ------------------------------------------
+
+
+def accelerator() -> torch.device:
+    """This machine's accelerator at its current index."""
+    found = torch.accelerator.current_accelerator()
+    assert found is not None
+    return torch.device(found.type, torch.accelerator.current_device_index())
+
+
+@pytest.mark.requires_device("cuda")
+def test_cuda_round_trip_with_output_input() -> None:
+    """CPU tensors in, the work on the GPU, CPU tensors back: the case ``"input"`` is for."""
+    gpu = accelerator()
+
+    @device_agnostic(device=gpu, output="input", non_blocking=True)
+    def work(x: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
+        return x * 2 + torch.ones(2), allocated()
+
+    result, inside = work(torch.ones(2))
+    assert (CPU, gpu) == (result.device, inside)
+    assert [3.0, 3.0] == result.tolist()
+
+
+@pytest.mark.requires_device("cuda")
+def test_cuda_module_chooses_and_mismatch_names_it() -> None:
+    """A model on the GPU draws CPU inputs to it; with move=False they are refused."""
+    gpu = accelerator()
+    net = Net().to(gpu)
+    out, new = net(torch.ones(2))
+    assert [gpu, gpu] == devices_of(out, new)
+
+    @device_agnostic(move=False)
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model.lin(x)
+
+    with pytest.raises(DeviceMismatchError) as error:
+        step(net, torch.ones(2))
+    assert {CPU: ["x"]} == error.value.devices

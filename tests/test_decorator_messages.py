@@ -1,0 +1,285 @@
+"""Every message ``@device_agnostic`` writes, asserted line by line, and its attributes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from devicectx import DeviceMismatchError, device_agnostic, on_device
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+def lines_of(error: pytest.ExceptionInfo[BaseException]) -> list[str]:
+    """The message of a caught error, line by line."""
+    return str(error.value).splitlines()
+
+
+def on_meta(*shape: int) -> torch.Tensor:
+    """A tensor on the meta device."""
+    return torch.ones(*shape, device="meta")
+
+
+class Model(nn.Module):
+    """A module whose forward refuses to move anything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    @device_agnostic(move=False)
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor, **named: torch.Tensor) -> None:
+        pass
+
+
+def test_off_target_with_decorator_device() -> None:
+    """move=False: the devices with their paths, the target and why, the fix as code."""
+
+    @device_agnostic(move=False, device="meta")
+    def loss(pred: torch.Tensor, batch: dict[str, Any], target: torch.Tensor) -> None:
+        pass
+
+    batch = {"mask": on_meta(2), "labels": [torch.ones(2)] * 2}
+    with pytest.raises(DeviceMismatchError) as error:
+        loss(on_meta(2), batch, torch.ones(2))
+    assert [
+        "test_off_target_with_decorator_device.<locals>.loss() got tensors on 2 devices:",
+        "    meta <- pred, batch['mask']",
+        "    cpu  <- batch['labels'][0], batch['labels'][1], target",
+        'target meta (from @device_agnostic(device="meta"))',
+        'fix: pass to_device(batch, "meta"), target.to("meta"), '
+        "or use @device_agnostic(move=True) to move inputs",
+    ] == lines_of(error)
+    assert {
+        META: ["pred", "batch['mask']"],
+        CPU: ["batch['labels'][0]", "batch['labels'][1]", "target"],
+    } == error.value.devices
+    assert META == error.value.target
+    assert '@device_agnostic(device="meta")' == error.value.reason
+
+
+def test_off_target_from_the_module() -> None:
+    """The module chose the target; ``*args`` and keyword paths are named as written."""
+    model = Model().to("meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        model(torch.ones(2), on_meta(2), torch.ones(3), k=torch.ones(2))
+    assert [
+        "Model.forward() got tensors on 2 devices:",
+        "    meta <- extra[0]",
+        "    cpu  <- x, extra[1], k",
+        "target meta (from the parameters of self (Model))",
+        'fix: pass x.to("meta"), to_device(extra, "meta"), k.to("meta"), '
+        "or use @device_agnostic(move=True) to move inputs",
+    ] == lines_of(error)
+    assert "the parameters of self (Model)" == error.value.reason
+
+
+def test_off_target_from_on_device() -> None:
+    """All tensors on one other device; the target came from an on_device block."""
+
+    @device_agnostic(move=False)
+    def loss(pred: torch.Tensor, target: torch.Tensor) -> None:
+        pass
+
+    x = torch.ones(2)
+    with on_device("meta"), pytest.raises(DeviceMismatchError) as error:
+        loss(x, x)
+    assert [
+        "test_off_target_from_on_device.<locals>.loss() got tensors on 1 device:",
+        "    cpu <- pred, target",
+        "target meta (from the innermost on_device block)",
+        'fix: pass pred.to("meta"), target.to("meta"), '
+        "or use @device_agnostic(move=True) to move inputs",
+    ] == lines_of(error)
+
+
+def test_off_target_with_auto_says_why() -> None:
+    """``device="auto"``: the reason says why auto chose what it chose."""
+
+    @device_agnostic(move=False, device="auto")
+    def run(x: torch.Tensor) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        run(on_meta(1))
+    lines = lines_of(error)
+    assert [
+        "test_off_target_with_auto_says_why.<locals>.run() got tensors on 1 device:",
+        "    meta <- x",
+    ] == lines[:2]
+    assert lines[2].startswith('target cpu (from @device_agnostic(device="auto"): ')
+    assert 'fix: pass x.to("cpu"), or use @device_agnostic(move=True) to move inputs' == lines[3]
+
+
+def test_long_path_lists_are_cut() -> None:
+    """More than six paths on a device: the first six, then how many more."""
+
+    @device_agnostic
+    def run(a: torch.Tensor, b: torch.Tensor, *, c: list[torch.Tensor]) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        run(torch.ones(2), on_meta(2), c=[torch.ones(2)] * 8)
+    assert "    cpu  <- a, c[0], c[1], c[2], c[3], c[4] and 3 more" == lines_of(error)[1]
+    assert 9 == len(error.value.devices[CPU])
+
+
+def test_many_fixes_are_cut() -> None:
+    """More than three arguments to move: the fix names three, then an ellipsis."""
+
+    @device_agnostic(move=False, device="meta")
+    def run(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        run(*[torch.ones(1)] * 4)
+    assert (
+        'fix: pass a.to("meta"), b.to("meta"), c.to("meta"), ..., '
+        "or use @device_agnostic(move=True) to move inputs"
+    ) == lines_of(error)[-1]
+
+
+def test_inputs_disagree_with_nothing_to_choose() -> None:
+    """No rule chose a target: the message says so and how to name one."""
+
+    @device_agnostic
+    def run(a: torch.Tensor, b: torch.Tensor) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        run(torch.ones(2), on_meta(2))
+    assert [
+        "test_inputs_disagree_with_nothing_to_choose.<locals>.run() got tensors on 2 devices:",
+        "    cpu  <- a",
+        "    meta <- b",
+        "no target: no device= argument, no nn.Module involved and no on_device block "
+        "to choose one",
+        'fix: name the device with @device_agnostic(device="cpu"), or call '
+        "test_inputs_disagree_with_nothing_to_choose.<locals>.run() inside "
+        '`with on_device("cpu"):`',
+    ] == lines_of(error)
+    assert error.value.target is None
+
+
+def test_module_not_on_the_target() -> None:
+    """A module elsewhere than ``device=``: named, with the call that fixes it."""
+
+    @device_agnostic(device="meta")
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        step(nn.Linear(2, 2), torch.ones(2))
+    assert [
+        "test_module_not_on_the_target.<locals>.step() got model (Linear) on cpu, "
+        "not on its target:",
+        "    cpu <- model",
+        'target meta (from @device_agnostic(device="meta"))',
+        'fix: model.to("meta") before calling test_module_not_on_the_target.<locals>.step(): '
+        "modules are never moved implicitly",
+    ] == lines_of(error)
+    assert {CPU: ["model"]} == error.value.devices
+
+
+def test_module_spread_over_devices() -> None:
+    """A module on two devices: each parameter path, as Python code would write it."""
+
+    @device_agnostic
+    def step(x: torch.Tensor, model: nn.Module) -> None:
+        pass
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].to("meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        step(torch.ones(2), model=model)
+    assert [
+        "test_module_spread_over_devices.<locals>.step() got model (Sequential) "
+        "with parameters on 2 devices:",
+        "    cpu  <- model[0].weight, model[0].bias",
+        "    meta <- model[1].weight, model[1].bias",
+        "no target: a module must be on one device",
+        'fix: model.to("cpu") before calling test_module_spread_over_devices.<locals>.step(): '
+        "modules are never moved implicitly",
+    ] == lines_of(error)
+
+
+def test_method_module_spread_names_self() -> None:
+    """For a method, the module is ``self``."""
+    model = Model()
+    model.lin.bias = nn.Parameter(on_meta(2))
+    with pytest.raises(DeviceMismatchError) as error:
+        model(torch.ones(2))
+    assert [
+        "Model.forward() got self (Model) with parameters on 2 devices:",
+        "    cpu  <- self.lin.weight",
+        "    meta <- self.lin.bias",
+        "no target: a module must be on one device",
+        'fix: self.to("cpu") before calling Model.forward(): modules are never moved implicitly',
+    ] == lines_of(error)
+
+
+def test_unknown_exclude_name() -> None:
+    """A name the function does not take: which, what it does take, and the fix."""
+
+    def loss(pred: torch.Tensor, labels: torch.Tensor, *, weight: float = 1.0) -> None:
+        pass
+
+    with pytest.raises(ValueError) as error:  # noqa: PT011 - the message is checked below
+        device_agnostic(exclude=("lables", "x"))(loss)
+    assert [
+        "@device_agnostic(exclude=...) names 'lables', 'x', which "
+        "test_unknown_exclude_name.<locals>.loss() does not take "
+        "(it takes 'pred', 'labels', 'weight')",
+        "fix: exclude only parameters of test_unknown_exclude_name.<locals>.loss(), by name",
+    ] == lines_of(error)
+
+
+def test_unmovable_argument_names_the_parameter() -> None:
+    """A tensor that cannot be moved: the move engine's error names the parameter path.
+
+    The wording is the move engine's (tested line by line there); here, that the path
+    starts at the parameter and the fix names ``exclude=`` with it.
+    """
+
+    @device_agnostic(device="cpu")
+    def run(x: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        pass
+
+    with pytest.raises(RuntimeError) as error:
+        run(torch.ones(1), {"mask": on_meta(1)})
+    lines = lines_of(error)
+    assert "could not move batch['mask'] (" in lines[0]
+    assert "@device_agnostic(exclude=('batch',))" in lines[-1]
+
+
+def test_decorator_frames_are_hidden_from_pytest() -> None:
+    """pytest's traceback of a mismatch shows the caller, not devicectx's wrapper frames."""
+
+    @device_agnostic(move=False, device="meta")
+    def run(x: torch.Tensor) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        run(torch.ones(1))
+    shown = [str(entry.path) for entry in error.traceback.filter(error)]
+    assert [] == [path for path in shown if "devicectx" in path and "tests" not in path]
+
+
+def test_module_argument_of_a_method_is_named_by_its_parameter() -> None:
+    """In a method of a plain class, a module argument is named by its parameter."""
+
+    class Trainer:
+        @device_agnostic(device="meta")
+        def step(self, model: nn.Module, x: torch.Tensor) -> None:
+            pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        Trainer().step(nn.Linear(2, 2), torch.ones(2))
+    assert (
+        "test_module_argument_of_a_method_is_named_by_its_parameter.<locals>.Trainer.step() "
+        "got model (Linear) on cpu, not on its target:"
+    ) == lines_of(error)[0]

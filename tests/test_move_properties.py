@@ -1,0 +1,209 @@
+"""The guarantees of ``to_device``, over generated structures of every container kind.
+
+The structures come from :mod:`devicectx.testing.strategies`: every kind ``to_device``
+supports, nested, with the same tensor at several places, views with and without their
+base (before it or after it), and plain values. They are moved from cpu (or meta) to meta,
+and each guarantee is checked with a walk written here, independent of the engine's own.
+The properties are checked on the engine's recursive walk; its explicit-stack walk (used
+below a depth of 100) is checked to give the same results, by forcing it from the top.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from torch.nn.utils.rnn import PackedSequence
+
+from devicectx import _rebuild, find_devices, to_device
+from devicectx.testing.strategies import nested, tensors
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+batches = nested(tensors(devices=["cpu"]))
+mixed_batches = nested(tensors(devices=["cpu", "meta"]))
+grad_batches = nested(tensors(devices=["cpu"], dtypes=[torch.float32], requires_grad=True))
+
+
+def children(obj: Any) -> list[tuple[Any, Any]] | None:
+    """``(key, child)`` pairs of a container the strategies build; None for a leaf."""
+    if isinstance(obj, (torch.Tensor, torch.Size, str, bytes)):
+        return None
+    if isinstance(obj, PackedSequence):  # batch_sizes stays on the CPU, by design
+        return [
+            ("data", obj.data),
+            ("sorted_indices", obj.sorted_indices),
+            ("unsorted_indices", obj.unsorted_indices),
+        ]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    if isinstance(obj, Mapping):
+        return list(obj.items())
+    if isinstance(obj, (set, frozenset)):
+        return [(None, member) for member in obj]  # no positions: the order is arbitrary
+    if isinstance(obj, (list, tuple, collections.deque, collections.UserList)):
+        return list(enumerate(obj))
+    return None
+
+
+def skeleton(obj: Any) -> Any:
+    """The structure: types and keys, tensors by shape/dtype/grad, other leaves by identity."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tuple(obj.shape), obj.dtype, obj.requires_grad, type(obj))
+    pairs = children(obj)
+    if pairs is None:
+        return ("leaf", id(obj))
+    if isinstance(obj, (set, frozenset)):
+        members = collections.Counter(repr(skeleton(member)) for _, member in pairs)
+        return (type(obj), sorted(members.items()))
+    extra = obj.batch_sizes.device if isinstance(obj, PackedSequence) else None
+    return (type(obj), extra, [(key, skeleton(child)) for key, child in pairs])
+
+
+def placed(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every tensor with its position, preorder; members of sets have no position."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    for key, child in children(obj) or ():
+        if isinstance(obj, (set, frozenset)):
+            yield from ((None, t) for _, t in placed(child, ()))
+        else:
+            yield from placed(child, (*path, key))
+
+
+def positioned(obj: Any) -> list[torch.Tensor]:
+    """Every tensor that has a position (not in a set), in preorder."""
+    return [tensor for path, tensor in placed(obj) if path is not None]
+
+
+def all_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor, set members included."""
+    return [tensor for _, tensor in placed(obj)]
+
+
+def unordered(path: str) -> str:
+    """``path`` without set members' positions, which depend on the members' hashes."""
+    return re.sub(r"\)\[\d+\]", ")[_]", path)
+
+
+def span(tensor: torch.Tensor) -> int:
+    """Bytes from the first to the last element of ``tensor`` in its storage."""
+    if tensor.numel() == 0:
+        return 0
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return (last + 1) * tensor.element_size()
+
+
+@given(batches)
+def test_same_structure_types_and_plain_values(batch: Any) -> None:
+    """The result has the input's structure and types; non-tensors come back by identity."""
+    assert skeleton(batch) == skeleton(to_device(batch, META))
+
+
+@given(mixed_batches)
+def test_every_tensor_lands_on_target(batch: Any) -> None:
+    """Every tensor of the result is on the target, and find_devices lists the same paths."""
+    before = find_devices(batch)
+    moved = to_device(batch, "meta")
+    assert {t.device for t in all_tensors(moved)} <= {META}
+    expected = sorted(unordered(path) for paths in before.values() for path in paths)
+    assert expected == sorted(unordered(path) for path in find_devices(moved).get(META, []))
+
+
+@given(mixed_batches)
+def test_input_unchanged(batch: Any) -> None:
+    """Moving leaves the input as it was: same structure, same tensors, same devices."""
+    shape_before = skeleton(batch)
+    tensors_before = [(path, t, t.device) for path, t in placed(batch)]
+    to_device(batch, META)
+    assert shape_before == skeleton(batch)
+    assert tensors_before == [(path, t, t.device) for path, t in placed(batch)]
+
+
+@given(batches)
+def test_aliasing_kept(batch: Any) -> None:
+    """Places holding one tensor hold one moved tensor; places holding two hold two."""
+    moved = to_device(batch, META)
+    before, after = positioned(batch), positioned(moved)
+    assert len(before) == len(after)
+    for i, (a, a_moved) in enumerate(zip(before, after, strict=True)):
+        for b, b_moved in zip(before[i + 1 :], after[i + 1 :], strict=True):
+            assert (a is b) == (a_moved is b_moved)
+
+
+@given(batches)
+def test_views_of_present_tensors_stay_views(batch: Any) -> None:
+    """A view whose base is in the structure is a view of the moved base, same geometry."""
+    moved = to_device(batch, META)
+    pairs = list(zip(positioned(batch), positioned(moved), strict=True))
+    result_of = {id(t): t_moved for t, t_moved in pairs}
+    for t, t_moved in pairs:
+        base = t._base
+        if base is not None and id(base) in result_of and t.numel() > 0:
+            assert t_moved._base is result_of[id(base)]
+            geometry = (t.shape, t.stride(), t.storage_offset())
+            assert geometry == (t_moved.shape, t_moved.stride(), t_moved.storage_offset())
+
+
+@given(batches)
+def test_views_without_their_base_move_only_what_the_structure_holds(batch: Any) -> None:
+    """A view whose base is absent is not copied with its base: only its own elements,
+    or those of the largest tensor of the structure on the same base."""
+    moved = to_device(batch, META)
+    present = {id(t) for t in all_tensors(batch)}
+    by_root: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+    for t in all_tensors(batch):
+        by_root[id(t._base if t._base is not None else t)].append(t)
+    for t, t_moved in zip(positioned(batch), positioned(moved), strict=True):
+        if t._base is None or id(t._base) in present:
+            continue
+        # .to makes an overlapping view (expand) dense: then its own elements, in full.
+        largest = max(t.numel() * t.element_size(), *(span(s) for s in by_root[id(t._base)]))
+        assert t_moved.untyped_storage().nbytes() <= largest
+
+
+@given(mixed_batches)
+def test_moving_twice_is_moving_once(batch: Any) -> None:
+    """A second move returns the first result itself: nothing is copied again."""
+    once = to_device(batch, META)
+    assert to_device(once, META) is once
+
+
+@given(batches)
+def test_nothing_to_move_returns_the_input(batch: Any) -> None:
+    """A structure already on the target comes back as the very same object."""
+    assert to_device(batch, CPU) is batch
+
+
+@given(grad_batches)
+def test_autograd_kept(batch: Any) -> None:
+    """requires_grad is kept, and every moved tensor that requires grad has history."""
+    moved = to_device(batch, META)
+    for t, t_moved in zip(positioned(batch), positioned(moved), strict=True):
+        assert t.requires_grad == t_moved.requires_grad
+        if t_moved.requires_grad:
+            assert t_moved.grad_fn is not None
+
+
+@given(batches)
+def test_explicit_stack_walk_gives_the_same(batch: Any) -> None:
+    """The walk used for deep structures gives what the recursive walk gives."""
+    recursive = to_device(batch, META)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_rebuild, "_DEPTH", -1)
+        explicit = to_device(batch, META)
+    assert skeleton(recursive) == skeleton(explicit)
+    pairs = list(zip(positioned(recursive), positioned(explicit), strict=True))
+    for i, (a, a_explicit) in enumerate(pairs):
+        assert (a._base is None) == (a_explicit._base is None)
+        for b, b_explicit in pairs[i + 1 :]:
+            assert (a is b) == (a_explicit is b_explicit)
+            assert (a._base is b) == (a_explicit._base is b_explicit)
