@@ -12,7 +12,7 @@ The fix, in two parts:
   inlines whatever that attribute holds in place of the object, both for a function it
   meets as a value and for a method it finds on a class (``Module.forward``): the hook
   ``torch.jit.script`` and ``torch.compile`` use for their own wrappers. It is private to
-  dynamo: checked on torch 2.6 to 2.13 (``torch/_dynamo/variables/builder.py`` and
+  dynamo: checked on torch 2.13 (``torch/_dynamo/variables/builder.py`` and
   ``variables/user_defined.py``); the tests in ``tests/test_decorator_compile.py`` catch a
   torch that drops it.
 - :func:`traced_call` is the decorator's call written for dynamo: no context variables,

@@ -15,7 +15,7 @@ from devicectx._resolve import DeviceLike, available_devices, resolve_device
 _META = torch.device("meta")
 
 # torch.testing.assert_close's default tolerances by dtype (private there, as
-# torch.testing._comparison._DTYPE_PRECISIONS; checked on torch 2.6 to 2.13). Any other
+# torch.testing._comparison._DTYPE_PRECISIONS; checked on torch 2.13). Any other
 # dtype (integers, bool) must match exactly.
 _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (1e-3, 1e-5),
