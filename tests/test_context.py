@@ -14,6 +14,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from devicectx import DeviceUnavailableError, InvalidDeviceError, current_device, on_device
 from devicectx._context import active_device
+from devicectx.testing.strategies import devices
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -189,9 +190,8 @@ def test_block_over_a_global_default_restores_it() -> None:
 
 # ---- property: any sequence of nested blocks ----
 
-block_plans = st.lists(
-    st.tuples(st.sampled_from(["cpu", "meta"]), st.booleans()), min_size=1, max_size=12
-)
+# Every device of this machine, and meta: the second device where there is no accelerator.
+block_plans = st.lists(st.tuples(devices(allow_meta=True), st.booleans()), min_size=1, max_size=12)
 
 
 class _Planned(Exception):
@@ -200,9 +200,9 @@ class _Planned(Exception):
 
 @given(start=st.sampled_from([None, "meta"]), plan=block_plans)
 def test_any_nesting_sees_its_own_device_and_restores(
-    start: str | None, plan: list[tuple[str, bool]]
+    start: str | None, plan: list[tuple[torch.device, bool]]
 ) -> None:
-    """Nested blocks over {cpu, meta}, some left by exceptions: each level sees its own device.
+    """Nested blocks over {cpu, meta, ...}, some left by exceptions: each sees its own device.
 
     After the outermost block the starting default (set or not) is back.
     """
@@ -211,13 +211,13 @@ def test_any_nesting_sees_its_own_device_and_restores(
         expected_start = torch.device(start or "cpu")
 
         def run(level: int) -> None:
-            spec, raises = plan[level]
+            device, raises = plan[level]
             try:
-                with on_device(spec):
-                    assert torch.device(spec) == allocated()
+                with on_device(device):
+                    assert device == allocated()
                     if level + 1 < len(plan):
                         run(level + 1)
-                    assert torch.device(spec) == allocated()
+                    assert device == allocated()
                     if raises:
                         raise _Planned
             except _Planned:
@@ -233,10 +233,8 @@ def test_any_nesting_sees_its_own_device_and_restores(
 # ---- threads ----
 
 
-@given(
-    plans=st.lists(st.lists(st.sampled_from(["cpu", "meta"]), max_size=6), min_size=8, max_size=8)
-)
-def test_threads_see_only_their_own_blocks(plans: list[list[str]]) -> None:
+@given(plans=st.lists(st.lists(devices(allow_meta=True), max_size=6), min_size=8, max_size=8))
+def test_threads_see_only_their_own_blocks(plans: list[list[torch.device]]) -> None:
     """Eight threads inside random nested blocks at the same moment each see only their own."""
     barrier = threading.Barrier(len(plans))
     seen: dict[int, list[torch.device]] = {}
@@ -264,7 +262,7 @@ def test_threads_see_only_their_own_blocks(plans: list[list[str]]) -> None:
     for thread in threads:
         thread.join()
     for index, plan in enumerate(plans):
-        levels = [torch.device(spec) for spec in plan]
+        levels = list(plan)
         innermost = levels[-1] if levels else CPU
         assert [*levels, innermost, *reversed(levels), CPU] == seen[index]
 
