@@ -24,7 +24,7 @@ from devicectx._context import active_device, pop_nested, push_nested
 from devicectx._inputs import Held, scan
 from devicectx._params import Params
 from devicectx._resolve import DeviceLike
-from devicectx._resumed import async_resumed, awaited, resumed
+from devicectx._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
 from devicectx._target import (
     DeviceOption,
     Spread,
@@ -205,6 +205,8 @@ class _Plan:
             if inspect.iscoroutinefunction(function)
             else _FUNCTION
         )
+        if self.kind == _GENERATOR:
+            disable_resume_under_compile()
 
     def call(
         self,

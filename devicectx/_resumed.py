@@ -46,20 +46,30 @@ def resumed(
         return stop.value
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
-def _resume(step: Callable[[], Any], target: torch.device | None) -> Any:
-    """One resume of a generator, in the target's scope.
-
-    dynamo, advancing a decorated generator inside compiled code, would trace into the
-    scope (context variables, torch's mode stack); disabled, each resume runs eagerly
-    there: a graph break, and the same semantics as without ``torch.compile``.
-    """
+def _resume_scoped(step: Callable[[], Any], target: torch.device | None) -> Any:
+    """One resume of a generator, in the target's scope."""
     scope = push_nested(target) if target is not None else None
     try:
         return step()
     finally:
         if scope is not None:
             pop_nested(scope)
+
+
+_resume: Callable[[Callable[[], Any], torch.device | None], Any] = _resume_scoped
+
+
+def disable_resume_under_compile() -> None:
+    """Make each resume run eagerly when compiled code advances a decorated generator.
+
+    dynamo would otherwise trace into the scope (context variables, torch's mode stack);
+    disabled, a resume is a graph break with the same meaning as without
+    ``torch.compile``. Called when a generator function is decorated, not at import:
+    ``torch.compiler.disable`` imports dynamo, a second on top of ``import torch``.
+    """
+    global _resume
+    if _resume is _resume_scoped:
+        _resume = torch.compiler.disable(_resume_scoped)  # type: ignore[no-untyped-call]
 
 
 async def awaited(
