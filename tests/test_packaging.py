@@ -44,6 +44,15 @@ def test_import_pulls_in_neither_hypothesis_nor_pytest() -> None:
     assert "[]" == result.stdout.strip()
 
 
+def test_import_does_not_load_dynamo() -> None:
+    """``import devicectx`` adds milliseconds to ``import torch``: dynamo loads only when used."""
+    code = "import sys, devicectx; print(sorted({'torch._dynamo', 'sympy'} & set(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert "[]" == result.stdout.strip()
+
+
 def test_readme_has_exactly_two_setup_commands() -> None:
     """The README gives two set-up commands: run the quickstart, and run the tests."""
     assert 2 == len(SETUP_COMMANDS), SETUP_COMMANDS
