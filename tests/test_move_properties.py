@@ -21,7 +21,7 @@ import torch
 from hypothesis import given
 from torch.nn.utils.rnn import PackedSequence
 
-from devicectx import _rebuild, find_devices, to_device
+from devicectx import _rebuild, _walk, find_devices, to_device
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
@@ -207,3 +207,13 @@ def test_explicit_stack_walk_gives_the_same(batch: Any) -> None:
         for b, b_explicit in pairs[i + 1 :]:
             assert (a is b) == (a_explicit is b_explicit)
             assert (a._base is b) == (a_explicit._base is b_explicit)
+
+
+@given(batch=mixed_batches)
+def test_find_devices_fast_path_agrees_with_the_full_walk(batch: Any) -> None:
+    """find_devices (a recursive fast path for plain dicts, lists and tuples, the full walk
+    for the rest) lists the same devices and paths, in the same order, as iter_tensors."""
+    full: dict[torch.device, list[str]] = {}
+    for path, tensor in _walk.iter_tensors(batch, "batch", modules=True):
+        full.setdefault(tensor.device, []).append(path)
+    assert full == find_devices(batch, name="batch")
