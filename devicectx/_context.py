@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from collections.abc import AsyncGenerator, Callable, Generator
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -24,6 +24,7 @@ import torch
 
 from devicectx import _torch_modes
 from devicectx._resolve import DeviceLike, accelerator_type, resolve_device, with_index
+from devicectx._resumed import async_resumed, resumed
 from devicectx._torch_modes import _len_torch_function_stack
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -271,26 +272,9 @@ class on_device:
     def _wrap_generator(self, func: Callable[..., Generator[Any, Any, Any]]) -> Callable[..., Any]:
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
-            resumed = _Resumed(resolve_device(self.spec))
-            with resumed:
-                inner = func(*args, **kwargs)
-            step: Callable[[], Any] = functools.partial(inner.send, None)
-            try:
-                while True:
-                    with resumed:
-                        item = step()
-                    try:
-                        sent = yield item
-                    except GeneratorExit:
-                        with resumed:
-                            inner.close()
-                        raise
-                    except BaseException as error:
-                        step = functools.partial(inner.throw, error)
-                    else:
-                        step = functools.partial(inner.send, sent)
-            except StopIteration as stop:
-                return stop.value
+            enter = functools.partial(push_device, resolve_device(self.spec))
+            inner = func(*args, **kwargs)  # runs none of the body yet
+            return (yield from resumed(inner, enter, pop_device))
 
         return run
 
@@ -298,42 +282,8 @@ class on_device:
         self, func: Callable[..., AsyncGenerator[Any, Any]]
     ) -> Callable[..., Any]:
         @functools.wraps(func)
-        async def run(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
-            resumed = _Resumed(resolve_device(self.spec))
-            with resumed:
-                inner = func(*args, **kwargs)
-            step: Callable[[], Awaitable[Any]] = functools.partial(inner.asend, None)
-            while True:
-                try:
-                    with resumed:
-                        item = await step()
-                except StopAsyncIteration:
-                    return
-                try:
-                    sent = yield item
-                except GeneratorExit:
-                    with resumed:
-                        await inner.aclose()
-                    raise
-                except BaseException as error:
-                    step = functools.partial(inner.athrow, error)
-                else:
-                    step = functools.partial(inner.asend, sent)
+        def run(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
+            enter = functools.partial(push_device, resolve_device(self.spec))
+            return async_resumed(func(*args, **kwargs), enter, pop_device)
 
         return run
-
-
-class _Resumed:
-    """Enters an already-resolved device for one resume of a decorated generator."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.scope: _Scope | None = None
-
-    def __enter__(self) -> None:
-        self.scope = push_device(self.device)
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.scope is not None
-        pop_device(self.scope)
-        self.scope = None

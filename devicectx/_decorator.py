@@ -400,9 +400,15 @@ class _Plan:
     ) -> Any:
         """Call a generator or async function: its body runs later, scoped at each resume."""
         scoped = target if self.scope else None
+        enter = _no_scope if scoped is None else functools.partial(push_nested, scoped)
+        place = None if back is None else functools.partial(self.place, back=back)
         inner = wrapped(*args, **kwargs)  # runs none of the body yet
         if self.kind == _GENERATOR:
-            return resumed(self, inner, scoped, back)
+            return resumed(inner, enter, pop_nested, place)
         if self.kind == _COROUTINE:
-            return awaited(self, inner, scoped, back)
-        return async_resumed(self, inner, scoped, back)
+            return awaited(inner, enter, pop_nested, place)
+        return async_resumed(inner, enter, pop_nested, place)
+
+
+def _no_scope() -> None:
+    """The scope of a call with ``scope=False`` or no target: none."""

@@ -1,42 +1,40 @@
-"""Generators and async functions under ``@device_agnostic``: the body runs later.
+"""Generators and coroutines whose body must run inside a device scope: it runs later.
 
-Their body does not run at the call, but at each ``next``, ``send`` or ``await``, so the
-device scope is entered at every resume and left at every yield (a suspended generator
-must not leak its device to its caller), and ``output=`` applies to each item.
+Their body does not run at the call but at each ``next``, ``send`` or ``await``, so the
+scope is entered at every resume and left at every yield: a suspended generator must not
+leak its device to its caller. ``on_device`` and ``@device_agnostic`` both drive theirs
+here; each passes how to enter and leave its scope, and the decorator how to place items
+(``output=``).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import AsyncGenerator, Callable, Coroutine, Generator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from devicectx._context import pop_nested, push_nested
-
-
-class _Places(Protocol):
-    """What the drivers need of the decorator's plan: how to place an item by ``output=``."""
-
-    def place(self, result: Any, back: torch.device) -> Any: ...
+Enter = Callable[[], Any]
+"""Enters the scope; what it returns is handed to the matching ``Leave``."""
+Leave = Callable[[Any], None]
 
 
 def resumed(
-    plan: _Places,
     inner: Generator[Any, Any, Any],
-    target: torch.device | None,
-    back: torch.device | None,
+    enter: Enter,
+    leave: Leave,
+    place: Callable[[Any], Any] | None = None,
 ) -> Generator[Any, Any, Any]:
-    """Drive ``inner``, entering the target at every resume and leaving it at every yield."""
+    """Drive ``inner``: in the scope at every resume (and at close), out of it at yields."""
     step: Callable[[], Any] = functools.partial(inner.send, None)
     try:
         while True:
-            item = _resume(step, target)
+            item = _resume(step, enter, leave)
             try:
-                sent = yield (item if back is None else plan.place(item, back))
+                sent = yield (item if place is None else place(item))
             except GeneratorExit:
-                inner.close()
+                _resume(inner.close, enter, leave)
                 raise
             except BaseException as error:
                 step = functools.partial(inner.throw, error)
@@ -46,17 +44,16 @@ def resumed(
         return stop.value
 
 
-def _resume_scoped(step: Callable[[], Any], target: torch.device | None) -> Any:
-    """One resume of a generator, in the target's scope."""
-    scope = push_nested(target) if target is not None else None
+def _resume_scoped(step: Callable[[], Any], enter: Enter, leave: Leave) -> Any:
+    """One resume of a generator, in its scope."""
+    scope = enter()
     try:
         return step()
     finally:
-        if scope is not None:
-            pop_nested(scope)
+        leave(scope)
 
 
-_resume: Callable[[Callable[[], Any], torch.device | None], Any] = _resume_scoped
+_resume: Callable[[Callable[[], Any], Enter, Leave], Any] = _resume_scoped
 
 
 def disable_resume_under_compile() -> None:
@@ -73,42 +70,45 @@ def disable_resume_under_compile() -> None:
 
 
 async def awaited(
-    plan: _Places,
     inner: Coroutine[Any, Any, Any],
-    target: torch.device | None,
-    back: torch.device | None,
+    enter: Enter,
+    leave: Leave,
+    place: Callable[[Any], Any] | None = None,
 ) -> Any:
-    # The context keeps each task's scopes apart, so one push around the await suffices.
-    scope = push_nested(target) if target is not None else None
+    """Await ``inner`` in the scope: the context keeps each task's scopes apart, so one
+    entry around the whole await suffices."""
+    scope = enter()
     try:
         result = await inner
     finally:
-        if scope is not None:
-            pop_nested(scope)
-    return result if back is None else plan.place(result, back)
+        leave(scope)
+    return result if place is None else place(result)
 
 
 async def async_resumed(
-    plan: _Places,
     inner: AsyncGenerator[Any, Any],
-    target: torch.device | None,
-    back: torch.device | None,
+    enter: Enter,
+    leave: Leave,
+    place: Callable[[Any], Any] | None = None,
 ) -> AsyncGenerator[Any, Any]:
-    """Drive an async generator, scoped at every resume, each item placed by ``output=``."""
+    """:func:`resumed` for an async generator."""
     step: Callable[[], Any] = functools.partial(inner.asend, None)
     while True:
-        scope = push_nested(target) if target is not None else None
+        scope = enter()
         try:
             item = await step()
         except StopAsyncIteration:
             return
         finally:
-            if scope is not None:
-                pop_nested(scope)
+            leave(scope)
         try:
-            sent = yield (item if back is None else plan.place(item, back))
+            sent = yield (item if place is None else place(item))
         except GeneratorExit:
-            await inner.aclose()
+            scope = enter()
+            try:
+                await inner.aclose()
+            finally:
+                leave(scope)
             raise
         except BaseException as error:
             step = functools.partial(inner.athrow, error)
