@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import AsyncGenerator, Callable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -281,9 +281,26 @@ class on_device:
     def _wrap_async_generator(
         self, func: Callable[..., AsyncGenerator[Any, Any]]
     ) -> Callable[..., Any]:
+        # An async generator function itself (not a function returning one), so that
+        # inspect.isasyncgenfunction, which frameworks test, still says True.
         @functools.wraps(func)
-        def run(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
+        async def run(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
             enter = functools.partial(push_device, resolve_device(self.spec))
-            return async_resumed(func(*args, **kwargs), enter, pop_device)
+            driver = async_resumed(func(*args, **kwargs), enter, pop_device)
+            step: Callable[[], Awaitable[Any]] = functools.partial(driver.asend, None)
+            while True:
+                try:
+                    item = await step()
+                except StopAsyncIteration:
+                    return
+                try:
+                    sent = yield item
+                except GeneratorExit:
+                    await driver.aclose()
+                    raise
+                except BaseException as error:
+                    step = functools.partial(driver.athrow, error)
+                else:
+                    step = functools.partial(driver.asend, sent)
 
         return run

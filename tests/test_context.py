@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import AsyncIterator, Iterator
 
@@ -447,6 +448,53 @@ def test_decorated_async_generator() -> None:
         return [(item, allocated()) async for item in stream()]
 
     assert [(META, CPU), (META, CPU)] == asyncio.run(main())
+
+
+def test_decorated_async_generator_forwards_asend_athrow_and_aclose() -> None:
+    """asend, athrow and aclose reach the decorated async generator, on its device."""
+    events: list[object] = []
+
+    @on_device("meta")
+    async def echo() -> AsyncIterator[object]:
+        try:
+            received = yield "ready"
+            while True:
+                try:
+                    received = yield (received, allocated())
+                except KeyError as error:
+                    events.append(("caught", allocated()))
+                    received = error.args[0]
+        finally:
+            events.append(("closed", allocated()))
+
+    async def main() -> list[object]:
+        gen = echo()
+        seen: list[object] = [await gen.asend(None), await gen.asend(1)]
+        seen.append(await gen.athrow(KeyError("k")))
+        seen.append(allocated())
+        await gen.aclose()
+        return seen
+
+    assert ["ready", (1, META), ("k", META), CPU] == asyncio.run(main())
+    assert [("caught", META), ("closed", META)] == events
+
+
+def test_decorated_functions_keep_their_kind() -> None:
+    """inspect still sees a generator, coroutine or async generator function."""
+
+    def gen() -> Iterator[int]:
+        yield 1
+
+    async def coro() -> int:
+        return 1
+
+    async def agen() -> AsyncIterator[int]:
+        yield 1
+
+    meta = on_device("meta")
+    assert inspect.isgeneratorfunction(meta(gen))
+    assert inspect.iscoroutinefunction(meta(coro))
+    assert inspect.isasyncgenfunction(meta(agen))
 
 
 def test_decorating_a_class_is_refused() -> None:
