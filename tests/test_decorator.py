@@ -10,6 +10,7 @@ import weakref
 from collections import namedtuple
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -281,6 +282,26 @@ def test_data_parallel_is_looked_through() -> None:
 
     wrapped = nn.DataParallel(nn.Linear(2, 2).to("meta"))
     assert META == step(wrapped, torch.ones(2)).device
+
+
+def test_distributed_data_parallel_is_looked_through(tmp_path: Path) -> None:
+    """A DDP-wrapped model (a real one-process gloo group) chooses by the model it holds."""
+    import torch.distributed as dist
+
+    @device_agnostic(move=False)
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))  # on the CPU
+        assert CPU == step(wrapped, torch.ones(2)).device
+        with pytest.raises(DeviceMismatchError) as info:
+            step(wrapped, torch.ones(2, device="meta"))
+        assert CPU == info.value.target
+    finally:
+        dist.destroy_process_group()
 
 
 def test_module_moved_between_calls_is_followed() -> None:
