@@ -232,7 +232,8 @@ class _Plan:
             module = instance
         if module is not None and uniform:
             offset = 1 if instance is not None and type(wrapped) is MethodType else 0
-            target = self._target(module, instance, args, kwargs, offset)
+            requested = target if option is not None else None
+            target = self._target(module, requested, instance, args, kwargs, offset)
         if uniform and (first is None or target is None or first == target):
             if target is None:
                 target = first
@@ -280,7 +281,8 @@ class _Plan:
         if instance is not None and isinstance(instance, _Module):
             module = instance
         if module is not None:  # rule 2, between them
-            target = self._target(module, instance, args, kwargs, offset)
+            requested = target if option is not None else None
+            target = self._target(module, requested, instance, args, kwargs, offset)
         home = first
         if not uniform:  # the slow path: which tensors are where, by name
             found = self._found(seen_args, seen_kwargs, offset)
@@ -314,15 +316,18 @@ class _Plan:
     def _target(
         self,
         module: nn.Module,
+        requested: torch.device | None,
         instance: object,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         offset: int,
     ) -> torch.device | None:
-        """Rules 1 to 3 where a module is involved; ``None`` leaves the choice to the inputs."""
+        """Rules 1 to 3 where a module is involved; ``None`` leaves the choice to the inputs.
+
+        ``requested`` is the decorator's ``device=``, already resolved for this call.
+        """
         __tracebackhide__ = True
-        option = self.device
-        target = option.resolve() if option is not None else None
+        option, target = self.device, requested
         device = module_device(unwrap(module))
         if device is Spread.SPREAD or (
             device is not None and target is not None and device != target

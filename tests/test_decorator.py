@@ -285,7 +285,12 @@ def test_data_parallel_is_looked_through() -> None:
 
 
 def test_distributed_data_parallel_is_looked_through(tmp_path: Path) -> None:
-    """A DDP-wrapped model (a real one-process gloo group) chooses by the model it holds."""
+    """A DDP-wrapped model (a real one-process gloo group) chooses the target and is checked.
+
+    DDP's parameters are its model's, so this shows the wrapper works end to end, not
+    that it is looked through (which only the device it reports could show, and that is
+    the same either way).
+    """
     import torch.distributed as dist
 
     @device_agnostic(move=False)
