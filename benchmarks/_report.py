@@ -144,11 +144,21 @@ def render(report: dict[str, Any]) -> str:
     """The whole report as markdown: the summary table, then every measurement."""
     lines = _summary(report)
     for name in ("decorator", "move", "find_devices", "scope"):
+        if name not in report:  # left out with --only
+            continue
         lines += ["", f"## {name}", ""]
         lines += _table(["case", "subject", "median", "min", "loops", "notes"],
                         _subject_lines(report[name]))  # fmt: skip
-    lines += ["", "## import (fresh processes, after `import torch`)", ""]
-    imports = {"devicectx": report["import"]["devicectx"], **report["import"]["peers"]}
+    if "import" in report:
+        lines += _imports(report["import"])
+    if "transfer" in report:
+        lines += _transfer(report["transfer"])
+    return "\n".join(lines) + "\n"
+
+
+def _imports(section: dict[str, Any]) -> list[str]:
+    lines = ["", "## import (fresh processes, after `import torch`)", ""]
+    imports = {"devicectx": section["devicectx"], **section["peers"]}
     lines += _table(
         ["module", "median", "runs", "torch itself", "other packages it loads", "torch modules"],
         (
@@ -159,8 +169,11 @@ def render(report: dict[str, Any]) -> str:
             for name, i in imports.items()
         ),
     )  # fmt: skip
-    lines += ["", "## transfer (host to accelerator)", ""]
-    transfer = report["transfer"]
+    return lines
+
+
+def _transfer(transfer: dict[str, Any]) -> list[str]:
+    lines = ["", "## transfer (host to accelerator)", ""]
     if "skipped" in transfer:
         lines.append(f"skipped: {transfer['skipped']}")
     else:
@@ -168,4 +181,4 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"device {transfer['device']}; nominal {nominal or 'not given'} GB/s")
         lines += ["", *_table(["case", "subject", "median", "min", "loops", "notes"],
                               _subject_lines(transfer))]  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return lines

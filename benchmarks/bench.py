@@ -375,6 +375,9 @@ def _environment(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     }
 
 
+_SECTIONS = ("decorator", "move", "find_devices", "scope", "import", "transfer")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every section, print the markdown report, write the JSON; return 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -382,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="where to write the figures (JSON)")
     parser.add_argument("--markdown", type=Path, help="also write the markdown report here")
     parser.add_argument("--nominal-gbps", type=float, help="the accelerator's host link, GB/s")
+    parser.add_argument(
+        "--only", action="append", choices=_SECTIONS, help="run this section only (repeatable)"
+    )
     args = parser.parse_args(argv)
     here = Path(__file__).resolve().parent
     json_path = args.json or here / ("results-quick.json" if args.quick else "results.json")
@@ -402,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         ("transfer", lambda: section_transfer(config, args.quick, args.nominal_gbps)),
     ]
     for name, run in steps:
+        if args.only and name not in args.only:
+            continue
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
         sections[name], new_rows = run()
         rows.extend(new_rows)

@@ -160,16 +160,20 @@ class _Never:
 FAST_LIST: type = list
 FAST_TUPLE: type = tuple
 FAST_DICT: type = dict
+PLAIN_BUILTINS = True
+"""Whether dict, list and tuple are all unregistered: the walkers' recursive fast paths
+take them as they are only then."""
 
 
 def _reset_cache() -> None:
-    global FAST_LIST, FAST_TUPLE, FAST_DICT
+    global FAST_LIST, FAST_TUPLE, FAST_DICT, PLAIN_BUILTINS
     _CACHE.clear()
     _CACHE.update(dict.fromkeys(_PLAIN_LEAVES, LEAF_KIND))
     _CACHE[torch.Tensor] = TENSOR_KIND
     FAST_LIST = _Never if list in _REGISTRY else list
     FAST_TUPLE = _Never if tuple in _REGISTRY else tuple
     FAST_DICT = _Never if dict in _REGISTRY else dict
+    PLAIN_BUILTINS = not any(tp in _REGISTRY for tp in (dict, list, tuple))
 
 
 _reset_cache()

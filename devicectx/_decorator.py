@@ -39,6 +39,7 @@ _R = TypeVar("_R")
 
 _Module = nn.Module
 _is_compiling = torch.compiler.is_compiling
+_UNBOUND = _compiled.UNBOUND
 _FUNCTION, _GENERATOR, _COROUTINE, _ASYNC_GENERATOR = range(4)
 
 
@@ -217,6 +218,8 @@ class _Plan:
     ) -> Any:
         """The wrapt wrapper: prepare the arguments, run the body scoped, place the result."""
         __tracebackhide__ = True
+        if instance is _UNBOUND:
+            instance = None
         if _is_compiling() and self.kind == _FUNCTION:
             return _compiled.traced_call(self, wrapped, instance, args, kwargs)
         # The common case inline: nothing excluded, every tensor already on the target.

@@ -14,7 +14,7 @@ from torch import nn
 
 from devicectx import _move
 from devicectx._params import Exclusion
-from devicectx._walk import MIXED
+from devicectx._walk import MIXED, NotPlain, plain_device
 
 _Tensor = torch.Tensor
 _Module = nn.Module
@@ -34,10 +34,15 @@ def scan(
 
     Returns:
         A device of the inputs (the first tensor's, or ``expected``), whether every
-        tensor is on it, and the first module argument. Top-level tensors and plain
-        scalars are looked at directly; containers are checked by the move engine
-        (modules are not looked into: they are the module rule's business).
+        tensor is on it, and the first module argument. A batch of plain containers
+        takes :func:`~devicectx._walk.plain_device`; anything else, this loop: top-level
+        tensors and scalars are looked at directly, containers are checked by the move
+        engine (modules are not looked into: they are the module rule's business).
     """
+    try:
+        return plain_device(values), True, None
+    except NotPlain:
+        pass  # a module, another type, or two devices: the loop below tells which
     first: torch.device | None = None
     uniform = True
     module: nn.Module | None = None

@@ -176,6 +176,41 @@ def test_staticmethod(order: str) -> None:
     assert META == Tools().double(torch.ones(1)).device
 
 
+class Head(nn.Module):
+    """A model with a decorated method that is not ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_bound_method_decorated_after_the_fact() -> None:
+    """``device_agnostic(model.score)``: the bound model counts as the instance, so the
+    inputs follow its device and a model off the target is named as ``self``."""
+    head = Head().to("meta")
+    score = device_agnostic(head.score)
+    assert META == score(torch.ones(2)).device
+    strict = device_agnostic(device="cpu")(head.score)
+    with pytest.raises(DeviceMismatchError, match=r"Head\.score\(\) got self \(Head\) on meta"):
+        strict(torch.ones(2))
+
+
+def test_plain_function_gets_no_instance() -> None:
+    """A decorated plain function whose first parameter is a module: that module is an
+    argument (never taken for an instance), so it chooses the target and is not moved."""
+
+    @device_agnostic
+    def apply(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    head = nn.Linear(2, 2).to("meta")
+    assert META == apply(head, torch.ones(2)).device
+    assert META == next(head.parameters()).device
+
+
 def test_module_forward_follows_the_module() -> None:
     """``forward`` decorated in the class body: inputs go to the module's device."""
     net = Net().to("meta")

@@ -7,6 +7,9 @@ placed, mismatches refused), by results, not only by the absence of graph breaks
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -234,3 +237,44 @@ def test_decorator_inside_classmethod_when_compiled() -> None:
         return Inner.make(x)
 
     assert META == compiled(caller)(torch.ones(1)).device
+
+
+_PURE_WRAPT = """
+import torch, wrapt
+from devicectx import device_agnostic
+assert wrapt.FunctionWrapper.__module__ == "wrapt.wrappers", "wrapt's C extension is in use"
+
+@device_agnostic(device="meta")
+def scaled(x):
+    return x * 2, torch.zeros(1)
+
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(1, 1)
+
+    @device_agnostic
+    def forward(self, x):
+        return self.lin(x)
+
+head = Head().to("meta")
+results = [
+    *scaled(torch.ones(1)),
+    *torch.compile(scaled, fullgraph=True, backend="eager")(torch.ones(1)),
+    head(torch.ones(1)),
+    device_agnostic(head.lin.forward)(torch.ones(1)),
+    torch.compile(head, fullgraph=True, backend="eager")(torch.ones(1)),
+]
+print(sorted({str(t.device) for t in results}))
+"""
+
+
+def test_wrapt_without_its_extension() -> None:
+    """With wrapt's pure-Python wrappers (``WRAPT_DISABLE_EXTENSIONS=1``), eager calls,
+    bound methods and ``torch.compile(decorated)`` act as with the C ones."""
+    env = {**os.environ, "WRAPT_DISABLE_EXTENSIONS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PURE_WRAPT], env=env, capture_output=True, text=True, check=False
+    )
+    assert 0 == done.returncode, done.stderr
+    assert "['meta']" == done.stdout.strip()

@@ -23,12 +23,15 @@ from devicectx import (
     DeviceUnavailableError,
     InvalidDeviceError,
     MoveError,
+    _containers,
+    device_agnostic,
     find_devices,
     register_container,
     to_device,
 )
 from devicectx._alias import TensorMover
-from devicectx._move import all_on, iter_tensors, move_call, move_to
+from devicectx._move import all_on, iter_tensors, move_call, move_to, shared_device
+from devicectx._walk import NotPlain, plain_device
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -797,3 +800,67 @@ def test_move_call_shares_copies_and_names_parameters() -> None:
         "fix: move it yourself, or leave the argument out of the move: "
         "@device_agnostic(exclude=('xs',))",
     ] == str(raised.value).splitlines()
+
+
+def test_plain_device_answers_for_plain_batches_only() -> None:
+    """The decorator's fast walk gives the one device of a batch of dicts, lists, tuples,
+    tensors and scalars; at anything else, or tensors on two devices, it hands over."""
+    cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
+    assert CPU == plain_device(({"a": [cpu, (cpu, 1)], "b": "x"}, cpu))
+    assert plain_device(({"a": [1, None]}, 2.0)) is None
+    for values in [
+        (cpu, {"a": [meta]}),  # two devices
+        (nn.Parameter(torch.zeros(1)),),  # a tensor subclass
+        (nn.Linear(1, 1),),  # a module
+        (collections.OrderedDict(a=cpu),),  # a dict subclass
+        (Pair(cpu, cpu),),  # a namedtuple
+    ]:
+        with pytest.raises(NotPlain):
+            plain_device(values)
+
+
+def test_plain_device_hands_over_cycles_and_deep_nesting() -> None:
+    """A cycle, or nesting past the fast walk's depth, goes to the full walk: no
+    RecursionError."""
+    cycle: list[Any] = [torch.zeros(1)]
+    cycle.append(cycle)
+    deep: list[Any] = [torch.zeros(1)]
+    for _ in range(100):
+        deep = [deep]
+    for values in [(cycle,), (deep,)]:
+        with pytest.raises(NotPlain):
+            plain_device(values)
+        assert CPU == shared_device(values)
+
+
+@pytest.fixture
+def registry_restored() -> Iterator[None]:
+    """Registrations made by the test are taken back afterwards."""
+    before = dict(_containers._REGISTRY)
+    yield
+    _containers._REGISTRY.clear()
+    _containers._REGISTRY.update(before)
+    _containers._reset_cache()
+
+
+@pytest.mark.usefixtures("registry_restored")
+def test_registering_a_builtin_container_turns_the_fast_walk_off() -> None:
+    """A registered ``dict`` is walked the registered way, by the decorator too: a tensor
+    under its hidden key does not choose the target."""
+    register_container(
+        dict,
+        children=lambda d: [(k, v) for k, v in d.items() if k != "hidden"],
+        rebuild=lambda d, new: {
+            **d,
+            **dict(zip([k for k in d if k != "hidden"], new, strict=True)),
+        },
+        keys="item",
+    )
+    with pytest.raises(NotPlain):
+        plain_device(({"seen": torch.zeros(1)},))
+
+    @device_agnostic
+    def make(batch: dict[str, torch.Tensor]) -> torch.device:
+        return torch.zeros(1).device
+
+    assert CPU == make({"hidden": torch.zeros(1, device="meta")})
