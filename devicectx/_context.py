@@ -103,7 +103,10 @@ def active_device() -> torch.device | None:
     Unlike :func:`current_device`, this ignores torch's own default (``set_default_device``,
     ``with torch.device``): it answers "did the caller ask for a device with on_device?".
     """
-    for scope in reversed(_ACTIVE.get()):
+    active = _ACTIVE.get()
+    if not active:  # the common case, on every decorated call: answered at once
+        return None
+    for scope in reversed(active):
         if not scope.closed:
             return scope.target
     return None
