@@ -93,8 +93,8 @@ def _to_cpu_unscoped(fn: Fn) -> Fn:
     return device_agnostic(device=CPU, scope=False)(fn)
 
 
-# The decorator's three forms: the target inferred from the inputs (nothing to move, only
-# checked), an explicit target (to_device runs, finds nothing to move), and no scope.
+# The decorator's three forms: the target inferred from the inputs, an explicit target
+# (the inputs checked against it), and no scope; in each, nothing needs moving.
 _DECORATED: dict[str, Callable[[Fn], Fn]] = {
     "@device_agnostic": _bare,
     "@device_agnostic(device=d)": _to_cpu,
@@ -163,7 +163,58 @@ def section_decorator(config: Config, trees: list[Tree]) -> tuple[Section, list[
                     missing=_missing(measured["to_device"]),
                 )
             )
+    forward_case, forward_row = _decorated_forward(config)
+    cases["forward"] = forward_case
+    rows.append(forward_row)
     return {"device": str(CPU), "cases": cases}, rows
+
+
+class _Mlp(torch.nn.Module):
+    """Two linear layers: the model whose ``forward`` the forward row decorates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x)))
+
+
+class _DecoratedMlp(_Mlp):
+    @device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x)))
+
+
+def _decorated_forward(config: Config) -> tuple[Section, Row]:
+    """What ``@device_agnostic`` on ``forward`` adds to ``model(x)``: no target, for users.
+
+    Beyond a function's cost, a method pays wrapt's binding on each ``model.forward`` and
+    the check that the model's parameters are on one device (a walk over them).
+    """
+    plain, decorated, x = _Mlp(), _DecoratedMlp(), torch.randn(4, 16)
+    decorated.load_state_dict(plain.state_dict())
+    subjects = {
+        "model(x)": Subject(functools.partial(bind, plain, x)),
+        "decorated model(x)": Subject(functools.partial(bind, decorated, x)),
+    }
+    with torch.no_grad():
+        measured = measure_group(subjects, config)
+    added = _minus(measured["decorated model(x)"].median_ns, measured["model(x)"].median_ns)
+    case = {"label": "2-layer MLP (16-16-16), 4x16 input", "subjects": as_json(measured),
+            "added_ns": {"decorated model(x)": added}}  # fmt: skip
+    row = judge(
+        "1 decorator",
+        "nn.Module forward decorated (2-layer MLP, 4 parameters), on target: time it adds",
+        added,
+        f"model(x) {fmt_ns(measured['model(x)'].median_ns)}",
+        measured["model(x)"].median_ns,
+        "model(x)",
+        None,
+        missing=_missing(measured["decorated model(x)"], measured["model(x)"]),
+    )
+    return case, row
 
 
 def section_move(

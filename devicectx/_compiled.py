@@ -11,10 +11,13 @@ The fix, in two parts:
   answers ``_torchdynamo_inline`` with :func:`traced_call` bound to its plan. dynamo
   inlines whatever that attribute holds in place of the object, both for a function it
   meets as a value and for a method it finds on a class (``Module.forward``): the hook
-  ``torch.jit.script`` and ``torch.compile`` use for their own wrappers. It is private to
-  dynamo: checked on torch 2.13 (``torch/_dynamo/variables/builder.py`` and
-  ``variables/user_defined.py``); the tests in ``tests/test_decorator_compile.py`` catch a
-  torch that drops it.
+  ``torch.jit.script`` and ``torch.compile`` use for their own wrappers. For
+  ``torch.compile(decorated)`` itself it answers ``_torchdynamo_orig_callable`` (with
+  ``_torchdynamo_wrapper_id``) the same way, which ``torch.compile`` follows to what it
+  compiles. Both are private to dynamo: checked on torch 2.13
+  (``torch/_dynamo/variables/builder.py``, ``variables/user_defined.py`` and
+  ``eval_frame.innermost_fn``); the tests in ``tests/test_decorator_compile.py`` catch a
+  torch that drops them.
 - :func:`traced_call` is the decorator's call written for dynamo: no context variables,
   no caches, containers walked with ``torch.utils._pytree``, the device scope entered with a
   plain ``DeviceContext`` (which dynamo traces, unlike ``with torch.device(...)``). The

@@ -1,8 +1,9 @@
 """A decorated call's inputs: the one look every call takes, and the excluded arguments.
 
 :func:`scan` is the hot path of ``@device_agnostic``: it answers "is every tensor
-already on one device, and which?" looking at top-level tensors directly and handing
-containers to the move engine. :class:`Held` keeps ``exclude=`` arguments out of it.
+already on one device, and which?", with the recursive walk for plain batches where it can,
+else looking at top-level tensors directly and handing containers to the move engine.
+:class:`Held` keeps ``exclude=`` arguments out of it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """The reading walks of the move engine: is everything on a device, and where is each tensor.
 
-Both are iterative, with an explicit stack, so depth is not limited by Python's recursion
-limit, and each looks into a container once per call (by identity), so a cycle ends and a
-container reachable twice costs once. The types a batch is made of (plain tensors, lists,
-tuples, dicts) are tested first by exact type; every other type goes through its cached
-:class:`~devicectx._containers.Kind`.
+The full walks are iterative, with an explicit stack, so depth is not limited by Python's
+recursion limit, and each looks into a container once per call (by identity), so a cycle
+ends and a container reachable twice costs once. The types a batch is made of (plain
+tensors, lists, tuples, dicts) are tested first by exact type; every other type goes
+through its cached :class:`~devicectx._containers.Kind`. For the common batch (plain dicts,
+lists and tuples only) two of them first try a shallow recursive walk, the fastest CPython
+has, which hands over to the full walk at anything else.
 
 - :func:`all_on`: is every tensor already on a device? No paths, no allocation per node;
   :func:`shared_device`, the same walk, also finds the one device when none is given.
+- :func:`plain_device`: :func:`shared_device` for a plain batch only; the decorator's hot path.
 - :func:`iter_tensors`: every tensor with its path, depth first, in structure order.
 - :func:`devices_of`: the same, grouped by device: what :func:`~devicectx.find_devices` returns.
 """

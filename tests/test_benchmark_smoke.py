@@ -86,22 +86,33 @@ def test_every_subject_ran_or_says_why_not(run: dict[str, Any], section: str) ->
 
 
 def test_sections_cover_the_cases_of_the_issue(run: dict[str, Any]) -> None:
-    """Decorator and move sections cover the flat, nested and two many-leaf trees."""
+    """Decorator, move and find sections cover the flat, nested and two many-leaf trees;
+    the decorator section also a decorated module forward."""
     report = run["json"]
-    decorator = report["decorator"]["cases"]
-    assert ["flat3", "nested"] == list(decorator)[:2]
-    assert 4 == len(decorator)
-    assert [*decorator, "aliased_10"] == list(report["move"]["cases"])
-    assert list(decorator) == list(report["find_devices"]["cases"])
+    decorator = list(report["decorator"]["cases"])
+    trees = decorator[:4]
+    assert ["flat3", "nested"] == trees[:2]
+    assert [*trees, "forward"] == decorator
+    assert [*trees, "aliased_10"] == list(report["move"]["cases"])
+    assert trees == list(report["find_devices"]["cases"])
     assert 3 == len(report["scope"]["cases"])
 
 
 def test_peers_all_ran(run: dict[str, Any]) -> None:
-    """The installed peers are measured in the decorator and move sections."""
+    """The installed peers are measured on every tree of the decorator and move sections."""
     for section in ("decorator", "move"):
-        for case in run["json"][section]["cases"].values():
+        for key, case in run["json"][section]["cases"].items():
+            if key == "forward":  # a model called with and without the decorator: no peers
+                continue
             for peer in PEERS:
                 assert "ok" == case["subjects"][peer]["status"], (section, peer)
+
+
+def test_decorated_forward_measured(run: dict[str, Any]) -> None:
+    """The model is timed with and without a decorated forward, and the difference kept."""
+    forward = run["json"]["decorator"]["cases"]["forward"]
+    assert ["model(x)", "decorated model(x)"] == list(forward["subjects"])
+    assert ["decorated model(x)"] == list(forward["added_ns"])
 
 
 def test_scope_section_has_every_context(run: dict[str, Any]) -> None:

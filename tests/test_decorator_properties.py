@@ -20,6 +20,7 @@ from torch import nn
 
 from devicectx import DeviceMismatchError, device_agnostic, on_device
 from devicectx._move import iter_tensors
+from devicectx._target import Spread, module_device
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
@@ -78,3 +79,34 @@ def test_body_sees_target_or_call_is_refused(data: st.DataObject) -> None:
         assert move or not off
         expected = [t.device if not move and allowed_off_target(t) else target for t, _ in before]
         assert expected == [t.device for t in seen]
+
+
+def _module_trees(draw: st.DrawFn, depth: int = 2) -> nn.Module:
+    """A module with parameters (some None), buffers and children (some shared)."""
+    module = nn.Module()
+    for i in range(draw(st.integers(0, 2))):
+        device = draw(st.sampled_from(["cpu", "meta"]))
+        parameter = draw(st.booleans())
+        value = nn.Parameter(torch.zeros(1, device=device)) if parameter else None
+        module.register_parameter(f"p{i}", value)
+    for i in range(draw(st.integers(0, 1))):
+        module.register_buffer(
+            f"b{i}", torch.zeros(1, device=draw(st.sampled_from(["cpu", "meta"])))
+        )
+    children: list[nn.Module] = []
+    for i in range(draw(st.integers(0, 2)) if depth else 0):
+        shared = children and draw(st.booleans())
+        child = children[-1] if shared else _module_trees(draw, depth - 1)
+        children.append(child)
+        module.add_module(f"c{i}", child)
+    return module
+
+
+@given(data=st.data())
+def test_module_device_agrees_with_parameters_and_buffers(data: st.DataObject) -> None:
+    """The module rule's walk finds the one device of a module's parameters and buffers,
+    None where it has none, and SPREAD where they are on several."""
+    module = data.draw(st.composite(_module_trees)())
+    found = {t.device for t in (*module.parameters(), *module.buffers())}
+    expected = Spread.SPREAD if len(found) > 1 else next(iter(found), None)
+    assert expected == module_device(module)
