@@ -1,6 +1,8 @@
 """The move engine: :func:`to_device` and :func:`find_devices`, and what the decorator uses.
 
-Public: :func:`to_device`, :func:`find_devices`, :func:`register_container`.
+Public: :func:`to_device`; also :func:`find_devices` (written in :mod:`devicectx._walk`,
+with the other reading walks) and :func:`register_container` (in
+:mod:`devicectx._containers`), re-exported here.
 
 Internal, for ``@device_agnostic`` (each takes an already-resolved device, so a call pays
 no resolution):
@@ -37,7 +39,7 @@ from devicectx._rebuild import Fix, Rebuild
 from devicectx._resolve import DeviceLike, resolve_device
 from devicectx._skip import Skip, SkipLike, compile_skip
 from devicectx._walk import all_on as all_on
-from devicectx._walk import devices_of
+from devicectx._walk import find_devices as find_devices
 from devicectx._walk import iter_tensors as iter_tensors
 from devicectx._walk import shared_device as shared_device
 
@@ -154,34 +156,6 @@ def _stable(spec: DeviceLike) -> bool:
     if isinstance(spec, torch.device):
         return spec.index is not None or spec.type in ("cpu", "meta")
     return isinstance(spec, str) and (":" in spec or spec.strip() in ("cpu", "meta"))
-
-
-def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[str]]:
-    """Every device in ``obj``, with the paths of the tensors on it.
-
-    Example:
-        >>> import torch
-        >>> from devicectx import find_devices
-        >>> batch = {"ids": torch.zeros(2), "mask": torch.ones(2, device="meta")}
-        >>> find_devices(batch, name="batch")
-        {device(type='cpu'): ["batch['ids']"], device(type='meta'): ["batch['mask']"]}
-
-    Args:
-        obj: anything :func:`to_device` takes. Modules are looked into: a parameter is
-            listed as ``model.layers[0].weight``.
-        name: how the paths start: ``batch['mask']``, ``xs[2]``, ``out.logits``,
-            ``pair.first``, ``list(tags)[0]`` (a set member); a bare tensor is ``name``.
-
-    Returns:
-        ``{device: [path, ...]}``, devices and paths in the order the walk meets them
-        (depth first, in the order of the structure). A tensor held at several places is
-        listed at each; a container held at several places is looked into at the first.
-
-    Caveats:
-        Tensors inside an object moved by its own ``.to`` are listed only when it is a
-        ``Mapping`` or a dataclass, whose children can be read.
-    """
-    return devices_of(obj, name)
 
 
 def move_to(

@@ -12,7 +12,7 @@ has, which hands over to the full walk at anything else.
   :func:`shared_device`, the same walk, also finds the one device when none is given.
 - :func:`plain_device`: :func:`shared_device` for a plain batch only; the decorator's hot path.
 - :func:`iter_tensors`: every tensor with its path, depth first, in structure order.
-- :func:`devices_of`: the same, grouped by device: what :func:`~devicectx.find_devices` returns.
+- :func:`find_devices`: the same, grouped by device (public, re-exported by the move engine).
 """
 
 from __future__ import annotations
@@ -229,18 +229,46 @@ def iter_tensors(
             stack.pop()
 
 
-def devices_of(obj: object, name: str = "obj") -> dict[torch.device, list[str]]:
-    """``{device: [paths of the tensors on it]}``, modules looked into, in walk order.
+def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[str]]:
+    """Every device in ``obj``, with the paths of the tensors on it.
 
-    What :func:`iter_tensors` with ``modules=True`` yields, grouped by device; written out
-    rather than built on it, as it is a hot path (no generator, one dict lookup per run of
-    tensors on one device).
+    Example:
+        >>> import torch
+        >>> from devicectx import find_devices
+        >>> batch = {"ids": torch.zeros(2), "mask": torch.ones(2, device="meta")}
+        >>> find_devices(batch, name="batch")
+        {device(type='cpu'): ["batch['ids']"], device(type='meta'): ["batch['mask']"]}
+
+    Args:
+        obj: anything :func:`~devicectx.to_device` takes. Modules are looked into: a parameter is
+            listed as ``model.layers[0].weight``.
+        name: how the paths start: ``batch['mask']``, ``xs[2]``, ``out.logits``,
+            ``pair.first``, ``list(tags)[0]`` (a set member); a bare tensor is ``name``.
+
+    Returns:
+        ``{device: [path, ...]}``, devices and paths in the order the walk meets them
+        (depth first, in the order of the structure). A tensor held at several places is
+        listed at each; a container held at several places is looked into at the first.
+
+    Caveats:
+        Tensors inside an object moved by its own ``.to`` are listed only when it is a
+        ``Mapping`` or a dataclass, whose children can be read.
+
+    How: what :func:`iter_tensors` with ``modules=True`` yields, grouped by device; written
+    out rather than built on it, as it is a hot path (no generator, one dict lookup per run
+    of tensors on one device), with a recursive fast path for plain batches.
     """
     found: dict[torch.device, list[str]] = {}
-    if _plain_devices(obj, name, found, set(), 0):
+    tp = type(obj)
+    if tp is _Tensor:
+        return {obj.device: [name]}  # type: ignore[attr-defined]
+    if (
+        (tp is dict or tp is list or tp is tuple)
+        and _containers.PLAIN_BUILTINS
+        and _plain_devices(obj, name, found, None, 0)
+    ):
         return found
     found.clear()
-    tp = type(obj)
     kind = _CACHE.get(tp) or kind_for(tp)
     if kind.role in (TENSOR, MODULE) or kind.split is None:
         for path, tensor in iter_tensors(obj, name, modules=True):
@@ -307,33 +335,40 @@ _PLAIN_DEPTH = 24
 
 
 def _plain_devices(
-    obj: object, path: str, found: dict[torch.device, list[str]], seen: set[int], depth: int
+    obj: Any,  # a dict, list or tuple
+    path: str,
+    found: dict[torch.device, list[str]],
+    seen: set[int] | None,
+    depth: int,
 ) -> bool:
-    """:func:`devices_of` for the common batch: plain dicts, lists and tuples of tensors.
+    """:func:`find_devices` for the common batch: plain dicts, lists and tuples of tensors.
 
     Recursive, which is the fastest walk CPython has for a shallow tree. It gives up
     (returns False, leaving ``found`` part-filled) at anything else: another type, a
-    depth past :data:`_PLAIN_DEPTH`; the full walk then starts again from the top.
+    depth past :data:`_PLAIN_DEPTH`; the full walk then starts again from the top. The set
+    of containers looked into (by which a shared one is looked into once and a cycle ends)
+    is made at the first nested container: a flat batch needs none.
     """
-    tp = type(obj)
-    if tp is _Tensor:
-        found.setdefault(obj.device, []).append(path)  # type: ignore[attr-defined]
-        return True
-    if tp is _containers.FAST_DICT:
-        items: Any = obj.items()  # type: ignore[attr-defined]
-    elif tp is _containers.FAST_LIST or tp is _containers.FAST_TUPLE:
-        items = enumerate(obj)  # type: ignore[arg-type]
-    else:
-        return (_CACHE.get(tp) or kind_for(tp)) is LEAF_KIND
-    if depth > _PLAIN_DEPTH:
-        return False
-    if id(obj) in seen:  # shared, or a cycle: looked into at the first place only
-        return True
-    seen.add(id(obj))
-    for key, child in items:
-        if type(child) is _Tensor:
-            found.setdefault(child.device, []).append(f"{path}[{key!r}]")
-        elif not _plain_devices(child, f"{path}[{key!r}]", found, seen, depth + 1):
+    for key, child in obj.items() if type(obj) is dict else enumerate(obj):
+        tp = type(child)
+        if tp is _Tensor:
+            device = child.device
+            paths = found.get(device)
+            if paths is None:
+                found[device] = [f"{path}[{key!r}]"]
+            else:
+                paths.append(f"{path}[{key!r}]")
+        elif tp is dict or tp is list or tp is tuple:
+            if seen is None:
+                seen = {id(obj)}
+            if id(child) in seen:  # shared, or a cycle: looked into at the first place only
+                continue
+            if depth >= _PLAIN_DEPTH:
+                return False
+            seen.add(id(child))
+            if not _plain_devices(child, f"{path}[{key!r}]", found, seen, depth + 1):
+                return False
+        elif (_CACHE.get(tp) or kind_for(tp)) is not LEAF_KIND:
             return False
     return True
 

@@ -864,3 +864,15 @@ def test_registering_a_builtin_container_turns_the_fast_walk_off() -> None:
         return torch.zeros(1).device
 
     assert CPU == make({"hidden": torch.zeros(1, device="meta")})
+
+
+def test_find_devices_looks_into_a_shared_container_once() -> None:
+    """A plain container held at several places, or reached again through a cycle below
+    the top, is listed at the first place only."""
+    tensor = torch.zeros(1)
+    inner = [tensor]
+    assert {CPU: ["obj['a'][0]"]} == find_devices({"a": inner, "b": (inner, {"c": inner})})
+    looped: dict[str, Any] = {"x": tensor}
+    outer = [looped]
+    looped["loop"] = outer
+    assert {CPU: ["obj[0]['x']"]} == find_devices(outer)
