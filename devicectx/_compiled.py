@@ -51,10 +51,11 @@ tensors and on torch's default device, so a change there recompiles):
 from __future__ import annotations
 
 import builtins
+import copy
 import functools
 from collections.abc import Callable
 from types import FunctionType, MethodType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -91,6 +92,24 @@ def _constant_result(fn: _F) -> _F:
     return fn
 
 
+class _BoundWrapper(wrapt.BoundFunctionWrapper[..., Any]):
+    """A decorated method bound to its instance (or class): pickled and copied as a bound
+    method is, by looking the name up again on the instance (deep-copied, for deepcopy)."""
+
+    def _bound_to(self) -> object:
+        instance = self._self_instance
+        return self._self_owner if instance is None or instance is UNBOUND else instance
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        return getattr, (self._bound_to(), self.__name__)
+
+    def __copy__(self) -> _BoundWrapper:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return getattr(copy.deepcopy(self._bound_to(), memo), self.__name__)
+
+
 class DeviceAgnosticWrapper(wrapt.FunctionWrapper[..., Any]):
     """The object ``@device_agnostic`` returns: a wrapt ``FunctionWrapper`` dynamo can see."""
 
@@ -110,6 +129,22 @@ class DeviceAgnosticWrapper(wrapt.FunctionWrapper[..., Any]):
             wrapped, UNBOUND if instance is None else instance, plan.call, None, binding
         )
         self._self_traced = _traced_function(plan, wrapped)
+
+    __bound_function_wrapper__ = _BoundWrapper
+
+    # Pickled by reference and never copied, as functions are: a decorated function can
+    # then be sent to another process (``torch.multiprocessing.spawn``, a spawned
+    # ``DataLoader``'s ``collate_fn``), where its module holds the decorated object again,
+    # and ``copy.deepcopy`` of a model holding one as an attribute works. wrapt's proxy
+    # refuses both.
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str:
+        return self.__qualname__
+
+    def __copy__(self) -> DeviceAgnosticWrapper:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeviceAgnosticWrapper:
+        return self
 
     @property
     def _torchdynamo_inline(self) -> Callable[..., Any]:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import inspect
+import multiprocessing
+import pickle
 import threading
 import weakref
 from collections import namedtuple
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -859,6 +863,104 @@ def test_failed_call_leaves_no_cycle() -> None:
         assert ref() is None
     finally:
         gc.enable()
+
+
+# --- pickling and copying ---------------------------------------------------------------
+
+
+@device_agnostic(device="meta")
+def allocates_on_meta(size: int) -> str:
+    """Module level, so it can be pickled: where a factory call allocates inside it."""
+    return str(torch.zeros(size).device)
+
+
+def test_pickles_by_reference_like_a_function() -> None:
+    """A module-level decorated function pickles as its name and comes back as itself."""
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        assert pickle.loads(pickle.dumps(allocates_on_meta, protocol)) is allocates_on_meta
+
+
+def test_local_function_is_refused_by_pickle_as_functions_are() -> None:
+    """A decorated local function cannot be pickled, with pickle's own error for functions."""
+
+    @device_agnostic
+    def local(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    with pytest.raises((pickle.PicklingError, AttributeError), match="local"):
+        pickle.dumps(local)
+
+
+def test_runs_in_a_spawned_process() -> None:
+    """Sent to a spawned worker (as a DataLoader or torch.multiprocessing does), it still
+    scopes its body there."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert "meta" == pool.submit(allocates_on_meta, 2).result()
+
+
+class Maker:
+    """Module level, so its methods can be pickled: a class method and a static method."""
+
+    @device_agnostic(device="meta")
+    @classmethod
+    def make(cls, size: int) -> tuple[type, str]:
+        return cls, str(torch.zeros(size).device)
+
+    @device_agnostic(device="meta")
+    @staticmethod
+    def make_static(size: int) -> str:
+        return str(torch.zeros(size).device)
+
+
+def test_bound_methods_pickle_as_methods_do() -> None:
+    """A decorated method pickles as its instance (or class) and name, as a bound method does,
+    and comes back decorated."""
+    model = Net().to("meta")
+    forward = pickle.loads(pickle.dumps(model.forward))
+    assert forward.__self__ is not model
+    assert META == forward.__self__.lin.weight.device
+    assert [META, META] == devices_of(*forward(torch.ones(2)))
+    assert (Maker, "meta") == pickle.loads(pickle.dumps(Maker.make))(1)
+    assert (Maker, "meta") == pickle.loads(pickle.dumps(Maker().make))(1)
+    assert "meta" == pickle.loads(pickle.dumps(Maker().make_static))(1)
+
+
+def test_bound_methods_copy_as_methods_do() -> None:
+    """copy keeps a decorated method's instance; deepcopy binds it to a copy of the instance."""
+    model = Net().to("meta")
+    assert copy.copy(model.forward).__self__ is model
+    copied = copy.deepcopy(model.forward)
+    assert copied.__self__ is not model
+    assert copied.__self__.lin.weight is not model.lin.weight
+    assert [META, META] == devices_of(*copied(torch.ones(2)))
+    assert (Maker, "meta") == copy.deepcopy(Maker.make)(1)
+
+
+class Scorer(nn.Module):
+    """A model holding a decorated function as an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.loss = allocates_on_meta
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy])
+def test_copies_are_the_same_function(copier: Callable[[Any], Any]) -> None:
+    """copy and deepcopy return the decorated function itself, so a model holding one copies."""
+    assert copier(allocates_on_meta) is allocates_on_meta
+    model = Scorer()
+    copied = copier(model)
+    assert copied.loss is allocates_on_meta
+    assert "meta" == copied.loss(1)
+
+
+def test_deepcopy_of_a_model_with_a_decorated_forward() -> None:
+    """A model whose forward is decorated in the class body deep-copies and still works."""
+    model = Net().to("meta")
+    copied = copy.deepcopy(model)
+    assert copied.lin.weight is not model.lin.weight
+    assert [META, META] == devices_of(*copied(torch.ones(2)))
 
 
 # --- a real accelerator (skipped without one) ------------------------------------------
