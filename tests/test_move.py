@@ -753,6 +753,16 @@ def test_find_devices_lists_every_place() -> None:
     assert find_devices([tensor, {"k": tensor}]) == {CPU: ["obj[0]", "obj[1]['k']"]}
 
 
+@pytest.mark.parametrize("length", [1, 255, 256, 257, 600])
+def test_find_devices_indexes_long_lists(length: int) -> None:
+    """Every index is right in a list of any length, and in a list nested at any index."""
+    tensor = torch.zeros(1)
+    xs: list[object] = [tensor] * length
+    xs[-1] = (tensor, tensor)
+    expected = [f"xs[{i}]" for i in range(length - 1)] + [f"xs[{length - 1}][{i}]" for i in (0, 1)]
+    assert find_devices(xs, name="xs") == {CPU: expected}
+
+
 # The internal API of the decorator.
 
 
