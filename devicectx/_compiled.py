@@ -97,8 +97,8 @@ class _BoundWrapper(wrapt.BoundFunctionWrapper[..., Any]):
     method is, by looking the name up again on the instance (deep-copied, for deepcopy)."""
 
     def _bound_to(self) -> object:
-        instance = self._self_instance
-        return self._self_owner if instance is None or instance is UNBOUND else instance
+        instance = self._self_instance  # None where reached through the class
+        return self._self_owner if instance is None else instance
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         return getattr, (self._bound_to(), self.__name__)
