@@ -69,3 +69,12 @@ def test_ci_runs_the_readme_test_command() -> None:
     grep_pattern = pattern.group(1).replace("\\\\", "\\")
     matches = [line for line in README.splitlines() if re.match(grep_pattern, line)]
     assert [SETUP_COMMANDS[1]] == matches[:1]
+
+
+def test_readme_states_the_torch_floor_that_pyproject_declares() -> None:
+    """The README's "PyTorch >= X" is pyproject's floor, the release CI tests as the floor."""
+    declared = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    stated = re.search(r"PyTorch >= ([\d.]+)", README)
+    assert declared is not None
+    assert stated is not None
+    assert declared.group(1) == stated.group(1)
