@@ -4,16 +4,24 @@ Every type the engine meets gets one :class:`Kind`, worked out once per type and
 
 - ``CONTAINER``: taken apart into keyed children and rebuilt, with its own type, when a
   child changed: list, tuple, namedtuple, ``torch.return_types``, dict, ``OrderedDict``,
-  ``defaultdict``, deque, set, frozenset, dataclasses, ``PackedSequence``, other
-  ``Mapping``/``Sequence``/``Set`` types where they can be rebuilt, and registered types;
+  ``defaultdict``, deque, set, frozenset, dataclasses (a dataclass that is also a mapping,
+  such as transformers' ``ModelOutput``, through both views), ``PackedSequence``, other
+  ``Mapping``/``Sequence``/``Set`` types, and registered types;
 - ``TENSOR``, ``MODULE``: moved by the engine itself;
-- ``OWN``: objects with their own ``.to`` (tensordict, ``BatchEncoding``), moved with it;
+- ``OWN``: objects with their own ``.to`` (tensordict, ``BatchEncoding``, torch_geometric's
+  ``Data``), moved with it; their children are read where the type allows, to list them
+  and to check what their ``.to`` did;
 - ``LEAF``: everything else, returned by identity and never iterated.
 
 The rules, first match wins: a registered type (nearest in the MRO), a tensor, a module,
 a known leaf (``str``, ``torch.Size``, ``range``, ...), the built-in container types, an
 object with a ``.to`` method, a dataclass, a tuple type, a ``Mapping``, a ``Set``, a
 ``Sequence``; anything else is a leaf.
+
+A rebuild never returns a half-moved object: where a type cannot be put back together
+with every view of it showing the moved children, it raises :class:`CannotRebuild`, which
+the engine reports as a ``MoveError`` naming the path. Optional packages (transformers,
+tensordict, torch_geometric) are never imported: their types are known by what they are.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from devicectx._paths import ATTR, ITEM, MEMBER
+from devicectx._paths import ATTR, DUAL, ITEM, MEMBER, Entry, join
 
 C = TypeVar("C")
 
@@ -51,6 +59,26 @@ Rebuild: TypeAlias = "Callable[[Any, Any, Sequence[Any], list[Any]], Any]"
 """``(obj, keys, old children, new children) -> new obj``."""
 
 
+class CannotRebuild(Exception):
+    """A container that cannot be put back together with its tensors moved.
+
+    Raised by a rebuild, or by the check after an object's own ``.to``; the engine reports
+    it as a ``MoveError`` that names the path and suggests :func:`register_container`.
+
+    Attributes:
+        tp: the type.
+        why: what went wrong, in words.
+        left: for an object whose own ``.to`` left tensors behind, each one's path
+            below the object (``"['pixels'][0]"``) and its device.
+    """
+
+    def __init__(self, tp: type, why: str, left: Sequence[tuple[str, torch.device]] = ()) -> None:
+        super().__init__(f"{tp.__qualname__} cannot be rebuilt with its tensors moved: {why}")
+        self.tp = tp
+        self.why = why
+        self.left = list(left)
+
+
 class Kind:
     """What the engine does with one type.
 
@@ -60,7 +88,8 @@ class Kind:
         split: ``obj -> (keys, children)``; ``keys`` is ``None`` when they are the
             positions. ``None`` for an ``OWN`` object whose children cannot be read.
         rebuild: ``(obj, keys, old children, new children) -> new obj``, called only when
-            a child changed; it returns ``obj`` itself where the type cannot be rebuilt.
+            a child changed; it raises :class:`CannotRebuild` where the type cannot be
+            rebuilt faithfully.
     """
 
     __slots__ = ("rebuild", "role", "split", "style")
@@ -282,10 +311,10 @@ def _work_out(tp: type) -> Kind:
     if issubclass(tp, PackedSequence):
         return _PACKED_KIND
     if callable(getattr(tp, "to", None)):
-        if dataclasses.is_dataclass(tp):
-            return Kind(OWN, ATTR, _dataclass_split(tp))
-        return Kind(OWN, ITEM, _items if issubclass(tp, Mapping) else None)
+        return _own_kind(tp)
     if dataclasses.is_dataclass(tp):
+        if _two_views(tp):
+            return Kind(CONTAINER, DUAL, _dual_split(tp), _dual_rebuild(tp))
         return Kind(CONTAINER, ATTR, _dataclass_split(tp), _dataclass_rebuild(tp))
     if issubclass(tp, tuple):
         return _tuple_kind(tp)
@@ -296,6 +325,46 @@ def _work_out(tp: type) -> Kind:
     if issubclass(tp, Sequence):
         return Kind(CONTAINER, ITEM, _listed, _rebuild_sequence)
     return LEAF_KIND
+
+
+def _own_kind(tp: type) -> Kind:
+    """An object with its own ``.to``: a split where its children can be read, and a
+    rebuild where what its ``.to`` leaves behind can be moved by the type's own protocol."""
+    if dataclasses.is_dataclass(tp):  # a tensorclass, say: its fields are its own business
+        if _two_views(tp):
+            return Kind(OWN, DUAL, _dual_split(tp), _dual_rebuild(tp))
+        return Kind(OWN, ATTR, _dataclass_split(tp))
+    if _is_graph(tp):
+        return Kind(OWN, DUAL, _graph_split)
+    if issubclass(tp, Mapping):
+        return Kind(OWN, ITEM, _items, _rebuild_mapping)
+    return Kind(OWN)
+
+
+def _is_graph(tp: type) -> bool:
+    """torch_geometric's ``Data``, ``Batch`` (and the ``DataBatch`` types it makes),
+    ``HeteroData``: known by where they come from, so the package is never imported."""
+    return isinstance(getattr(tp, "stores", None), property) and any(
+        klass.__module__.partition(".")[0] == "torch_geometric" for klass in tp.__mro__
+    )
+
+
+def _graph_split(obj: Any) -> tuple[list[Any], list[Any]]:
+    # Its stores, not items(): a HeteroData's items() is empty. The global store's entries
+    # are attributes of the object (data.x); each node or edge type's store is an entry
+    # (data['paper']), itself a mapping with its own .to.
+    keys: list[Any] = []
+    values: list[Any] = []
+    for store in obj.stores:
+        key = getattr(store, "_key", None)
+        if key is None:
+            for name, value in store.items():
+                keys.append(name)
+                values.append(value)
+        else:
+            keys.append(Entry(key) if type(key) is str else key)
+            values.append(store)
+    return keys, values
 
 
 _PACKED_FIELDS = ("data", "sorted_indices", "unsorted_indices")
@@ -384,6 +453,112 @@ def _dataclass_rebuild(tp: type) -> Rebuild:
     return rebuild
 
 
+def _two_views(tp: type) -> bool:
+    """Whether a dataclass is also a mapping or a sequence: its tensors have two views."""
+    return issubclass(tp, Mapping) or (issubclass(tp, Sequence) and not issubclass(tp, str))
+
+
+def _dual_split(tp: type) -> Split:
+    """Children of a dataclass that is also a mapping (``ModelOutput``) or a sequence.
+
+    Entries first, in their order, then the fields no entry stands for. An entry and the
+    field of its name that hold the same object are one child, keyed by the plain name
+    (``out.logits``); any other entry is keyed by :class:`Entry` or its own key
+    (``out['extra']``, ``row[0]``), so that each view of each object is walked once.
+    """
+    fields = tuple(f.name for f in dataclasses.fields(tp))
+    field_names = frozenset(fields)
+    mapping = issubclass(tp, Mapping)
+
+    def split(obj: Any) -> tuple[list[Any], list[Any]]:
+        keys: list[Any] = []
+        values: list[Any] = []
+        named: set[str] = set()
+        for key, value in obj.items() if mapping else enumerate(obj):
+            if type(key) is str:
+                if key in field_names and getattr(obj, key, _MISSING) is value:
+                    named.add(key)
+                else:
+                    key = Entry(key)
+            keys.append(key)
+            values.append(value)
+        for name in fields:
+            if name not in named:
+                value = getattr(obj, name, _MISSING)  # an init=False field may never be set
+                if value is not _MISSING:
+                    keys.append(name)
+                    values.append(value)
+        return keys, values
+
+    return split
+
+
+def _dual_rebuild(tp: type) -> Rebuild:
+    split = _dual_split(tp)
+    names = tuple(f.name for f in dataclasses.fields(tp)) + _slot_names(tp)
+    mapping = issubclass(tp, Mapping)
+    storage = next((k for k in tp.__mro__ if k in (dict, collections.OrderedDict, list)), None)
+
+    def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+        # Every view of the copy that showed an old child is made to show its new one,
+        # whatever it is (a field, an entry, another attribute holding it): found by
+        # identity. Then the copy is read again, and must give exactly the new children.
+        changed = {id(a): b for a, b in zip(old, new, strict=True) if b is not a}
+        try:
+            clone = copy.copy(obj)
+        except Exception as error:
+            why = f"copy.copy() raised {type(error).__name__}: {error}"
+            raise CannotRebuild(tp, why) from error
+        fresh = clone is not obj and type(clone) is tp
+        if not fresh:
+            raise CannotRebuild(tp, "copy.copy() does not make a new object of its type")
+        for name in (*names, *getattr(clone, "__dict__", ())):
+            after = changed.get(id(getattr(clone, name, _MISSING)), _MISSING)
+            if after is not _MISSING:
+                object.__setattr__(clone, name, after)
+        entries = clone.items() if mapping else enumerate(clone)
+        for key, value in list(entries):
+            after = changed.get(id(value), _MISSING)
+            if after is not _MISSING:
+                _set_entry(clone, key, after, storage)
+        again, now = split(clone)
+        if [(type(k), k) for k in again] != [(type(k), k) for k in keys] or any(
+            a is not b for a, b in zip(now, new, strict=True)
+        ):
+            raise CannotRebuild(tp, _disagreement(keys, new, again, now))
+        return clone
+
+    return rebuild
+
+
+def _set_entry(clone: Any, key: Any, value: Any, storage: type | None) -> None:
+    """``clone[key] = value``, by the type's own code, else its built-in storage's."""
+    try:
+        clone[key] = value
+    except Exception as error:
+        if storage is None:
+            why = f"its entry {key!r} cannot be set: {type(error).__name__}: {error}"
+            raise CannotRebuild(type(clone), why) from error
+        storage.__setitem__(clone, key, value)  # type: ignore[index]
+
+
+def _disagreement(
+    keys: Sequence[Any], new: Sequence[Any], again: Sequence[Any], now: Sequence[Any]
+) -> str:
+    """Where a rebuilt two-view object does not show the moved children, in words."""
+    expected = dict(zip(((type(k), k) for k in keys), new, strict=True))
+    start = "a copy given the moved children"
+    for key, value in zip(again, now, strict=True):
+        found = expected.pop((type(key), key), _MISSING)
+        if found is _MISSING:
+            return f"{start} has something new at {join('', DUAL, key)}"
+        if found is not value:
+            return f"{start} shows another object at {join('', DUAL, key)}"
+    if expected:
+        return f"{start} has nothing at {join('', DUAL, next(iter(expected))[1])}"
+    return f"{start} lists them in another order"
+
+
 def _slot_names(tp: type) -> tuple[str, ...]:
     names: list[str] = []
     for klass in tp.__mro__:
@@ -397,43 +572,44 @@ def _slot_names(tp: type) -> tuple[str, ...]:
     return tuple(names)
 
 
-# The generic rebuilds below try the type's own protocol and check the result; a type
-# that does not take it is returned as it is rather than turned into another type.
+# The generic rebuilds below try the type's own protocol (a copy, then item assignment),
+# then its constructor, and check the result; a type that takes neither raises
+# CannotRebuild rather than come back half-moved or turned into another type.
 
 
 def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
     if isinstance(obj, MutableMapping):
         try:
             clone = copy.copy(obj)
-            if type(clone) is type(obj):
+            if clone is not obj and type(clone) is type(obj):
                 for key, before, after in zip(keys, old, new, strict=True):
                     if after is not before:
                         clone[key] = after
                 return clone
         except Exception:
             pass
-    return _construct(obj, dict(zip(keys, new, strict=True)), len(new))
+    return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)")
 
 
 def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
     if isinstance(obj, MutableSequence):
         try:
             clone = copy.copy(obj)
-            if type(clone) is type(obj):
+            if clone is not obj and type(clone) is type(obj):
                 for index, (before, after) in enumerate(zip(old, new, strict=True)):
                     if after is not before:
                         clone[index] = after
                 return clone
         except Exception:
             pass
-    return _construct(obj, new, len(new))
+    return _construct(obj, new, len(new), "new_items")
 
 
 def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
     if isinstance(obj, MutableSet):
         try:
             clone = copy.copy(obj)
-            if type(clone) is type(obj):
+            if clone is not obj and type(clone) is type(obj):
                 for before, after in zip(old, new, strict=True):
                     if after is not before:
                         clone.discard(before)
@@ -441,12 +617,21 @@ def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any
                 return clone
         except Exception:
             pass
-    return _construct(obj, new, len(new))
+    return _construct(obj, new, len(new), "new_members")
 
 
-def _construct(obj: Any, contents: Any, size: int) -> Any:
+def _construct(obj: Any, contents: Any, size: int, argument: str) -> Any:
+    tp = type(obj)
+    call = f"{tp.__qualname__}({argument})"
+    if isinstance(obj, (MutableMapping, MutableSequence, MutableSet)):
+        how = "a copy of it cannot be updated, and"
+    else:
+        how = "it is immutable, and"
     try:
-        made = type(obj)(contents)
-    except Exception:
-        return obj
-    return made if type(made) is type(obj) and len(made) == size else obj
+        made = tp(contents)
+    except Exception as error:
+        raise CannotRebuild(tp, f"{how} {call} raised {type(error).__name__}: {error}") from error
+    if type(made) is not tp or len(made) != size:
+        got = f"a {type(made).__qualname__} of length {len(made)}, not {size}"
+        raise CannotRebuild(tp, f"{how} {call} gave {got}")
+    return made

@@ -76,10 +76,12 @@ def to_device(
     Args:
         obj: a tensor, or any structure of them: list, tuple, namedtuple,
             ``torch.return_types``, dict, ``OrderedDict``, ``defaultdict``, deque, set,
-            frozenset, dataclass (mutable, frozen, ``slots=True``, ``init=False`` fields),
-            ``PackedSequence``, other ``Mapping``/``Sequence``/``Set`` types that can be
-            rebuilt, types taught with :func:`register_container`, objects with their
-            own ``.to(device)`` (tensordict, ``BatchEncoding``), and ``nn.Module``.
+            frozenset, dataclass (mutable, frozen, ``slots=True``, ``init=False`` fields;
+            one that is also a mapping, such as transformers' ``ModelOutput``, comes back
+            with its fields and its entries agreeing), ``PackedSequence``, other
+            ``Mapping``/``Sequence``/``Set`` types, types taught with
+            :func:`register_container`, objects with their own ``.to(device)``
+            (tensordict, ``BatchEncoding``, torch_geometric's ``Data``), and ``nn.Module``.
         device: anything :func:`resolve_device` takes: ``"cuda:1"``, ``"auto"``, ...
         non_blocking: ask for asynchronous copies (see the rule below).
         skip: what stays where it is, with everything inside it: a type, a path as
@@ -98,8 +100,12 @@ def to_device(
     Raises:
         InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here; raised
             before any tensor is touched.
-        MoveError: a tensor or object could not be moved; the message names its path,
-            and the original error is chained.
+        MoveError: a tensor or object could not be moved, or a container could not be
+            rebuilt with every view of it showing the moved tensors (a ``Mapping`` whose
+            type takes neither item assignment nor a dict, say); the message names its
+            path and the fix, and the original error is chained. Also when a ``skip``
+            predicate raises: the message names the predicate and the signature it
+            must have.
         TypeError: ``skip`` holds something that is no type, path, key or predicate.
 
     What is kept:
@@ -127,11 +133,18 @@ def to_device(
           pass ``skip=torch.nn.Module`` to leave them alone.
         - Objects with their own ``.to`` are moved with it (on a shallow copy, so that a
           ``.to`` that works in place leaves the input alone): they keep their own
-          rules, so a tensor they share with the rest of ``obj`` is copied twice.
+          rules, so a tensor they share with the rest of ``obj`` is copied twice. What
+          their ``.to`` leaves behind (a ``BatchEncoding`` moves only the tensors it
+          holds directly) is moved as their children, where the type takes item
+          assignment; else ``MoveError``, never a half-moved object.
         - Dataclasses are rebuilt field by field; other attributes are copied as they
-          are. A ``Mapping``/``Sequence``/``Set`` type that cannot be rebuilt is left as
-          it is (never turned into another type): teach it with
-          :func:`register_container`.
+          are. A dataclass that is also a mapping (or a sequence) is copied, and each
+          view that showed a moved child (field, entry, or any attribute holding it)
+          is made to show the moved one; the copy is then read again to check it.
+        - A ``Mapping``/``Sequence``/``Set`` type is rebuilt with a copy and item
+          assignment, else with its constructor; one that takes neither raises
+          ``MoveError`` (it is never turned into another type, nor left half-moved):
+          teach it with :func:`register_container`, or ``skip`` it.
     """
     cacheable = isinstance(device, (str, torch.device))
     target = _RESOLVED.get(device) if cacheable else None  # type: ignore[arg-type]

@@ -2,12 +2,16 @@
 
 ``batch['mask']`` (a mapping key), ``xs[2]`` (a sequence index), ``out.logits`` (an
 attribute or a field), ``list(tags)[0]`` (a set member, in iteration order). A bare
-object's path is just its name. Paths are only ever built when something needs them:
-:func:`~devicectx.find_devices`, an error message, or a ``skip`` given as paths.
+object's path is just its name. An object read two ways (a dataclass that is also a
+mapping, such as a transformers ``ModelOutput``) writes each child as it can be reached:
+``out.logits`` for a field, ``out['extra']`` for an entry that is no field. Paths are only
+ever built when something needs them: :func:`~devicectx.find_devices`, an error message,
+or a ``skip`` given as paths.
 """
 
 from __future__ import annotations
 
+import keyword
 from collections.abc import Iterable
 
 ITEM = 0
@@ -18,6 +22,19 @@ MEMBER = 2
 """Children of a set: no key, so ``list(parent)[i]``, in iteration order."""
 NAME = 3
 """Children that are roots of their own: the arguments of one call, named by parameter."""
+DUAL = 4
+"""Children of an object with two views (a dataclass that is also a mapping or a sequence):
+a key of type ``str`` is a field or an attribute, written ``.name`` where Python can write
+it so; any other key, :class:`Entry` included, is an entry, written ``[key]``."""
+
+
+class Entry(str):
+    """A ``str`` key of an entry that is no field, in a :data:`DUAL` container.
+
+    Equal to (and hashed as) the plain string, so ``skip='labels'`` still matches it.
+    """
+
+    __slots__ = ()
 
 
 def join(parent: str, style: int, key: object) -> str:
@@ -28,7 +45,15 @@ def join(parent: str, style: int, key: object) -> str:
         return f"{parent}.{key}"
     if style == MEMBER:
         return f"list({parent})[{key}]"
+    if style == DUAL:
+        return f"{parent}{_dual(key)}"
     return str(key)
+
+
+def _dual(key: object) -> str:
+    if type(key) is str and key.isidentifier() and not keyword.iskeyword(key):
+        return f".{key}"
+    return f"[{key!r}]"
 
 
 def build(root: str, parts: Iterable[tuple[int, object]]) -> str:
@@ -45,6 +70,8 @@ def build(root: str, parts: Iterable[tuple[int, object]]) -> str:
             pieces.append(f".{key}")
         elif style == MEMBER:
             pieces = [f"list({''.join(pieces)})[{key}]"]
+        elif style == DUAL:
+            pieces.append(_dual(key))
         else:
             pieces = [str(key)]
     return "".join(pieces)

@@ -9,11 +9,14 @@ The walk is recursive, which is the fastest way through a batch in CPython, down
 ``_DEPTH`` containers; below that it goes on with an explicit stack, so depth is not
 limited by Python's recursion limit. The explicit stack also serves a ``skip`` that
 needs each child's key or path checked. A failed move unwinds as :class:`_Failed`, each
-level adding its key, and surfaces as a ``MoveError`` that names the whole path.
+level adding its key, and surfaces as a ``MoveError`` that names the whole path; so does a
+container that cannot be rebuilt faithfully, and an object whose own ``.to`` left tensors
+behind. A ``skip`` predicate that raises is reported as the predicate's error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -30,13 +33,14 @@ from devicectx._containers import (
     MODULE,
     TENSOR,
     TUPLE_KIND,
+    CannotRebuild,
     Kind,
     kind_for,
 )
 from devicectx._errors import MoveError
 from devicectx._paths import ITEM, MEMBER, build, join
-from devicectx._skip import Skip
-from devicectx._walk import all_on, module_on
+from devicectx._skip import PredicateFailed, Skip
+from devicectx._walk import all_on, iter_tensors, module_on
 
 _Tensor = torch.Tensor
 _CACHE = _containers._CACHE
@@ -127,6 +131,8 @@ class Rebuild:
             return self._any(root, 0)
         except _Failed as failed:
             raise self._error(failed) from failed.error
+        except PredicateFailed as failed:
+            raise MoveError(failed.message(self.who)) from failed.error
         except Exception as error:  # the root's own split or rebuild
             raise self._error(_Failed(root, error)) from error
 
@@ -277,6 +283,8 @@ class Rebuild:
         frames: list[list[Any]] = []
         try:
             return self._iterate_frames(root, path, frames)
+        except PredicateFailed:
+            raise
         except Exception as error:
             failed = error
             if not isinstance(failed, _Failed):  # a split or rebuild: blame what it was for,
@@ -406,8 +414,10 @@ class Rebuild:
     def _moved_whole(self, obj: Any, kind: Kind) -> Any:
         """A module (in place) or an object with its own ``.to``, moved."""
         mover, device = self.mover, self.device
-        if mover is None or device is None:  # replacing only: they were moved already
-            return obj
+        if mover is None or device is None:  # replacing: only what the engine itself moved
+            if kind.role == MODULE or kind.rebuild is None:
+                return obj
+            return self._container(obj, kind, 0)
         try:
             if kind.role == MODULE:
                 if not module_on(obj, device):
@@ -421,29 +431,71 @@ class Rebuild:
                 target = copy.copy(obj)
             except Exception:
                 target = obj
+            result = None
             if mover.non_blocking:
-                try:
-                    return target.to(device, non_blocking=True)
-                except TypeError:  # a .to that takes no non_blocking
-                    pass
-            return target.to(device)
+                with contextlib.suppress(TypeError):  # a .to that takes no non_blocking
+                    result = target.to(device, non_blocking=True)
+            if result is None:
+                result = target.to(device)
+            if kind.split is None or not _off(result, device):
+                return result
         except Exception as error:
             raise _Failed(obj, error) from error
+        # Its .to left tensors behind (a BatchEncoding moves only the tensors it holds
+        # directly, not a list of them): those are moved as children, where the type's
+        # own protocol can take them back; else the object is refused, not half-moved.
+        if kind.rebuild is not None and type(result) is type(obj):
+            result = self._container(result, kind, 0)
+        try:
+            if _off(result, device):
+                raise _left_behind(result, device)
+        except Exception as error:
+            raise _Failed(obj, error) from error
+        return result
 
     def _error(self, failed: _Failed) -> MoveError:
         path = build(self.name, reversed(failed.parts))
         error = failed.error
-        detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
+        fix = self.fix(path)
+        if isinstance(error, CannotRebuild):
+            detail = str(error)
+            if error.left:
+                places = ", ".join(f"{path}{below} ({device})" for below, device in error.left)
+                detail = f"{detail}: {places}"
+            fix = (
+                f"teach it with devicectx.register_container({error.tp.__qualname__}, "
+                f"children=..., rebuild=...); or {fix}"
+            )
+        else:
+            detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
         msg = (
             f"{self.who} could not move {path} ({_describe(failed.obj)}) to {self.device}:\n"
             f"    {detail}\n"
-            f"fix: {self.fix(path)}"
+            f"fix: {fix}"
         )
         return MoveError(msg)
+
+
+def _off(result: Any, device: torch.device) -> bool:
+    """Whether a tensor that can be read in ``result`` is not on ``device``. What cannot be
+    read (an object inside with a ``.to`` of its own and no readable children) is trusted:
+    the ``.to`` that moved ``result`` moved it."""
+    return any(tensor.device != device for _, tensor in iter_tensors(result, ""))
+
+
+def _left_behind(result: Any, device: torch.device) -> CannotRebuild:
+    """The error for an object whose own ``.to`` left some of its tensors where they were."""
+    left = [(path, t.device) for path, t in iter_tensors(result, "") if t.device != device]
+    why = f"its own .to({str(device)!r}) left tensors where they were"
+    return CannotRebuild(type(result), why, left)
 
 
 def _describe(obj: Any) -> str:
     if isinstance(obj, torch.Tensor):
         shape = tuple(obj.shape)
-        return f"a {type(obj).__name__} of shape {shape}, {obj.dtype}, on {obj.device}"
-    return f"a {type(obj).__qualname__}"
+        return f"{_a(type(obj).__name__)} of shape {shape}, {obj.dtype}, on {obj.device}"
+    return _a(type(obj).__qualname__)
+
+
+def _a(name: str) -> str:
+    return f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}"

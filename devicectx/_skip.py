@@ -12,10 +12,13 @@ A spec is one item or a list/tuple/set of them, each one of:
 Specs are compiled once into a :class:`Skip`. The engine walks fastest when a skip holds
 only types that no list, tuple, dict or plain tensor is an instance of (``nn.Module``,
 say); keys, paths, predicates, and types such as ``torch.Tensor`` need per-child checks.
+A predicate that raises is reported as its own error (:class:`PredicateFailed`), with the
+signature it must have, never as an object that failed to move.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Hashable
 from typing import Any, TypeAlias
 
@@ -64,12 +67,71 @@ class Skip:
         self.slow = bool(keys or self.needs_paths or touches_fast)
 
     def skips(self, path: str, value: object) -> bool:
-        """Whether the object ``value`` at ``path`` stays where it is (keys aside)."""
+        """Whether the object ``value`` at ``path`` stays where it is (keys aside).
+
+        Raises:
+            PredicateFailed: a predicate raised (or returned something with no truth
+                value, such as a tensor of several elements).
+        """
         if self.types and isinstance(value, self.types):
             return True
         if path in self.paths:
             return True
-        return any(predicate(path, value) for predicate in self.predicates)
+        for predicate in self.predicates:
+            try:
+                if predicate(path, value):
+                    return True
+            except Exception as error:
+                raise PredicateFailed(predicate, path, error) from error
+        return False
+
+
+class PredicateFailed(Exception):
+    """A ``skip=`` predicate raised; the engine reports it with :meth:`message`."""
+
+    def __init__(self, predicate: Predicate, path: str, error: Exception) -> None:
+        super().__init__(path, error)
+        self.predicate = predicate
+        self.path = path
+        self.error = error
+
+    def message(self, who: str) -> str:
+        """What failed, where, the signature a predicate must have, and the fix."""
+        shown, where = _describe(self.predicate)
+        name = getattr(self.predicate, "__name__", "")
+        detail = f"{type(self.error).__name__}: {self.error}".replace("\n", "\n    ")
+        if _takes_path_and_value(self.predicate):
+            fix = f"make {shown} return True or False for every (path, value) it is given"
+        elif name.isidentifier():
+            fix = f"def {name}(path: str, value: object) -> bool: ..."
+        else:
+            fix = "skip=lambda path, value: ..."
+        return (
+            f"{who}: the skip predicate {shown}{where} raised on {self.path}:\n"
+            f"    {detail}\n"
+            f"skip predicates are called as predicate(path, value) -> bool, for every object "
+            f"from the root down\n"
+            f"fix: {fix}"
+        )
+
+
+def _takes_path_and_value(predicate: Predicate) -> bool:
+    """Whether ``predicate(path, value)`` binds to the predicate's signature."""
+    try:
+        inspect.signature(predicate).bind("obj", None)
+    except (TypeError, ValueError):  # no such signature, or none can be read
+        return False
+    return True
+
+
+def _describe(predicate: Predicate) -> tuple[str, str]:
+    """A predicate's name, and where it was defined (`` (file.py:12)``, or empty)."""
+    name = getattr(predicate, "__qualname__", None) or type(predicate).__qualname__
+    code = getattr(predicate, "__code__", None)
+    if code is None:
+        return name, ""
+    file = code.co_filename.replace("\\", "/").rsplit("/", 1)[-1]
+    return name, f" ({file}:{code.co_firstlineno})"
 
 
 def compile_skip(spec: SkipLike, root: str = "obj") -> Skip | None:

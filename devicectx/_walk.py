@@ -253,8 +253,11 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
         listed at each; a container held at several places is looked into at the first.
 
     Caveats:
-        Tensors inside an object moved by its own ``.to`` are listed only when it is a
-        ``Mapping`` or a dataclass, whose children can be read.
+        Tensors inside an object moved by its own ``.to`` are listed only when its
+        children can be read: a ``Mapping``, a dataclass, or torch_geometric's ``Data``,
+        ``Batch`` and ``HeteroData``. A dataclass that is also a mapping lists each
+        tensor once: ``out.logits`` where the entry and the field hold it, ``out['x']``
+        for an entry that is no field.
 
     How: what :func:`iter_tensors` with ``modules=True`` yields, grouped by device; written
     out rather than built on it, as it is a hot path (no generator, one dict lookup per run

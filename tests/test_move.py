@@ -216,18 +216,38 @@ def test_sequence_subclasses_are_rebuilt() -> None:
 class KeywordMap(ReadOnlyMap):
     """A Mapping whose constructor takes keywords only: it cannot be rebuilt from a dict."""
 
-    def __init__(self, **items: Any) -> None:
+    def __init__(self, *args: Any, **items: Any) -> None:
+        if args:
+            raise TypeError("KeywordMap takes keywords only")
         super().__init__(items)
 
 
-def test_mapping_that_cannot_be_rebuilt_is_left_as_it_is() -> None:
-    """A Mapping type that takes no rebuilding is returned as it is, not turned into a dict;
-    one that can, such as a mappingproxy, is rebuilt."""
-    stuck = KeywordMap(x=torch.zeros(1))
+def test_mapping_that_cannot_be_rebuilt_is_refused_not_half_moved() -> None:
+    """A Mapping type that takes neither item assignment nor a dict raises MoveError
+    saying why, with register_container as the fix; it is not returned half-moved."""
+    with pytest.raises(MoveError) as raised:
+        to_device({"m": KeywordMap(x=torch.zeros(1))}, "meta")
+    assert [
+        "to_device() could not move obj['m'] (a KeywordMap) to meta:",
+        "    KeywordMap cannot be rebuilt with its tensors moved: it is immutable, and "
+        "KeywordMap(dict(new_items)) raised TypeError: KeywordMap takes keywords only",
+        "fix: teach it with devicectx.register_container(KeywordMap, children=..., "
+        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=[\"obj['m']\"])",
+    ] == str(raised.value).splitlines()
+    assert isinstance(raised.value.__cause__, _containers.CannotRebuild)
+
+
+def test_mapping_with_nothing_to_move_is_not_rebuilt() -> None:
+    """A Mapping that cannot be rebuilt is fine where nothing in it moves."""
+    stuck = KeywordMap(x=torch.zeros(1, device="meta"), n=1)
     assert to_device(stuck, "meta") is stuck
+
+
+def test_mapping_proxy_is_rebuilt_with_its_constructor() -> None:
+    """An immutable Mapping that takes a dict, such as a mappingproxy, is rebuilt."""
     proxy = to_device(types.MappingProxyType({"x": torch.zeros(1)}), "meta")
     assert type(proxy) is types.MappingProxyType
-    assert proxy["x"].device == META
+    assert META == proxy["x"].device
 
 
 class Encoding(collections.UserDict[str, Any]):
@@ -255,6 +275,197 @@ def test_object_with_own_to_already_there_comes_back_as_it_is() -> None:
     """An object with a .to whose tensors are on the target already is not moved again."""
     encoding = Encoding({"ids": torch.zeros(2, device="meta")})
     assert to_device(encoding, "meta") is encoding
+
+
+class ShallowEncoding(Encoding):
+    """Like BatchEncoding: its .to moves only the tensors it holds directly."""
+
+    def to(self, device: Any) -> ShallowEncoding:
+        self.data = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.data.items()
+        }
+        return self
+
+
+def test_what_an_own_to_leaves_behind_is_moved_as_children() -> None:
+    """Tensors an object's own .to leaves behind (a list of them) are moved by the engine,
+    sharing copies with the rest of the structure; the input is left alone."""
+    x = torch.zeros(3)
+    encoding = ShallowEncoding({"ids": torch.zeros(2), "pixels": [x, x[:2]]}, encodings="fast")
+    moved = to_device({"enc": encoding, "x": x}, "meta")
+    enc = moved["enc"]
+    assert (type(enc), enc.encodings) == (ShallowEncoding, "fast")
+    assert enc["pixels"][0] is moved["x"]
+    assert enc["pixels"][1]._base is moved["x"]
+    assert [META] == list(find_devices(moved))
+    assert [CPU] == list(find_devices(encoding))
+
+
+@dataclasses.dataclass
+class HalfMover:
+    """A dataclass whose .to moves one field and forgets the other."""
+
+    head: torch.Tensor
+    rest: list[torch.Tensor]
+
+    def to(self, device: Any) -> HalfMover:
+        return HalfMover(self.head.to(device), self.rest)
+
+
+def test_own_to_that_leaves_tensors_behind_is_refused() -> None:
+    """Where the engine cannot finish what an object's own .to left, MoveError names what
+    was left behind."""
+    with pytest.raises(MoveError) as raised:
+        to_device({"h": HalfMover(torch.zeros(1), [torch.zeros(2)])}, "meta")
+    assert [
+        "to_device() could not move obj['h'] (a HalfMover) to meta:",
+        "    HalfMover cannot be rebuilt with its tensors moved: its own .to('meta') left "
+        "tensors where they were: obj['h'].rest[0] (cpu)",
+        "fix: teach it with devicectx.register_container(HalfMover, children=..., "
+        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=[\"obj['h']\"])",
+    ] == str(raised.value).splitlines()
+
+
+class Opaque:
+    """An object with a .to of its own and no readable children."""
+
+    moves = 0
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def to(self, device: Any) -> Opaque:
+        Opaque.moves += 1
+        return Opaque(self._tensor.to(device))
+
+
+def test_own_to_is_trusted_with_what_cannot_be_read() -> None:
+    """What an object's own .to moved but the engine cannot read inside it is neither
+    moved again nor refused."""
+    Opaque.moves = 0
+    moved = to_device(Encoding({"opaque": Opaque(torch.zeros(1))}), "meta")
+    assert META == moved["opaque"]._tensor.device
+    assert 1 == Opaque.moves
+
+
+@dataclasses.dataclass
+class Output(collections.OrderedDict[str, Any]):
+    """Like transformers' ModelOutput: a dataclass and an OrderedDict, whose fields that
+    are not None are also entries, and whose entries and attributes are set together."""
+
+    logits: Any = None
+    loss: Any = None
+    hidden: Any = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                self[field.name] = value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+def test_dataclass_that_is_a_mapping_moves_every_view() -> None:
+    """Fields, entries, indices of entries and other attributes holding a child all show
+    the moved tensor, once each; an entry that is no field is listed by key."""
+    out = Output(logits=torch.zeros(2), hidden=(torch.ones(3), torch.ones(4)))
+    out["extra"] = torch.zeros(5)
+    out.cache = out.logits  # type: ignore[attr-defined]
+    moved = to_device(out, "meta")
+    assert type(moved) is Output
+    assert ["logits", "hidden", "extra"] == list(moved.keys())
+    assert META == moved.logits.device
+    assert moved.logits is moved["logits"] is moved.cache  # type: ignore[attr-defined]
+    assert moved.hidden is moved["hidden"]
+    assert moved["extra"] is moved.extra  # type: ignore[attr-defined]
+    assert moved.loss is None
+    assert "loss" not in moved
+    paths = ["out.logits", "out.hidden[0]", "out.hidden[1]", "out['extra']"]
+    assert {META: paths} == find_devices(moved, name="out")
+    assert CPU == out["logits"].device == out.logits.device
+
+
+@dataclasses.dataclass
+class PlainOutput(dict[str, Any]):
+    """A dataclass and a dict whose fields become entries once, at construction."""
+
+    logits: Any = None
+
+    def __post_init__(self) -> None:
+        if self.logits is not None:
+            self["logits"] = self.logits
+
+
+def test_views_that_disagree_each_get_their_own_moved_object() -> None:
+    """An entry and the field of its name that hold different tensors are two places, and
+    each shows its own tensor moved."""
+    out = PlainOutput(logits=torch.zeros(2))
+    out["logits"] = torch.zeros(3)
+    assert {CPU: ["out['logits']", "out.logits"]} == find_devices(out, name="out")
+    moved = to_device(out, "meta")
+    assert ((3,), (2,)) == (tuple(moved["logits"].shape), tuple(moved.logits.shape))
+    assert META == moved["logits"].device == moved.logits.device
+
+
+def test_views_that_disagree_where_the_type_joins_them_are_refused() -> None:
+    """Where the type's own copy makes an entry and a field agree (ModelOutput's does),
+    views that disagreed cannot be rebuilt as they were: MoveError says where."""
+    out = Output(logits=torch.zeros(2))
+    dict.__setitem__(out, "logits", torch.zeros(3))
+    with pytest.raises(MoveError) as raised:
+        to_device(out, "meta")
+    assert [
+        "to_device() could not move obj (an Output) to meta:",
+        "    Output cannot be rebuilt with its tensors moved: "
+        "a copy given the moved children shows another object at .logits",
+        "fix: teach it with devicectx.register_container(Output, children=..., "
+        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=['obj'])",
+    ] == str(raised.value).splitlines()
+
+
+@dataclasses.dataclass
+class Snapshot(Mapping[str, Any]):
+    """A dataclass whose entries are a copy of its fields taken once: two storages, and
+    no way to set an entry."""
+
+    x: Any
+
+    def __post_init__(self) -> None:
+        self._entries = {"x": self.x}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._entries[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@pytest.mark.parametrize("depth_limit", [100, -1])
+def test_two_views_that_cannot_agree_are_refused(
+    depth_limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dataclass and mapping whose entries cannot be set raises MoveError, on both
+    walks, rather than come back with its field moved and its entry not."""
+    from devicectx import _rebuild
+
+    monkeypatch.setattr(_rebuild, "_DEPTH", depth_limit)
+    snapshot = Snapshot(torch.zeros(1))
+    with pytest.raises(MoveError) as raised:
+        to_device([snapshot], "meta")
+    assert [
+        "to_device() could not move obj[0] (a Snapshot) to meta:",
+        "    Snapshot cannot be rebuilt with its tensors moved: its entry 'x' cannot be set: "
+        "TypeError: 'Snapshot' object does not support item assignment",
+        "fix: teach it with devicectx.register_container(Snapshot, children=..., "
+        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=['obj[0]'])",
+    ] == str(raised.value).splitlines()
+    assert CPU == snapshot["x"].device == snapshot.x.device
 
 
 def test_tensordict() -> None:
@@ -576,6 +787,70 @@ def test_skip_error() -> None:
     assert [
         "skip=[['not hashable']]: ['not hashable'] is not a type, a path, a key or a predicate",
         "fix: skip=[torch.nn.Module, \"obj['meta']\", 'labels', lambda path, value: ...]",
+    ] == str(raised.value).splitlines()
+
+
+def is_big(value: torch.Tensor) -> bool:
+    """A skip predicate with the wrong signature: it takes the value only."""
+    return value.numel() > 10
+
+
+def test_skip_predicate_with_a_wrong_signature_is_named() -> None:
+    """A predicate that cannot take (path, value) is reported as the predicate's error,
+    with the signature it must have, the original error chained."""
+    with pytest.raises(TypeError) as direct:
+        is_big("obj", {})  # type: ignore[call-arg]
+    with pytest.raises(MoveError) as raised:
+        to_device({"x": torch.zeros(2)}, "meta", skip=is_big)
+    line = is_big.__code__.co_firstlineno
+    assert [
+        f"to_device(): the skip predicate is_big (test_move.py:{line}) raised on obj:",
+        f"    TypeError: {direct.value}",
+        "skip predicates are called as predicate(path, value) -> bool, "
+        "for every object from the root down",
+        "fix: def is_big(path: str, value: object) -> bool: ...",
+    ] == str(raised.value).splitlines()
+    assert isinstance(raised.value.__cause__, TypeError)
+
+
+def test_skip_predicate_that_raises_inside_is_named_with_the_path() -> None:
+    """A predicate of the right signature that raises is named with the path it was
+    asked about; the fix is in its body."""
+
+    def needs_tensors(path: str, value: Any) -> bool:
+        return bool(value.numel() > 10)
+
+    with pytest.raises(MoveError) as raised:
+        to_device({"x": torch.zeros(2), "n": 3}, "meta", skip=["n", needs_tensors])
+    line = needs_tensors.__code__.co_firstlineno
+    name = "test_skip_predicate_that_raises_inside_is_named_with_the_path.<locals>.needs_tensors"
+    assert [
+        f"to_device(): the skip predicate {name} (test_move.py:{line}) raised on obj:",
+        "    AttributeError: 'dict' object has no attribute 'numel'",
+        "skip predicates are called as predicate(path, value) -> bool, "
+        "for every object from the root down",
+        f"fix: make {name} return True or False for every (path, value) it is given",
+    ] == str(raised.value).splitlines()
+    assert isinstance(raised.value.__cause__, AttributeError)
+
+
+def per_dimension(path: str, value: Any) -> bool:
+    """A skip predicate that fails on a 0-dim tensor."""
+    return isinstance(value, torch.Tensor) and 1 / value.dim() > 0.5
+
+
+def test_skip_predicate_error_below_the_root_names_the_path() -> None:
+    """The path in a predicate's error is where the object it failed on sits."""
+    with pytest.raises(MoveError) as raised:
+        to_device({"ids": [torch.zeros(2), torch.tensor(1)]}, "meta", skip=per_dimension)
+    line = per_dimension.__code__.co_firstlineno
+    assert [
+        f"to_device(): the skip predicate per_dimension (test_move.py:{line}) raised on "
+        "obj['ids'][1]:",
+        "    ZeroDivisionError: division by zero",
+        "skip predicates are called as predicate(path, value) -> bool, "
+        "for every object from the root down",
+        "fix: make per_dimension return True or False for every (path, value) it is given",
     ] == str(raised.value).splitlines()
 
 

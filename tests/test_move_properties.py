@@ -6,6 +6,8 @@ base (before it or after it), and plain values. They are moved from cpu (or meta
 and each guarantee is checked with a walk written here, independent of the engine's own.
 The properties are checked on the engine's recursive walk; its explicit-stack walk (used
 below a depth of 100) is checked to give the same results, by forcing it from the top.
+Dataclasses that are also mappings (as transformers' ``ModelOutput`` is) are generated
+here, in the four ways such types keep their two views, and checked view by view.
 """
 
 from __future__ import annotations
@@ -253,3 +255,191 @@ def test_plain_walk_agrees_with_the_full_walk(batch: Any) -> None:
     except _walk.NotPlain:
         return
     assert device == _walk.shared_device(batch)
+
+
+# Dataclasses that are also mappings (transformers' ModelOutput is one): two views of the
+# same children, in the four ways such types keep them.
+
+FIELDS = ("first", "second", "third")
+
+
+@dataclasses.dataclass
+class Mirrored(collections.OrderedDict[str, Any]):
+    """As ModelOutput: fields not None are entries, and setting one view sets the other."""
+
+    first: Any = None
+    second: Any = None
+    third: Any = None
+
+    def __post_init__(self) -> None:
+        for name in FIELDS:
+            if getattr(self, name) is not None:
+                self[name] = getattr(self, name)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FIELDS and value is not None:
+            super().__setitem__(name, value)
+        super().__setattr__(name, value)
+
+
+@dataclasses.dataclass
+class Once(dict[Any, Any]):
+    """Fields not None are entered once, at construction; the views then live apart."""
+
+    first: Any = None
+    second: Any = None
+    third: Any = None
+
+    def __post_init__(self) -> None:
+        for name in FIELDS:
+            if getattr(self, name) is not None:
+                self[name] = getattr(self, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenOnce(dict[Any, Any]):
+    """A frozen dataclass whose entries are made once, as in :class:`Once`."""
+
+    first: Any = None
+    second: Any = None
+    third: Any = None
+
+    def __post_init__(self) -> None:
+        for name in FIELDS:
+            if getattr(self, name) is not None:
+                dict.__setitem__(self, name, getattr(self, name))
+
+
+@dataclasses.dataclass
+class Derived(Mapping[str, Any]):
+    """Entries read from the fields: one storage, two views."""
+
+    first: Any = None
+    second: Any = None
+    third: Any = None
+
+    def __getitem__(self, key: str) -> Any:
+        if key in FIELDS and getattr(self, key) is not None:
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in FIELDS if getattr(self, name) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+@st.composite
+def hybrids(draw: st.DrawFn) -> Any:
+    """A two-view dataclass with tensors (some shared, on cpu or meta), lists of them,
+    None and ints in its fields; maybe entries that are no fields, an entry that
+    disagrees with its field, and another attribute holding a field's value."""
+    cls = draw(st.sampled_from([Mirrored, Once, FrozenOnce, Derived]))
+    pool = draw(st.lists(tensors(devices=["cpu", "meta"]), min_size=1, max_size=4))
+    shared = st.sampled_from(pool)
+    value = st.none() | st.integers(0, 3) | shared | st.lists(shared, max_size=3)
+    obj = cls(**{name: draw(value) for name in FIELDS})
+    if cls is not Derived:
+        names = ["extra", "x y", "class"] + ([3] if cls is not Mirrored else [])
+        extras = draw(
+            st.dictionaries(st.sampled_from(names), shared | st.lists(shared), max_size=2)
+        )
+        for key, extra in extras.items():
+            if cls is FrozenOnce:
+                dict.__setitem__(obj, key, extra)
+            else:
+                obj[key] = extra
+    entered = [name for name in FIELDS if name in obj]
+    if cls in (Once, FrozenOnce) and entered and draw(st.booleans()):
+        dict.__setitem__(obj, draw(st.sampled_from(entered)), draw(shared))
+    if draw(st.booleans()):
+        object.__setattr__(obj, "cache", getattr(obj, draw(st.sampled_from(FIELDS))))
+    return obj
+
+
+def hybrid_views(obj: Any) -> list[tuple[str, Any]]:
+    """Every field, every entry, the extra attribute, and the members of lists in them."""
+    views = [(f".{name}", getattr(obj, name)) for name in FIELDS]
+    views += [(f"[{key!r}]", obj[key]) for key in obj]
+    if "cache" in vars(obj):
+        views.append((".cache", obj.cache))
+    for label, value in list(views):
+        if isinstance(value, list):
+            views += [(f"{label}[{i}]", member) for i, member in enumerate(value)]
+    return views
+
+
+def hybrid_paths(obj: Any) -> dict[torch.device, list[str]]:
+    """What find_devices must say, worked out from the rule: entries in order, an entry
+    and the field of its name that hold one object written once as the field, then the
+    other fields."""
+    found: dict[torch.device, list[str]] = {}
+
+    def add(path: str, value: Any) -> None:
+        for index, member in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            if isinstance(member, torch.Tensor):
+                place = path if index is None else f"{path}[{index}]"
+                found.setdefault(member.device, []).append(place)
+
+    named = set()
+    for key in obj:
+        if key in FIELDS and getattr(obj, key) is obj[key]:
+            named.add(key)
+            add(f"obj.{key}", obj[key])
+        else:
+            add(f"obj[{key!r}]", obj[key])
+    for name in FIELDS:
+        if name not in named:
+            add(f"obj.{name}", getattr(obj, name))
+    return found
+
+
+def same_objects(views: list[tuple[str, Any]]) -> list[int]:
+    """For each view, the position of the first view holding the same object."""
+    values = [value for _, value in views]
+    return [next(i for i, seen in enumerate(values) if seen is v) for v in values]
+
+
+def view_skeleton(views: list[tuple[str, Any]]) -> list[Any]:
+    """Each view's label and what it shows: tensors by shape and dtype, lists by length,
+    plain values as they are."""
+    return [
+        (label, ("tensor", tuple(v.shape), v.dtype))
+        if isinstance(v, torch.Tensor)
+        else (label, ("list", len(v)))
+        if isinstance(v, list)
+        else (label, v)
+        for label, v in views
+    ]
+
+
+@pytest.mark.parametrize("depth_limit", [100, -1])
+@given(obj=hybrids())
+def test_every_view_of_a_two_view_dataclass_agrees(obj: Any, depth_limit: int) -> None:
+    """Moved, a dataclass that is also a mapping keeps its type and keys; every field,
+    entry and attribute shows the moved object of what it showed, on meta, sharing
+    exactly where it shared; the input is left alone; find_devices lists each place once,
+    on both walks."""
+    before = hybrid_views(obj)
+    held = [(label, value, getattr(value, "device", None)) for label, value in before]
+    assert hybrid_paths(obj) == find_devices(obj)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_rebuild, "_DEPTH", depth_limit)
+        moved = to_device(obj, META)
+    after = hybrid_views(moved)
+    assert type(obj) is type(moved)
+    assert list(obj) == list(moved)
+    assert view_skeleton(before) == view_skeleton(after)
+    assert same_objects(before) == same_objects(after)
+    assert all(v.device == META for _, v in after if isinstance(v, torch.Tensor))
+    assert held == [(label, value, getattr(value, "device", None)) for label, value in before]
+    assert held == [
+        (label, value, getattr(value, "device", None)) for label, value in hybrid_views(obj)
+    ]
+    assert hybrid_paths(moved) == find_devices(moved)
+    assert to_device(moved, META) is moved
