@@ -31,6 +31,7 @@ from typing import Any, ParamSpec, SupportsIndex, TypeVar, cast, overload
 import torch
 
 from devicectx._errors import BatchTooLargeError
+from devicectx._resolve import accelerator_type
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -161,14 +162,14 @@ def free_memory() -> None:
     attempt's frames often are one) go back to the cache, which is then emptied.
     """
     gc.collect()
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    accelerator = accelerator_type()
     if accelerator is None:
         return
-    # torch.accelerator.empty_cache arrived in torch 2.8; the floor is 2.6, where each
+    # torch.accelerator.empty_cache arrived in torch 2.9; the floor is 2.6, where each
     # backend module (torch.cuda, torch.xpu, torch.mps) has its own.
     empty_cache = getattr(torch.accelerator, "empty_cache", None)
     if empty_cache is None:
-        empty_cache = getattr(getattr(torch, accelerator.type, None), "empty_cache", None)
+        empty_cache = getattr(getattr(torch, accelerator, None), "empty_cache", None)
     if callable(empty_cache):
         empty_cache()
 

@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from devicectx._context import current_device
 from devicectx._errors import DeviceError
-from devicectx._resolve import ENV_VAR, _resolve, available_devices
+from devicectx._resolve import ENV_VAR, _resolve, accelerator_type, available_devices
 
 # The variables that decide which device a process gets, in the order they matter.
 ENV_VARS = (ENV_VAR, "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
@@ -97,7 +98,9 @@ class DeviceReport:
         build: how torch was built (:class:`BuildInfo`).
         devices: every device this process can use, the CPU first.
         auto: where ``"auto"`` resolves, and why; ``None`` when it cannot resolve.
-        default_device: ``torch.get_default_device()``, where factory functions allocate.
+        default_device: where factory functions called without ``device=`` allocate: what
+            ``torch.get_default_device()`` reports on torch >= 2.8 (2.6 and 2.7 report
+            only ``set_default_device``'s device, not a ``with torch.device`` scope's).
         environment: the variables that steer the choice (``DEVICECTX_DEVICE``,
             ``LOCAL_RANK``, ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES``), ``None`` if unset.
         problem: what is wrong with the set-up, or ``None`` when nothing is.
@@ -141,7 +144,7 @@ def gather_report() -> DeviceReport:
         build=_build_info(),
         devices=[_device_info(device) for device in available_devices()],
         auto=auto,
-        default_device=str(torch.get_default_device()),
+        default_device=str(current_device()),
         environment={name: os.environ.get(name) for name in ENV_VARS},
         problem=problem,
     )
@@ -160,7 +163,6 @@ def _build_info() -> BuildInfo:
         *(["MPS"] if mps else []),
         *([f"XPU {xpu}"] if xpu else []),
     ]
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
     return BuildInfo(
         torch_version=torch.__version__,
         summary=", ".join(backends) or "CPU only",
@@ -169,7 +171,7 @@ def _build_info() -> BuildInfo:
         mps=mps,
         xpu=xpu,
         cudnn=_guarded(_cudnn_version),
-        accelerator=None if accelerator is None else accelerator.type,
+        accelerator=accelerator_type(),
     )
 
 

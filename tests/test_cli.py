@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +13,22 @@ import pytest
 import torch
 
 import devicectx
-from devicectx import DeviceUnavailableError, InvalidDeviceError, resolve_device
+from devicectx import (
+    DeviceUnavailableError,
+    InvalidDeviceError,
+    available_devices,
+    explain_device,
+    resolve_device,
+)
 from devicectx._cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, format_report, main
-from devicectx._report import gather_report
+from devicectx._report import ENV_VARS, gather_report
+from devicectx._resolve import accelerator_type
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).with_name("devicectx")
 AUTO_ON_CPU = "no accelerator found, so the CPU (set DEVICECTX_DEVICE to choose)"
 no_accelerator = pytest.mark.skipif(
-    torch.accelerator.current_accelerator(check_available=True) is not None,
+    torch.accelerator.is_available(),
     reason="checks what 'auto' says on a machine without an accelerator",
 )
 
@@ -46,24 +54,37 @@ def error_text(variable_value: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return f"devicectx: {type(caught.value).__name__}: {caught.value}"
 
 
-@no_accelerator
 def test_python_m_devicectx_prints_the_report() -> None:
-    """`python -m devicectx` exits 0 and prints every line of the report."""
+    """`python -m devicectx` exits 0 and prints every line of the report, on any build.
+
+    A CPU-only build, a CUDA build on a machine without a GPU (cuDNN is still reported),
+    and a machine with accelerators (one line per device) all print their own facts.
+    """
     result = run_cli()
 
+    report = gather_report()
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    built_for = report.build.summary + ("" if cudnn is None else f", cuDNN {cudnn}")
+    devices = [str(device) for device in available_devices()]
+    width = max(len(device) for device in devices) + 2
+    cpu = f"{platform.machine()}, capability {torch.backends.cpu.get_cpu_capability()}"
+    accelerators = format_report(report).splitlines()[4 : 3 + len(devices)]
+    set_here = [f"{name}={os.environ[name]}" for name in ENV_VARS if name in os.environ]
+    unset = [name for name in ENV_VARS if name not in os.environ]
+    environment = "; ".join([*set_here, *([f"unset: {', '.join(unset)}"] if unset else [])])
     expected = [
         f"devicectx    {devicectx.__version__}",
-        f"torch        {torch.__version__}, built for {gather_report().build.summary}",
-        "accelerator  none",
-        f"devices      cpu  {gather_report().devices[0].name}, capability "
-        f"{torch.backends.cpu.get_cpu_capability()}",
-        f"auto         cpu: {AUTO_ON_CPU}",
+        f"torch        {torch.__version__}, built for {built_for}",
+        f"accelerator  {accelerator_type() or 'none'}",
+        f"devices      {'cpu':<{width}}{cpu}",
+        *accelerators,
+        f"auto         {explain_device()}",
         "default      cpu (torch.get_default_device())",
-        "environment  unset: DEVICECTX_DEVICE, LOCAL_RANK, CUDA_VISIBLE_DEVICES, "
-        "HIP_VISIBLE_DEVICES",
+        f"environment  {environment}",
     ]
     assert (EXIT_OK, "") == (result.returncode, result.stderr)
     assert expected == result.stdout.splitlines()
+    assert devices[1:] == [line.split()[0] for line in accelerators]
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason=f"the console script is not installed at {SCRIPT}")
@@ -213,7 +234,7 @@ def test_the_cpu_is_listed_first_with_its_capability() -> None:
     assert cpu.memory is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.requires_device("cuda")
 def test_each_gpu_is_listed_with_its_name_memory_and_capability() -> None:
     """On a GPU machine every device has the name, memory and capability torch reports."""
     devices = gather_report().devices[1:]

@@ -12,9 +12,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 from devicectx import DeviceUnavailableError, InvalidDeviceError, current_device, on_device
 from devicectx._context import active_device
+from devicectx._torch_modes import clear_default_device
 from devicectx.testing.strategies import devices
 
 CPU = torch.device("cpu")
@@ -140,23 +142,28 @@ def test_torch_device_inside() -> None:
     assert [] == _get_current_function_mode_stack()
 
 
-def test_torch_alone_loses_a_global_default_set_inside_its_scope() -> None:
-    """The torch behaviour devicectx fixes: set_default_device inside torch.device is lost."""
+def test_torch_alone_does_not_both_apply_and_keep_a_default_set_inside_its_scope() -> None:
+    """The torch behaviour devicectx fixes: set_default_device inside torch.device.
+
+    torch >= 2.11 applies it at once and loses it at the scope's exit; older releases keep
+    it, but apply it only from the exit on. Never both, as on_device does.
+    """
     with torch.device("cpu"):
         torch.set_default_device("meta")
-    lost = allocated()
-    torch.set_default_device(None)  # torch then pushes the scope it displaced back: clear it
+        inside = allocated()
+    after = allocated()
+    clear_default_device()  # torch >= 2.11 then pushes the scope it displaced back: clear it
     while torch._C._len_torch_function_stack():
         torch._C._pop_torch_function_stack()
-    assert CPU == lost
+    assert (inside, after) in [(META, CPU), (CPU, META)]
 
 
 def test_set_default_device_inside_block_is_kept() -> None:
-    """set_default_device inside on_device takes effect at once and outlives the block."""
+    """set_default_device inside on_device blocks takes effect at once and outlives them."""
     try:
-        with on_device("cpu"), on_device("meta"):
+        with on_device("meta"), on_device("cpu"):
             torch.set_default_device("meta")
-            assert META == allocated()
+            assert META == allocated() == torch.get_default_device()
         assert META == allocated() == torch.get_default_device()
     finally:
         torch.set_default_device(None)
@@ -189,6 +196,53 @@ def test_block_over_a_global_default_restores_it() -> None:
         torch.set_default_device(None)
 
 
+def test_get_default_device_after_the_default_was_cleared() -> None:
+    """After set_default_device(None), blocks still report their device and restore the CPU.
+
+    get_default_device of torch 2.6 to 2.9 fails in that state; leaving a block mends it.
+    """
+    torch.set_default_device(None)
+    with on_device("meta"):
+        assert META == torch.get_default_device()
+    assert CPU == allocated() == torch.get_default_device()
+
+
+def test_set_default_device_of_another_thread_is_not_seen() -> None:
+    """A default set in another thread, inside or outside its blocks, stays in that thread."""
+    seen: list[torch.device] = []
+
+    def other() -> None:
+        with on_device("meta"), on_device("cpu"):
+            torch.set_default_device("meta")
+            seen.append(allocated())
+        seen.append(allocated())
+        clear_default_device()
+
+    with on_device("meta"):
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert META == allocated()
+    assert [META, META, CPU] == [*seen, allocated()]
+
+
+def test_a_device_context_entered_by_hand_and_left_after_the_block() -> None:
+    """A DeviceContext entered by hand inside a block and left after it: both undo cleanly.
+
+    torch >= 2.11 moves the block's scope into the DeviceContext's ``prev_mode``; leaving
+    the block takes it out of there.
+    """
+    block = on_device("meta")
+    block.__enter__()
+    by_hand = DeviceContext("cpu")
+    by_hand.__enter__()
+    block.__exit__(None, None, None)
+    assert CPU == allocated()
+    by_hand.__exit__(None, None, None)
+    assert CPU == allocated()
+    assert [] == _get_current_function_mode_stack()
+
+
 # ---- property: any sequence of nested blocks ----
 
 # Every device of this machine, and meta: the second device where there is no accelerator.
@@ -207,7 +261,8 @@ def test_any_nesting_sees_its_own_device_and_restores(
 
     After the outermost block the starting default (set or not) is back.
     """
-    torch.set_default_device(start)
+    if start is not None:
+        torch.set_default_device(start)
     try:
         expected_start = torch.device(start or "cpu")
 
@@ -228,7 +283,7 @@ def test_any_nesting_sees_its_own_device_and_restores(
         assert expected_start == allocated() == torch.get_default_device()
         assert active_device() is None
     finally:
-        torch.set_default_device(None)
+        clear_default_device()
 
 
 # ---- threads ----
@@ -332,6 +387,29 @@ def test_on_device_isolates_asyncio_tasks() -> None:
     }
     assert expected == seen
     assert [] == _get_current_function_mode_stack()
+
+
+def test_get_default_device_in_a_task_answers_for_that_task() -> None:
+    """torch.get_default_device() in a task without a block is not another task's device."""
+
+    async def main() -> list[torch.device]:
+        entered, looked = asyncio.Event(), asyncio.Event()
+
+        async def inside() -> torch.device:
+            with on_device("meta"):
+                entered.set()
+                await looked.wait()
+                return torch.get_default_device()
+
+        async def idle() -> torch.device:
+            await entered.wait()
+            seen = torch.get_default_device()
+            looked.set()
+            return seen
+
+        return list(await asyncio.gather(inside(), idle()))
+
+    assert [META, CPU] == asyncio.run(main())
 
 
 def test_task_created_inside_a_block_inherits_it() -> None:

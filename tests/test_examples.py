@@ -60,9 +60,10 @@ def free_port() -> int:
 
 def auto_device(local_rank: int | None = None) -> str:
     """Where "auto" goes on this machine, by the documented rules (no DEVICECTX_DEVICE)."""
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
-    if accelerator is None:
+    if not torch.accelerator.is_available():
         return "cpu"
+    accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None
     if local_rank is None:
         return f"{accelerator.type}:{torch.accelerator.current_device_index()}"
     return f"{accelerator.type}:{local_rank % torch.accelerator.device_count()}"

@@ -46,6 +46,10 @@ CPU_OOM = (
 )
 CUBLAS_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 
+# A CUDA runtime error comes as torch.AcceleratorError since torch 2.8 (a RuntimeError),
+# as a plain RuntimeError before.
+_ACCELERATOR_ERROR: type[RuntimeError] = getattr(torch, "AcceleratorError", RuntimeError)
+
 OUT_OF_MEMORY_ERRORS = [
     pytest.param(lambda: torch.OutOfMemoryError(CUDA_OOM), id="cuda-OutOfMemoryError"),
     pytest.param(lambda: RuntimeError(CUDA_OOM), id="cuda-RuntimeError-before-torch-2.5"),
@@ -54,7 +58,7 @@ OUT_OF_MEMORY_ERRORS = [
     pytest.param(lambda: RuntimeError(XPU_OOM), id="xpu-RuntimeError"),
     pytest.param(lambda: RuntimeError(MPS_OOM), id="mps-RuntimeError"),
     pytest.param(lambda: torch.OutOfMemoryError(MPS_OOM), id="mps-OutOfMemoryError"),
-    pytest.param(lambda: torch.AcceleratorError(CUDA_RUNTIME_OOM), id="cuda-AcceleratorError"),
+    pytest.param(lambda: _ACCELERATOR_ERROR(CUDA_RUNTIME_OOM), id="cuda-AcceleratorError"),
     pytest.param(lambda: RuntimeError(CPU_OOM), id="cpu-allocator"),
     pytest.param(lambda: RuntimeError(CUBLAS_OOM), id="cublas-alloc-failed"),
     pytest.param(lambda: torch.OutOfMemoryError(), id="OutOfMemoryError-without-message"),
@@ -594,7 +598,7 @@ def test_a_nested_batch_too_large_error_shrinks_the_outer_batch() -> None:
     assert [4, 4, 4] == inner_sizes
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.requires_device("cuda")
 def test_a_real_cuda_out_of_memory_error_is_retried() -> None:
     """The allocator's own out-of-memory error on a GPU shrinks the batch until it fits."""
     sizes: list[int] = []
