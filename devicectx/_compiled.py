@@ -1,27 +1,18 @@
-"""``@device_agnostic`` under ``torch.compile``: the wrapper class, and a path dynamo can trace.
+"""``@device_agnostic`` under ``torch.compile``: the call as dynamo traces it.
 
-The trap. A wrapt ``FunctionWrapper`` passes itself off as the function it wraps (its
-``__class__`` and ``__code__`` are the function's), so dynamo, meeting a decorated helper
-inside a compiled caller, inlines the wrapped code and silently drops the wrapper: inputs
-are not moved, nothing is checked, the body is not scoped.
+A decorated function has an *entry* (:func:`entry_function`): a real function, with a code
+object of its own, that dynamo inlines in place of the wrapper (:mod:`devicectx._wrappers`
+says how it is led there). Traced, the entry makes the call with :func:`traced_call`, the
+decorator's call written for dynamo: no context variables, no caches, containers walked
+with ``torch.utils._pytree``, the device scope entered with a plain ``DeviceContext`` (which
+dynamo traces, unlike ``with torch.device(...)``). Run for real (dynamo gave up on a frame),
+it makes the eager call.
 
-The fix, in two parts:
-
-- :class:`DeviceAgnosticWrapper` (the ``FunctionWrapper`` every decorated function is)
-  answers ``_torchdynamo_inline`` with :func:`traced_call` bound to its plan. dynamo
-  inlines whatever that attribute holds in place of the object, both for a function it
-  meets as a value and for a method it finds on a class (``Module.forward``): the hook
-  ``torch.jit.script`` and ``torch.compile`` use for their own wrappers. For
-  ``torch.compile(decorated)`` itself it answers ``_torchdynamo_orig_callable`` (with
-  ``_torchdynamo_wrapper_id``) the same way, which ``torch.compile`` follows to what it
-  compiles. Both are private to dynamo: checked on torch 2.13
-  (``torch/_dynamo/variables/builder.py``, ``variables/user_defined.py`` and
-  ``eval_frame.innermost_fn``); the tests in ``tests/test_decorator_compile.py`` catch a
-  torch that drops them.
-- :func:`traced_call` is the decorator's call written for dynamo: no context variables,
-  no caches, containers walked with ``torch.utils._pytree``, the device scope entered with a
-  plain ``DeviceContext`` (which dynamo traces, unlike ``with torch.device(...)``). The
-  eager wrapper switches to it when ``torch.compile`` traces the decorated function itself.
+Where the installed torch cannot be trusted to trace it (the probe of
+:mod:`devicectx._probe` failed, or a test forced it: :func:`use_fallback`), and for
+generators and async functions, the call runs eagerly instead, behind
+``torch.compiler.disable``: a graph break, and the same meaning as without
+``torch.compile``.
 
 What differs from eager code, all decided while tracing (dynamo guards on the devices of
 tensors and on torch's default device, so a change there recompiles):
@@ -34,220 +25,163 @@ tensors and on torch's default device, so a change there recompiles):
 - containers are those pytree knows (list, tuple, namedtuple, dict, OrderedDict,
   defaultdict, deque); tensors in dataclasses and other objects are not moved or checked.
   A tensor passed twice is moved once.
-- a mismatch raises while tracing. Without ``fullgraph=True`` dynamo falls back to eager
-  code for the call, which raises the real :class:`~devicectx.DeviceMismatchError`; with
-  ``fullgraph=True`` torch reports any exception in traced code as
-  ``torch._dynamo.exc.Unsupported`` ("Observed exception"), quoting ours.
-- generator and async functions are not traced: their call and each resume of a
-  generator run eagerly (graph breaks, so ``fullgraph=True`` refuses them) rather than
-  skip the wrapper.
-- class and static methods: write ``@device_agnostic`` above ``@classmethod`` (wrapt's
-  advice too). Below it, dynamo reads the hook with ``inspect.getattr_static`` and fails
-  (``InternalTorchDynamoError``); an instance-level hook would have to live in the wrapped
-  function's ``__dict__``, which ``functools.wraps`` copies onto any decorator stacked
-  above, silently redirecting it.
+- a mismatch found while tracing is a graph break, and the call then runs eagerly, which
+  raises the real :class:`~devicectx.DeviceMismatchError`; with ``fullgraph=True`` the
+  graph break is torch's ``Unsupported`` error, which quotes our message (:func:`_refuse`).
 """
 
 from __future__ import annotations
 
 import builtins
-import copy
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import FunctionType, MethodType
-from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
-import wrapt
 from torch import nn
 
-from devicectx import _errors, _mismatch
+from devicectx import _dynamo_hooks, _errors, _mismatch
 from devicectx._context import active_device
 from devicectx._resolve import DeviceLike, resolve_device
 from devicectx._target import involved_module, module_devices
 from devicectx._torch_modes import DeviceContext
 
-_is_compiling = torch.compiler.is_compiling
-_wrapt_get = wrapt.FunctionWrapper.__get__
-# The bindings for which wrapt calls an unbound wrapper with ``wrapped.__self__``.
-_SELF_BINDINGS = frozenset({"function", "instancemethod", "callable", "classmethod"})
-UNBOUND = object()
-"""The instance wrapt passes for a decorated function called unbound: not None (see
-:class:`DeviceAgnosticWrapper`), read as None."""
-
 if TYPE_CHECKING:
-    from devicectx._decorator import _Plan
+    from devicectx._plan import Plan
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+# True only where dynamo traces the code that calls it (not for code run during a compile).
+_is_traced = torch.compiler.is_dynamo_compiling
+
+# Whether decorated calls run eagerly under torch.compile (graph breaks) instead of being
+# traced: None until decided (by the probe, at first use), then a bool for the process.
+_FALLBACK: bool | None = None
+# ``_run_eagerly`` behind ``torch.compiler.disable``, made on first need (disable imports
+# dynamo, which ``import devicectx`` must not).
+_EAGER: Callable[..., Any] | None = None
 
 
-def _constant_result(fn: _F) -> _F:
-    """``torch.compiler.assume_constant_result``, without importing dynamo at import time.
+def fallback() -> bool | None:
+    """Whether decorated calls run eagerly under ``torch.compile``; None: not decided yet."""
+    return _FALLBACK
 
-    That function imports ``torch._dynamo`` (a second on top of ``import torch``) only to
-    set this one attribute, which is all dynamo reads (checked on torch 2.13).
+
+def use_fallback(value: bool | None) -> None:
+    """Decide (or, with None, undecide) whether decorated calls run eagerly when compiled.
+
+    The probe decides at first use; tests force either branch. Code compiled before a change
+    is not recompiled: call ``torch._dynamo.reset()`` as well.
     """
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
+    global _FALLBACK
+    _FALLBACK = value
 
 
-class _BoundWrapper(wrapt.BoundFunctionWrapper[..., Any]):
-    """A decorated method bound to its instance (or class): pickled and copied as a bound
-    method is, by looking the name up again on the instance (deep-copied, for deepcopy)."""
-
-    def _bound_to(self) -> object:
-        instance = self._self_instance  # None where reached through the class
-        return self._self_owner if instance is None else instance
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        return getattr, (self._bound_to(), self.__name__)
-
-    def __copy__(self) -> _BoundWrapper:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return getattr(copy.deepcopy(self._bound_to(), memo), self.__name__)
+def prepare_eager() -> None:
+    """Make the disabled eager runner (it imports dynamo: not at import time)."""
+    global _EAGER
+    if _EAGER is None:
+        _EAGER = _dynamo_hooks.disable(_run_eagerly)
 
 
-class DeviceAgnosticWrapper(wrapt.FunctionWrapper[..., Any]):
-    """The object ``@device_agnostic`` returns: a wrapt ``FunctionWrapper`` dynamo can see."""
-
-    def __init__(self, wrapped: Callable[..., Any], plan: _Plan) -> None:
-        super().__init__(wrapped, plan.call)
-        # wrapt's call of an unbound wrapper whose instance is None looks up
-        # ``wrapped.__self__`` every time, to find the instance of a bound method; for a
-        # plain function that raises and clears an AttributeError, 0.3 us of every call
-        # (wrapt 1.16 to 2.x, ``WraptFunctionWrapperBase_call``). What it would find cannot
-        # change, so it is looked up once, here, and set as the instance (re-initialising
-        # the base as ``FunctionWrapper.__init__`` does, binding kept); where there is
-        # none, :data:`UNBOUND` stands in, which :meth:`_Plan.call` reads as None.
-        binding = self._self_binding
-        instance = getattr(wrapped, "__self__", None) if binding in _SELF_BINDINGS else None
-        # (wrapt's stubs leave out its ``_FunctionWrapperBase``, the next class up.)
-        super(wrapt.FunctionWrapper, self).__init__(  # type: ignore[call-arg]
-            wrapped, UNBOUND if instance is None else instance, plan.call, None, binding
-        )
-        self._self_traced = _traced_function(plan, wrapped)
-
-    __bound_function_wrapper__ = _BoundWrapper
-
-    # Pickled by reference and never copied, as functions are: a decorated function can
-    # then be sent to another process (``torch.multiprocessing.spawn``, a spawned
-    # ``DataLoader``'s ``collate_fn``), where its module holds the decorated object again,
-    # and ``copy.deepcopy`` of a model holding one as an attribute works. wrapt's proxy
-    # refuses both.
-    def __reduce_ex__(self, protocol: SupportsIndex) -> str:
-        return self.__qualname__
-
-    def __copy__(self) -> DeviceAgnosticWrapper:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> DeviceAgnosticWrapper:
-        return self
-
-    @property
-    def _torchdynamo_inline(self) -> Callable[..., Any]:
-        # Read by dynamo only (see the module docstring); stable, so its guard holds.
-        traced: Callable[..., Any] = self._self_traced
-        return traced
-
-    # ``torch.compile(decorated)`` compiles what these two lead to, as for dynamo's own
-    # wrappers (``innermost_fn``): the traced function. Else dynamo starts at the wrapper's
-    # ``__call__``, which works where wrapt's is C, but fails where it is Python (wrapt
-    # without its extension), as dynamo cannot read the proxy's attributes.
-    @property
-    def _torchdynamo_orig_callable(self) -> Callable[..., Any]:
-        traced: Callable[..., Any] = self._self_traced
-        return traced
-
-    @property
-    def _torchdynamo_wrapper_id(self) -> int:
-        return id(self)
+@_dynamo_hooks.constant
+def _prepare_while_tracing() -> bool:
+    """:func:`prepare_eager`, called for real by dynamo while it traces (so before the
+    runner is needed for real), and by eager code at no cost once done."""
+    prepare_eager()
+    return True
 
 
-class _ForwardWrapper(DeviceAgnosticWrapper):
-    """The wrapper of a function named ``forward``: also bound for dynamo.
+def entry_function(plan: Plan, function: Callable[..., Any]) -> Callable[..., Any]:
+    """What dynamo inlines for a call of the function ``plan`` decorates (``function``).
 
-    dynamo calls ``type(module).forward`` for a module called inside a compiled function,
-    and would inline what wrapt returns there (a ``BoundFunctionWrapper``, which passes for
-    the wrapped function) without the wrapper. While compiling, this class hands out the
-    traced function instead; otherwise wrapt binds as always. (``torch.compiler.is_compiling``
-    is true for the whole of a dynamo compile on torch 2.13, not only in traced code.) Only
-    ``forward`` needs it, and a Python ``__get__`` costs each access about 0.5 us, so other
-    functions get the plain wrapper.
+    Reached as a method, it gets the instance (or class) as its first argument, as the raw
+    function does. A copy of :func:`_entry` whose globals hold the plan.
     """
-
-    def __get__(self, instance: object, owner: type | None = None) -> Any:
-        if _is_compiling():
-            traced = self._torchdynamo_inline  # the one attribute dynamo reads on a wrapper
-            return traced if instance is None else functools.partial(traced, instance)
-        return _wrapt_get(self, instance, owner)
-
-
-class _DescriptorWrapper(DeviceAgnosticWrapper):
-    """The wrapper of a ``classmethod`` or ``staticmethod`` object.
-
-    dynamo sees one (it passes for a ``classmethod``) and calls its ``__func__``, which
-    wrapt would pass on to the raw function, dropping the wrapper: here ``__func__`` is the
-    traced function, which takes ``cls`` (for a classmethod) as the raw function does.
-    Eager code does not read it: wrapt binds through ``__wrapped__``, and ``inspect``
-    unwraps to the real ``classmethod`` before it reads ``__func__``.
-    """
-
-    @property
-    def __func__(self) -> Callable[..., Any]:
-        return self._torchdynamo_inline
-
-
-def wrap(wrapped: Callable[..., Any], plan: _Plan) -> Any:
-    """Decorate ``wrapped`` with ``plan``."""
-    if isinstance(wrapped, (classmethod, staticmethod)):
-        return _DescriptorWrapper(wrapped, plan)
-    if getattr(wrapped, "__name__", None) == "forward":
-        return _ForwardWrapper(wrapped, plan)
-    return DeviceAgnosticWrapper(wrapped, plan)
-
-
-def _traced_function(plan: _Plan, function: Callable[..., Any]) -> Callable[..., Any]:
-    """What dynamo inlines for a decorated function: ``function``'s call, done by ``plan``.
-
-    Reached as a method, it gets the instance as its first argument, as ``function`` does.
-    A copy of :func:`_inline` whose globals hold the plan: dynamo guards a closure through
-    the attribute it found the function at (the wrapper, which passes on ``__closure__``
-    to the wrapped function), but guards globals by the dict itself.
-    """
-    from devicectx._decorator import _FUNCTION
-
     function = getattr(function, "__func__", function)  # classmethod, staticmethod
-    template = _inline if plan.kind == _FUNCTION else _eager
-    scope = {
-        "__builtins__": builtins,
+    names = {
         "_plan": plan,
         "_function": function,
-        "_is_compiling": _is_compiling,
-        "traced_call": traced_call,
+        "_is_traced": _is_traced,
+        "under_compile": under_compile,
+        "_run_disabled": _run_disabled,
     }
-    traced = FunctionType(template.__code__, scope, template.__name__)
-    traced.__qualname__ = f"{plan.name}.<traced>"
-    if template is _eager:
-        traced = torch.compiler.disable(traced)  # type: ignore[no-untyped-call]
-    return traced
+    entry = copy_with_globals(_entry, names, getattr(function, "__name__", "function"))
+    entry.__qualname__ = f"{plan.name}.<traced>"
+    return entry
 
 
-def _inline(*args: Any, **kwargs: Any) -> Any:
+def copy_with_globals(
+    template: Callable[..., Any], names: dict[str, Any], name: str | None = None
+) -> FunctionType:
+    """A copy of ``template`` that sees ``names`` as its globals, with a code object of its own.
+
+    Its own code object: dynamo guards a frame's globals by the dict it compiled with and
+    keeps compiled code on the code object, so copies sharing one would run each other's
+    compiled code (with the other's globals: a ``NameError`` for its graph).
+    """
+    assert isinstance(template, FunctionType)
+    name = name or template.__name__
+    code = template.__code__.replace(co_name=name)
+    copied = FunctionType(code, {"__builtins__": builtins, **names}, name, template.__defaults__)
+    # Not from a ``__name__`` in its globals: dynamo would then look the globals up as that
+    # module's, and miss the names.
+    copied.__module__ = template.__module__
+    copied.__qualname__ = template.__qualname__
+    return copied
+
+
+def _entry(*args: Any, **kwargs: Any) -> Any:
     __tracebackhide__ = True
-    if not _is_compiling():  # dynamo gave up on a frame and runs it eagerly
-        return _plan.call(_function, None, args, kwargs)  # type: ignore[name-defined]  # noqa: F821
-    return traced_call(_plan, _function, None, args, kwargs)  # type: ignore[name-defined]  # noqa: F821
+    if not _is_traced():  # run for real: dynamo gave up on a frame and runs it eagerly
+        # dynamo off for the whole call, or it would compile the eager code frame by frame
+        return _run_disabled(_plan, _function, None, args, kwargs)  # type: ignore[name-defined]  # noqa: F821
+    return under_compile(_plan, _function, None, args, kwargs)  # type: ignore[name-defined]  # noqa: F821
 
 
-def _eager(*args: Any, **kwargs: Any) -> Any:
-    return _plan.call(_function, None, args, kwargs)  # type: ignore[name-defined]  # noqa: F821
+def under_compile(
+    plan: Plan,
+    wrapped: Callable[..., Any],
+    instance: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """A decorated call as dynamo traces it: :func:`traced_call`, or a graph break."""
+    __tracebackhide__ = True
+    if plan.traceable and not _FALLBACK:
+        return traced_call(plan, wrapped, instance, args, kwargs)
+    return _run_disabled(plan, wrapped, instance, args, kwargs)
+
+
+def _run_disabled(
+    plan: Plan,
+    wrapped: Callable[..., Any],
+    instance: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The eager call with dynamo off for all of it: traced, a graph break."""
+    __tracebackhide__ = True
+    _prepare_while_tracing()
+    eager = _EAGER
+    if eager is None:  # run for real, before any trace: dynamo is not in the way
+        return plan.call(wrapped, instance, args, kwargs)
+    return eager(plan, wrapped, instance, args, kwargs)
+
+
+def _run_eagerly(
+    plan: Plan,
+    wrapped: Callable[..., Any],
+    instance: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The eager call; disabled (:data:`_EAGER`), so a traced call of it is a graph break."""
+    __tracebackhide__ = True
+    return plan.call(wrapped, instance, args, kwargs)
 
 
 def traced_call(
-    plan: _Plan,
+    plan: Plan,
     wrapped: Callable[..., Any],
     instance: object,
     args: tuple[Any, ...],
@@ -272,15 +206,18 @@ def traced_call(
         if not (tensor.device.type == "cpu" and tensor.dim() == 0):
             found.setdefault(tensor.device, []).append(path)
 
-    target, reason = _trace_target(plan, instance, args, kwargs, offset)
+    target, reason, refusal = _trace_target(plan, instance, args, kwargs, offset)
+    if refusal is not None:
+        return _refuse(refusal, plan, wrapped, instance, args, kwargs)
     if target is None:
         if len(found) > 1:
-            raise DeviceMismatchError(_message("common", plan.name, _frozen(found), None, ""))
-        target = next(iter(found), None)
+            message = _message("common", plan.name, _frozen(found), None, "")
+            return _refuse(message, plan, wrapped, instance, args, kwargs)
+        target = _first(found, None)
     elif not plan.move and any(device != target for device in found):
         message = _message("off", plan.name, _frozen(found), target, reason)
-        raise DeviceMismatchError(message)
-    back = next(iter(found), target) if plan.to_input else None
+        return _refuse(message, plan, wrapped, instance, args, kwargs)
+    back = _first(found, target) if plan.to_input else None
     if plan.output is not None:
         back = _resolve_while_tracing(plan.output.spec)
 
@@ -296,7 +233,31 @@ def traced_call(
     return pytree.tree_map(lambda leaf: _to(leaf, back, plan.non_blocking), result)
 
 
-def _held(plan: _Plan, value: Any, where: int | str, offset: int) -> bool:
+def _refuse(
+    message: str,
+    plan: Plan,
+    wrapped: Callable[..., Any],
+    instance: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """A mismatch found while tracing: a graph break, then the eager call, which raises the
+    real :class:`~devicectx.DeviceMismatchError`.
+
+    Not a ``raise`` in traced code: dynamo would give up on the frame and run it with the
+    frames it calls compiled one by one, the decorator's own eager code among them (torch
+    2.6 to 2.8 then traced the body with the inputs unchecked); or, where the decorated
+    function is the compiled one, raise the traced stand-in at run time. Under
+    ``fullgraph=True`` the graph break is torch's ``Unsupported`` error, which quotes the
+    message. torch 2.6's graph break takes no message: there the stand-in is raised.
+    """
+    __tracebackhide__ = True
+    if not _dynamo_hooks.graph_break(f"devicectx.DeviceMismatchError: {message}"):
+        raise DeviceMismatchError(message)
+    return _run_disabled(plan, wrapped, instance, args, kwargs)
+
+
+def _held(plan: Plan, value: Any, where: int | str, offset: int) -> bool:
     if isinstance(value, nn.Module):
         return True
     exclusion = plan.exclude
@@ -308,13 +269,14 @@ def _held(plan: _Plan, value: Any, where: int | str, offset: int) -> bool:
 
 
 def _trace_target(
-    plan: _Plan,
+    plan: Plan,
     instance: object,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     offset: int,
-) -> tuple[torch.device | None, str]:
-    """Rules 1 to 3 of the eager path, and the reason, read while tracing."""
+) -> tuple[torch.device | None, str, str | None]:
+    """Rules 1 to 3 of the eager path, read while tracing: the target, why, and the message
+    of a mismatch (a module off the target, or on several devices), or None."""
     target: torch.device | None = None
     reason = ""
     if plan.device is not None:
@@ -329,18 +291,19 @@ def _trace_target(
             found = _frozen(module_devices(module, name))
             why = reason or "a module must be on one device"
             kind = type(module).__name__
-            raise DeviceMismatchError(_module_message(plan.name, name, kind, found, target, why))
+            message = _module_message(plan.name, name, kind, found, target, why)
+            return target, reason, message
         if target is None and devices:
-            target = next(iter(devices))
+            target = _first(devices, None)
             reason = f"the parameters of {plan.params.argument_name(where, offset)}"
     if target is None:
         target = _active_while_tracing()
         reason = "the innermost on_device block"
-    return target, reason
+    return target, reason, None
 
 
 def _traced_move(
-    plan: _Plan, tree: Any, target: torch.device, offset: int
+    plan: Plan, tree: Any, target: torch.device, offset: int
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Move ``(args, kwargs)`` without what is held out; a tensor met twice is moved once."""
     args, kwargs = tree
@@ -373,6 +336,14 @@ def _to(leaf: Any, device: torch.device, non_blocking: bool) -> Any:
     return leaf
 
 
+def _first(devices: Iterable[torch.device], default: torch.device | None) -> torch.device | None:
+    """The first of ``devices``, or ``default``: ``next(iter(...), default)``, which dynamo
+    2.6 does not trace."""
+    for device in devices:
+        return device
+    return default
+
+
 def _frozen(
     found: dict[torch.device, list[str]],
 ) -> tuple[tuple[torch.device, tuple[str, ...]], ...]:
@@ -384,17 +355,17 @@ def _frozen(
 # state it cannot trace (the environment, context variables) or build long strings.
 
 
-@_constant_result
+@_dynamo_hooks.constant
 def _resolve_while_tracing(spec: DeviceLike) -> torch.device:
     return resolve_device(spec)
 
 
-@_constant_result
+@_dynamo_hooks.constant
 def _active_while_tracing() -> torch.device | None:
     return active_device()
 
 
-@_constant_result
+@_dynamo_hooks.constant
 def _message(
     kind: str,
     function: str,
@@ -404,11 +375,11 @@ def _message(
 ) -> str:
     mapping = dict(found)
     if kind == "common" or target is None:
-        return str(_mismatch.no_common_device(function, mapping))
-    return str(_mismatch.tensors_off_target(function, mapping, target, reason))
+        return _keep(_mismatch.no_common_device(function, mapping))
+    return _keep(_mismatch.tensors_off_target(function, mapping, target, reason))
 
 
-@_constant_result
+@_dynamo_hooks.constant
 def _module_message(
     function: str,
     module: str,
@@ -417,17 +388,45 @@ def _module_message(
     target: torch.device | None,
     reason: str,
 ) -> str:
-    return str(_mismatch.module_off_target(function, module, kind, dict(found), target, reason))
+    error = _mismatch.module_off_target(function, module, kind, dict(found), target, reason)
+    return _keep(error)
+
+
+# The errors the messages above were made from, by message, for the stand-in to answer
+# with their attributes; the latest few only (a function has a few kinds of mismatch).
+_MADE: dict[str, _errors.DeviceMismatchError] = {}
+
+
+def _keep(error: _errors.DeviceMismatchError) -> str:
+    message = str(error)
+    _MADE.pop(message, None)
+    _MADE[message] = error
+    while len(_MADE) > 64:
+        del _MADE[next(iter(_MADE))]
+    return message
 
 
 class DeviceMismatchError(_errors.DeviceMismatchError):
-    """The error as traced code raises it: dynamo can build this one.
+    """The error as traced code raises it (torch 2.6 only): dynamo can build this one.
 
-    Named as the public class, because torch's report quotes the name.
-
-    It never reaches the user as such: without ``fullgraph=True`` dynamo reruns the call
-    eagerly, which raises a full :class:`~devicectx.DeviceMismatchError`; with it, torch
-    raises ``Unsupported`` and quotes this one's message.
+    Named as the public class, because torch's report quotes the name. Where it reaches
+    the user (dynamo 2.6 raises it from compiled code), it answers ``devices``, ``target``
+    and ``reason`` as the error its message was made from.
     """
 
     __init__ = RuntimeError.__init__  # dynamo cannot trace the keyword-only __init__
+
+    @property
+    def devices(self) -> dict[torch.device, list[str]]:  # type: ignore[override]
+        made = _MADE.get(str(self))
+        return {} if made is None else made.devices
+
+    @property
+    def target(self) -> torch.device | None:  # type: ignore[override]
+        made = _MADE.get(str(self))
+        return None if made is None else made.target
+
+    @property
+    def reason(self) -> str:  # type: ignore[override]
+        made = _MADE.get(str(self))
+        return "" if made is None else made.reason

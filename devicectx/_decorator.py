@@ -1,11 +1,10 @@
 """``@device_agnostic``: run a function on one device, moving (or checking) its inputs.
 
-The decorator is a wrapt ``FunctionWrapper``, so functions, methods, classmethods,
-staticmethods and ``nn.Module.forward`` all arrive as ``(wrapped, instance, args, kwargs)``.
-Everything that can be worked out once (names of parameters, positions of excluded ones,
-whether the function is a generator) is worked out at decoration in :class:`_Plan`; a call
-only looks at its arguments. Under ``torch.compile`` the call takes the plain-Python path
-of :mod:`devicectx._compiled` instead, which dynamo can trace.
+The decorator is a wrapt ``FunctionWrapper`` (:mod:`devicectx._wrappers`), so functions,
+methods, classmethods, staticmethods and ``nn.Module.forward`` all arrive as
+``(wrapped, instance, args, kwargs)``. What a call does is settled at decoration
+(:mod:`devicectx._plan`); under ``torch.compile`` the call takes the path of
+:mod:`devicectx._compiled`, which dynamo can trace.
 """
 
 from __future__ import annotations
@@ -13,34 +12,15 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from types import MethodType
 from typing import Any, ParamSpec, TypeVar, overload
 
-import torch
-from torch import nn
-
-from devicectx import _compiled, _mismatch, _move
-from devicectx._context import active_device, pop_nested, push_nested
-from devicectx._inputs import Held, scan
-from devicectx._params import Params
+from devicectx._plan import Plan
 from devicectx._resolve import DeviceLike
-from devicectx._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
-from devicectx._target import (
-    DeviceOption,
-    Spread,
-    module_device,
-    module_devices,
-    module_label,
-    unwrap,
-)
+from devicectx._target import DeviceOption
+from devicectx._wrappers import wrap
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
-
-_Module = nn.Module
-_is_compiling = torch.compiler.is_compiling
-_UNBOUND = _compiled.UNBOUND
-_FUNCTION, _GENERATOR, _COROUTINE, _ASYNC_GENERATOR = range(4)
 
 
 @overload
@@ -132,7 +112,9 @@ def device_agnostic(
         - Under ``torch.compile`` the target is chosen while tracing, and with
           ``fullgraph=True`` a mismatch surfaces as torch's ``Unsupported`` quoting ours.
           Write ``@device_agnostic`` above ``@classmethod``/``@staticmethod`` there; see
-          :mod:`devicectx._compiled` for all that changes.
+          :mod:`devicectx._compiled` for all that changes. Where the installed torch does
+          not trace decorated calls as devicectx expects (checked once per process, at
+          first use), they run eagerly instead: graph breaks.
     """
     if wrapped is None:
         for spec, argument in ((device, "device"), (output, "output")):
@@ -154,269 +136,5 @@ def device_agnostic(
             f"take tensors instead (`@device_agnostic` on `def forward`)"
         )
         raise TypeError(msg)
-    plan = _Plan(wrapped, device, move, output, exclude, non_blocking, scope)
-    return _compiled.wrap(wrapped, plan)
-
-
-class _Plan:
-    """What a decorated function does at each call, settled at decoration."""
-
-    __slots__ = (
-        "device",
-        "exclude",
-        "kind",
-        "move",
-        "name",
-        "non_blocking",
-        "output",
-        "params",
-        "scope",
-        "to_input",
-    )
-
-    def __init__(
-        self,
-        wrapped: Callable[..., Any],
-        device: DeviceLike,
-        move: bool,
-        output: DeviceLike,
-        exclude: str | Iterable[str],
-        non_blocking: bool,
-        scope: bool,
-    ) -> None:
-        function = getattr(wrapped, "__func__", wrapped)  # classmethod, staticmethod
-        self.name: str = getattr(function, "__qualname__", repr(function))
-        self.device = None if device is None else DeviceOption(device, argument="device")
-        self.move = move
-        self.to_input = isinstance(output, str) and output == "input"
-        self.output = (
-            None if output is None or self.to_input else DeviceOption(output, argument="output")
-        )
-        self.non_blocking = non_blocking
-        self.scope = scope
-        self.params = Params.of(function, self.name)
-        names = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-        self.exclude = self.params.exclusion(names) if names else None
-        self.kind = (
-            _ASYNC_GENERATOR
-            if inspect.isasyncgenfunction(function)
-            else _GENERATOR
-            if inspect.isgeneratorfunction(function)
-            else _COROUTINE
-            if inspect.iscoroutinefunction(function)
-            else _FUNCTION
-        )
-        if self.kind == _GENERATOR:
-            disable_resume_under_compile()
-
-    def call(
-        self,
-        wrapped: Callable[..., Any],
-        instance: object,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """The wrapt wrapper: prepare the arguments, run the body scoped, place the result."""
-        __tracebackhide__ = True
-        if instance is _UNBOUND:
-            instance = None
-        if _is_compiling() and self.kind == _FUNCTION:
-            return _compiled.traced_call(self, wrapped, instance, args, kwargs)
-        # The common case inline: nothing excluded, every tensor already on the target.
-        # Anything else (moves, checks, errors, exclude=) takes prepare(), from scratch.
-        option = self.device
-        target = (option.fixed or option.resolve()) if option is not None else active_device()
-        first, uniform, module = (
-            scan(args if not kwargs else (*args, *kwargs.values()), target)
-            if self.exclude is None
-            else (None, False, None)
-        )
-        if instance is not None and isinstance(instance, _Module):
-            module = instance
-        if module is not None and uniform:
-            offset = 1 if instance is not None and type(wrapped) is MethodType else 0
-            requested = target if option is not None else None
-            target = self._target(module, requested, instance, args, kwargs, offset)
-        if uniform and (first is None or target is None or first == target):
-            if target is None:
-                target = first
-            back = self.output.resolve() if self.output is not None else None
-            if self.to_input:
-                back = first
-        else:
-            args, kwargs, target, back = self.prepare(wrapped, instance, args, kwargs)
-        if self.kind != _FUNCTION:
-            return self._start(wrapped, args, kwargs, target, back)
-        scope = push_nested(target) if self.scope and target is not None else None
-        if scope is None:
-            result = wrapped(*args, **kwargs)
-        else:
-            try:
-                result = wrapped(*args, **kwargs)
-            finally:
-                pop_nested(scope)
-        return result if back is None else self.place(result, back)
-
-    def prepare(
-        self,
-        wrapped: Callable[..., Any],
-        instance: object,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> tuple[tuple[Any, ...], dict[str, Any], torch.device | None, torch.device | None]:
-        """Choose the target, then move or check the inputs.
-
-        Returns:
-            ``(args, kwargs, target, back)``: the arguments to call with; the target
-            (``None`` when no tensor and no rule named one); where the result goes
-            (``None``: leave it).
-        """
-        __tracebackhide__ = True
-        offset = 1 if instance is not None and type(wrapped) is MethodType else 0
-        held = None if self.exclude is None else Held(self.exclude, args, kwargs, offset)
-        seen_args, seen_kwargs = (args, kwargs) if held is None else (held.args, held.kwargs)
-        option = self.device
-        # Rules 1 and 3 first, so the scan can test the inputs against a known device.
-        target = (option.fixed or option.resolve()) if option is not None else active_device()
-        first, uniform, module = scan(
-            seen_args if not seen_kwargs else (*seen_args, *seen_kwargs.values()), target
-        )
-        if instance is not None and isinstance(instance, _Module):
-            module = instance
-        if module is not None:  # rule 2, between them
-            requested = target if option is not None else None
-            target = self._target(module, requested, instance, args, kwargs, offset)
-        home = first
-        if not uniform:  # the slow path: which tensors are where, by name
-            found = self._found(seen_args, seen_kwargs, offset)
-            home = next(iter(found), first)
-            if target is None and len(found) > 1:  # rule 4: the inputs must agree
-                raise _mismatch.no_common_device(self.name, found)
-        if target is None:
-            target = home
-        elif not (uniform and (first is None or first == target)):
-            if self.move:
-                moved = _move.move_call(
-                    seen_args,
-                    seen_kwargs,
-                    target,
-                    names=self.params.positional[offset:],
-                    rest=self.params.varargs or "args",
-                    non_blocking=self.non_blocking,
-                    skip=_Module,
-                )
-                args, kwargs = moved if held is None else held.merge(*moved)
-            else:
-                if uniform:
-                    found = self._found(seen_args, seen_kwargs, offset)
-                if any(device != target for device in found):
-                    reason = self._reason(module, instance, args, kwargs, offset)
-                    raise _mismatch.tensors_off_target(self.name, found, target, reason)
-        if self.output is not None:
-            return args, kwargs, target, self.output.resolve()
-        return args, kwargs, target, home if self.to_input else None
-
-    def _target(
-        self,
-        module: nn.Module,
-        requested: torch.device | None,
-        instance: object,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        offset: int,
-    ) -> torch.device | None:
-        """Rules 1 to 3 where a module is involved; ``None`` leaves the choice to the inputs.
-
-        ``requested`` is the decorator's ``device=``, already resolved for this call.
-        """
-        __tracebackhide__ = True
-        option, target = self.device, requested
-        device = module_device(unwrap(module))
-        if device is Spread.SPREAD or (
-            device is not None and target is not None and device != target
-        ):
-            name = self._module_name(module, instance, args, kwargs, offset)
-            reason = option.reason() if option is not None else "a module must be on one device"
-            found = module_devices(unwrap(module), name)
-            kind = type(module).__name__
-            raise _mismatch.module_off_target(self.name, name, kind, found, target, reason)
-        if target is None:
-            target = device if device is not None else active_device()
-        return target
-
-    def _module_name(
-        self,
-        module: nn.Module,
-        instance: object,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        offset: int,
-    ) -> str:
-        """How the call names ``module``: ``self``, or the parameter it came in."""
-        if module is instance:
-            return "self"
-        for position, value in enumerate(args):
-            if value is module:
-                return self.params.argument_name(position, offset)
-        return next((key for key, value in kwargs.items() if value is module), "module")
-
-    def _reason(
-        self,
-        module: nn.Module | None,
-        instance: object,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        offset: int,
-    ) -> str:
-        """Why the target is what it is: for messages, so only on the way to an error."""
-        if self.device is not None:
-            return self.device.reason()
-        if module is not None and module_device(unwrap(module)) is not None:
-            name = self._module_name(module, instance, args, kwargs, offset)
-            return module_label(module, name)
-        return "the innermost on_device block"
-
-    def _found(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], offset: int
-    ) -> dict[torch.device, list[str]]:
-        """Each device the inputs are on, with the paths of their tensors on it.
-
-        0-dim CPU tensors are left out: PyTorch lets them mix with any device.
-        """
-        found: dict[torch.device, list[str]] = {}
-        for name, value, _ in self.params.named(args, kwargs, offset):
-            for path, tensor in _move.iter_tensors(value, name):
-                device = tensor.device
-                if device.type == "cpu" and tensor.dim() == 0:
-                    continue
-                found.setdefault(device, []).append(path)
-        return found
-
-    def place(self, result: Any, back: torch.device) -> Any:
-        """Move a result (or a yielded item) to where ``output=`` says."""
-        return _move.move_to(
-            result, back, non_blocking=self.non_blocking, skip=_Module, name="result"
-        )
-
-    def _start(
-        self,
-        wrapped: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        target: torch.device | None,
-        back: torch.device | None,
-    ) -> Any:
-        """Call a generator or async function: its body runs later, scoped at each resume."""
-        scoped = target if self.scope else None
-        enter = _no_scope if scoped is None else functools.partial(push_nested, scoped)
-        place = None if back is None else functools.partial(self.place, back=back)
-        inner = wrapped(*args, **kwargs)  # runs none of the body yet
-        if self.kind == _GENERATOR:
-            return resumed(inner, enter, pop_nested, place)
-        if self.kind == _COROUTINE:
-            return awaited(inner, enter, pop_nested, place)
-        return async_resumed(inner, enter, pop_nested, place)
-
-
-def _no_scope() -> None:
-    """The scope of a call with ``scope=False`` or no target: none."""
+    plan = Plan(wrapped, device, move, output, exclude, non_blocking, scope)
+    return wrap(wrapped, plan)

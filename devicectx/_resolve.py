@@ -9,6 +9,13 @@ The rules, in the order ``"auto"`` tries them:
 
 Every device that comes back carries an index where tensors allocated on it
 do (``"cuda"`` becomes ``cuda:0``), so it compares equal to ``tensor.device``.
+
+Everything asked of the driver (is there an accelerator, how many devices, which is
+current) is asked in a few small functions, :func:`accelerator_type` and those next to it.
+Under ``torch.compile`` dynamo calls each once while tracing and keeps the answer as a
+constant (it cannot trace them: they return no tensor), so ``on_device("cuda")`` and
+``@device_agnostic(device="cuda")`` compile with ``fullgraph=True``; like ``"auto"``, the
+answer is read at trace time, with no guard.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import TypeAlias
 
 import torch
 
+from devicectx._dynamo_hooks import constant
 from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
 
 DeviceLike: TypeAlias = "torch.device | str | int | None"
@@ -85,7 +93,7 @@ def available_devices() -> list[torch.device]:
     accelerator = accelerator_type()
     if accelerator is None:
         return [_CPU]
-    count = torch.accelerator.device_count()
+    count = _accelerator_count()
     return [_CPU, *(torch.device(accelerator, i) for i in range(count))]
 
 
@@ -120,7 +128,7 @@ def _auto() -> tuple[torch.device, str]:
         rank = _parse_local_rank(local_rank)
         if accelerator is None:
             return _CPU, f"LOCAL_RANK={rank} (torchrun) but no accelerator found, so the CPU"
-        count = torch.accelerator.device_count()
+        count = _accelerator_count()
         device = torch.device(accelerator, rank % count)
         return device, (
             f"LOCAL_RANK={rank} (torchrun) on {count} visible {accelerator} device(s): "
@@ -128,7 +136,7 @@ def _auto() -> tuple[torch.device, str]:
         )
 
     if accelerator is not None:
-        index = torch.accelerator.current_device_index()
+        index = _accelerator_index()
         return torch.device(accelerator, index), (
             f"accelerator {accelerator!r} found, at its current index {index}"
         )
@@ -209,10 +217,11 @@ def _check_accelerator(spec: object, device: torch.device) -> torch.device:
     return device
 
 
+@constant
 def _device_count(device_type: str) -> int:
     """How many devices of this type torch can use here; 0 when none or unknown."""
     if device_type == accelerator_type():
-        return torch.accelerator.device_count()
+        return _accelerator_count()
     backend = getattr(torch, device_type, None)
     is_available = getattr(backend, "is_available", None)
     device_count = getattr(backend, "device_count", None)
@@ -224,14 +233,29 @@ def _device_count(device_type: str) -> int:
         return 0
 
 
+@constant
 def _current_index(device_type: str) -> int:
+    """The current index of this device type (what ``"cuda"`` means)."""
     if device_type == accelerator_type():
-        return torch.accelerator.current_device_index()
+        return _accelerator_index()
     backend = getattr(torch, device_type, None)
     current = getattr(backend, "current_device", None)
     return int(current()) if callable(current) else 0
 
 
+@constant
+def _accelerator_count() -> int:
+    """How many devices the accelerator has (there is one: see :func:`accelerator_type`)."""
+    return torch.accelerator.device_count()
+
+
+@constant
+def _accelerator_index() -> int:
+    """The accelerator's current index (there is one: see :func:`accelerator_type`)."""
+    return torch.accelerator.current_device_index()
+
+
+@constant
 def accelerator_type() -> str | None:
     """The type of this machine's accelerator (``"cuda"``, ``"mps"``, ...), or None."""
     # is_available() first: torch 2.6's current_accelerator() raises when there is none.

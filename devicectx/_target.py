@@ -5,7 +5,7 @@ The rules, the first that applies:
 1. the decorator's ``device=`` (:class:`DeviceOption`, resolved at call time);
 2. the device of the ``nn.Module`` involved (:func:`involved_module`, :func:`module_devices`);
 3. the innermost active ``on_device`` (asked of :mod:`devicectx._context`);
-4. the device the argument tensors agree on (found by the caller, in :mod:`devicectx._decorator`).
+4. the device the argument tensors agree on (found by the caller, in :mod:`devicectx._plan`).
 """
 
 from __future__ import annotations

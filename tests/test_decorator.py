@@ -319,7 +319,10 @@ def test_data_parallel_is_looked_through() -> None:
     def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    wrapped = nn.DataParallel(nn.Linear(2, 2).to("meta"))
+    # Built empty, then filled: where there is a GPU, DataParallel moves what it is given to
+    # it (impossible from meta); with no parameters yet, it moves nothing.
+    wrapped = nn.DataParallel(nn.Sequential())
+    wrapped.module.append(nn.Linear(2, 2, device="meta"))
     assert META == step(wrapped, torch.ones(2)).device
 
 

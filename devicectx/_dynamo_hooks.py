@@ -1,0 +1,134 @@
+"""The one place devicectx touches the private side of ``torch.compile`` (dynamo).
+
+Why: a wrapt ``FunctionWrapper`` passes for the function it wraps, so dynamo would inline
+the wrapped code and drop the wrapper (:mod:`devicectx._wrappers`). dynamo has no public
+way to say "trace this function in place of this object"; it honours the attributes its own
+wrappers (``torch.compile``'s, ``torch.jit``'s) carry, and those are what is used here.
+
+Checked on torch 2.6.0, 2.10.0, 2.11.0, 2.12.1, 2.13.0 and 2.15.0; :mod:`devicectx._probe`
+checks the installed torch at first use, and tests/test_decorator_compile.py on each
+release CI covers:
+
+- ``_torchdynamo_inline``: the function dynamo inlines in place of an object it is about to
+  call (``variables/builder.py``, ``variables/functions.py``, ``variables/user_defined.py``,
+  ``variables/nn_module.py`` from 2.15). Up to 2.11 it is read with
+  ``inspect.getattr_static``, which sees the class's attribute (not the instance's: a wrapt
+  proxy's ``__dict__`` is the wrapped function's), so it must be a function there; from 2.12
+  also by plain ``getattr``, which must not bind it: :func:`install` puts it in both places.
+- ``_torchdynamo_orig_callable`` with ``_torchdynamo_wrapper_id``: what
+  ``torch.compile(obj)`` compiles instead of ``obj`` (``eval_frame.innermost_fn``), when
+  the id is ``id(obj)``.
+- ``torch._dynamo.graph_break(msg=...)`` (from 2.7): a graph break whose ``fullgraph=True``
+  error quotes the message.
+- ``_dynamo_marked_constant``: all that ``torch.compiler.assume_constant_result`` sets, and
+  all dynamo reads (it calls the function once while tracing and keeps the result).
+- ``torch._guards.TracingContext.try_get()``: whether dynamo is tracing, for code it runs
+  rather than traces (up to 2.12, ``torch.compiler.is_compiling()`` is true only in traced
+  code; from 2.13 for the whole compile).
+- the compile event log (``torch._dynamo.utils.get_chromium_event_logger()``): a compile
+  started while another is being traced (the probe's) clears the log's per-thread stack of
+  open events up to 2.12, and the outer compile then warns that its events are gone
+  (2.13 restores the depth itself). :func:`nested_compile` puts the stack back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch._guards import TracingContext
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_is_compiling = torch.compiler.is_compiling
+
+INLINE = "_torchdynamo_inline"
+ORIG_CALLABLE = "_torchdynamo_orig_callable"
+WRAPPER_ID = "_torchdynamo_wrapper_id"
+CLASS_HOOKS = (INLINE, ORIG_CALLABLE, WRAPPER_ID)
+"""What :func:`install` puts on a class."""
+
+
+def install(cls: type, instance: object, entry: Callable[..., Any]) -> None:
+    """Make dynamo trace ``entry`` wherever it meets ``instance``, the one object of ``cls``.
+
+    The class gets the attributes (for ``inspect.getattr_static``), and so does the
+    instance's own dict (for ``getattr``, which would otherwise bind the class's function to
+    the instance). A wrapt proxy sets an attribute on itself, not on the wrapped function,
+    where its class has one: so the class first.
+    """
+    for name in (INLINE, ORIG_CALLABLE):
+        setattr(cls, name, entry)
+        setattr(instance, name, entry)
+    setattr(cls, WRAPPER_ID, id(instance))
+
+
+def tracing() -> bool:
+    """Whether dynamo is tracing on this thread: for code it runs rather than traces."""
+    return _is_compiling() or TracingContext.try_get() is not None
+
+
+def constant(fn: _F) -> _F:
+    """``torch.compiler.assume_constant_result``, without importing dynamo at import time.
+
+    That function imports ``torch._dynamo`` (a second on top of ``import torch``) only to
+    set this one attribute.
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+def disable(fn: _F) -> _F:
+    """``torch.compiler.disable``: a call of ``fn`` in traced code is a graph break."""
+    disabled: _F = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+    return disabled
+
+
+def graph_break(message: str) -> bool:
+    """In traced code, a graph break whose error quotes ``message``; False, and nothing
+    done, where torch's ``graph_break`` takes no message (2.6)."""
+    if not _graph_break_takes_message():
+        return False
+    torch._dynamo.graph_break(msg=message)
+    return True
+
+
+@constant
+def _graph_break_takes_message() -> bool:
+    import torch._dynamo
+
+    return "msg" in inspect.signature(torch._dynamo.graph_break).parameters
+
+
+@contextlib.contextmanager
+def nested_compile() -> Iterator[None]:
+    """Run a compile while dynamo traces another, and leave the outer one's event log intact."""
+    logger = _event_logger()
+    saved = [list(part) if isinstance(part, list) else dict(part) for part in _log_parts(logger)]
+    try:
+        yield
+    finally:
+        for part, before in zip(_log_parts(logger), saved, strict=True):
+            if part != before:
+                part.clear()
+                part.update(before) if isinstance(part, dict) else part.extend(before)
+
+
+def _event_logger() -> object:
+    utils = sys.modules.get("torch._dynamo.utils")
+    get = getattr(utils, "get_chromium_event_logger", None)
+    return get() if callable(get) else None
+
+
+def _log_parts(logger: object) -> list[Any]:
+    """The per-thread stacks and open-event data of dynamo's event log, where it has them."""
+    parts = []
+    for name in ("get_stack", "get_pt2_compile_substack", "get_event_data"):
+        get = getattr(logger, name, None)
+        part = get() if callable(get) else None
+        if isinstance(part, (list, dict)):
+            parts.append(part)
+    return parts
