@@ -1,15 +1,15 @@
 """``on_device``: torch's default device for a block, isolated per thread and asyncio task.
 
-How it works. torch keeps the default device as ``DeviceContext`` modes on a per-thread
-stack; ``with torch.device(d)`` pushes one and pops whatever is on top at exit, so two
-asyncio tasks that leave their blocks out of order swap devices, and every task in the
-thread sees every other task's device. Here each block is a ``_Scope`` (a ``DeviceContext``,
-so ``torch.get_default_device()`` and dynamo understand it) that applies only where it is
-listed in ``_ACTIVE``, a context variable: asyncio gives each task its own copy, and each
-thread starts with an empty one. A scope that is not active in the running task passes
-constructor calls through to the modes below it, and leaving a block removes its own
-scope wherever it is, so exits in any order restore the right state
-(:mod:`devicectx._torch_modes` does the stack work).
+How it works. Each block is a ``_Scope`` listed in ``_ACTIVE``, a context variable: asyncio
+gives each task its own copy, and each thread starts with an empty one. While any scope in
+the process is open, torch's tensor constructors are wrappers (:mod:`devicectx._constructors`)
+that ask :func:`scope_device` for the running task's device and fill in ``device=``; no
+mode sits on torch's stack, so every other torch call costs what it costs outside a block.
+torch's own default-device state (``with torch.device``, ``set_default_device``) is read
+and composed with in :mod:`devicectx._torch_modes`: a ``with torch.device`` block entered
+inside a scope wins inside it, and ``set_default_device`` inside a scope takes effect at once.
+``exact=True`` adds a mode, as torch's own default device does, for code that bound a
+constructor to another name before the first scope opened.
 """
 
 from __future__ import annotations
@@ -22,41 +22,51 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import torch
+import torch.utils._device
+from torch.overrides import TorchFunctionMode
 
 from devicectx import _torch_modes
+from devicectx._constructors import ConstructorPatch
+from devicectx._dynamo_hooks import constant, faking, traced_mode_stack, tracing
 from devicectx._resolve import DeviceLike, accelerator_type, resolve_device, with_index
 from devicectx._resumed import async_resumed, resumed
-from devicectx._torch_modes import stack_length
+from devicectx._torch_modes import DeviceContext, innermost_device_mode, stack_length
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _CPU = torch.device("cpu")
 _NEVER_ACCELERATOR = frozenset({"cpu", "meta"})
 
-# The factory functions torch's own DeviceContext fills in ``device=`` for; read once,
-# as a frozenset, so the per-op check is one hash lookup (torch calls an lru_cache each time).
-_CONSTRUCTORS: frozenset[Callable[..., Any]] = frozenset(torch.utils._device._device_constructors())
 
+class _Scope:
+    """One entered ``on_device`` block: its target, and what it changed to get there."""
 
-class _Scope(_torch_modes.DeviceContext):
-    """One entered ``on_device`` block: its target, and whether it is installed in torch."""
+    __slots__ = ("below", "closed", "mode", "patched", "previous_index", "target", "yielded")
 
-    def __init__(self, target: torch.device) -> None:
-        # DeviceContext.__init__ would set ``self.device``, which here is a property.
+    def __init__(self, target: torch.device, below: DeviceContext | None) -> None:
         self.target = target
-        self.installed = False
-        self.closed = False
+        # torch's innermost DeviceContext when the block was entered: a different one later
+        # means a `with torch.device` block was entered inside this one, and it wins.
+        self.below = below
+        self.patched = False  # holds the constructor patch
+        self.mode: _ExactMode | None = None  # exact=True: a mode on torch's stack
+        self.closed = False  # left (a task created inside may still list it)
+        self.yielded = False  # set_default_device was called inside
         self.previous_index: int | None = None
 
-    # torch's DeviceContext has a plain attribute here; a scope computes it per task.
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        """What ``torch.get_default_device()`` reports while this scope is the topmost."""
-        if self in _ACTIVE.get():
-            return self.target
-        for position in range(_torch_modes.stack_length() - 1, -1, -1):
-            if _torch_modes.mode_at(position) is self:
-                return _device_below(position - 1) or _CPU
-        return current_device()
+    def yield_to_default(self) -> None:
+        """``set_default_device`` was called inside the block: it takes over at once."""
+        self.yielded = True
+        if self.mode is not None:
+            _torch_modes.remove_mode(self.mode)
+            self.mode = None
+
+
+class _ExactMode(TorchFunctionMode):
+    """``on_device(..., exact=True)``: torch's own mechanism, reading the running task's scope.
+
+    Every torch call in the thread passes through it, as through torch's ``DeviceContext``,
+    so constructors bound to other names are covered too.
+    """
 
     def __torch_function__(
         self,
@@ -66,30 +76,72 @@ class _Scope(_torch_modes.DeviceContext):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        # A scope of another task passes the call on to the modes below, unchanged.
-        if func in _CONSTRUCTORS and kwargs.get("device") is None and self in _ACTIVE.get():
-            kwargs["device"] = self.target
+        if kwargs.get("device") is None and func in _CONSTRUCTORS:
+            device = scope_device()
+            if device is not None:
+                kwargs["device"] = device
         return func(*args, **kwargs)
 
+
+# The factory functions torch's own DeviceContext fills in ``device=`` for; read once,
+# as a frozenset, so the per-op check is one hash lookup (torch calls an lru_cache each time).
+_CONSTRUCTORS: frozenset[Callable[..., Any]] = frozenset(torch.utils._device._device_constructors())
 
 # The scopes entered in this thread or task, innermost last. A tuple, so that tasks
 # (which copy the context) never share a mutable list.
 _ACTIVE: ContextVar[tuple[_Scope, ...]] = ContextVar("devicectx_active_scopes", default=())
 
 
-def _device_below(position: int) -> torch.device | None:
-    """The device the modes from ``position`` down give the running task, if any."""
-    active = _ACTIVE.get()
-    for below in range(position, -1, -1):
-        mode = _torch_modes.mode_at(below)
-        if isinstance(mode, _Scope):
-            if mode in active:
-                return mode.target
-        elif isinstance(mode, _torch_modes.DeviceContext):
-            return with_index(mode.device)
+def _open_scope() -> _Scope | None:
+    """The innermost block of the running task that still applies, if any."""
+    for scope in reversed(_ACTIVE.get()):
+        if not scope.closed:
+            return None if scope.yielded else scope
     return None
 
 
+def scope_device() -> torch.device | None:
+    """The device a constructor called here without ``device=`` gets from on_device.
+
+    None where no block applies, and torch's own default (``with torch.device``,
+    ``set_default_device``, or the CPU) decides. Code dynamo traces asks
+    :func:`traced_scope_device` instead.
+    """
+    scope = _open_scope()
+    if scope is None:
+        return None
+    if tracing():
+        # Code that runs while dynamo compiles: its own (not in the block), or a call of a
+        # constructor in its graph, run on fake tensors (as traced code, in the block).
+        return traced_scope_device() if faking() else None
+    if (innermost_device_mode() if stack_length() else None) is not scope.below:
+        return None
+    return scope.target
+
+
+@constant  # dynamo cannot trace a context variable: it runs this while tracing
+def traced_scope_device() -> torch.device | None:
+    """:func:`scope_device` for code dynamo traces, which has its own mode stack."""
+    scope = _open_scope()
+    if scope is None:
+        return None
+    return scope.target if _innermost(traced_mode_stack()) is scope.below else None
+
+
+def _innermost(modes: list[object]) -> DeviceContext | None:
+    for mode in reversed(modes):
+        if isinstance(mode, DeviceContext):
+            return mode
+    return None
+
+
+def _torch_default() -> torch.device:
+    """The device torch's own state gives, without any on_device block."""
+    mode = innermost_device_mode() if stack_length() else None
+    return _CPU if mode is None else with_index(mode.device)
+
+
+@constant
 def current_device() -> torch.device:
     """The device that tensors created here without ``device=`` land on.
 
@@ -100,7 +152,18 @@ def current_device() -> torch.device:
         ...     current_device()
         device(type='meta')
     """
-    return _device_below(_torch_modes.stack_length() - 1) or _CPU
+    if tracing():
+        modes = traced_mode_stack()
+        device = traced_scope_device()
+        if device is None:
+            mode = _innermost(modes)
+            device = _CPU if mode is None else with_index(mode.device)
+        return device
+    device = scope_device()
+    return _torch_default() if device is None else device
+
+
+_PATCH = ConstructorPatch(scope_device, traced_scope_device, current_device)
 
 
 def active_device() -> torch.device | None:
@@ -118,17 +181,20 @@ def active_device() -> torch.device | None:
     return None
 
 
-def push_device(device: torch.device) -> _Scope:
+def push_device(device: torch.device, *, exact: bool = False) -> _Scope:
     """Enter a scope for an already resolved ``device``; undo it with :func:`pop_device`.
 
-    Where ``device`` already is the effective default, torch's mode stack is left alone,
-    so code inside pays nothing per op; the scope is still recorded for
-    :func:`active_device`.
+    Where ``device`` already is the effective default, torch's constructors are left alone,
+    so code inside pays nothing; the scope is still recorded for :func:`active_device`.
     """
-    scope = _Scope(device)
+    scope = _Scope(device, innermost_device_mode() if stack_length() else None)
     if current_device() != device:
-        _torch_modes.install(scope, device)
-        scope.installed = True
+        _PATCH.acquire()
+        scope.patched = True
+        if exact:
+            scope.mode = _ExactMode()
+            _torch_modes.push_mode(scope.mode)
+        _torch_modes.set_current_device(device)
         # The CPU and meta never are the accelerator: spare them the question (0.25 µs).
         if device.type not in _NEVER_ACCELERATOR and device.type == accelerator_type():
             # torch's own scope does not make the index current (pytorch/pytorch#148864),
@@ -137,6 +203,7 @@ def push_device(device: torch.device) -> _Scope:
             if device.index is not None and index != device.index:
                 scope.previous_index = index
                 torch.accelerator.set_device_index(device.index)
+    _torch_modes.hold_slot(scope, current_device)
     _ACTIVE.set((*_ACTIVE.get(), scope))
     return scope
 
@@ -149,8 +216,15 @@ def pop_device(scope: _Scope) -> None:
         _ACTIVE.set(active[:-1])
     else:
         _ACTIVE.set(tuple(s for s in active if s is not scope))
-    if scope.installed:
-        _torch_modes.uninstall(scope)
+    _torch_modes.release_slot(scope)
+    if scope.mode is not None:
+        _torch_modes.remove_mode(scope.mode)
+        scope.mode = None
+    if scope.patched:
+        _PATCH.release()
+        inner = scope_device()
+        mode = innermost_device_mode() if stack_length() else None
+        _torch_modes.set_current_device(inner or (None if mode is None else mode.device))
         if scope.previous_index is not None:
             torch.accelerator.set_device_index(scope.previous_index)
 
@@ -159,9 +233,9 @@ def push_nested(device: torch.device) -> _Scope | None:
     """:func:`push_device` for ``@device_agnostic``, which enters a scope on every call.
 
     Where ``device`` already is the effective default, nothing is entered at all (it would
-    change nothing), so the common case costs one look at the mode stack; None comes back.
+    change nothing), so the common case costs one look at the task's scopes; None comes back.
     """
-    if (_CPU if not stack_length() else current_device()) == device:
+    if (_CPU if not _ACTIVE.get() and not stack_length() else current_device()) == device:
         return None
     return push_device(device)
 
@@ -198,6 +272,16 @@ class on_device:
         device: any spec :func:`~devicectx.resolve_device` takes; ``"auto"`` (the
             default) picks this machine's accelerator, or the CPU. It is resolved when
             the block is entered, or at each call of a decorated function.
+        exact: also put a mode on torch's stack, as ``with torch.device`` does (see the
+            cost below), for code that called a constructor by a name bound before the
+            first block opened.
+
+    What it costs. Only the tensor constructors change inside a block: they are replaced
+    in torch's modules while any block in the process is open, and fill in the device
+    (0.7 µs a call, where torch's ``DeviceContext`` costs 2 µs). Every other torch call costs
+    what it costs outside: ``with torch.device`` instead sends every torch call in the
+    thread through a Python mode (1.3x to 1.7x on small ops). With ``exact=True`` the block
+    costs what ``with torch.device`` does.
 
     Raises:
         InvalidDeviceError: ``device`` is malformed.
@@ -213,26 +297,33 @@ class on_device:
           yield.
         - torch's default device does not reach ``*_like`` functions, ``torch.from_numpy``,
           ``torch.frombuffer`` or ``torch.Generator``; nor do ops on existing tensors.
+        - A constructor bound to another name before the first block of the process
+          opened (``from torch import zeros`` at the top of a module imported earlier, or
+          ``zeros = torch.zeros``) is torch's own function and allocates on torch's
+          default: call it as ``torch.zeros``, or pass ``exact=True``. torch's own modules
+          that do this are covered. ``torch.jit.script`` of code that calls a constructor
+          cannot compile the replacement: script outside any block.
         - One ``on_device`` object may be re-entered (nested), but not entered from several
           threads at once: create one per block, or use the decorator form.
     """
 
-    def __init__(self, device: DeviceLike = "auto") -> None:
+    def __init__(self, device: DeviceLike = "auto", *, exact: bool = False) -> None:
         self.spec = device
-        self._entered: list[_Scope | _torch_modes.DeviceContext] = []
+        self.exact = exact
+        self._entered: list[_Scope | DeviceContext] = []
 
     def __repr__(self) -> str:
-        return f"on_device({self.spec!r})"
+        return f"on_device({self.spec!r}{', exact=True' if self.exact else ''})"
 
     def __enter__(self) -> torch.device:
         device = resolve_device(self.spec)
         if torch.compiler.is_compiling():
             # dynamo cannot trace context variables; it does trace a plain DeviceContext.
-            plain = _torch_modes.DeviceContext(device)
+            plain = DeviceContext(device)
             plain.__enter__()  # type: ignore[no-untyped-call]
             self._entered.append(plain)
         else:
-            self._entered.append(push_device(device))
+            self._entered.append(push_device(device, exact=self.exact))
         return device
 
     def __exit__(
@@ -266,7 +357,7 @@ class on_device:
     def _wrap_function(self, func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
-            with on_device(self.spec):
+            with on_device(self.spec, exact=self.exact):
                 return func(*args, **kwargs)
 
         return run
@@ -274,7 +365,7 @@ class on_device:
     def _wrap_coroutine(self, func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)
         async def run(*args: Any, **kwargs: Any) -> Any:
-            with on_device(self.spec):
+            with on_device(self.spec, exact=self.exact):
                 return await func(*args, **kwargs)
 
         return run
@@ -282,7 +373,7 @@ class on_device:
     def _wrap_generator(self, func: Callable[..., Generator[Any, Any, Any]]) -> Callable[..., Any]:
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
-            enter = functools.partial(push_device, resolve_device(self.spec))
+            enter = functools.partial(push_device, resolve_device(self.spec), exact=self.exact)
             inner = func(*args, **kwargs)  # runs none of the body yet
             return (yield from resumed(inner, enter, pop_device))
 
@@ -295,7 +386,7 @@ class on_device:
         # inspect.isasyncgenfunction, which frameworks test, still says True.
         @functools.wraps(func)
         async def run(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
-            enter = functools.partial(push_device, resolve_device(self.spec))
+            enter = functools.partial(push_device, resolve_device(self.spec), exact=self.exact)
             driver = async_resumed(func(*args, **kwargs), enter, pop_device)
             step: Callable[[], Awaitable[Any]] = functools.partial(driver.asend, None)
             while True:

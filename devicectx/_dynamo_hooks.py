@@ -25,6 +25,17 @@ release CI covers:
 - ``torch._guards.TracingContext.try_get()``: whether dynamo is tracing, for code it runs
   rather than traces (up to 2.12, ``torch.compiler.is_compiling()`` is true only in traced
   code; from 2.13 for the whole compile).
+- ``trace_rules.get_torch_obj_rule_map()``: dynamo's table of torch's functions, built once,
+  at its first trace, by looking their names up in torch's modules; built while
+  :mod:`devicectx._constructors` has replaced the constructors, it would list the
+  replacements and no longer know torch's own functions. :func:`keep_trace_rules` keeps
+  torch's own in it.
+- ``InstructionTranslator.current_tx().symbolic_torch_function_state.mode_stack``: the mode
+  stack dynamo traces with (it clears the thread's own while it compiles), each entry's
+  ``value`` the mode; ``torch_function_mode_stack_state_mgr.stack``, the thread's stack it
+  saved, where no frame is being traced.
+- ``torch._C._get_dispatch_mode(_TorchDispatchModeKey.FAKE)``: whether fake tensors are
+  being made, as dynamo does to learn what a call in its graph returns.
 - the compile event log (``torch._dynamo.utils.get_chromium_event_logger()``): a compile
   started while another is being traced (the probe's) clears the log's per-thread stack of
   open events up to 2.12, and the outer compile then warns that its events are gone
@@ -36,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -101,6 +112,37 @@ def _graph_break_takes_message() -> bool:
     import torch._dynamo
 
     return "msg" in inspect.signature(torch._dynamo.graph_break).parameters
+
+
+def traced_mode_stack() -> list[object]:
+    """The function modes, bottom first, that the code dynamo is tracing runs under."""
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    translator = getattr(convert, "InstructionTranslator", None)
+    try:
+        state = translator.current_tx().symbolic_torch_function_state  # type: ignore[union-attr]
+        return [variable.value for variable in state.mode_stack]
+    except (AttributeError, IndexError, RuntimeError):
+        modes = sys.modules.get("torch._dynamo.variables.torch_function")
+        manager = getattr(modes, "torch_function_mode_stack_state_mgr", None)
+        return list(getattr(manager, "stack", []))
+
+
+def faking() -> bool:
+    """Whether code runs on fake tensors (dynamo working out what a graph call returns)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def keep_trace_rules(replaced: Iterable[tuple[object, object]]) -> None:
+    """Make dynamo's table of torch functions list each ``(original, replacement)`` pair's
+    original, built now if dynamo is loaded and has not built it yet."""
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    table = getattr(rules, "get_torch_obj_rule_map", None)
+    if not callable(table):
+        return  # dynamo is not loaded: it builds the table later, from torch's own functions
+    built = table()
+    for original, replacement in replaced:
+        if replacement in built:
+            built.setdefault(original, built.pop(replacement))
 
 
 @contextlib.contextmanager

@@ -1,46 +1,42 @@
-"""The one place devicectx touches torch's private default-device machinery.
+"""The one place devicectx touches torch's private default-device state (besides the
+constructor list, :mod:`devicectx._constructors`).
 
 torch keeps a thread's default device in two places. One is its stack of function modes:
-the topmost ``DeviceContext`` (a ``TorchFunctionMode``) fills in ``device=`` of factory
-calls, and ``torch.get_default_device()`` reads it; ``with torch.device(d)`` pushes one on
-top and pops the top at exit. The other is a per-thread slot,
+the innermost ``DeviceContext`` (a ``TorchFunctionMode``) fills in ``device=`` of factory
+calls, and ``torch.get_default_device()`` reads it. The other is a per-thread slot,
 ``torch._GLOBAL_DEVICE_CONTEXT.device_context``: the ``DeviceContext`` that
-``torch.set_default_device`` entered (at the bottom of the stack), whose ``__exit__`` the
-next ``set_default_device`` calls. No public API finds a mode in the stack, removes one
-that is not on top, or tells ``set_default_device`` about modes it did not make: what
-:mod:`devicectx._context` needs for scopes left out of order (asyncio tasks) and composed
-with ``set_default_device``.
+``torch.set_default_device`` entered, whose ``__exit__`` the next ``set_default_device``
+calls. :mod:`devicectx._context` needs three things no public API gives:
 
-How. A scope is pushed on top of the stack, as ``with torch.device`` does, and taken out
-wherever it is at exit. While a thread has scopes installed, the slot holds a stand-in
-that keeps what it displaced: ``set_default_device`` calls its ``__exit__``, which takes the
-thread's scopes off the stack and exits the displaced default, so the new default takes
-effect at once and outlives the blocks (torch's own ``DeviceContext.__exit__`` would fail
-on a ``DeviceContext`` above the bottom of the stack); and where ``get_default_device``
-reads the slot, the stand-in answers with the innermost ``DeviceContext``'s device. When
-the thread's last scope leaves, the slot gets back what it held.
+- to read the innermost ``DeviceContext`` (to tell a ``with torch.device`` block entered
+  inside a scope, which then wins, from one entered before);
+- to hear of ``set_default_device`` called inside a scope, which must take effect at once
+  and outlive the block. While a thread has scopes open, its slot holds a stand-in that
+  keeps what it displaced; ``set_default_device`` calls the stand-in's ``__exit__``, which
+  tells every scope of the thread to yield and exits the displaced default. When the
+  thread's last scope closes, the slot gets back what it held. Where ``get_default_device``
+  reads the slot (torch 2.6, 2.7), the stand-in answers with the scopes' device;
+- for ``on_device(..., exact=True)``, to push a mode on top of the stack and take it out
+  from wherever it is at exit (asyncio tasks leave blocks out of order).
 
-That works the same on every release checked: torch 2.6.0, 2.7.1, 2.8.0, 2.9.1, 2.10.0,
-2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0 (``torch/utils/_device.py``,
-``set_default_device`` and ``get_default_device`` in ``torch/__init__.py``, and the
-stack's functions in ``torch._C``, which ``torch.overrides._push_mode``/``_pop_mode``
-wrap). Where they differ, nothing here asks for a version:
-
-- ``DeviceContext.__enter__`` (``set_default_device``) puts the new mode at the bottom of
-  the stack. Up to 2.10 it leaves every other mode in place; from 2.11 it takes the
-  ``DeviceContext`` modes off the stack, keeping the topmost in its new ``prev_mode``, which
-  ``__exit__`` pushes back. So a scope may be found in a ``prev_mode`` chain instead of on
-  the stack (read with ``getattr``: older ``DeviceContext`` modes have no such attribute).
-- ``get_default_device`` reads the stack, then the slot, from 2.8; 2.6 and 2.7 read only
-  the slot, which the stand-in answers for. Up to 2.9 it raises ``AttributeError`` where
-  it reaches a slot that ``set_default_device(None)`` left None: the stand-in's departure
-  and :func:`clear_default_device` leave the slot empty instead.
+Checked on torch 2.6.0, 2.7.1, 2.8.0, 2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0, 2.14.1 and
+2.15.0 (``torch/utils/_device.py``, ``set_default_device`` and ``get_default_device`` in
+``torch/__init__.py``, the stack's functions in ``torch._C``). Where they differ, nothing here
+asks for a version: from 2.11 a ``DeviceContext`` entered (by ``with torch.device`` or
+``set_default_device``) sits at the bottom of the stack and keeps the one it displaced in
+``prev_mode``; before, ``with torch.device`` pushes on top. Either way the innermost
+``DeviceContext`` is the newest. Up to 2.9 ``get_default_device`` raises
+``AttributeError`` where it reaches a slot that ``set_default_device(None)`` left None: the
+stand-in's departure and :func:`clear_default_device` leave the slot empty instead.
 
 tests/test_context.py exercises every path here, so a torch release that changes them
 fails there first.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.utils._device
@@ -55,19 +51,19 @@ from torch.utils._device import DeviceContext
 
 __all__ = [
     "DeviceContext",
+    "Yielding",
     "clear_default_device",
+    "hold_slot",
     "innermost_device_mode",
-    "install",
-    "mode_at",
+    "push_mode",
+    "release_slot",
+    "remove_mode",
+    "set_current_device",
     "stack_length",
-    "uninstall",
 ]
 
 stack_length = _len_torch_function_stack
-"""How many function modes this thread's stack holds (0 outside any scope)."""
-
-mode_at = _get_function_stack_at
-"""The mode at a position of this thread's stack, 0 being the bottom."""
+"""How many function modes this thread's stack holds (0 outside any mode)."""
 
 # torch's per-thread slot for the default set by set_default_device is the attribute
 # "device_context" of this threading.local. Read through its __dict__ (this thread's own):
@@ -77,64 +73,59 @@ _KEY = "device_context"
 _EMPTY = object()  # the slot had no value at all, which torch reads as "no default"
 # dynamo guards compiled code on this module's CURRENT_DEVICE, which DeviceContext keeps.
 _DEVICE_MODULE = torch.utils._device
-_CPU = torch.device("cpu")
+
+
+class Yielding(Protocol):
+    """A scope that gives way when ``set_default_device`` is called inside it."""
+
+    def yield_to_default(self) -> None: ...
 
 
 class _StandIn:
-    """Holds torch's default-device slot while this thread has scopes installed."""
+    """Holds torch's default-device slot while this thread has scopes open."""
 
-    __slots__ = ("displaced", "installed")
+    __slots__ = ("answer", "displaced", "scopes")
 
-    def __init__(self, displaced: object) -> None:
+    def __init__(self, displaced: object, answer: Callable[[], torch.device]) -> None:
         self.displaced = displaced
-        self.installed: list[TorchFunctionMode] = []
+        self.answer = answer
+        self.scopes: list[Yielding] = []
 
     @property
     def device(self) -> torch.device:
         """What ``get_default_device`` reports where it reads the slot (torch 2.6, 2.7)."""
-        mode = innermost_device_mode()
-        return _CPU if mode is None else mode.device
+        return self.answer()
 
     def __exit__(self, *exc_info: object) -> None:
         """``set_default_device`` replaces the thread's default: every scope yields to it."""
-        for mode in self.installed:
-            _take_off_stack(mode)
-        self.installed.clear()
+        for scope in self.scopes:
+            scope.yield_to_default()
+        self.scopes.clear()
         displaced, self.displaced = self.displaced, _EMPTY
         if isinstance(displaced, DeviceContext):
             displaced.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
-def install(mode: TorchFunctionMode, device: torch.device) -> None:
-    """Push ``mode`` (a scope for ``device``) on top of this thread's mode stack."""
+def hold_slot(scope: Yielding, answer: Callable[[], torch.device]) -> None:
+    """Have ``scope`` told when ``set_default_device`` is called in this thread.
+
+    ``answer`` is what ``get_default_device`` reports where it reads the slot.
+    """
     slot = _SLOT.__dict__
     held = slot.get(_KEY, _EMPTY)
     if not isinstance(held, _StandIn):
-        held = slot[_KEY] = _StandIn(held)
-    held.installed.append(mode)
-    _push_on_torch_function_stack(mode)
-    _DEVICE_MODULE.CURRENT_DEVICE = device
+        held = slot[_KEY] = _StandIn(held, answer)
+    held.scopes.append(scope)
 
 
-def uninstall(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` out of this thread's default-device state, wherever it is.
-
-    It may be on the stack (on top, as an exit in order finds it, or lower, when another
-    asyncio task entered a scope after it), or held in a ``DeviceContext``'s ``prev_mode``
-    (a ``DeviceContext`` entered by hand inside the scope, torch >= 2.11). When it is in
-    neither place (``set_default_device`` was called inside the scope), there is nothing
-    to undo.
-    """
-    if not _take_off_stack(mode):
-        _unlink(mode)
+def release_slot(scope: Yielding) -> None:
+    """Undo :func:`hold_slot`; the thread's last scope gives the slot back."""
     slot = _SLOT.__dict__
     held = slot.get(_KEY)
-    if isinstance(held, _StandIn) and mode in held.installed:
-        held.installed.remove(mode)
-        if not held.installed:
+    if isinstance(held, _StandIn) and scope in held.scopes:
+        held.scopes.remove(scope)
+        if not held.scopes:
             _restore_slot(slot, held.displaced)
-    innermost = innermost_device_mode()
-    _DEVICE_MODULE.CURRENT_DEVICE = None if innermost is None else innermost.device
 
 
 def innermost_device_mode() -> DeviceContext | None:
@@ -146,6 +137,28 @@ def innermost_device_mode() -> DeviceContext | None:
     return None
 
 
+def set_current_device(device: torch.device | None) -> None:
+    """Tell dynamo, which guards compiled code on it, what the default device now is."""
+    _DEVICE_MODULE.CURRENT_DEVICE = device
+
+
+def push_mode(mode: TorchFunctionMode) -> None:
+    """Push ``mode`` on top of this thread's mode stack."""
+    _push_on_torch_function_stack(mode)
+
+
+def remove_mode(target: TorchFunctionMode) -> None:
+    """Take ``target`` off this thread's stack, wherever it is, leaving the rest in order."""
+    above: list[TorchFunctionMode] = []
+    while _len_torch_function_stack():
+        mode = _pop_torch_function_stack()
+        if mode is target:
+            break
+        above.append(mode)
+    for mode in reversed(above):
+        _push_on_torch_function_stack(mode)
+
+
 def clear_default_device() -> None:
     """``torch.set_default_device(None)``, leaving the slot empty rather than None.
 
@@ -153,33 +166,6 @@ def clear_default_device() -> None:
     """
     torch.set_default_device(None)
     _restore_slot(_SLOT.__dict__, None)
-
-
-def _take_off_stack(target: TorchFunctionMode) -> bool:
-    """Remove ``target`` from this thread's stack, leaving the modes above it in order."""
-    above: list[TorchFunctionMode] = []
-    found = False
-    while _len_torch_function_stack():
-        mode = _pop_torch_function_stack()
-        if mode is target:
-            found = True
-            break
-        above.append(mode)
-    for mode in reversed(above):
-        _push_on_torch_function_stack(mode)
-    return found
-
-
-def _unlink(target: TorchFunctionMode) -> None:
-    """Take ``target`` out of the ``prev_mode`` chain that holds it, if one does."""
-    for position in range(_len_torch_function_stack()):
-        link = _get_function_stack_at(position)
-        while isinstance(link, DeviceContext):
-            below = getattr(link, "prev_mode", None)
-            if below is target:
-                link.prev_mode = getattr(target, "prev_mode", None)
-                return
-            link = below
 
 
 def _restore_slot(slot: dict[str, object], displaced: object) -> None:
