@@ -341,6 +341,7 @@ def section_scope(config: Config) -> tuple[Section, list[Row]]:
         "torch.zeros(8, 8)": lambda: torch.zeros(8, 8),
         "nn.Linear(16, 16) forward": lambda: linear(x),
     }
+    existing = {"a + b (8x8)", "nn.Linear(16, 16) forward"}  # ops on existing tensors
     for op, fn in ops.items():
         same = functools.partial(_same, fn)
         subjects = {
@@ -357,9 +358,12 @@ def section_scope(config: Config) -> tuple[Section, list[Row]]:
         peers = "; ".join(
             f"{name} {fmt_ns(m[name])}" for name in subjects if "on_device" not in name
         )
+        # Ops on existing tensors should not notice the scope; constructors pay for it,
+        # no more than inside torch's own.
+        against = "no scope" if op in existing else "torch.device(meta)"
         rows.append(
             judge("3 scope", f"{op} inside on_device(meta)", m["on_device(meta)"], peers,
-                  m["torch.device(meta)"], "torch.device(meta)", 1.0,
+                  m[against], against, 1.05 if op in existing else 1.0,
                   missing=_missing(measured["on_device(meta)"]))
         )  # fmt: skip
         rows.append(
@@ -367,7 +371,63 @@ def section_scope(config: Config) -> tuple[Section, list[Row]]:
                   peers, m["no scope"], "no scope", 1.0, target_text="~1.0x",
                   missing=_missing(measured["on_device(cpu)"]))
         )  # fmt: skip
+    case, bert_rows = _scoped_bert(config)
+    cases["BERT forward"] = case
+    rows.extend(bert_rows)
     return {"default_device": str(torch.get_default_device()), "cases": cases}, rows
+
+
+def _scoped_bert(config: Config) -> tuple[Section, list[Row]]:
+    """A transformers BERT forward on the CPU inside scopes: what a GPU forward pays.
+
+    Inside ``on_device("meta")`` the scope is active and its target is not where the model
+    runs, as with a CUDA model under a CPU default; the decorated forward then scopes its
+    body to the model's device (cpu), a second scope.
+    """
+    from transformers import BertConfig, BertModel
+
+    bert_config = BertConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                             intermediate_size=64, vocab_size=1000)  # fmt: skip
+    torch.manual_seed(0)
+    plain = BertModel(bert_config).eval()
+    decorated = _decorated_bert(BertModel, bert_config, scope=True)
+    unscoped = _decorated_bert(BertModel, bert_config, scope=False)
+    ids = torch.randint(0, 1000, (2, 8))
+    subjects = {
+        "no scope": Subject(functools.partial(bind, plain, ids)),
+        "torch.device(meta)": Subject(functools.partial(bind, plain, ids),
+                                      lambda: torch.device(META)),  # fmt: skip
+        "on_device(meta)": Subject(functools.partial(bind, plain, ids), lambda: on_device(META)),
+        "decorated, in on_device(meta)": Subject(functools.partial(bind, decorated, ids),
+                                                 lambda: on_device(META)),  # fmt: skip
+        "decorated(scope=False)": Subject(functools.partial(bind, unscoped, ids)),
+    }
+    with torch.no_grad():
+        measured = measure_group(subjects, config)
+    m = {name: measured[name].median_ns for name in subjects}
+    label = "BERT forward (transformers, 4 layers, hidden 32, batch 2x8)"
+    peers = f"no scope {fmt_ns(m['no scope'])}; torch.device(meta) {fmt_ns(m['torch.device(meta)'])}"
+    rows = [
+        judge("3 scope", f"{label} inside on_device(meta)", m["on_device(meta)"], peers,
+              m["no scope"], "no scope", 1.05, missing=_missing(measured["on_device(meta)"])),
+        judge("3 scope", f"{label}, @device_agnostic, called inside on_device(meta)",
+              m["decorated, in on_device(meta)"], peers, m["no scope"], "no scope", 1.05,
+              missing=_missing(measured["decorated, in on_device(meta)"])),
+        judge("3 scope", f"{label}, @device_agnostic(scope=False), no scope",
+              m["decorated(scope=False)"], peers, m["no scope"], "no scope", 1.02,
+              missing=_missing(measured["decorated(scope=False)"])),
+    ]  # fmt: skip
+    return {"label": label, "subjects": as_json(measured)}, rows
+
+
+def _decorated_bert(base: type[torch.nn.Module], config: Any, *, scope: bool) -> torch.nn.Module:
+    """``base(config)`` whose ``forward`` is decorated, with the same weights as a seed-0 one."""
+    decorated_class = type(
+        f"Decorated{base.__name__}", (base,), {"forward": device_agnostic(scope=scope)(base.forward)}
+    )
+    torch.manual_seed(0)
+    model: torch.nn.Module = decorated_class(config).eval()
+    return model
 
 
 def _bind_peer(module: str, name: str, *args: Any) -> Callable[[], Any]:
