@@ -395,18 +395,21 @@ def _scoped_bert(config: Config) -> tuple[Section, list[Row]]:
     ids = torch.randint(0, 1000, (2, 8))
     subjects = {
         "no scope": Subject(functools.partial(bind, plain, ids)),
-        "torch.device(meta)": Subject(functools.partial(bind, plain, ids),
-                                      lambda: torch.device(META)),  # fmt: skip
+        "torch.device(meta)": Subject(
+            functools.partial(bind, plain, ids), lambda: torch.device(META)
+        ),
         "on_device(meta)": Subject(functools.partial(bind, plain, ids), lambda: on_device(META)),
-        "decorated, in on_device(meta)": Subject(functools.partial(bind, decorated, ids),
-                                                 lambda: on_device(META)),  # fmt: skip
+        "decorated, in on_device(meta)": Subject(
+            functools.partial(bind, decorated, ids), lambda: on_device(META)
+        ),
         "decorated(scope=False)": Subject(functools.partial(bind, unscoped, ids)),
     }
     with torch.no_grad():
         measured = measure_group(subjects, config)
     m = {name: measured[name].median_ns for name in subjects}
     label = "BERT forward (transformers, 4 layers, hidden 32, batch 2x8)"
-    peers = f"no scope {fmt_ns(m['no scope'])}; torch.device(meta) {fmt_ns(m['torch.device(meta)'])}"
+    peers = f"no scope {fmt_ns(m['no scope'])}; "
+    peers += f"torch.device(meta) {fmt_ns(m['torch.device(meta)'])}"
     rows = [
         judge("3 scope", f"{label} inside on_device(meta)", m["on_device(meta)"], peers,
               m["no scope"], "no scope", 1.05, missing=_missing(measured["on_device(meta)"])),
@@ -422,9 +425,8 @@ def _scoped_bert(config: Config) -> tuple[Section, list[Row]]:
 
 def _decorated_bert(base: type[torch.nn.Module], config: Any, *, scope: bool) -> torch.nn.Module:
     """``base(config)`` whose ``forward`` is decorated, with the same weights as a seed-0 one."""
-    decorated_class = type(
-        f"Decorated{base.__name__}", (base,), {"forward": device_agnostic(scope=scope)(base.forward)}
-    )
+    forward = device_agnostic(scope=scope)(base.forward)
+    decorated_class = type(f"Decorated{base.__name__}", (base,), {"forward": forward})
     torch.manual_seed(0)
     model: torch.nn.Module = decorated_class(config).eval()
     return model

@@ -95,7 +95,7 @@ def test_sections_cover_the_cases_of_the_issue(run: dict[str, Any]) -> None:
     assert [*trees, "forward"] == decorator
     assert [*trees, "aliased_10"] == list(report["move"]["cases"])
     assert trees == list(report["find_devices"]["cases"])
-    assert 3 == len(report["scope"]["cases"])
+    assert 4 == len(report["scope"]["cases"])
 
 
 def test_peers_all_ran(run: dict[str, Any]) -> None:
@@ -119,8 +119,14 @@ def test_scope_section_has_every_context(run: dict[str, Any]) -> None:
     """Each torch call is timed with no scope, in torch's scopes and in on_device's."""
     contexts = ["no scope", "torch.device(meta)", "on_device(meta)"]
     contexts += ["torch.device(cpu)", "on_device(cpu)"]
-    for case in run["json"]["scope"]["cases"].values():
+    cases = dict(run["json"]["scope"]["cases"])
+    bert = cases.pop("BERT forward")
+    for case in cases.values():
         assert contexts == list(case["subjects"])
+    forwards = ["no scope", "torch.device(meta)", "on_device(meta)"]
+    forwards += ["decorated, in on_device(meta)", "decorated(scope=False)"]
+    assert forwards == list(bert["subjects"])
+    assert all("ok" == subject["status"] for subject in bert["subjects"].values())
 
 
 def test_peers_copy_an_aliased_tensor_once_per_reference(run: dict[str, Any]) -> None:
