@@ -3,7 +3,9 @@
 - :func:`on_device`: torch's default device for a block, isolated per thread and asyncio task;
 - :func:`device_agnostic`: move (or check) every tensor argument of a call to one device;
 - :func:`to_device` and :func:`find_devices`: a structure-preserving move that loses nothing;
-- :func:`resolve_device`: ``"auto"``, ``LOCAL_RANK`` under torchrun, ``DEVICECTX_DEVICE``.
+- :func:`resolve_device`: ``"auto"``, ``LOCAL_RANK`` under torchrun, ``DEVICECTX_DEVICE``;
+- :func:`precision_scope` and :func:`choose_precision`: mixed precision named as Lightning
+  names it (``"bf16-mixed"``, ``"16-mixed"``, ``"32"``, ``"auto"``), on any device.
 
 The optional testing kit lives in :mod:`devicectx.testing` (``pip install devicectx[testing]``).
 """
@@ -18,10 +20,13 @@ from devicectx._errors import (
     DeviceMismatchError,
     DeviceUnavailableError,
     InvalidDeviceError,
+    InvalidPrecisionError,
     MoveError,
+    PrecisionUnsupportedError,
 )
 from devicectx._move import find_devices, register_container, to_device
 from devicectx._oom import shrink_batch_on_oom
+from devicectx._precision import Precision, PrecisionName, choose_precision, precision_scope
 from devicectx._resolve import DeviceLike, available_devices, explain_device, resolve_device
 
 __version__ = _version("devicectx")
@@ -33,14 +38,20 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceUnavailableError",
     "InvalidDeviceError",
+    "InvalidPrecisionError",
     "MoveError",
+    "Precision",
+    "PrecisionName",
+    "PrecisionUnsupportedError",
     "__version__",
     "available_devices",
+    "choose_precision",
     "current_device",
     "device_agnostic",
     "explain_device",
     "find_devices",
     "on_device",
+    "precision_scope",
     "register_container",
     "resolve_device",
     "shrink_batch_on_oom",

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -27,7 +29,15 @@ from torch.overrides import TorchFunctionMode
 
 from devicectx import _torch_modes
 from devicectx._constructors import ConstructorPatch
-from devicectx._dynamo_hooks import constant, faking, traced_mode_stack, tracing
+from devicectx._dynamo_hooks import (
+    constant,
+    disable,
+    faking,
+    graph_break,
+    traced_mode_stack,
+    tracing,
+)
+from devicectx._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx._resolve import DeviceLike, accelerator_type, resolve_device, with_index
 from devicectx._resumed import async_resumed, resumed
 from devicectx._torch_modes import DeviceContext, innermost_device_mode, stack_length
@@ -246,6 +256,57 @@ def pop_nested(entered: _Scope | None) -> None:
         pop_device(entered)
 
 
+_Amp = AbstractContextManager[Any]
+_EAGER_BLOCKS = threading.local()  # blocks with a precision entered from compiled code
+_ENTERED_EAGERLY = (None, None)
+
+
+def _enter_block(
+    device: torch.device, exact: bool, precision: str | None
+) -> tuple[_Scope, _Amp | None]:
+    """Enter the scope for ``device``, then the autocast for ``precision``."""
+    amp = None
+    if precision is not None:
+        amp = choose_precision(device, cast(PrecisionName, precision)).autocast()
+    scope = push_device(device, exact=exact)
+    if amp is not None:
+        try:
+            amp.__enter__()
+        except BaseException:
+            pop_device(scope)
+            raise
+    return scope, amp
+
+
+def _leave_block(scope: _Scope, amp: _Amp | None) -> None:
+    try:
+        if amp is not None:
+            amp.__exit__(None, None, None)
+    finally:
+        pop_device(scope)
+
+
+def _enter_eagerly(device: torch.device, exact: bool, precision: str) -> None:
+    _EAGER_BLOCKS.__dict__.setdefault("entered", []).append(_enter_block(device, exact, precision))
+
+
+def _exit_eagerly() -> None:
+    _leave_block(*_EAGER_BLOCKS.entered.pop())
+
+
+# Compiled code enters and leaves a block with a precision through these, run eagerly
+# behind graph breaks (they take and keep nothing dynamo would have to rebuild). Made
+# while dynamo traces: torch.compiler.disable imports dynamo, which import devicectx must not.
+_EAGERLY: dict[str, Callable[..., None]] = {}
+
+
+@constant
+def _prepare_eagerly() -> bool:
+    if not _EAGERLY:
+        _EAGERLY.update(enter=disable(_enter_eagerly), exit=disable(_exit_eagerly))
+    return True
+
+
 class on_device:
     """Make ``device`` torch's default device for a block or a function.
 
@@ -307,23 +368,45 @@ class on_device:
           threads at once: create one per block, or use the decorator form.
     """
 
-    def __init__(self, device: DeviceLike = "auto", *, exact: bool = False) -> None:
+    def __init__(
+        self,
+        device: DeviceLike = "auto",
+        *,
+        exact: bool = False,
+        precision: PrecisionName | None = None,
+    ) -> None:
         self.spec = device
         self.exact = exact
-        self._entered: list[_Scope | DeviceContext] = []
+        # A misspelt name fails here, where the block is written, not at its first entry.
+        self.precision = None if precision is None else check_precision_name(precision)
+        self._entered: list[tuple[_Scope | DeviceContext | None, _Amp | None]] = []
 
     def __repr__(self) -> str:
-        return f"on_device({self.spec!r}{', exact=True' if self.exact else ''})"
+        options = ", exact=True" if self.exact else ""
+        if self.precision is not None:
+            options += f", precision={self.precision!r}"
+        return f"on_device({self.spec!r}{options})"
 
     def __enter__(self) -> torch.device:
         device = resolve_device(self.spec)
         if torch.compiler.is_compiling():
+            if self.precision is not None:
+                # dynamo traces autocast only as a `with` statement of the traced code: the
+                # block is entered eagerly, behind a graph break (an error with fullgraph).
+                graph_break(
+                    f"on_device(precision={self.precision!r}) cannot be traced: in compiled "
+                    f"code write `with on_device(d), precision_scope(d, {self.precision!r}):`"
+                )
+                _prepare_eagerly()
+                _EAGERLY["enter"](device, self.exact, self.precision)
+                self._entered.append(_ENTERED_EAGERLY)
+                return device
             # dynamo cannot trace context variables; it does trace a plain DeviceContext.
             plain = DeviceContext(device)
             plain.__enter__()  # type: ignore[no-untyped-call]
-            self._entered.append(plain)
-        else:
-            self._entered.append(push_device(device, exact=self.exact))
+            self._entered.append((plain, None))
+            return device
+        self._entered.append(_enter_block(device, self.exact, self.precision))
         return device
 
     def __exit__(
@@ -332,9 +415,11 @@ class on_device:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        entered = self._entered.pop()
-        if isinstance(entered, _Scope):
-            pop_device(entered)
+        entered, amp = self._entered.pop()
+        if entered is None:
+            _EAGERLY["exit"]()
+        elif isinstance(entered, _Scope):
+            _leave_block(entered, amp)
         else:
             entered.__exit__(exc_type, exc, traceback)  # type: ignore[no-untyped-call]
 
@@ -354,10 +439,20 @@ class on_device:
             return cast(_F, self._wrap_coroutine(func))
         return cast(_F, self._wrap_function(func))
 
+    def _again(self) -> on_device:
+        """A fresh block like this one: a decorated function may run in several threads."""
+        return on_device(self.spec, exact=self.exact, precision=self.precision)  # type: ignore[arg-type]
+
+    def _resumable(self) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+        """How a generator enters a block at every resume and leaves it at every yield."""
+        block = self._again()
+        block.spec = resolve_device(self.spec)  # resolved once, at the generator's creation
+        return block.__enter__, lambda _device: block.__exit__(None, None, None)
+
     def _wrap_function(self, func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
-            with on_device(self.spec, exact=self.exact):
+            with self._again():
                 return func(*args, **kwargs)
 
         return run
@@ -365,7 +460,7 @@ class on_device:
     def _wrap_coroutine(self, func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)
         async def run(*args: Any, **kwargs: Any) -> Any:
-            with on_device(self.spec, exact=self.exact):
+            with self._again():
                 return await func(*args, **kwargs)
 
         return run
@@ -373,9 +468,9 @@ class on_device:
     def _wrap_generator(self, func: Callable[..., Generator[Any, Any, Any]]) -> Callable[..., Any]:
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
-            enter = functools.partial(push_device, resolve_device(self.spec), exact=self.exact)
+            enter, leave = self._resumable()
             inner = func(*args, **kwargs)  # runs none of the body yet
-            return (yield from resumed(inner, enter, pop_device))
+            return (yield from resumed(inner, enter, leave))
 
         return run
 
@@ -386,8 +481,8 @@ class on_device:
         # inspect.isasyncgenfunction, which frameworks test, still says True.
         @functools.wraps(func)
         async def run(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
-            enter = functools.partial(push_device, resolve_device(self.spec), exact=self.exact)
-            driver = async_resumed(func(*args, **kwargs), enter, pop_device)
+            enter, leave = self._resumable()
+            driver = async_resumed(func(*args, **kwargs), enter, leave)
             step: Callable[[], Awaitable[Any]] = functools.partial(driver.asend, None)
             while True:
                 try:

@@ -24,6 +24,18 @@ class DeviceUnavailableError(DeviceError, RuntimeError):
     """A well-formed device that this machine does not have: ``"cuda:3"`` with 2 GPUs."""
 
 
+class InvalidPrecisionError(DeviceError, ValueError):
+    """A precision name devicectx does not know: ``"fp16"``, ``"bf16-true"``."""
+
+
+class PrecisionUnsupportedError(DeviceError, RuntimeError):
+    """A known precision that the device cannot run: ``"bf16-mixed"`` on a GPU before Ampere.
+
+    A ``RuntimeError``, like torch's own error for bfloat16 autocast on such a GPU, so code
+    that catches that keeps working.
+    """
+
+
 class MoveError(DeviceError, RuntimeError):
     """An object inside a structure could not be moved; the message names its path."""
 

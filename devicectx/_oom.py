@@ -74,6 +74,10 @@ def shrink_batch_on_oom(
     called again with the batch size halved (but never below ``minimum``), until it
     returns. Any other exception passes through untouched, on the first raise.
 
+    The other usual remedy, before or with a smaller batch, is mixed precision: 16-bit
+    activations need half the memory. examples/mixed_precision.py shows a training step
+    under :func:`devicectx.precision_scope` that runs unchanged on any device.
+
     Example:
         >>> @shrink_batch_on_oom(minimum=8)
         ... def evaluate(data, batch_size=256):

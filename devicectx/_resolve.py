@@ -265,6 +265,55 @@ def accelerator_type() -> str | None:
     return None if accelerator is None else accelerator.type
 
 
+@constant
+def autocast_dtypes(device_type: str, index: int | None = None) -> tuple[torch.dtype, ...]:
+    """The dtypes ``torch.autocast`` computes in on this device, bfloat16 first; () for none.
+
+    A dtype that torch accepts but emulates (bfloat16 on a CUDA GPU before Ampere) or turns
+    off with a warning (bfloat16 on MPS before macOS 14, in torch 2.6) is left out. Read in
+    ``torch/amp/autocast_mode.py`` of torch 2.6, 2.13 and 2.15: every device type with
+    autocast takes both dtypes, except those cases and a ``privateuseone`` backend, which
+    lists its own.
+    """
+    half, brain = torch.float16, torch.bfloat16
+    if device_type == "meta" or not torch.amp.is_autocast_available(device_type):
+        return ()
+    if device_type == "cuda":
+        # is_bf16_supported asks about the current device: make it the one asked about.
+        with torch.cuda.device(index):
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return (brain, half) if native else (half,)
+    if device_type == "mps":
+        return (brain, half) if torch.backends.mps.is_macos_or_newer(14, 0) else (half,)
+    if device_type == "xpu":
+        try:
+            native = torch.xpu.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch < 2.8 takes no argument (and answers True)
+            native = torch.xpu.is_bf16_supported()
+        return (brain, half) if native else (half,)
+    # The renamed privateuseone backend (torch.utils.rename_privateuse1_backend), which
+    # autocast asks for its dtypes; a private function, as autocast itself calls it.
+    if device_type == torch._C._get_privateuse1_backend_name():
+        listed = getattr(getattr(torch, device_type, None), "get_amp_supported_dtype", None)
+        supported = listed() if callable(listed) else []
+        return tuple(dtype for dtype in (brain, half) if dtype in supported)
+    return (brain, half)
+
+
+@constant
+def device_name(device_type: str, index: int | None = None) -> str:
+    """The hardware behind a device, for messages: ``"Tesla T4, compute capability 7.5"``.
+
+    Empty where torch has no name for it (the CPU, meta, most device types).
+    """
+    if device_type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"{torch.cuda.get_device_name(index)}, compute capability {major}.{minor}"
+    if device_type == "xpu" and torch.xpu.is_available():
+        return str(torch.xpu.get_device_name(index))
+    return ""
+
+
 def _unavailable(spec: object, problem: str) -> DeviceUnavailableError:
     here = ", ".join(str(d) for d in [*available_devices(), _META])
     msg = (

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from devicectx import DeviceMismatchError
+from devicectx import DeviceMismatchError, PrecisionUnsupportedError, choose_precision
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -22,6 +22,7 @@ TESTED_ELSEWHERE = {"property_test_forward.py"}
 TESTED_HERE = {
     "batches.py",
     "mixed_device_error.py",
+    "mixed_precision.py",
     "oom_backoff.py",
     "quickstart.py",
     "torchrun_inference.py",
@@ -45,9 +46,9 @@ def run(*command: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def run_example(name: str) -> list[str]:
-    """The lines an example prints, run as ``python examples/NAME``."""
-    return run(sys.executable, str(EXAMPLES / name)).stdout.splitlines()
+def run_example(name: str, *arguments: str) -> list[str]:
+    """The lines an example prints, run as ``python examples/NAME ARGUMENTS...``."""
+    return run(sys.executable, str(EXAMPLES / name), *arguments).stdout.splitlines()
 
 
 def free_port() -> int:
@@ -184,3 +185,26 @@ def test_oom_backoff_halves_then_remembers_then_gives_up() -> None:
         "  sizes tried: [16, 8]",
     ]
     assert expected == lines
+
+
+@pytest.mark.parametrize("precision_name", ["auto", "bf16-mixed", "16-mixed"])
+def test_mixed_precision_trains_one_step_in_the_chosen_precision(precision_name: str) -> None:
+    """mixed_precision.py says which precision it chose here, and why, computes its logits in
+    that dtype with float32 weights, scales the loss only for float16, and the loss goes down."""
+    device = auto_device()
+    try:
+        precision = choose_precision(device, precision_name)  # type: ignore[arg-type]
+    except PrecisionUnsupportedError as error:
+        pytest.skip(f"{precision_name} does not run on this machine's {device}: {error}")
+    lines = run_example("mixed_precision.py", precision_name)
+
+    assert [
+        f"device: {device}",
+        f"precision: {precision}",
+        f"logits: {precision.dtype or torch.float32}, weights: torch.float32",
+        f"grad scaler: {'on' if precision.needs_grad_scaler else 'off'}",
+    ] == lines[:4]
+    loss = re.fullmatch(r"loss: (\d+\.\d+) -> (\d+\.\d+) after one step", lines[4])
+    assert loss is not None, lines[4]
+    assert float(loss.group(2)) < float(loss.group(1))
+    assert 5 == len(lines)

@@ -311,6 +311,8 @@ def test_every_driver_query_is_a_trace_time_constant() -> None:
         "_accelerator_count",
         "_accelerator_index",
         "accelerator_type",
+        "autocast_dtypes",
+        "device_name",
     ]
     assert expected == asking
     for name in asking:
