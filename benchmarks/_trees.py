@@ -61,6 +61,33 @@ def many_leaves(n: int) -> Tree:
     return Tree(f"leaves_{n}", f"{n:,} leaves", tree, n)
 
 
+def tiles(n: int, side: int = 64) -> Tree:
+    """``n`` distinct tensors of ``side`` x ``side`` floats: ``tree['t0042']``."""
+    tree = {f"t{i:04d}": torch.randn(side, side) for i in range(n)}
+    return Tree(f"tiles_{n}", f"{n:,} tensors of {side}x{side} floats", tree, n)
+
+
+def detection(images: int = 16, side: int = 512, seed: int = 0) -> Tree:
+    """A detection batch: ``images`` images 3 x side x side (one tensor) and their ids, and
+    per image a box tensor (k, 4) and a label tensor (k,) of a random length k (1 to 50).
+
+    At the defaults: 50 MB in 34 tensors, as in issue 13. Boxes and labels are dicts keyed
+    by image (``tree['boxes']['3']``), so that TensorDict takes the tree too.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 51, (images,), generator=generator).tolist()
+    tree = {
+        "images": torch.randn(images, 3, side, side, generator=generator),
+        "image_ids": torch.arange(images),
+        "boxes": {str(i): torch.rand(k, 4, generator=generator) for i, k in enumerate(lengths)},
+        "labels": {
+            str(i): torch.randint(0, 80, (k,), generator=generator) for i, k in enumerate(lengths)
+        },
+    }
+    label = f"detection batch ({images} images 3x{side}x{side}, boxes, labels)"
+    return Tree(f"detection_{images}x{side}", label, tree, 2 + 2 * images)
+
+
 def aliased(refs: int = 10) -> Tree:
     """One tensor reachable ``refs`` times, from two sub-dicts."""
     shared = torch.randn(16, 16)

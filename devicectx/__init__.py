@@ -26,6 +26,7 @@ from devicectx._errors import (
 )
 from devicectx._move import find_devices, register_container, to_device
 from devicectx._oom import shrink_batch_on_oom
+from devicectx._pinned import release_staging, staging_memory
 from devicectx._precision import Precision, PrecisionName, choose_precision, precision_scope
 from devicectx._resolve import DeviceLike, available_devices, explain_device, resolve_device
 
@@ -53,7 +54,9 @@ __all__ = [
     "on_device",
     "precision_scope",
     "register_container",
+    "release_staging",
     "resolve_device",
     "shrink_batch_on_oom",
+    "staging_memory",
     "to_device",
 ]

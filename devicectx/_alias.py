@@ -121,7 +121,7 @@ class _Span:
         extent = sum((n - 1) * s for n, s in zip(size, stride, strict=True))
         self.hi = (start + int(extent) + 1) * itemsize
         self.what = (tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg())
-        self.anchor = (self.linkable or isinstance(tensor, nn.Parameter)) and _dense(size, stride)
+        self.anchor = (self.linkable or isinstance(tensor, nn.Parameter)) and dense(size, stride)
         # Among anchors of equal memory: a parameter first (it must stay one), then the base
         # itself (so views stay views of it), then the first met.
         self.sort_key = (self.lo, -self.hi, self.linkable, tensor._base is not None, index)
@@ -251,7 +251,7 @@ def _same_layout(tensor: _Tensor, moved: _Tensor) -> bool:
     return all(a == b or n <= 1 for n, a, b in layouts)
 
 
-def _dense(size: torch.Size, stride: tuple[int, ...]) -> bool:
+def dense(size: torch.Size, stride: tuple[int, ...]) -> bool:
     """Whether the elements fill a block of memory with no gap and no overlap."""
     expected = 1
     for n, s in sorted(zip(size, stride, strict=True), key=lambda pair: pair[1]):

@@ -24,7 +24,9 @@ tensors and on torch's default device, so a change there recompiles):
   its body calls (their inputs decide; the tensors the outer body makes are on its target).
 - containers are those pytree knows (list, tuple, namedtuple, dict, OrderedDict,
   defaultdict, deque); tensors in dataclasses and other objects are not moved or checked.
-  A tensor passed twice is moved once.
+  A tensor passed twice is moved once. Each tensor is moved with its own ``.to``: moves
+  are never staged (``coalesce=`` changes nothing here), since staging is host code,
+  with pinned buffers and events, that has no place in a graph.
 - a mismatch found while tracing is a graph break, and the call then runs eagerly, which
   raises the real :class:`~devicectx.DeviceMismatchError`; with ``fullgraph=True`` the
   graph break is torch's ``Unsupported`` error, which quotes our message (:func:`_refuse`).

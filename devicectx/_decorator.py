@@ -38,6 +38,7 @@ def device_agnostic(
     exclude: str | Iterable[str] = (),
     non_blocking: bool = False,
     scope: bool = True,
+    coalesce: bool = True,
 ) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
 
 
@@ -51,6 +52,7 @@ def device_agnostic(
     exclude: str | Iterable[str] = (),
     non_blocking: bool = False,
     scope: bool = True,
+    coalesce: bool = True,
 ) -> Any:
     """Run a function on one device: its tensor inputs moved (or checked), its body scoped.
 
@@ -89,6 +91,9 @@ def device_agnostic(
             ``device=`` land on the target. Where the target already is the default,
             torch's ops inside pay nothing for it; ``scope=False`` also saves the
             per-call cost of entering and leaving, for hot paths that pass devices.
+        coalesce: stage the moves of many tensors between the host and an accelerator,
+            inputs and results alike, into a few large copies through pinned memory
+            (see :func:`~devicectx.to_device`); ``False``: one copy per tensor.
 
     Returns:
         The decorated function, with the same name, docstring, signature and static type.
@@ -128,6 +133,7 @@ def device_agnostic(
             exclude=exclude,
             non_blocking=non_blocking,
             scope=scope,
+            coalesce=coalesce,
         )
     if inspect.isclass(wrapped):
         name = wrapped.__name__
@@ -136,5 +142,5 @@ def device_agnostic(
             f"take tensors instead (`@device_agnostic` on `def forward`)"
         )
         raise TypeError(msg)
-    plan = Plan(wrapped, device, move, output, exclude, non_blocking, scope)
+    plan = Plan(wrapped, device, move, output, exclude, non_blocking, scope, coalesce)
     return wrap(wrapped, plan)

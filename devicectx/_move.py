@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from devicectx import _containers
+from devicectx import _containers, _staging
 from devicectx._alias import TensorMover
 from devicectx._containers import CONTAINER, Kind
 from devicectx._containers import register_container as register_container
@@ -58,7 +58,12 @@ __all__ = [
 
 
 def to_device(
-    obj: T, device: DeviceLike, *, non_blocking: bool = False, skip: SkipLike = None
+    obj: T,
+    device: DeviceLike,
+    *,
+    non_blocking: bool = False,
+    skip: SkipLike = None,
+    coalesce: bool = True,
 ) -> T:
     """Return ``obj`` with every tensor in it on ``device``, losing nothing.
 
@@ -88,6 +93,8 @@ def to_device(
             :func:`find_devices` writes it (``"obj['meta']"``), a key or attribute name
             (``"labels"``: matched at any depth), a predicate ``(path, value) -> bool``,
             or a list of these.
+        coalesce: stage moves between the host and an accelerator (see below); False
+            moves every tensor with its own copy.
 
     Returns:
         A structure like ``obj``: the same types (a namedtuple stays that namedtuple, a
@@ -113,7 +120,8 @@ def to_device(
           however many places hold it, and a view of a tensor that is also in ``obj``
           (or inside a larger tensor of ``obj``) arrives as a view of that tensor's copy,
           whichever order they come in: writing into one shows in the other. A view whose
-          base is not in ``obj`` is copied alone, as ``.to`` copies it.
+          base is not in ``obj`` is copied alone, as ``.to`` copies it (a staged small one
+          into a region it shares with other small tensors, see below).
         - dtype, shape, ``requires_grad``, and autograd history: the move is ``.to`` (or
           ``as_strided`` for views), so gradients flow back to the originals. An
           ``nn.Parameter`` comes back as a new ``nn.Parameter`` on ``device`` (a leaf,
@@ -127,6 +135,30 @@ def to_device(
     before it arrives, and so are copies to MPS, where non-blocking copies have been
     seen to arrive late (Lightning-AI/pytorch-lightning#11287, pytorch/pytorch#83015).
     So ``non_blocking=True`` is always safe here; it only helps from pinned memory.
+
+    Staged moves (``coalesce=True``, the default): from the host to an accelerator (CUDA,
+    XPU, ...: the one ``torch.accelerator`` reports; never to ``meta`` or MPS), a move of
+    at least 4 small tensors, or of 1 MiB or more in pageable memory, copies them into a
+    reused pinned buffer and sends it in a few large copies, instead of one copy per
+    tensor (see :mod:`devicectx._staging` for the rules and thresholds):
+
+    - Tensors of at most 64 KiB come back as views of one device region of at most
+      1 MiB, which they share: one kept alive keeps that region allocated. Larger
+      tensors get device memory of their own, as with ``.to``.
+    - The sources have been copied when ``to_device`` returns, so they may be changed
+      at once, even with ``non_blocking=True``: safer than ``.to(non_blocking=True)``
+      from pinned memory, whose source must stay unchanged until the copy lands. Larger
+      tensors that are pinned already are sent directly, and follow that rule.
+    - Everything above is kept (strides and memory format included); tensors the
+      staged path cannot copy faithfully (that require grad, subclasses and parameters,
+      expanded or strided views, ...) move one by one in the same call.
+    - Back to the host (a ``"cpu"`` target), 4 or more small accelerator tensors are
+      packed on the device and come back in one blocking copy, into host memory of
+      their own (shared by at most 1 MiB of them).
+    - The pinned memory is bounded (64 MiB) and kept for the next move:
+      :func:`~devicectx.staging_memory` says how much, :func:`~devicectx.release_staging`
+      lets it go. Where memory cannot be pinned, moves go tensor by tensor. A ``skip``
+      with keys, paths or predicates also moves tensor by tensor.
 
     Caveats:
         - ``nn.Module`` objects are moved with ``module.to``, which moves them in place;
@@ -155,8 +187,10 @@ def to_device(
     if skip is None:
         if _nothing_to_move(obj, target, ()):
             return obj
-        return _move(obj, target, non_blocking, None, "obj", _to_device_fix(target, "obj"))
-    return move_to(obj, target, non_blocking=non_blocking, skip=compile_skip(skip))
+        fix = _to_device_fix(target, "obj")
+        return _move(obj, target, non_blocking, None, "obj", fix, "to_device()", coalesce)
+    compiled = compile_skip(skip)
+    return move_to(obj, target, non_blocking=non_blocking, skip=compiled, coalesce=coalesce)
 
 
 # Explicit specs whose resolution cannot change: resolving costs more than a small move.
@@ -178,6 +212,7 @@ def move_to(
     non_blocking: bool = False,
     skip: SkipLike = None,
     name: str = "obj",
+    coalesce: bool = True,
 ) -> T:
     """:func:`to_device` for a device already resolved: no resolution cost per call.
 
@@ -197,11 +232,13 @@ def move_to(
     if skip is None:
         if _nothing_to_move(obj, device, ()):
             return obj
-        return _move(obj, device, non_blocking, None, name, _to_device_fix(device, name))
+        fix = _to_device_fix(device, name)
+        return _move(obj, device, non_blocking, None, name, fix, "to_device()", coalesce)
     compiled = compile_skip(skip, name)
     if compiled is not None and not compiled.slow and _nothing_to_move(obj, device, compiled.types):
         return obj
-    return _move(obj, device, non_blocking, compiled, name, _to_device_fix(device, name))
+    fix = _to_device_fix(device, name)
+    return _move(obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce)
 
 
 def move_call(
@@ -214,6 +251,7 @@ def move_call(
     non_blocking: bool = False,
     skip: SkipLike = None,
     who: str = "@device_agnostic",
+    coalesce: bool = True,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments moved as one structure, with errors that name the parameters.
 
@@ -230,7 +268,7 @@ def move_call(
     elif not compiled.slow and _nothing_to_move((args, kwargs), device, compiled.types):
         return args, kwargs
     call = _Call(args, kwargs, names, rest)
-    moved = _move(call, device, non_blocking, compiled, "", _call_fix, who)
+    moved = _move(call, device, non_blocking, compiled, "", _call_fix, who, coalesce)
     if moved is call:
         return args, kwargs
     return moved.args, moved.kwargs
@@ -253,13 +291,24 @@ def _move(
     name: str,
     fix: Fix,
     who: str = "to_device()",
+    coalesce: bool = True,
 ) -> T:
     mover = TensorMover(device, non_blocking)
+    staged = None
+    if coalesce and device not in _staging.NEVER and (skip is None or not skip.slow):
+        # The staged tensors' results go into mover.moved, where the walk finds them;
+        # `staged` holds what their ids belong to until the walk is done.
+        staged = _staging.stage(obj, device, non_blocking, _types(skip), mover.moved)
     result = Rebuild(device, mover, skip, name, fix, who=who).run(obj)
     replace = mover.finish()
     if replace:  # views met before the tensor they belong to: made views of it now
         result = Rebuild(None, None, None, name, fix, replace).run(result)
+    del staged
     return result  # type: ignore[no-any-return]
+
+
+def _types(skip: Skip | None) -> tuple[type, ...]:
+    return () if skip is None else skip.types
 
 
 def _to_device_fix(device: torch.device, name: str) -> Fix:

@@ -47,6 +47,7 @@ class Plan:
     """What a decorated function does at each call, settled at decoration."""
 
     __slots__ = (
+        "coalesce",
         "device",
         "exclude",
         "kind",
@@ -69,6 +70,7 @@ class Plan:
         exclude: str | Iterable[str] = (),
         non_blocking: bool = False,
         scope: bool = True,
+        coalesce: bool = True,
     ) -> None:
         function = getattr(wrapped, "__func__", wrapped)  # classmethod, staticmethod
         self.name: str = getattr(function, "__qualname__", repr(function))
@@ -80,6 +82,7 @@ class Plan:
         )
         self.non_blocking = non_blocking
         self.scope = scope
+        self.coalesce = coalesce
         self.params = Params.of(function, self.name)
         names = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         self.exclude = self.params.exclusion(names) if names else None
@@ -192,6 +195,7 @@ class Plan:
                     rest=self.params.varargs or "args",
                     non_blocking=self.non_blocking,
                     skip=_Module,
+                    coalesce=self.coalesce,
                 )
                 args, kwargs = moved if held is None else held.merge(*moved)
             else:
@@ -283,7 +287,12 @@ class Plan:
     def place(self, result: Any, back: torch.device) -> Any:
         """Move a result (or a yielded item) to where ``output=`` says."""
         return _move.move_to(
-            result, back, non_blocking=self.non_blocking, skip=_Module, name="result"
+            result,
+            back,
+            non_blocking=self.non_blocking,
+            skip=_Module,
+            name="result",
+            coalesce=self.coalesce,
         )
 
     def _start(

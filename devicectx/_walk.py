@@ -13,6 +13,8 @@ has, which hands over to the full walk at anything else.
 - :func:`plain_device`: :func:`shared_device` for a plain batch only; the decorator's hot path.
 - :func:`iter_tensors`: every tensor with its path, depth first, in structure order.
 - :func:`find_devices`: the same, grouped by device (public, re-exported by the move engine).
+- :func:`collect`: every distinct tensor a move can meet, for staged moves
+  (:mod:`devicectx._staging`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ import torch
 from torch import nn
 
 from devicectx import _containers
-from devicectx._containers import DICT_KIND, LEAF, LEAF_KIND, MODULE, TENSOR, Kind, kind_for
+from devicectx._containers import (
+    DICT_KIND,
+    LEAF,
+    LEAF_KIND,
+    MODULE,
+    OWN,
+    TENSOR,
+    Kind,
+    kind_for,
+)
 from devicectx._paths import ITEM, build, join, module_path
 
 _Tensor = torch.Tensor
@@ -354,7 +365,9 @@ def _plain_devices(
     of containers looked into (by which a shared one is looked into once and a cycle ends)
     is made at the first nested container: a flat batch needs none.
     """
-    for key, child in obj.items() if type(obj) is dict else enumerate(obj):
+    if type(obj) is not dict:
+        return _plain_sequence_devices(obj, path, found, seen, depth)
+    for key, child in obj.items():
         tp = type(child)
         if tp is _Tensor:
             device = child.device
@@ -376,6 +389,45 @@ def _plain_devices(
         elif (_CACHE.get(tp) or kind_for(tp)) is not LEAF_KIND:
             return False
     return True
+
+
+def _plain_sequence_devices(
+    obj: list[Any] | tuple[Any, ...],
+    path: str,
+    found: dict[torch.device, list[str]],
+    seen: set[int] | None,
+    depth: int,
+) -> bool:
+    """:func:`_plain_devices` for a list or tuple: the same, with the ``[i]`` of the first
+    positions written once for all (a flat batch is mostly paths)."""
+    for index, child in enumerate(obj):
+        tp = type(child)
+        if tp is _Tensor:
+            device = child.device
+            place = path + _INDICES[index] if index < _INDEXED else f"{path}[{index}]"
+            paths = found.get(device)
+            if paths is None:
+                found[device] = [place]
+            else:
+                paths.append(place)
+        elif tp is dict or tp is list or tp is tuple:
+            if seen is None:
+                seen = {id(obj)}
+            if id(child) in seen:  # shared, or a cycle: looked into at the first place only
+                continue
+            if depth >= _PLAIN_DEPTH:
+                return False
+            seen.add(id(child))
+            if not _plain_devices(child, f"{path}[{index}]", found, seen, depth + 1):
+                return False
+        elif (_CACHE.get(tp) or kind_for(tp)) is not LEAF_KIND:
+            return False
+    return True
+
+
+_INDEXED = 64
+_INDICES = tuple(f"[{index}]" for index in range(_INDEXED))
+"""``[0]`` to ``[63]``, written once: joining two strings costs less than formatting."""
 
 
 _EAGER_DEPTH = 32
@@ -424,3 +476,89 @@ def module_on(module: nn.Module, device: torch.device) -> bool:
 def _module_tensors(module: nn.Module, path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in chain(module.named_parameters(), module.named_buffers()):
         yield module_path(path, name), tensor
+
+
+def collect(
+    obj: object, skip_types: tuple[type, ...] = ()
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], list[Any]]:
+    """Every distinct tensor a move of ``obj`` can meet, by id: what a staged move may copy.
+
+    Returns ``(found, inside, keep)``: ``found``, the tensors the move engine itself moves
+    (in containers, not of ``skip_types``); ``inside``, those met only inside objects moved
+    by their own ``.to``, which a staged move must not copy but must know of, as a base a
+    view elsewhere must stay a view of; ``keep``, what the walk made on the fly, to be
+    held till the move ends so that no id above is reused meanwhile.
+
+    Modules are not looked into (``module.to`` moves them in place). Iterative, each
+    container looked into once, like :func:`shared_device`.
+    """
+    found: dict[int, torch.Tensor] = {}
+    inside: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    keep: list[Any] = []
+    owns = _gather([obj], found, seen, keep, skip_types, False)
+    if owns:
+        _gather(owns, inside, seen, keep, skip_types, True)
+        for key in found:
+            inside.pop(key, None)
+    return found, inside, keep
+
+
+def _gather(
+    stack: list[Any],
+    found: dict[int, torch.Tensor],
+    seen: set[int],
+    keep: list[Any],
+    skip_types: tuple[type, ...],
+    enter_own: bool,
+) -> list[Any]:
+    """Tensors below ``stack`` into ``found``; the objects with their own ``.to`` met,
+    returned unopened (looked into, as containers, when ``enter_own``)."""
+    fast_dict, fast_list, fast_tuple = (
+        _containers.FAST_DICT,
+        _containers.FAST_LIST,
+        _containers.FAST_TUPLE,
+    )
+    owns: list[Any] = []
+    pop, push = stack.pop, stack.append
+    while stack:
+        item = pop()
+        tp = type(item)
+        children: Any
+        if tp is fast_dict:
+            children = item.values()
+        elif tp is fast_list or tp is fast_tuple:
+            children = item
+        elif tp is _Tensor:
+            found[id(item)] = item
+            continue
+        else:
+            kind = _CACHE.get(tp) or kind_for(tp)
+            role = kind.role
+            if role in (LEAF, MODULE) or (skip_types and isinstance(item, skip_types)):
+                continue
+            if role == TENSOR:
+                found[id(item)] = item
+                continue
+            if role == OWN and not enter_own:
+                owns.append(item)
+                continue
+            if kind.split is None:
+                continue
+            children = kind.split(item)[1]
+            keep.append(children)
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        for child in children:
+            tc = type(child)
+            if tc is _Tensor:
+                found[id(child)] = child
+            elif (
+                tc is fast_dict
+                or tc is fast_list
+                or tc is fast_tuple
+                or (_CACHE.get(tc) or kind_for(tc)) is not LEAF_KIND
+            ):
+                push(child)
+    return owns

@@ -890,6 +890,33 @@ def test_cuda_round_trip_keeps_values_views_and_gradients() -> None:
     assert leaf.grad.tolist() == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
 
 
+# coalesce= (staged moves are tested in test_staging.py).
+
+
+def test_coalesce_false_is_taken_by_every_entry_point() -> None:
+    """to_device, move_to and move_call take coalesce=False, and keep every guarantee."""
+    ids = torch.ones(1)
+    batch = {"x": torch.zeros(2), "ids": [ids, ids]}
+    for moved in (
+        to_device(batch, "meta", coalesce=False),
+        move_to(batch, META, coalesce=False),
+        move_call((batch,), {}, META, coalesce=False)[0][0],
+    ):
+        assert on_meta(moved)
+        assert moved["ids"][0] is moved["ids"][1]
+
+
+@pytest.mark.requires_device("cuda")
+def test_coalesce_false_and_true_give_the_same_values_on_cuda() -> None:
+    """To CUDA and back, the staged move and the per-tensor one give the same tensors."""
+    batch = {"ids": [torch.arange(i + 1) for i in range(16)], "x": torch.randn(512, 512)}
+    staged, alone = to_device(batch, "cuda"), to_device(batch, "cuda", coalesce=False)
+    for a, b in zip(iter_tensors(staged), iter_tensors(alone), strict=True):
+        assert a[0] == b[0]
+        assert torch.equal(a[1], b[1])
+        assert a[1].stride() == b[1].stride()
+
+
 # Errors.
 
 

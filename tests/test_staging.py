@@ -1,0 +1,689 @@
+"""Staged moves (``coalesce=True``): the same results as tensor-by-tensor moves, in fewer copies.
+
+Packing and unpacking are the same on every device, so most tests take the staged path
+through the seam :func:`devicectx._staging.forced`, which stages every move through
+ordinary host memory: the whole engine to ``meta`` (structure, aliasing, views, strides,
+autograd), and the staging functions to the CPU (values). The pool of pinned buffers is
+tested with events that stand for an accelerator's. Tests marked ``requires_device("cuda")``
+take the real path.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import devicectx
+from devicectx import _pinned, _staging, to_device
+from devicectx._move import move_call, move_to
+from devicectx._walk import collect
+from devicectx.testing.strategies import nested, tensors
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+SMALL = _staging.Thresholds(
+    min_tensors=1,
+    stage_min_bytes=0,
+    share_max_bytes=64,
+    shared_bytes=256,
+    chunk_bytes=1024,
+    pool_bytes=4096,
+)
+"""The seam's default thresholds: every move staged, through small buffers, so that a
+few tensors fill several regions and chunks."""
+
+batches = nested(tensors(devices=["cpu"]))
+mixed_batches = nested(tensors(devices=["cpu", "meta"]))
+grad_batches = nested(tensors(devices=["cpu"], dtypes=[torch.float32], requires_grad=True))
+
+
+def placed(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every tensor of a structure the strategies build, with its position, preorder;
+    set members are left out (their order follows their hashes)."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    if isinstance(obj, (set, frozenset, str, bytes, torch.Size)):
+        return
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        pairs: Any = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, nn.utils.rnn.PackedSequence):
+        pairs = [("data", obj.data), ("sorted", obj.sorted_indices)]
+    elif isinstance(obj, (dict, collections.abc.Mapping)):
+        pairs = list(obj.items())
+    elif isinstance(obj, (list, tuple, collections.deque, collections.UserList)):
+        pairs = list(enumerate(obj))
+    else:
+        return
+    for key, child in pairs:
+        yield from placed(child, (*path, key))
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj`` that have a position, in preorder."""
+    return [tensor for _, tensor in placed(obj)]
+
+
+def described(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a move must keep of one tensor (values aside)."""
+    return (
+        type(tensor),
+        tensor.device,
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride() if tensor.numel() else None,
+        tensor.requires_grad,
+        tensor.grad_fn is None,
+        tensor.is_leaf,
+    )
+
+
+def relations(results: list[torch.Tensor]) -> list[tuple[bool, bool]]:
+    """For each pair of results: the same object? the first a view of the second?"""
+    return [(a is b, a._base is b) for a in results for b in results]
+
+
+def extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses from a CPU tensor's first byte to past its last one."""
+    if tensor.numel() == 0:
+        return tensor.data_ptr(), tensor.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two CPU tensors share a byte of memory."""
+    (a_lo, a_hi), (b_lo, b_hi) = extent(a), extent(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
+def staged_into(
+    obj: Any, device: torch.device, host: _pinned.Host, thresholds: Thresholds = SMALL
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """``(tensors found in obj, {id: staged copy})``: the host-to-device path to ``device``."""
+    found, inside, _ = collect(obj)
+    return found, _staging.to_accelerator(found, inside, device, False, thresholds, host)
+
+
+Thresholds = _staging.Thresholds
+
+
+# The whole engine, staged and not: the same results.
+
+
+@given(st.one_of(batches, mixed_batches, grad_batches))
+def test_staged_move_keeps_what_the_per_tensor_move_keeps(batch: Any) -> None:
+    """Staged to meta, every structure comes back as the per-tensor move gives it: types,
+    dtypes, shapes, strides, autograd, which places hold one tensor, which are views."""
+    expected = to_device(batch, META, coalesce=False)
+    with _staging.forced():
+        actual = to_device(batch, META)
+    assert [described(t) for t in tensors_of(expected)] == [
+        described(t) for t in tensors_of(actual)
+    ]
+    assert relations(tensors_of(expected)) == relations(tensors_of(actual))
+
+
+@given(batches)
+def test_staged_move_leaves_the_input_alone_and_moves_once(batch: Any) -> None:
+    """The input is unchanged, and moving the result again returns it as it is."""
+    before = [(path, t, t.device) for path, t in placed(batch)]
+    with _staging.forced():
+        moved = to_device(batch, META)
+        assert to_device(moved, META) is moved
+    assert before == [(path, t, t.device) for path, t in placed(batch)]
+
+
+# The staging functions, with values: into CPU memory, and back.
+
+
+@given(batches)
+def test_staged_copies_are_the_sources_in_memory_of_their_own(batch: Any) -> None:
+    """Every plain, dense, non-empty tensor that needs no autograd is staged, and comes
+    back with its values, dtype, shape and strides, in memory that no source shares and
+    that only small tensors share with each other."""
+    with _staging.forced() as host:
+        found, results = staged_into(batch, CPU, host)
+    expected = {key for key, t in found.items() if t._base is None and t.numel() > 0}
+    assert expected <= set(results)
+    sources = list(found.values())
+    for key, result in results.items():
+        source = found[key]
+        assert described(source) == described(result)
+        assert torch.equal(source, result)
+        assert not any(overlaps(result, other) for other in sources)
+        for other_key, other in results.items():
+            if other_key != key and overlaps(result, other):
+                assert source.nbytes <= SMALL.share_max_bytes
+                assert result.untyped_storage().nbytes() <= SMALL.shared_bytes
+
+
+@given(batches)
+def test_staged_back_to_host_copies_are_the_sources(batch: Any) -> None:
+    """Back to the host, small tensors come back with their values, dtype, shape and
+    strides, in regions of at most the shared size, none shared with a source."""
+    with _staging.forced() as host:
+        found, inside, _ = collect(batch)
+        results = _staging.to_host(found, inside, _staging._with_data, SMALL, host)
+    for key, result in results.items():
+        source = found[key]
+        assert source.nbytes <= SMALL.share_max_bytes
+        assert described(source) == described(result)
+        assert torch.equal(source, result)
+        assert not any(overlaps(result, other) for other in found.values())
+        assert result.untyped_storage().nbytes() <= SMALL.shared_bytes
+
+
+def test_sources_may_change_as_soon_as_the_move_returns() -> None:
+    """The staged copies are made before the move returns: writing into the sources right
+    after, even with non_blocking=True, changes nothing in the results."""
+    sources = [torch.full((3,), float(i)) for i in range(6)] + [torch.arange(300.0)]
+    expected = [t.clone() for t in sources]
+    with _staging.forced() as host:
+        found, inside, _ = collect(sources)
+        results = _staging.to_accelerator(found, inside, CPU, True, SMALL, host)
+    for source in sources:
+        source.fill_(-1.0)
+    assert all(torch.equal(e, results[id(s)]) for e, s in zip(expected, sources, strict=True))
+
+
+def test_channels_last_stays_channels_last() -> None:
+    """A channels_last image, small, alone in one chunk or streamed through several,
+    keeps its strides and values."""
+    images = [
+        torch.randn(1, 3, 2, 2).to(memory_format=torch.channels_last),  # 48 bytes: shared
+        torch.randn(1, 3, 4, 4).to(memory_format=torch.channels_last),  # 192: alone
+        torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last),  # 1,536: 2 chunks
+    ]
+    with _staging.forced() as host:
+        _, results = staged_into(images, CPU, host)
+        moved = to_device(images, META)
+    for source in images:
+        result = results[id(source)]
+        assert source.stride() == result.stride()
+        assert result.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(source, result)
+    assert [t.stride() for t in images] == [t.stride() for t in moved]
+
+
+def test_a_tensor_larger_than_a_chunk_streams_through_several() -> None:
+    """A tensor of several chunks' bytes arrives whole, in memory of its own, while the
+    pool holds no more than its bound."""
+    source = torch.randn(3_000, dtype=torch.float64)  # 24,000 bytes: 24 chunks of 1,024
+    with _staging.forced() as host:
+        _, results = staged_into([source], CPU, host)
+        held = host.pool.held_bytes
+    result = results[id(source)]
+    assert torch.equal(source, result)
+    assert result._base is None
+    assert source.nbytes == result.untyped_storage().nbytes()
+    assert SMALL.pool_bytes >= held
+
+
+def test_small_tensors_share_regions_of_bounded_size() -> None:
+    """Small tensors come back as views of shared regions, each at most the shared size;
+    one region per shared size of them."""
+    sources = [torch.full((4,), float(i)) for i in range(40)]  # 16 bytes each, 640 in all
+    with _staging.forced() as host:
+        _, results = staged_into(sources, CPU, host)
+    storages = {results[id(t)].untyped_storage().data_ptr() for t in sources}
+    assert 3 == len(storages)  # 256, 256 and 128 bytes
+    assert all(results[id(t)].untyped_storage().nbytes() <= 256 for t in sources)
+    assert all(torch.equal(t, results[id(t)]) for t in sources)
+
+
+def test_runs_of_mixed_dtypes_and_shapes_are_aligned() -> None:
+    """Tensors of every dtype and several shapes, packed side by side, each start at an
+    address their dtype can be read from, and keep their values."""
+    sources = [
+        torch.tensor([True, False, True]),
+        torch.tensor([1, 2, 3], dtype=torch.int8),
+        torch.tensor([1.5, 2.5], dtype=torch.float16),
+        torch.tensor([1.5], dtype=torch.bfloat16),
+        torch.tensor([7], dtype=torch.int16),
+        torch.tensor(3.0, dtype=torch.float64),
+        torch.tensor([1 + 2j], dtype=torch.complex128),
+        torch.tensor([1 + 2j, 3j], dtype=torch.complex64),
+        torch.arange(6, dtype=torch.int32).reshape(2, 3).t(),
+    ]
+    with _staging.forced() as host:
+        _, results = staged_into(sources, CPU, host)
+    for source in sources:
+        result = results[id(source)]
+        assert described(source) == described(result)
+        assert torch.equal(source, result)
+        assert 0 == result.data_ptr() % result.element_size()
+
+
+# Which tensors take the staged path, and which move one by one.
+
+
+def staged_ids(obj: Any, **kwargs: Any) -> set[int]:
+    """The ids of the tensors of ``obj`` a staged move to meta copies."""
+    moved: dict[int, torch.Tensor] = {}
+    with _staging.forced(**kwargs):
+        _staging.stage(obj, META, False, (), moved)
+    return set(moved)
+
+
+def test_what_the_staged_path_leaves_to_the_per_tensor_move() -> None:
+    """Tensors that need autograd, parameters and subclasses, empty, expanded, strided and
+    conjugate views, sparse tensors and other dtypes (float8) move one by one."""
+    plain = torch.zeros(2)
+    others = [
+        torch.zeros(2, requires_grad=True),
+        nn.Parameter(torch.zeros(2)),
+        torch.zeros(0),
+        torch.zeros(2, 1).expand(2, 3),
+        torch.zeros(6)[::2],
+        torch.zeros(2, dtype=torch.complex64).conj(),
+        torch.zeros(2).to_sparse(),
+        torch.zeros(2).to(torch.float8_e4m3fn),
+    ]
+    assert {id(plain)} == staged_ids([plain, *others])
+
+
+def test_parameters_and_autograd_are_kept_through_a_staged_move() -> None:
+    """In a staged move, a parameter comes back a parameter and a tensor that requires
+    grad keeps its history back to the source."""
+    weight = nn.Parameter(torch.randn(3))
+    x = torch.randn(3, requires_grad=True)
+    batch: dict[str, Any] = {"w": weight, "x": x, "rest": [torch.zeros(2)] * 3}
+    with _staging.forced():
+        moved = to_device(batch, META)
+    assert isinstance(moved["w"], nn.Parameter)
+    assert moved["w"].is_leaf
+    assert moved["x"].grad_fn is not None
+
+
+def test_a_base_and_its_views_stay_linked() -> None:
+    """A base with views in the structure gets memory of its own; its views are views of
+    its copy, whichever comes first."""
+    base = torch.arange(8.0)
+    batch = [base[2:], base, base[:3], torch.zeros(1), torch.zeros(1)]
+    with _staging.forced():
+        moved = to_device(batch, META)
+    assert moved[1]._base is None
+    assert moved[0]._base is moved[1]
+    assert moved[2]._base is moved[1]
+    assert id(base) in staged_ids(batch)
+
+
+def test_views_of_an_absent_base_are_staged_where_they_do_not_overlap() -> None:
+    """Views of a base that is not in the structure are staged when they share no byte,
+    and move one by one when they do."""
+    base = torch.arange(8.0)
+    apart = [base[:4], base[4:]]
+    overlapping = [base[:5], base[3:]]
+    assert {id(t) for t in apart} == staged_ids(apart)
+    assert set() == staged_ids(overlapping)
+
+
+def test_tensors_inside_objects_with_their_own_to_are_not_staged() -> None:
+    """An object moved by its own ``.to`` moves its tensors itself; a view elsewhere of a
+    tensor inside it is left to the per-tensor move too."""
+
+    class Encoding(collections.UserDict[str, Any]):
+        def to(self, device: torch.device) -> Encoding:
+            return Encoding({k: v.to(device) for k, v in self.data.items()})
+
+    ids = torch.arange(6)
+    encoding = Encoding({"ids": ids})
+    staged = staged_ids({"enc": encoding, "head": ids[:2], "other": torch.ones(1)})
+    assert staged.isdisjoint({id(ids)})
+    assert 1 == len(staged)
+
+
+def test_skipped_types_are_not_staged() -> None:
+    """Tensors inside an object of a skipped type are not copied."""
+
+    @dataclasses.dataclass
+    class Kept:
+        tensor: torch.Tensor
+
+    kept = Kept(torch.zeros(2))
+    moved: dict[int, torch.Tensor] = {}
+    with _staging.forced():
+        _staging.stage([kept, torch.ones(2)], META, False, (Kept,), moved)
+    assert id(kept.tensor) not in moved
+    assert 1 == len(moved)
+
+
+def test_no_staging_with_coalesce_false_or_a_skip_by_key() -> None:
+    """``coalesce=False``, and a skip by key, path or predicate, move tensor by tensor."""
+    batch = {"a": torch.zeros(2), "labels": torch.ones(2)}
+    with _staging.forced() as host:
+        to_device(batch, META, coalesce=False)
+        to_device(batch, META, skip=["labels"])
+        move_to(batch, META, coalesce=False)
+        move_call((batch,), {}, META, coalesce=False)
+        assert 0 == host.pool.held_bytes
+        to_device(batch, META)
+        assert 0 < host.pool.held_bytes
+
+
+def test_the_decorator_stages_its_inputs_unless_told_not_to() -> None:
+    """``@device_agnostic`` stages a call's many input tensors, and with ``coalesce=False``
+    moves them one by one, to the same results."""
+
+    def body(batch: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+        return batch["x"]
+
+    staged = devicectx.device_agnostic(device="meta")(body)
+    alone = devicectx.device_agnostic(device="meta", coalesce=False)(body)
+    batch = {"x": [torch.full((2,), float(i)) for i in range(8)]}
+    with _staging.forced() as host:
+        expected = alone(batch)
+        assert 0 == host.pool.held_bytes
+        actual = staged(batch)
+        assert 0 < host.pool.held_bytes
+    assert [described(t) for t in expected] == [described(t) for t in actual]
+
+
+def test_the_decorator_stages_its_result_placement_unless_told_not_to() -> None:
+    """``output=`` moves a result of many tensors staged, and with ``coalesce=False`` one
+    tensor at a time."""
+
+    def body(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x + i for i in range(8)]
+
+    staged = devicectx.device_agnostic(device="cpu", output="meta")(body)
+    alone = devicectx.device_agnostic(device="cpu", output="meta", coalesce=False)(body)
+    with _staging.forced() as host:
+        expected = alone(torch.zeros(2))
+        assert 0 == host.pool.held_bytes
+        actual = staged(torch.zeros(2))
+        assert 0 < host.pool.held_bytes
+    assert [described(t) for t in expected] == [described(t) for t in actual]
+    assert all(META == t.device for t in actual)
+
+
+def test_the_accelerator_is_asked_of_the_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging learns which accelerator there is from the resolver, never from
+    ``torch.accelerator`` itself, whose API differs across releases (2.6's
+    ``current_accelerator`` raises where there is none)."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch.accelerator asked directly")
+
+    monkeypatch.setattr(torch.accelerator, "is_available", refuse)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", refuse)
+    monkeypatch.setattr(_pinned, "accelerator_type", lambda: None)
+    monkeypatch.setattr(_staging, "accelerator_type", lambda: None)
+    monkeypatch.setattr(_pinned, "_HOSTS", {})
+    monkeypatch.setattr(_staging, "_ACCELERATOR", [])
+    monkeypatch.setattr(_staging, "NEVER", {META})
+    assert _pinned.host_for("cuda", 1024, 4096) is None
+    assert _staging.stage([torch.zeros(1)] * 4, CPU, False, (), {}) is None
+    assert {META, CPU} == _staging.NEVER
+
+
+@pytest.mark.parametrize(
+    ("count", "nbytes", "staged"),
+    [(3, 16, False), (4, 16, True), (1, 2**20 - 4, False), (1, 2**20, True)],
+)
+def test_when_a_move_is_staged(count: int, nbytes: int, staged: bool) -> None:
+    """With the default thresholds: from 4 small tensors, or from 1 MiB of larger ones
+    in pageable memory."""
+    batch = [torch.zeros(nbytes // 4) for _ in range(count)]
+    assert staged == bool(staged_ids(batch, thresholds=_staging.THRESHOLDS))
+
+
+def test_larger_pinned_tensors_are_sent_directly() -> None:
+    """A larger tensor that is pinned already goes in on its own copy; small pinned ones
+    are still packed."""
+    small, large = torch.zeros(4), torch.zeros(1_000)
+    assert {id(small)} == staged_ids([small, large], pinned=lambda tensor: True)
+
+
+def test_a_failure_falls_back_to_the_per_tensor_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside the seam, a staged move that fails leaves nothing staged: every tensor
+    then moves by itself."""
+    host = _pinned.Host(_pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096),
+                        _staging._no_stream, _staging._never_pinned)  # fmt: skip
+    monkeypatch.setattr(_pinned, "host_for", lambda *args: host)
+    monkeypatch.setattr(_staging, "_capturing", lambda kind: False)
+
+    def fail(*args: Any) -> Any:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(_staging, "to_accelerator", fail)
+    moved: dict[int, torch.Tensor] = {}
+    batch = [torch.zeros(2) for _ in range(8)]
+    assert _staging.stage(batch, META, False, (), moved) is None
+    assert {} == moved
+
+
+def test_devices_that_cannot_stage_are_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target without pinned memory is tested once, then never again; meta and MPS are
+    never staged to."""
+    assert META in _staging.NEVER
+    monkeypatch.setattr(_staging, "NEVER", {META})
+    monkeypatch.setattr(_pinned, "host_for", lambda *args: None)
+    batch = [torch.zeros(1)] * 4
+    cuda, mps = torch.device("cuda", 0), torch.device("mps", 0)
+    assert _staging.stage(batch, cuda, False, (), {}) is None
+    assert _staging.stage(batch, mps, False, (), {}) is None
+    assert {META, cuda, mps} == _staging.NEVER
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
+def test_without_an_accelerator_nothing_is_pinned() -> None:
+    """With no accelerator, there is no pinned memory for any type: no host."""
+    assert _pinned.host_for("cuda", 1024, 4096) is None
+
+
+def test_nothing_is_staged_while_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile's tracing, moves go tensor by tensor."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert set() == staged_ids([torch.zeros(2)] * 4)
+
+
+def test_inference_mode_in_and_out() -> None:
+    """A move in inference mode gives inference tensors, as .to does, and leaves the
+    staging buffers usable by moves outside it."""
+    with _staging.forced() as host:
+        with torch.inference_mode():
+            inside = to_device([torch.zeros(2)] * 4, META)
+        _, results = staged_into([torch.ones(2) for _ in range(4)], CPU, host)
+    assert all(t.is_inference() for t in inside)
+    assert all(torch.equal(torch.ones(2), t) and not t.is_inference() for t in results.values())
+
+
+def test_thresholds_are_checked() -> None:
+    """Thresholds that cannot work together are refused, saying what they need."""
+    with pytest.raises(ValueError, match="share_max_bytes <= shared_bytes <= chunk_bytes"):
+        Thresholds(share_max_bytes=2048, shared_bytes=1024)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Thresholds(chunk_bytes=4 * 2**20 + 1)
+
+
+# The pool of staging buffers.
+
+
+class Pending:
+    """An event whose copies finish only when waited for (or when ``done`` is set)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.done = False
+
+    def record(self, stream: object = None) -> None:
+        self.done = False
+        self.log.append("record")
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+        self.done = True
+
+
+def pool_of(log: list[str], chunks: int = 2) -> _pinned.Pool:
+    """A pool of 64-byte host buffers, at most ``chunks`` of them, with pending events."""
+    return _pinned.Pool(_staging._host_buffer, lambda device: Pending(log), 64, 64 * chunks)
+
+
+def test_a_chunk_is_reused_only_once_its_copies_are_done() -> None:
+    """A chunk given back with copies in flight is not handed out again while the pool
+    may grow; once they are done, it is."""
+    log: list[str] = []
+    pool = pool_of(log)
+    first = pool.acquire()
+    pool.release(first, META, None)
+    second = pool.acquire()
+    assert second is not first
+    pool.release(second, META, None)
+    first.event.done = True
+    assert pool.acquire() is first
+    assert ["record", "record"] == log
+
+
+def test_a_full_pool_waits_for_the_oldest_chunk_alone() -> None:
+    """At its bound, the pool waits on the event of the chunk given back first, and
+    hands that one out."""
+    log: list[str] = []
+    pool = pool_of(log)
+    first, second = pool.acquire(), pool.acquire()
+    pool.release(first, META, None)
+    pool.release(second, META, None)
+    assert pool.acquire() is first
+    assert ["record", "record", "synchronize"] == log
+    assert 128 == pool.held_bytes
+
+
+def test_threads_never_share_a_chunk() -> None:
+    """A thread asking a full pool whose chunks are all held waits until one is given
+    back, then gets it: no two holders at once."""
+    pool = pool_of([], chunks=1)
+    held = pool.acquire()
+    waiting = threading.Event()
+    got: list[_pinned.Chunk] = []
+    wait = pool.changed.wait
+
+    def signalled_wait(timeout: float | None = None) -> bool:
+        waiting.set()
+        return wait(timeout)
+
+    pool.changed.wait = signalled_wait  # type: ignore[method-assign]
+    thread = threading.Thread(target=lambda: got.append(pool.acquire()))
+    thread.start()
+    assert waiting.wait(timeout=30)
+    assert [] == got
+    pool.release(held, None, None)
+    thread.join(timeout=30)
+    assert [held] == got
+
+
+def test_threads_moving_at_once_each_get_their_own_values() -> None:
+    """Threads staging at the same time through one small pool each get back exactly
+    their own tensors."""
+    errors: list[str] = []
+
+    def work(host: _pinned.Host, seed: int) -> None:
+        for step in range(20):
+            value = float(seed * 100 + step)
+            batch = [torch.full((n,), value) for n in (3, 5, 3, 200)]
+            _, results = staged_into(batch, CPU, host)
+            if not all(torch.equal(t, results[id(t)]) for t in batch):
+                errors.append(f"thread {seed}, step {step}")
+
+    with _staging.forced() as host:
+        threads = [threading.Thread(target=work, args=(host, seed)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert [] == errors
+    assert SMALL.pool_bytes >= host.pool.held_bytes
+
+
+def test_events_follow_the_device_of_the_copies() -> None:
+    """A chunk used for another device gets an event of that device."""
+    made: list[torch.device] = []
+
+    def new_event(device: torch.device) -> Pending:
+        made.append(device)
+        return Pending([])
+
+    pool = _pinned.Pool(_staging._host_buffer, new_event, 64, 64)
+    other = torch.device("cuda", 1)
+    for device in (META, META, other):
+        chunk = pool.acquire()
+        pool.release(chunk, device, None)
+        chunk.event.done = True
+    assert [META, other] == made
+
+
+def test_staging_memory_is_reported_and_released() -> None:
+    """staging_memory() counts the buffers kept; release_staging() lets go of them, and
+    of one in use as soon as it is given back."""
+    assert 0 == devicectx.staging_memory()
+    with _staging.forced() as host:
+        to_device([torch.zeros(2)] * 3, META)
+        assert SMALL.chunk_bytes == devicectx.staging_memory()
+        kept, in_use = host.pool.acquire(), host.pool.acquire()
+        assert 2 * SMALL.chunk_bytes == devicectx.staging_memory()
+        host.pool.release(kept, None, None)
+        assert SMALL.chunk_bytes == devicectx.release_staging()
+        assert SMALL.chunk_bytes == devicectx.staging_memory()
+        host.pool.release(in_use, None, None)
+        assert 0 == devicectx.staging_memory()
+        assert [] == host.pool.free
+    assert 0 == devicectx.staging_memory()
+
+
+def test_non_blocking_false_waits_for_the_copies() -> None:
+    """A blocking staged move waits on the event after its copies; a non-blocking one
+    does not."""
+    log: list[str] = []
+    pool = _pinned.Pool(_staging._host_buffer, lambda device: Pending(log), 1024, 4096)
+    host = _pinned.Host(pool, _staging._no_stream, _staging._never_pinned)
+    batch = [torch.zeros(2) for _ in range(4)]
+    found, inside, _ = collect(batch)
+    _staging.to_accelerator(found, inside, CPU, True, SMALL, host)
+    assert ["record"] == log
+    pool.free[0].event.done = True
+    _staging.to_accelerator(found, inside, CPU, False, SMALL, host)
+    assert ["record", "record", "synchronize"] == log
+
+
+# The real path.
+
+
+@pytest.mark.requires_device("cuda")
+def test_staged_move_to_cuda_and_back() -> None:
+    """To CUDA and back, staged: values, dtypes, strides and memory formats kept, the
+    sources free to change at once, the pinned memory reported."""
+    pageable = {
+        "small": [torch.randint(0, 9, (int(n),)) for n in torch.randint(1, 50, (64,))],
+        "image": torch.randn(8, 3, 64, 64).to(memory_format=torch.channels_last),
+        "big": torch.randn(3_000_000),
+        "flags": torch.rand(100) > 0.5,
+    }
+    pinned = {"big": torch.randn(1_000_000).pin_memory(), "ids": torch.arange(5).pin_memory()}
+    batch = {"pageable": pageable, "pinned": pinned}
+    expected = [t.clone() for t in tensors_of(batch)]
+    moved = to_device(batch, "cuda", non_blocking=True)
+    for source in tensors_of(batch):
+        source.zero_()
+    torch.cuda.synchronize()
+    actual = tensors_of(moved)
+    assert [described(t.cuda()) for t in expected] == [described(t) for t in actual]
+    assert all(torch.equal(e.cuda(), a) for e, a in zip(expected, actual, strict=True))
+    assert devicectx.staging_memory() > 0
+    back = to_device(moved, "cpu")
+    assert all(torch.equal(e, b) for e, b in zip(expected, tensors_of(back), strict=True))
+    assert [described(t) for t in expected] == [described(t) for t in tensors_of(back)]
+    devicectx.release_staging()
+    assert 0 == devicectx.staging_memory()
