@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar, overload
 
 from devicectx._plan import Plan
+from devicectx._precision import PrecisionName, check_precision_name
 from devicectx._resolve import DeviceLike
 from devicectx._target import DeviceOption
 from devicectx._wrappers import wrap
@@ -39,6 +40,7 @@ def device_agnostic(
     non_blocking: bool = False,
     scope: bool = True,
     coalesce: bool = True,
+    precision: PrecisionName | None = None,
 ) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
 
 
@@ -53,6 +55,7 @@ def device_agnostic(
     non_blocking: bool = False,
     scope: bool = True,
     coalesce: bool = True,
+    precision: PrecisionName | None = None,
 ) -> Any:
     """Run a function on one device: its tensor inputs moved (or checked), its body scoped.
 
@@ -94,6 +97,9 @@ def device_agnostic(
         coalesce: stage the moves of many tensors between the host and an accelerator,
             inputs and results alike, into a few large copies through pinned memory
             (see :func:`~devicectx.to_device`); ``False``: one copy per tensor.
+        precision: run the body under ``torch.autocast`` for the target's device type:
+            ``"bf16-mixed"``, ``"16-mixed"``, ``"32"`` or ``"auto"`` (see
+            :func:`~devicectx.choose_precision`); ``None`` leaves autocast alone.
 
     Returns:
         The decorated function, with the same name, docstring, signature and static type.
@@ -104,6 +110,8 @@ def device_agnostic(
             the module involved is not on the target or is spread over several devices
             (modules are never moved implicitly).
         InvalidDeviceError: at decoration, for a malformed ``device=`` or ``output=``.
+        InvalidPrecisionError: at decoration, for an unknown ``precision=``.
+        PrecisionUnsupportedError: at a call, for a precision the target cannot run.
         ValueError: at decoration, for an ``exclude`` name the function does not take.
 
     Caveats:
@@ -125,6 +133,8 @@ def device_agnostic(
         for spec, argument in ((device, "device"), (output, "output")):
             if spec is not None and not (argument == "output" and spec == "input"):
                 DeviceOption(spec, argument=argument)  # a malformed spec fails here, at once
+        if precision is not None:
+            check_precision_name(precision)
         return functools.partial(
             device_agnostic,
             device=device,
@@ -134,6 +144,7 @@ def device_agnostic(
             non_blocking=non_blocking,
             scope=scope,
             coalesce=coalesce,
+            precision=precision,
         )
     if inspect.isclass(wrapped):
         name = wrapped.__name__
@@ -142,5 +153,5 @@ def device_agnostic(
             f"take tensors instead (`@device_agnostic` on `def forward`)"
         )
         raise TypeError(msg)
-    plan = Plan(wrapped, device, move, output, exclude, non_blocking, scope, coalesce)
+    plan = Plan(wrapped, device, move, output, exclude, non_blocking, scope, coalesce, precision)
     return wrap(wrapped, plan)

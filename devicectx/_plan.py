@@ -13,16 +13,18 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from types import MethodType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from devicectx import _compiled, _mismatch, _move
-from devicectx._context import active_device, pop_nested, push_nested
+from devicectx._context import active_device, current_device, pop_nested, push_nested
 from devicectx._inputs import Held, scan
 from devicectx._params import Params
+from devicectx._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx._resolve import DeviceLike
 from devicectx._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
 from devicectx._target import (
@@ -56,6 +58,7 @@ class Plan:
         "non_blocking",
         "output",
         "params",
+        "precision",
         "scope",
         "to_input",
         "traceable",
@@ -71,6 +74,7 @@ class Plan:
         non_blocking: bool = False,
         scope: bool = True,
         coalesce: bool = True,
+        precision: str | None = None,
     ) -> None:
         function = getattr(wrapped, "__func__", wrapped)  # classmethod, staticmethod
         self.name: str = getattr(function, "__qualname__", repr(function))
@@ -83,6 +87,7 @@ class Plan:
         self.non_blocking = non_blocking
         self.scope = scope
         self.coalesce = coalesce
+        self.precision = None if precision is None else check_precision_name(precision)
         self.params = Params.of(function, self.name)
         names = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         self.exclude = self.params.exclusion(names) if names else None
@@ -139,14 +144,24 @@ class Plan:
         if self.kind != FUNCTION:
             return self._start(wrapped, args, kwargs, target, back)
         scope = push_nested(target) if self.scope and target is not None else None
-        if scope is None:
+        if scope is None and self.precision is None:
             result = wrapped(*args, **kwargs)
         else:
             try:
-                result = wrapped(*args, **kwargs)
+                if self.precision is None:
+                    result = wrapped(*args, **kwargs)
+                else:
+                    with self.autocast(target):
+                        result = wrapped(*args, **kwargs)
             finally:
                 pop_nested(scope)
         return result if back is None else self.place(result, back)
+
+    def autocast(self, target: torch.device | None) -> AbstractContextManager[Any]:
+        """The autocast the body runs under, for the target (or, with none, the default)."""
+        assert self.precision is not None
+        device = target if target is not None else current_device()
+        return choose_precision(device, cast(PrecisionName, self.precision)).autocast()
 
     def prepare(
         self,
@@ -305,14 +320,44 @@ class Plan:
     ) -> Any:
         """Call a generator or async function: its body runs later, scoped at each resume."""
         scoped = target if self.scope else None
-        enter = _no_scope if scoped is None else functools.partial(push_nested, scoped)
+        enter: Callable[[], Any] = (
+            _no_scope if scoped is None else functools.partial(push_nested, scoped)
+        )
+        leave: Callable[[Any], None] = pop_nested
+        if self.precision is not None:
+            enter, leave = _with_autocast(enter, functools.partial(self.autocast, target))
         place = None if back is None else functools.partial(self.place, back=back)
         inner = wrapped(*args, **kwargs)  # runs none of the body yet
         if self.kind == GENERATOR:
-            return resumed(inner, enter, pop_nested, place)
+            return resumed(inner, enter, leave, place)
         if self.kind == COROUTINE:
-            return awaited(inner, enter, pop_nested, place)
-        return async_resumed(inner, enter, pop_nested, place)
+            return awaited(inner, enter, leave, place)
+        return async_resumed(inner, enter, leave, place)
+
+
+def _with_autocast(
+    enter_scope: Callable[[], Any], make: Callable[[], AbstractContextManager[Any]]
+) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """Enter and leave the scope and an autocast together, at every resume and yield."""
+
+    def enter() -> tuple[Any, AbstractContextManager[Any]]:
+        scope = enter_scope()
+        amp = make()
+        try:
+            amp.__enter__()
+        except BaseException:
+            pop_nested(scope)
+            raise
+        return scope, amp
+
+    def leave(entered: tuple[Any, AbstractContextManager[Any]]) -> None:
+        scope, amp = entered
+        try:
+            amp.__exit__(None, None, None)
+        finally:
+            pop_nested(scope)
+
+    return enter, leave
 
 
 def _no_scope() -> None:

@@ -25,6 +25,7 @@ from devicectx import (
     PrecisionUnsupportedError,
     _resolve,
     choose_precision,
+    device_agnostic,
     on_device,
     precision_scope,
 )
@@ -551,3 +552,54 @@ def test_on_device_precision_under_fullgraph_says_what_to_write() -> None:
     torch._dynamo.reset()
     with pytest.raises(Exception, match="precision_scope"):
         torch.compile(step, backend="eager", fullgraph=True)(a)
+
+
+# ---- @device_agnostic(precision=...) ----
+
+
+@device_agnostic(precision="bf16-mixed")
+def _product(a: torch.Tensor) -> torch.Tensor:
+    return a @ a
+
+
+def test_decorated_body_runs_in_the_precision_of_its_target() -> None:
+    """A decorated function's body runs under its target's autocast, and only its body."""
+    a = torch.ones(2, 2)
+    assert torch.bfloat16 == _product(a).dtype
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.float32 == (a @ a).dtype
+
+
+def test_decorated_body_on_meta_runs_in_full_precision() -> None:
+    """A decorated call whose target is meta computes in float32 there."""
+    made = _product(torch.ones(2, 2, device="meta"))
+    assert (torch.device("meta"), torch.float32) == (made.device, made.dtype)
+
+
+def test_decorator_refuses_a_misspelt_precision_at_decoration() -> None:
+    """A misspelt precision fails when the function is decorated."""
+    with pytest.raises(InvalidPrecisionError, match="'fp16'"):
+        device_agnostic(precision="fp16")  # type: ignore[call-overload]
+
+
+def test_decorated_generator_runs_in_the_precision_between_yields_only() -> None:
+    """A decorated generator computes in the precision and leaves it at every yield."""
+
+    @device_agnostic(device="cpu", precision="bf16-mixed")
+    def products(a: torch.Tensor) -> Iterator[torch.dtype]:
+        for _ in range(2):
+            yield (a @ a).dtype
+
+    seen = [(dtype, torch.is_autocast_enabled("cpu")) for dtype in products(torch.ones(2, 2))]
+    assert [(torch.bfloat16, False)] * 2 == seen
+
+
+def test_decorated_precision_compiles_with_fullgraph() -> None:
+    """A decorated function with a precision compiles with fullgraph and computes in it."""
+
+    @device_agnostic(device="cpu", precision="bf16-mixed")
+    def product(a: torch.Tensor) -> torch.Tensor:
+        return a @ a
+
+    compiled = torch.compile(product, fullgraph=True, backend="eager")
+    assert torch.bfloat16 == compiled(torch.ones(2, 2)).dtype
