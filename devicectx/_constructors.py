@@ -128,12 +128,29 @@ def _fill_device(
     @functools.wraps(original)
     def constructor(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("device") is None:
-            device = traced_scope_device() if _is_dynamo_compiling() else scope_device()
+            if _is_dynamo_compiling():
+                device = traced_scope_device()
+            else:
+                device = scope_device()
+                if device is not None and _from_dynamo():
+                    device = None
             if device is not None:
                 kwargs["device"] = device
         return original(*args, **kwargs)
 
     return constructor
+
+
+def _from_dynamo() -> bool:
+    """Whether the constructor's caller is dynamo's own code (not code it traces).
+
+    dynamo makes probe tensors when it is imported, which a meta op can trigger inside a
+    block (torch 2.6, 2.7: ops with Python meta kernels import it): on the block's device,
+    meta, they fail and leave dynamo half imported.
+    """
+    caller = sys._getframe(2).f_globals.get("__name__", "")  # 0: here, 1: the constructor
+    # (never in code dynamo traces, which cannot read frames)
+    return isinstance(caller, str) and caller.startswith("torch._dynamo")
 
 
 def _answer_default(

@@ -25,11 +25,13 @@ release CI covers:
 - ``torch._guards.TracingContext.try_get()``: whether dynamo is tracing, for code it runs
   rather than traces (up to 2.12, ``torch.compiler.is_compiling()`` is true only in traced
   code; from 2.13 for the whole compile).
-- ``trace_rules.get_torch_obj_rule_map()``: dynamo's table of torch's functions, built once,
-  at its first trace, by looking their names up in torch's modules; built while
-  :mod:`devicectx._constructors` has replaced the constructors, it would list the
-  replacements and no longer know torch's own functions. :func:`keep_trace_rules` keeps
-  torch's own in it.
+- ``trace_rules.get_torch_obj_rule_map()``, ``variables.torch.get_overridable_functions()``
+  and ``torch.overrides._get_overridable_functions()``: tables of torch's functions, built
+  once (at dynamo's first trace) by looking their names up in torch's modules; built while
+  :mod:`devicectx._constructors` has replaced the constructors, they would list the
+  replacements and no longer know torch's own functions (then a `with torch.device` in
+  traced code no longer applies to them: torch 2.7 to 2.10). :func:`keep_trace_rules`
+  keeps torch's own in them.
 - ``InstructionTranslator.current_tx().symbolic_torch_function_state.mode_stack``: the mode
   stack dynamo traces with (it clears the thread's own while it compiles), each entry's
   ``value`` the mode; ``torch_function_mode_stack_state_mgr.stack``, the thread's stack it
@@ -133,16 +135,30 @@ def faking() -> bool:
 
 
 def keep_trace_rules(replaced: Iterable[tuple[object, object]]) -> None:
-    """Make dynamo's table of torch functions list each ``(original, replacement)`` pair's
-    original, built now if dynamo is loaded and has not built it yet."""
+    """Make dynamo's tables of torch functions list each ``(original, replacement)`` pair's
+    original, building them now if dynamo is loaded and has not built them yet."""
+    pairs = list(replaced)
     rules = sys.modules.get("torch._dynamo.trace_rules")
     table = getattr(rules, "get_torch_obj_rule_map", None)
     if not callable(table):
-        return  # dynamo is not loaded: it builds the table later, from torch's own functions
+        return  # dynamo is not loaded: it builds the tables later, from torch's own functions
     built = table()
-    for original, replacement in replaced:
+    for original, replacement in pairs:
         if replacement in built:
             built.setdefault(original, built.pop(replacement))
+    # The functions torch function modes (a traced `with torch.device`) apply to.
+    variables = sys.modules.get("torch._dynamo.variables.torch")
+    overridable = getattr(variables, "get_overridable_functions", None)
+    functions = overridable() if callable(overridable) else None
+    if isinstance(functions, set):
+        functions.update(original for original, replacement in pairs if replacement in functions)
+    listed, names = torch.overrides._get_overridable_functions()
+    for original, replacement in pairs:
+        if replacement in names and original not in names:
+            names[original] = names[replacement]  # type: ignore[index]
+            for functions_of_namespace in listed.values():
+                if replacement in functions_of_namespace:
+                    functions_of_namespace.append(original)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
