@@ -37,15 +37,14 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Iterable
 from types import FunctionType, MethodType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
 from devicectx import _dynamo_hooks, _errors, _mismatch
-from devicectx._context import active_device, current_device
-from devicectx._precision import PrecisionName, choose_precision
+from devicectx._context import active_device
 from devicectx._resolve import DeviceLike, resolve_device
 from devicectx._target import involved_module, module_devices
 from devicectx._torch_modes import DeviceContext
@@ -227,15 +226,11 @@ def traced_call(
     if plan.move and target is not None:
         args, kwargs = _traced_move(plan, (args, kwargs), target, offset)
     if plan.precision is not None:
-        precision = choose_precision(
-            target if target is not None else current_device(),
-            cast(PrecisionName, plan.precision),
-        )
         if plan.scope and target is not None:
-            with DeviceContext(target), precision.autocast():
+            with DeviceContext(target), plan.autocast(target):
                 result = wrapped(*args, **kwargs)
         else:
-            with precision.autocast():
+            with plan.autocast(target):
                 result = wrapped(*args, **kwargs)
     elif plan.scope and target is not None:
         with DeviceContext(target):

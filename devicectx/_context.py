@@ -40,7 +40,7 @@ from devicectx._dynamo_hooks import (
 from devicectx._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx._resolve import DeviceLike, accelerator_type, resolve_device, with_index
 from devicectx._resumed import async_resumed, resumed
-from devicectx._torch_modes import DeviceContext, innermost_device_mode, stack_length
+from devicectx._torch_modes import DeviceContext, innermost_device_mode, innermost_of, stack_length
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _CPU = torch.device("cpu")
@@ -124,7 +124,7 @@ def scope_device() -> torch.device | None:
         # Code that runs while dynamo compiles: its own (not in the block), or a call of a
         # constructor in its graph, run on fake tensors (as traced code, in the block).
         return traced_scope_device() if faking() else None
-    if (innermost_device_mode() if stack_length() else None) is not scope.below:
+    if innermost_device_mode() is not scope.below:
         return None
     return scope.target
 
@@ -135,19 +135,12 @@ def traced_scope_device() -> torch.device | None:
     scope = _open_scope()
     if scope is None:
         return None
-    return scope.target if _innermost(traced_mode_stack()) is scope.below else None
-
-
-def _innermost(modes: list[object]) -> DeviceContext | None:
-    for mode in reversed(modes):
-        if isinstance(mode, DeviceContext):
-            return mode
-    return None
+    return scope.target if innermost_of(traced_mode_stack()) is scope.below else None
 
 
 def _torch_default() -> torch.device:
     """The device torch's own state gives, without any on_device block."""
-    mode = innermost_device_mode() if stack_length() else None
+    mode = innermost_device_mode()
     return _CPU if mode is None else with_index(mode.device)
 
 
@@ -166,7 +159,7 @@ def current_device() -> torch.device:
         modes = traced_mode_stack()
         device = traced_scope_device()
         if device is None:
-            mode = _innermost(modes)
+            mode = innermost_of(modes)
             device = _CPU if mode is None else with_index(mode.device)
         return device
     device = scope_device()
@@ -197,7 +190,7 @@ def push_device(device: torch.device, *, exact: bool = False) -> _Scope:
     Where ``device`` already is the effective default, torch's constructors are left alone,
     so code inside pays nothing; the scope is still recorded for :func:`active_device`.
     """
-    scope = _Scope(device, innermost_device_mode() if stack_length() else None)
+    scope = _Scope(device, innermost_device_mode())
     if current_device() != device:
         _PATCH.acquire()
         scope.patched = True
@@ -233,7 +226,7 @@ def pop_device(scope: _Scope) -> None:
     if scope.patched:
         _PATCH.release()
         inner = scope_device()
-        mode = innermost_device_mode() if stack_length() else None
+        mode = innermost_device_mode()
         _torch_modes.set_current_device(inner or (None if mode is None else mode.device))
         if scope.previous_index is not None:
             torch.accelerator.set_device_index(scope.previous_index)

@@ -55,6 +55,7 @@ __all__ = [
     "clear_default_device",
     "hold_slot",
     "innermost_device_mode",
+    "innermost_of",
     "push_mode",
     "release_slot",
     "remove_mode",
@@ -132,6 +133,14 @@ def innermost_device_mode() -> DeviceContext | None:
     """The ``DeviceContext`` nearest the top of this thread's mode stack, or None."""
     for position in range(_len_torch_function_stack() - 1, -1, -1):
         mode = _get_function_stack_at(position)
+        if isinstance(mode, DeviceContext):
+            return mode
+    return None
+
+
+def innermost_of(modes: list[object]) -> DeviceContext | None:
+    """The ``DeviceContext`` nearest the top of ``modes`` (a stack, bottom first), or None."""
+    for mode in reversed(modes):
         if isinstance(mode, DeviceContext):
             return mode
     return None
