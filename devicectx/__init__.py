@@ -5,7 +5,9 @@
 - :func:`to_device` and :func:`find_devices`: a structure-preserving move that loses nothing;
 - :func:`resolve_device`: ``"auto"``, ``LOCAL_RANK`` under torchrun, ``DEVICECTX_DEVICE``;
 - :func:`precision_scope` and :func:`choose_precision`: mixed precision named as Lightning
-  names it (``"bf16-mixed"``, ``"16-mixed"``, ``"32"``, ``"auto"``), on any device.
+  names it (``"bf16-mixed"``, ``"16-mixed"``, ``"32"``, ``"auto"``), on any device;
+- :func:`track_transfers`: every copy between devices, by place; a
+  :class:`RepeatedMoveWarning` for an unchanged tensor copied again and again.
 
 The optional testing kit lives in :mod:`devicectx.testing` (``pip install devicectx[testing]``).
 """
@@ -19,16 +21,21 @@ from devicectx._errors import (
     DeviceError,
     DeviceMismatchError,
     DeviceUnavailableError,
+    DeviceWarning,
     InvalidDeviceError,
     InvalidPrecisionError,
     MoveError,
     PrecisionUnsupportedError,
+    RepeatedMoveWarning,
+    StrayTensorError,
+    StrayTensorWarning,
 )
 from devicectx._move import find_devices, register_container, to_device
 from devicectx._oom import shrink_batch_on_oom
 from devicectx._pinned import release_staging, staging_memory
 from devicectx._precision import Precision, PrecisionName, choose_precision, precision_scope
 from devicectx._resolve import DeviceLike, available_devices, explain_device, resolve_device
+from devicectx._transfers import Transfer, TransferLog, set_repeated_move_warning, track_transfers
 
 __version__ = _version("devicectx")
 
@@ -38,12 +45,18 @@ __all__ = [
     "DeviceLike",
     "DeviceMismatchError",
     "DeviceUnavailableError",
+    "DeviceWarning",
     "InvalidDeviceError",
     "InvalidPrecisionError",
     "MoveError",
     "Precision",
     "PrecisionName",
     "PrecisionUnsupportedError",
+    "RepeatedMoveWarning",
+    "StrayTensorError",
+    "StrayTensorWarning",
+    "Transfer",
+    "TransferLog",
     "__version__",
     "available_devices",
     "choose_precision",
@@ -56,7 +69,9 @@ __all__ = [
     "register_container",
     "release_staging",
     "resolve_device",
+    "set_repeated_move_warning",
     "shrink_batch_on_oom",
     "staging_memory",
     "to_device",
+    "track_transfers",
 ]

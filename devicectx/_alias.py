@@ -35,7 +35,7 @@ _BLOCKING_TARGETS = frozenset({"cpu", "mps", "meta"})
 class TensorMover:
     """Moves the tensors of one call to ``device``; see the module docstring."""
 
-    __slots__ = ("device", "groups", "moved", "non_blocking", "unsettled")
+    __slots__ = ("device", "groups", "moved", "non_blocking", "sent", "unsettled")
 
     def __init__(self, device: torch.device, non_blocking: bool) -> None:
         self.device = device
@@ -45,6 +45,9 @@ class TensorMover:
         self.moved: dict[int, _Tensor] = {}
         self.groups: dict[int, _Group] = {}  # id(base) -> the tensors met on it
         self.unsettled: list[_Group] = []
+        # Every tensor copied to the device, once each, for devicectx._transfers: a view
+        # re-made as a view of another tensor's copy is no copy and is not listed.
+        self.sent: list[_Tensor] = []
 
     def move(self, tensor: _Tensor) -> _Tensor:
         """``tensor`` (not on the target) on the target: the same copy every time."""
@@ -60,6 +63,7 @@ class TensorMover:
                 moved = group.add(self, tensor)
             elif type(tensor) is _Tensor and not self.non_blocking:
                 moved = tensor.to(self.device)  # the common case
+                self.sent.append(tensor)
             else:
                 moved = self.copy(tensor)
         else:
@@ -89,6 +93,7 @@ class TensorMover:
         them); any other tensor through ``.to``, so the copy is differentiable.
         """
         non_blocking = self.non_blocking and tensor.is_cpu
+        self.sent.append(tensor)
         # Parameter's isinstance goes through a Python-level metaclass hook: test the
         # exact type first.
         if type(tensor) is not _Tensor and isinstance(tensor, nn.Parameter):

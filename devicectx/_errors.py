@@ -1,8 +1,9 @@
-"""Every exception devicectx raises.
+"""Every exception and warning devicectx raises.
 
-Each one subclasses what PyTorch users already catch (``ValueError`` for bad
+Each exception subclasses what PyTorch users already catch (``ValueError`` for bad
 input, ``RuntimeError`` for a state of the machine) and :class:`DeviceError`,
-so ``except devicectx.DeviceError`` catches all of ours.
+so ``except devicectx.DeviceError`` catches all of ours. Each warning is a
+:class:`DeviceWarning`, a ``UserWarning``, so one filter silences them all.
 """
 
 from __future__ import annotations
@@ -75,3 +76,22 @@ class BatchTooLargeError(DeviceError, torch.OutOfMemoryError):
     def __init__(self, message: str, *, tried: Sequence[int]) -> None:
         super().__init__(message)
         self.tried: list[int] = list(tried)
+
+
+class StrayTensorError(DeviceError, RuntimeError):
+    """A tensor made inside ``on_device(..., audit="raise")`` that is not on the block's device.
+
+    The message is the :class:`StrayTensorWarning` text the block would otherwise warn with.
+    """
+
+
+class DeviceWarning(UserWarning):
+    """Base class of every devicectx warning: filter it to silence them all."""
+
+
+class RepeatedMoveWarning(DeviceWarning):
+    """The same unchanged tensor was moved again by the same place (a copy every step)."""
+
+
+class StrayTensorWarning(DeviceWarning):
+    """A tensor made inside an audited ``on_device`` block landed on another device."""

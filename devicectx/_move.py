@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from devicectx import _containers, _staging
+from devicectx import _containers, _staging, _transfers
 from devicectx._alias import TensorMover
 from devicectx._containers import CONTAINER, Kind
 from devicectx._containers import register_container as register_container
@@ -213,6 +213,7 @@ def move_to(
     skip: SkipLike = None,
     name: str = "obj",
     coalesce: bool = True,
+    where: str | None = None,
 ) -> T:
     """:func:`to_device` for a device already resolved: no resolution cost per call.
 
@@ -225,6 +226,8 @@ def move_to(
             type or tuple of types (``skip=nn.Module``, to never move modules) is
             compiled once and kept, and costs nothing on the way to the fast check.
         name: the root of the paths in errors (and of paths given in ``skip``).
+        where: the place that moves, for :mod:`devicectx._transfers` (the decorated
+            function); None for the line that called.
 
     Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
     passed twice becomes one moved tensor.
@@ -233,12 +236,12 @@ def move_to(
         if _nothing_to_move(obj, device, ()):
             return obj
         fix = _to_device_fix(device, name)
-        return _move(obj, device, non_blocking, None, name, fix, "to_device()", coalesce)
+        return _move(obj, device, non_blocking, None, name, fix, "to_device()", coalesce, where)
     compiled = compile_skip(skip, name)
     if compiled is not None and not compiled.slow and _nothing_to_move(obj, device, compiled.types):
         return obj
     fix = _to_device_fix(device, name)
-    return _move(obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce)
+    return _move(obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce, where)
 
 
 def move_call(
@@ -252,6 +255,8 @@ def move_call(
     skip: SkipLike = None,
     who: str = "@device_agnostic",
     coalesce: bool = True,
+    where: str | None = None,
+    check_repeats: bool = True,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments moved as one structure, with errors that name the parameters.
 
@@ -259,7 +264,8 @@ def move_call(
     positional argument ``i`` is ``names[i]`` (``args[j]`` past the names, with ``rest``
     for ``args``), a keyword argument is its keyword. ``(args, kwargs)`` come back as the
     same objects when nothing moved. ``who`` starts the error message (the decorated
-    function, say: ``"train.loss()"``).
+    function, say: ``"train.loss()"``); ``where`` names the place that moves, as in
+    :func:`move_to`.
     """
     compiled = compile_skip(skip, "")
     if compiled is None:
@@ -268,7 +274,9 @@ def move_call(
     elif not compiled.slow and _nothing_to_move((args, kwargs), device, compiled.types):
         return args, kwargs
     call = _Call(args, kwargs, names, rest)
-    moved = _move(call, device, non_blocking, compiled, "", _call_fix, who, coalesce)
+    moved = _move(
+        call, device, non_blocking, compiled, "", _call_fix, who, coalesce, where, check_repeats
+    )
     if moved is call:
         return args, kwargs
     return moved.args, moved.kwargs
@@ -292,17 +300,21 @@ def _move(
     fix: Fix,
     who: str = "to_device()",
     coalesce: bool = True,
+    where: str | None = None,
+    check_repeats: bool = True,
 ) -> T:
     mover = TensorMover(device, non_blocking)
+    paths = _transfers.paths_if_tracked(obj, name)
     staged = None
     if coalesce and device not in _staging.NEVER and (skip is None or not skip.slow):
         # The staged tensors' results go into mover.moved, where the walk finds them;
         # `staged` holds what their ids belong to until the walk is done.
-        staged = _staging.stage(obj, device, non_blocking, _types(skip), mover.moved)
+        staged = _staging.stage(obj, device, non_blocking, _types(skip), mover.moved, mover.sent)
     result = Rebuild(device, mover, skip, name, fix, who=who).run(obj)
     replace = mover.finish()
     if replace:  # views met before the tensor they belong to: made views of it now
         result = Rebuild(None, None, None, name, fix, replace).run(result)
+    _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
     del staged
     return result  # type: ignore[no-any-return]
 

@@ -211,6 +211,7 @@ class Plan:
                     non_blocking=self.non_blocking,
                     skip=_Module,
                     coalesce=self.coalesce,
+                    where=f"{self.name}()",
                 )
                 args, kwargs = moved if held is None else held.merge(*moved)
             else:
@@ -308,6 +309,7 @@ class Plan:
             skip=_Module,
             name="result",
             coalesce=self.coalesce,
+            where=f"{self.name}() -> result",
         )
 
     def _start(

@@ -88,6 +88,7 @@ class Rebuild:
         "mover",
         "name",
         "replace",
+        "sent",
         "skip",
         "skip_types",
         "who",
@@ -119,6 +120,7 @@ class Rebuild:
         # been met: then all go to the mover, which groups them); else by the mover.
         self.moved = mover.moved if mover is not None and not mover.non_blocking else None
         self.groups = mover.groups if mover is not None else {}
+        self.sent: list[torch.Tensor] = mover.sent if mover is not None else []
         self.fast = (_containers.FAST_DICT, _containers.FAST_LIST, _containers.FAST_TUPLE)
 
     def run(self, root: Any) -> Any:
@@ -176,7 +178,7 @@ class Rebuild:
             return self._iterate(obj, "")
         memo[id(obj)] = _BUSY
         device, walk = self.device, self._any
-        moved, groups = self.moved, self.groups
+        moved, groups, sent = self.moved, self.groups, self.sent
         out = {}
         changed = False
         key = None
@@ -190,6 +192,8 @@ class Rebuild:
                         result = moved.get(id(value))
                         if result is None:
                             result = moved[id(value)] = value.to(device)
+                            if result is not value:
+                                sent.append(value)
                     elif value.device == device:
                         result = value
                     else:
@@ -220,7 +224,7 @@ class Rebuild:
             return self._iterate(obj, "")
         memo[id(obj)] = _BUSY
         device, walk = self.device, self._any
-        moved, groups = self.moved, self.groups
+        moved, groups, sent = self.moved, self.groups, self.sent
         out: list[Any] = []
         append = out.append
         changed = False
@@ -232,6 +236,8 @@ class Rebuild:
                         result = moved.get(id(value))
                         if result is None:
                             result = moved[id(value)] = value.to(device)
+                            if result is not value:
+                                sent.append(value)
                     elif value.device == device:
                         result = value
                     else:
@@ -397,6 +403,7 @@ class Rebuild:
             result = moved.get(id(tensor))
             if result is None:
                 result = moved[id(tensor)] = self._to(tensor)
+                self.sent.append(tensor)
             return result
         assert self.mover is not None
         try:
@@ -421,10 +428,12 @@ class Rebuild:
         try:
             if kind.role == MODULE:
                 if not module_on(obj, device):
+                    self._sending(obj)
                     obj.to(device, non_blocking=mover.non_blocking)
                 return obj
             if kind.split is not None and all_on(kind.split(obj)[1], device):
                 return obj
+            self._sending(obj)
             # A copy first: some .to methods work in place (BatchEncoding's does), and the
             # input must not change.
             try:
@@ -452,6 +461,14 @@ class Rebuild:
         except Exception as error:
             raise _Failed(obj, error) from error
         return result
+
+    def _sending(self, obj: Any) -> None:
+        """List the tensors a module's or an object's own ``.to`` is about to copy."""
+        seen: set[int] = set()
+        for _, tensor in iter_tensors(obj, modules=True):
+            if tensor.device != self.device and id(tensor) not in seen:
+                seen.add(id(tensor))
+                self.sent.append(tensor)
 
     def _error(self, failed: _Failed) -> MoveError:
         path = build(self.name, reversed(failed.parts))

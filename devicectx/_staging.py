@@ -163,9 +163,11 @@ def stage(
     non_blocking: bool,
     skip_types: tuple[type, ...],
     moved: dict[int, torch.Tensor],
+    sent: list[torch.Tensor],
 ) -> list[Any] | None:
     """Stage what can be staged of a move of ``obj`` to ``device``: the results go into
-    ``moved`` (``id(source) -> result``), where the move engine finds them.
+    ``moved`` (``id(source) -> result``), where the move engine finds them, and the
+    sources into ``sent``.
 
     Returns what must be kept alive until the move ends (the ids in ``moved`` are those of
     its tensors), or None where nothing was staged. Never raises where the per-tensor move
@@ -210,6 +212,7 @@ def stage(
             raise
         return None
     moved.update(results)
+    sent.extend(found[source] for source in results)
     keep.append(found)
     return keep
 

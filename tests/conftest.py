@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from torch.overrides import _get_current_function_mode_stack
 
+from devicectx import _transfers
 from devicectx._torch_modes import clear_default_device
 
 # Tensor work is slow next to plain Python, so no per-example deadline; "ci" runs the
@@ -32,6 +33,7 @@ def _clean_device_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("DEVICECTX_DEVICE", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert _get_current_function_mode_stack() == [], "a torch mode leaked into this test"
+    _transfers._reset_for_tests()  # no repeated-move memory from an earlier test
     yield
     leaked = _get_current_function_mode_stack()
     # Also after tests that called set_default_device(None): on torch 2.6 to 2.9 that leaves

@@ -271,7 +271,7 @@ def staged_ids(obj: Any, **kwargs: Any) -> set[int]:
     """The ids of the tensors of ``obj`` a staged move to meta copies."""
     moved: dict[int, torch.Tensor] = {}
     with _staging.forced(**kwargs):
-        _staging.stage(obj, META, False, (), moved)
+        _staging.stage(obj, META, False, (), moved, [])
     return set(moved)
 
 
@@ -353,7 +353,7 @@ def test_skipped_types_are_not_staged() -> None:
     kept = Kept(torch.zeros(2))
     moved: dict[int, torch.Tensor] = {}
     with _staging.forced():
-        _staging.stage([kept, torch.ones(2)], META, False, (Kept,), moved)
+        _staging.stage([kept, torch.ones(2)], META, False, (Kept,), moved, [])
     assert id(kept.tensor) not in moved
     assert 1 == len(moved)
 
@@ -423,7 +423,7 @@ def test_the_accelerator_is_asked_of_the_resolver(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(_staging, "_ACCELERATOR", [])
     monkeypatch.setattr(_staging, "NEVER", {META})
     assert _pinned.host_for("cuda", 1024, 4096) is None
-    assert _staging.stage([torch.zeros(1)] * 4, CPU, False, (), {}) is None
+    assert _staging.stage([torch.zeros(1)] * 4, CPU, False, (), {}, []) is None
     assert {META, CPU} == _staging.NEVER
 
 
@@ -459,7 +459,7 @@ def test_a_failure_falls_back_to_the_per_tensor_move(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(_staging, "to_accelerator", fail)
     moved: dict[int, torch.Tensor] = {}
     batch = [torch.zeros(2) for _ in range(8)]
-    assert _staging.stage(batch, META, False, (), moved) is None
+    assert _staging.stage(batch, META, False, (), moved, []) is None
     assert {} == moved
 
 
@@ -471,8 +471,8 @@ def test_devices_that_cannot_stage_are_remembered(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(_pinned, "host_for", lambda *args: None)
     batch = [torch.zeros(1)] * 4
     cuda, mps = torch.device("cuda", 0), torch.device("mps", 0)
-    assert _staging.stage(batch, cuda, False, (), {}) is None
-    assert _staging.stage(batch, mps, False, (), {}) is None
+    assert _staging.stage(batch, cuda, False, (), {}, []) is None
+    assert _staging.stage(batch, mps, False, (), {}, []) is None
     assert {META, cuda, mps} == _staging.NEVER
 
 

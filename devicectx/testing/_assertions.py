@@ -159,7 +159,8 @@ def _inputs_for(
     call_args = tuple(_copy_module(arg, device) for arg in args)
     call_kwargs = {key: _copy_module(value, device) for key, value in kwargs.items()}
     # Moved as one structure, so a tensor passed twice stays one tensor.
-    moved_args, moved_kwargs = move_call(call_args, call_kwargs, device)
+    # The same inputs go to each device on purpose: no repeated-move warning.
+    moved_args, moved_kwargs = move_call(call_args, call_kwargs, device, check_repeats=False)
     return call_fn, moved_args, moved_kwargs
 
 

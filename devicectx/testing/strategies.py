@@ -93,6 +93,7 @@ def nested(
     *,
     max_depth: int = 3,
     plain_values: bool = True,
+    views: bool = True,
 ) -> st.SearchStrategy[Any]:
     """Structures of every container kind :func:`~devicectx.to_device` supports.
 
@@ -107,12 +108,15 @@ def nested(
         leaves: the tensors to start from; default :func:`tensors` on the CPU.
         max_depth: how deep containers nest; 0 gives bare leaves.
         plain_values: also put non-tensor values among the leaves.
+        views: also draw views; False keeps only the tensors drawn from ``leaves``, each
+            with memory of its own (still at several places), for properties that count
+            copies or bytes.
     """
     if max_depth < 0:
         msg = f"nested(max_depth={max_depth}): the depth cannot be negative\nfix: max_depth=3"
         raise ValueError(msg)
     source = leaves if leaves is not None else tensors(devices=["cpu"])
-    return _nested(source, max_depth, plain_values)
+    return _nested(source, max_depth, plain_values, views)
 
 
 # Container types the strategy builds, beyond the built-in ones.
@@ -287,7 +291,11 @@ def _view(draw: st.DrawFn, base: torch.Tensor) -> torch.Tensor:
 
 
 @st.composite
-def _pool(draw: st.DrawFn, leaves: st.SearchStrategy[torch.Tensor]) -> list[torch.Tensor]:
+def _pool(
+    draw: st.DrawFn, leaves: st.SearchStrategy[torch.Tensor], with_views: bool
+) -> list[torch.Tensor]:
+    if not with_views:
+        return draw(st.lists(leaves, min_size=1, max_size=4))
     bases = draw(st.lists(leaves, min_size=1, max_size=2))
     views = draw(st.lists(st.sampled_from(bases).flatmap(_view), max_size=2))
     if views:  # a view of a view: torch gives it the root base as its _base
@@ -327,8 +335,8 @@ def _hashable_plain() -> st.SearchStrategy[Any]:
 
 def _packed(data: torch.Tensor) -> PackedSequence:
     # One sequence as long as the first dimension: the simplest valid batch_sizes.
-    if data.dim() == 0:
-        data = data.unsqueeze(0)
+    if data.dim() == 0:  # copied, not viewed: with views=False, no tensor shares memory
+        data = data.reshape(1).clone()
     if data.shape[0] == 0:
         data = torch.zeros(1, dtype=data.dtype, device=data.device)
     batch_sizes = torch.ones(data.shape[0], dtype=torch.int64)
@@ -386,8 +394,9 @@ def _nested(
     leaves: st.SearchStrategy[torch.Tensor],
     max_depth: int,
     plain_values: bool,
+    views: bool,
 ) -> Any:
-    pool = draw(_pool(leaves))
+    pool = draw(_pool(leaves, views))
     tensor = st.sampled_from(pool)
     # Choices are weighted with sampled_from(...).flatmap: one_of would flatten the many
     # plain-value and container strategies into one uniform choice among them all.

@@ -1,0 +1,414 @@
+"""Transfer accounting (``track_transfers``) and the repeated-move warning.
+
+Moves go from the CPU to ``meta``, the second device of every machine; the counts and
+bytes are checked against an oracle that reads only the input and the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import devicectx
+from devicectx import (
+    DeviceWarning,
+    RepeatedMoveWarning,
+    _staging,
+    device_agnostic,
+    set_repeated_move_warning,
+    to_device,
+    track_transfers,
+)
+from devicectx._walk import iter_tensors
+from devicectx.testing import assert_device_agnostic
+from devicectx.testing.strategies import nested, tensors
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+HERE = __file__.rsplit("/", 1)[-1]
+
+
+def _line() -> int:
+    """The line after the caller's: where the call under test is written."""
+    frame = inspect.currentframe()
+    assert frame is not None
+    assert frame.f_back is not None
+    return frame.f_back.f_lineno + 1
+
+
+def _expected(original: Any, result: Any) -> dict[int, tuple[str, torch.Tensor]]:
+    """The oracle: each tensor of ``original`` (by identity, with its first path) that is
+    not on ``meta`` and does not appear, as itself, in ``result``: the ones copied."""
+    kept = {id(tensor) for _, tensor in iter_tensors(result, modules=True)}
+    copied: dict[int, tuple[str, torch.Tensor]] = {}
+    for path, tensor in iter_tensors(original, modules=True):
+        if tensor.device != META and id(tensor) not in kept:
+            copied.setdefault(id(tensor), (path, tensor))
+    return copied
+
+
+@pytest.fixture
+def recorded() -> Iterator[list[warnings.WarningMessage]]:
+    """Every warning of the test, whatever filters pytest set."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def _repeats(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in caught if issubclass(w.category, RepeatedMoveWarning)]
+
+
+# Accounting.
+
+_LEAVES = tensors(devices=["cpu", "meta"])
+
+
+@given(nested(_LEAVES, views=False))
+def test_counts_and_bytes_are_exact_for_nested_batches(batch: Any) -> None:
+    """Each tensor copied is counted once, with its bytes, at its first path."""
+    with track_transfers() as log:
+        result = to_device(batch, META, coalesce=False)
+    copied = _expected(batch, result)
+    assert len(copied) == log.total_tensors
+    assert sum(t.nbytes for _, t in copied.values()) == log.total_bytes
+    by_path: Counter[str] = Counter()
+    for path, tensor in copied.values():
+        by_path[path] += tensor.nbytes
+    assert by_path == Counter({row.path: row.bytes for row in log.rows})
+    assert all(row.source == CPU and row.target == META for row in log.rows)
+
+
+@given(nested(_LEAVES, views=False))
+def test_staged_moves_are_counted_as_tensor_by_tensor_ones(batch: Any) -> None:
+    """A staged move counts each tensor with its own bytes, as a move one by one does."""
+    with track_transfers() as alone:
+        to_device(batch, META, coalesce=False)
+    with _staging.forced(), track_transfers() as staged:
+        to_device(batch, META)
+
+    def rows(log: devicectx.TransferLog) -> list[tuple[str, int, int]]:
+        return sorted((row.path, row.tensors, row.bytes) for row in log.rows)
+
+    assert rows(alone) == rows(staged)
+
+
+def test_views_of_a_moved_tensor_are_no_copies() -> None:
+    """A view that arrives as a view of its base's copy costs no bytes; a view alone
+    costs its own elements, as ``.to`` copies them."""
+    base = torch.zeros(4, 4)
+    with track_transfers() as log:
+        to_device({"base": base, "row": base[1], "again": base}, META)
+    assert [("obj['base']", 1, 64)] == [(r.path, r.tensors, r.bytes) for r in log.rows]
+    with track_transfers() as log:
+        to_device({"column": base[:, 0]}, META)
+    assert (1, 16) == (log.total_tensors, log.total_bytes)
+
+
+def test_the_place_is_the_decorated_function_and_its_parameter_path() -> None:
+    """Arguments are counted under ``f()``, results under ``f() -> result``."""
+
+    @device_agnostic(device="cpu", output="meta")
+    def step(batch: dict[str, Any], scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"out": batch["x"] * scale}
+
+    @device_agnostic(device="meta")
+    def loss(pred: torch.Tensor, target: list[torch.Tensor]) -> torch.Tensor:
+        return pred
+
+    with track_transfers() as log:
+        step({"x": torch.ones(3)}, torch.ones(()))
+        loss(torch.ones(2), [torch.ones(5, dtype=torch.float64)])
+    rows = {(r.where, r.path): (r.tensors, r.bytes) for r in log.rows}
+    prefix = "test_the_place_is_the_decorated_function_and_its_parameter_path.<locals>"
+    assert rows == {
+        (f"{prefix}.step() -> result", "result['out']"): (1, 12),
+        (f"{prefix}.loss()", "pred"): (1, 8),
+        (f"{prefix}.loss()", "target[0]"): (1, 40),
+    }
+
+
+def test_the_place_of_to_device_is_the_line_that_called_it() -> None:
+    """``to_device`` is counted under its caller's ``file:line``."""
+    with track_transfers() as log:
+        line = _line()
+        to_device([torch.ones(2)], META)
+    assert [(f"{HERE}:{line}", "obj[0]")] == [
+        (r.where.rsplit("/", 1)[-1], r.path) for r in log.rows
+    ]
+
+
+def test_modules_and_objects_with_their_own_to_are_counted() -> None:
+    """Tensors moved by a module's or an object's own ``.to`` count as found in them."""
+
+    class Pair:
+        def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+            self.a, self.b = a, b
+
+        def to(self, device: torch.device) -> Pair:
+            return Pair(self.a.to(device), self.b.to(device))
+
+    model = nn.Linear(3, 2)  # 6 + 2 float32 parameters
+    with track_transfers() as log:
+        to_device({"model": model, "pair": Pair(torch.ones(1), torch.ones(2))}, META)
+    assert (2, 32) == (log.total_tensors, log.total_bytes)  # the module; Pair is opaque
+    assert {"obj['model'].weight": 24, "obj['model'].bias": 8} == {
+        r.path: r.bytes for r in log.rows
+    }
+
+
+def test_nothing_is_recorded_outside_the_block_and_nested_blocks_each_record() -> None:
+    """A log sees the moves of its block only; an inner block's moves reach both."""
+    with track_transfers() as outer:
+        to_device(torch.ones(1), META)
+        with track_transfers() as inner:
+            to_device(torch.ones(2), META)
+        to_device(torch.ones(4), META)
+    to_device(torch.ones(8), META)
+    assert (3, 28) == (outer.total_tensors, outer.total_bytes)
+    assert (1, 8) == (inner.total_tensors, inner.total_bytes)
+    outer.clear()
+    assert (0, 0, "no transfers") == (outer.total_tensors, outer.total_bytes, outer.table())
+
+
+def test_a_log_sees_its_own_thread_only() -> None:
+    """Moves in another thread are not recorded by this thread's log, and vice versa."""
+    logs: dict[str, devicectx.TransferLog] = {}
+    started, moved = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with track_transfers() as log:
+            logs["worker"] = log
+            started.set()
+            to_device(torch.ones(4), META)
+            moved.set()
+
+    with track_transfers() as mine:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        assert started.wait(60)
+        to_device(torch.ones(1), META)
+        assert moved.wait(60)
+        thread.join()
+    assert (1, 4) == (mine.total_tensors, mine.total_bytes)
+    assert (1, 16) == (logs["worker"].total_tensors, logs["worker"].total_bytes)
+
+
+def test_each_asyncio_task_has_its_own_log() -> None:
+    """Two tasks tracking at once record their own moves only."""
+
+    async def task(size: int) -> tuple[int, int]:
+        with track_transfers() as log:
+            for _ in range(3):
+                to_device(torch.ones(size), META)
+                await asyncio.sleep(0)
+        return log.total_tensors, log.total_bytes
+
+    async def both() -> list[tuple[int, int]]:
+        return list(await asyncio.gather(task(1), task(2)))
+
+    assert [(3, 12), (3, 24)] == asyncio.run(both())
+
+
+def test_the_table_and_the_dict() -> None:
+    """The text table sums by place and direction; the dict holds the same, as plain values."""
+
+    @device_agnostic(device="meta")
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    with track_transfers() as log:
+        for _ in range(2):
+            f(torch.ones(256))
+    name = "test_the_table_and_the_dict.<locals>.f()"
+    assert log.table().splitlines() == [
+        f"where{' ' * (len(name) - 5)}  what  from -> to   tensors    bytes",
+        f"{name}  x     cpu -> meta        2  2.0 KiB",
+        f"total{' ' * (len(name) - 5)}        cpu -> meta        2  2.0 KiB",
+    ]
+    assert log.as_dict() == {
+        "total_tensors": 2,
+        "total_bytes": 2048,
+        "directions": {"cpu -> meta": {"tensors": 2, "bytes": 2048}},
+        "rows": [
+            {"where": name, "path": "x", "source": "cpu", "target": "meta", "tensors": 2,
+             "bytes": 2048},
+        ],
+    }  # fmt: skip
+    assert str(log) == log.table()
+    assert repr(log) == "<TransferLog: 2 tensors, 2.0 KiB>"
+
+
+# The repeated-move warning.
+
+
+def test_an_unchanged_tensor_moved_again_by_a_place_warns_once(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """A constant moved on every call warns once, at the caller's line, naming it and the fix;
+    the new batch of each call does not."""
+
+    @device_agnostic(device="meta")
+    def step(batch: dict[str, torch.Tensor], weight: torch.Tensor) -> None:
+        return None
+
+    weight = torch.ones(5)
+    lines = []
+    for _ in range(4):
+        lines.append(_line())
+        step({"x": torch.zeros(3)}, weight)
+    (warning,) = _repeats(recorded)
+    assert (warning.filename, warning.lineno) == (__file__, lines[1])
+    place = "test_an_unchanged_tensor_moved_again_by_a_place_warns_once.<locals>.step()"
+    assert str(warning.message).splitlines() == [
+        f"{place} copied the same unchanged tensor weight (shape (5,), torch.float32, 20 B) "
+        "from cpu to meta again: 20 B crosses on every call",
+        "fix: pass it on meta already: weight = weight.to('meta') once, before the loop; for "
+        "a model's constant, register it as a buffer (self.register_buffer(name, tensor)) so "
+        "that model.to() moves it once",
+    ]
+    assert issubclass(warning.category, DeviceWarning)
+    assert issubclass(warning.category, UserWarning)
+
+
+def test_a_tensor_changed_in_place_between_moves_does_not_warn(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """A tensor whose version counter moved (written in place) is new data: no warning."""
+    state = torch.zeros(3)
+    for step in range(3):
+        state.add_(step)
+        to_device(state, META)
+    assert [] == _repeats(recorded)
+
+
+def test_to_device_warns_per_calling_line(recorded: list[warnings.WarningMessage]) -> None:
+    """The same tensor moved from two lines is no repeat; moved twice from one line it is."""
+    mask = torch.ones(2, dtype=torch.bool)
+    to_device(mask, META)
+    to_device(mask, META)
+    assert [] == _repeats(recorded)
+    for _ in range(3):
+        line = _line()
+        to_device({"mask": mask}, META)
+    (warning,) = _repeats(recorded)
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    assert f"{HERE}:{line} copied the same unchanged tensor obj['mask']" in str(warning.message)
+    assert "fix: call to_device on it once, before the loop, and reuse the result" in str(
+        warning.message
+    )
+
+
+@given(st.lists(st.sampled_from(["same", "new", "bumped"]), min_size=1, max_size=8))
+def test_the_warning_follows_identity_and_version(steps: list[str]) -> None:
+    """Over any sequence of calls, the warning comes exactly when a tensor is moved twice
+    in a row unchanged, and only the first time."""
+    from devicectx import _transfers
+
+    _transfers._reset_for_tests()
+    tensor = torch.ones(2)
+    expected, previous = 0, False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index, step in enumerate(steps):
+            if step == "new":
+                tensor = torch.ones(2)
+            elif step == "bumped":
+                tensor.mul_(1)
+            repeat = index > 0 and step == "same" and previous
+            if repeat and expected == 0:
+                expected = 1
+            previous = True
+            to_device(tensor, META)
+    assert expected == len(_repeats(caught))
+
+
+def test_threads_warn_once_per_place(recorded: list[warnings.WarningMessage]) -> None:
+    """Threads that share a constant and call the same function warn once between them."""
+
+    @device_agnostic(device="meta")
+    def step(batch: torch.Tensor, table: torch.Tensor) -> None:
+        return None
+
+    table = torch.arange(10.0)
+    barrier = threading.Barrier(4)
+
+    def worker() -> None:
+        barrier.wait(60)
+        for _ in range(5):
+            step(torch.zeros(2), table)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    (warning,) = _repeats(recorded)
+    assert "tensor table (shape (10,)" in str(warning.message)
+
+
+def test_the_check_can_be_turned_off(recorded: list[warnings.WarningMessage]) -> None:
+    """``set_repeated_move_warning(False)`` stops the check; it returns the old setting."""
+    weight = torch.ones(2)
+    assert set_repeated_move_warning(False) is True
+    for _ in range(3):
+        to_device(weight, META)
+    assert [] == _repeats(recorded)
+    assert set_repeated_move_warning(True) is False
+    for _ in range(2):
+        to_device(weight, META)
+    assert 1 == len(_repeats(recorded))
+
+
+def test_a_warnings_filter_silences_it() -> None:
+    """The warning class is filterable like any ``UserWarning``."""
+    weight = torch.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=DeviceWarning)
+        for _ in range(3):
+            to_device(weight, META)
+
+
+def test_the_check_keeps_no_batch_alive() -> None:
+    """A place remembers its last move weakly: the batch is freed when the caller drops it."""
+    batch = {"x": torch.ones(3)}
+    gone = weakref.ref(batch["x"])
+    to_device(batch, META)
+    del batch
+    assert gone() is None
+
+
+def test_inference_tensors_are_moved_without_a_check(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """Inference tensors keep no version counter: they are moved, counted, never reported."""
+    with torch.inference_mode():
+        tensor = torch.ones(2)
+    with track_transfers() as log:
+        for _ in range(3):
+            to_device(tensor, META)
+    assert (3, 24) == (log.total_tensors, log.total_bytes)
+    assert [] == _repeats(recorded)
+
+
+def test_the_testing_kit_moves_the_same_inputs_without_a_warning(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """``assert_device_agnostic`` moves one input to each device on purpose, every call."""
+    x = torch.ones(3)
+    for _ in range(3):
+        assert_device_agnostic(torch.sin, x, devices=["cpu", "meta"])
+    assert [] == _repeats(recorded)
