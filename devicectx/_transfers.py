@@ -8,10 +8,11 @@ the move is done. Two things read it:
   context variable, as ``on_device`` keeps its blocks), which add one row per place,
   path and direction;
 - the repeated-move check, always on unless :func:`set_repeated_move_warning` turns it
-  off: each place keeps the sources of its last move (by weak reference, with their
-  version counters), and a source moved again by the same place, the same object with
-  the same version, is a tensor that never changes but crosses to the device on every
-  call. :class:`~devicectx.RepeatedMoveWarning` says so, once per place and path.
+  off: each place keeps the sources of its last checked move (by weak reference, with
+  their version counters), and a source moved again by the same place, the same object
+  with the same version, is a tensor that never changes but crosses to the device on
+  every call. :class:`~devicectx.RepeatedMoveWarning` says so, once per place and path.
+  A place's first 9 moves are all checked, then one in 8 (see ``_EVERY``).
 
 A *place* is the decorated function (``"train.step()"``, ``"train.step() -> result"`` for
 the move of its result), or the line that called :func:`~devicectx.to_device`
@@ -255,11 +256,17 @@ def track_transfers() -> Iterator[TransferLog]:
 # The repeated-move check.
 
 _CHECK = [True]  # one cell, read on every move that copied something
-# The check looks at this many of a move's copies (in the order of the structure): it
-# costs about 0.5 us a tensor, which bounds it under 0.2 ms for the largest batches.
+# The check costs about 0.5 us a tensor copied (a weak reference and a version counter
+# read). So it looks at the first 256 copies of a move (in the order of the structure),
+# and, past a place's first 8 moves, at one move in 8, each compared with the last one
+# looked at: a tensor copied on every step is still reported by the 16th step, at an
+# eighth of the cost.
 _CHECKED = 256
+_EVERY_FROM = 8
+_EVERY = 8
 _Seen = tuple["weakref.ref[torch.Tensor]", int, bool]  # the tensor, its version, reported
-_LAST: dict[tuple[str, torch.device], dict[int, _Seen]] = {}
+# Per place: how many moves it made, and what its last checked move copied, by id.
+_LAST: dict[tuple[str, torch.device], tuple[int, dict[int, _Seen]]] = {}
 _WARNED: set[tuple[str, torch.device, str]] = set()
 _WARNED_LOCK = threading.Lock()
 
@@ -328,12 +335,17 @@ def account(
 
 
 def _repeated(where: str, target: torch.device, sent: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of ``sent`` that this place moved, unchanged, last time, and not yet
-    reported; and remember ``sent`` for next time (weakly: a batch of the last step is
-    not kept alive)."""
+    """The tensors of ``sent`` that this place moved, unchanged, at its last checked move,
+    and not yet reported; and remember ``sent`` for the next check (weakly: the batch of a
+    past step is not kept alive)."""
     key = (where, target)
-    last = _LAST.get(key)
-    get = None if last is None else last.get
+    state = _LAST.get(key)
+    count, get = 0, None
+    if state is not None:
+        count, get = state[0] + 1, state[1].get
+        if count > _EVERY_FROM and count % _EVERY:
+            _LAST[key] = (count, state[1])
+            return []
     now: dict[int, _Seen] = {}
     repeated: list[torch.Tensor] = []
     ref = weakref.ref
@@ -350,7 +362,7 @@ def _repeated(where: str, target: torch.device, sent: list[torch.Tensor]) -> lis
                     repeated.append(tensor)
                 continue
         now[id(tensor)] = (ref(tensor), version, False)
-    _LAST[key] = now
+    _LAST[key] = (count, now)
     for tensor in repeated:  # reported below (or already, at its path): never again
         weak, version, _ = now[id(tensor)]
         now[id(tensor)] = (weak, version, True)

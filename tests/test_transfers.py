@@ -335,6 +335,26 @@ def test_the_warning_follows_identity_and_version(steps: list[str]) -> None:
     assert expected == len(_repeats(caught))
 
 
+def test_a_busy_place_is_checked_one_move_in_eight(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """Past a place's first 9 moves, one in 8 is checked: a constant that starts at the
+    21st move is reported at the 33rd, compared with the 25th."""
+
+    @device_agnostic(device="meta")
+    def step(x: torch.Tensor) -> None:
+        return None
+
+    constant = torch.ones(2)
+    reported_at = []
+    for call in range(40):
+        step(torch.ones(2) if call < 20 else constant)
+        if _repeats(recorded) and not reported_at:
+            reported_at.append(call)
+    assert [32] == reported_at
+    assert 1 == len(_repeats(recorded))
+
+
 def test_threads_warn_once_per_place(recorded: list[warnings.WarningMessage]) -> None:
     """Threads that share a constant and call the same function warn once between them."""
 
