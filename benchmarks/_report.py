@@ -143,7 +143,7 @@ def _subject_lines(section: dict[str, Any]) -> Iterable[list[str]]:
 def render(report: dict[str, Any]) -> str:
     """The whole report as markdown: the summary table, then every measurement."""
     lines = _summary(report)
-    for name in ("decorator", "move", "find_devices", "scope"):
+    for name in ("decorator", "move", "find_devices", "scope", "diagnostics"):
         if name not in report:  # left out with --only
             continue
         lines += ["", f"## {name}", ""]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _diagnostics import section_diagnostics
 from _imports import section_import
 from _report import TOLERANCE, Row, judge, render, rows_from, times
 from _timing import Config, Measurement, Subject, as_json, bind, fmt_ns, measure_group
@@ -488,7 +489,7 @@ def _environment(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     }
 
 
-_SECTIONS = ("decorator", "move", "find_devices", "scope", "import", "transfer")
+_SECTIONS = ("decorator", "move", "find_devices", "scope", "import", "transfer", "diagnostics")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -519,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         ("scope", lambda: section_scope(config)),
         ("import", lambda: section_import(args.quick)),
         ("transfer", lambda: section_transfer(config, args.quick, args.nominal_gbps)),
+        ("diagnostics", lambda: section_diagnostics(config)),
     ]
     for name, run in steps:
         if args.only and name not in args.only:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.utils._device
 
-from devicectx._dynamo_hooks import keep_trace_rules
+from devicectx._dynamo_hooks import constant, keep_trace_rules, never_top_level
 
 __all__ = ["ConstructorPatch"]
 
@@ -77,6 +77,8 @@ class ConstructorPatch:
             if not self._holders:
                 sites = self._find_sites()
                 keep_trace_rules((original, wrapper) for _, _, original, wrapper in sites)
+                if not _INLINED and "torch._dynamo.eval_frame" in sys.modules:
+                    _inline_only()
                 for module, name, _original, wrapper in sites:
                     setattr(module, name, wrapper)
             self._holders += 1
@@ -127,18 +129,37 @@ def _fill_device(
     # then the scope's device is read at trace time, where dynamo keeps its own mode stack.
     @functools.wraps(original)
     def constructor(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("device") is None:
-            if _is_dynamo_compiling():
+        if _is_dynamo_compiling():
+            _inline_only()
+            if kwargs.get("device") is None:
                 device = traced_scope_device()
-            else:
-                device = scope_device()
-                if device is not None and _from_dynamo():
-                    device = None
-            if device is not None:
+                if device is not None:
+                    kwargs["device"] = device
+        elif kwargs.get("device") is None:
+            device = scope_device()
+            if device is not None and not _from_dynamo():
                 kwargs["device"] = device
         return original(*args, **kwargs)
 
     return constructor
+
+
+_INLINED: list[bool] = []  # whether dynamo was told to inline the replacements only
+
+
+@constant
+def _inline_only() -> bool:
+    """Tell dynamo, once, never to compile the replacements as frames of their own (see
+    ``never_top_level``): when they are put in place with dynamo loaded, else where dynamo
+    first traces one (too late for a replacement compiled as a frame of its own before)."""
+    if not _INLINED:
+        code = _fill_device(torch.zeros, _none, _none).__code__
+        _INLINED.append(never_top_level(code))
+    return True
+
+
+def _none() -> None:
+    return None
 
 
 def _from_dynamo() -> bool:

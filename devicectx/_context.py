@@ -28,6 +28,7 @@ import torch.utils._device
 from torch.overrides import TorchFunctionMode
 
 from devicectx import _torch_modes
+from devicectx._audit import AuditLevel, AuditOption, Auditor, check_audit
 from devicectx._constructors import ConstructorPatch
 from devicectx._dynamo_hooks import (
     constant,
@@ -50,10 +51,22 @@ _NEVER_ACCELERATOR = frozenset({"cpu", "meta"})
 class _Scope:
     """One entered ``on_device`` block: its target, and what it changed to get there."""
 
-    __slots__ = ("below", "closed", "mode", "patched", "previous_index", "target", "yielded")
+    __slots__ = (
+        "audit",
+        "below",
+        "closed",
+        "mode",
+        "patched",
+        "previous_index",
+        "target",
+        "yielded",
+    )
 
-    def __init__(self, target: torch.device, below: DeviceContext | None) -> None:
+    def __init__(
+        self, target: torch.device, below: DeviceContext | None, audit: AuditLevel | None
+    ) -> None:
         self.target = target
+        self.audit = audit  # audit=True: "warn"; audit="raise": "raise"
         # torch's innermost DeviceContext when the block was entered: a different one later
         # means a `with torch.device` block was entered inside this one, and it wins.
         self.below = below
@@ -169,6 +182,23 @@ def current_device() -> torch.device:
 _PATCH = ConstructorPatch(scope_device, traced_scope_device, current_device)
 
 
+def audit_state() -> tuple[AuditLevel, torch.device] | None:
+    """The running task's audit: the innermost audited block's level, and the device of
+    its innermost block (audited or not); None where no open block of the task audits."""
+    device = None
+    for scope in reversed(_ACTIVE.get()):
+        if scope.closed:
+            continue
+        if device is None:
+            device = scope.target
+        if scope.audit is not None:
+            return scope.audit, device
+    return None
+
+
+_AUDITOR = Auditor(audit_state)
+
+
 def active_device() -> torch.device | None:
     """The target of the innermost ``on_device`` block entered here, or None outside any.
 
@@ -184,13 +214,16 @@ def active_device() -> torch.device | None:
     return None
 
 
-def push_device(device: torch.device, *, exact: bool = False) -> _Scope:
+def push_device(
+    device: torch.device, *, exact: bool = False, audit: AuditLevel | None = None
+) -> _Scope:
     """Enter a scope for an already resolved ``device``; undo it with :func:`pop_device`.
 
     Where ``device`` already is the effective default, torch's constructors are left alone,
     so code inside pays nothing; the scope is still recorded for :func:`active_device`.
+    With ``audit``, the thread's audit mode is on until :func:`pop_device`.
     """
-    scope = _Scope(device, innermost_device_mode())
+    scope = _Scope(device, innermost_device_mode(), audit)
     if current_device() != device:
         _PATCH.acquire()
         scope.patched = True
@@ -208,6 +241,8 @@ def push_device(device: torch.device, *, exact: bool = False) -> _Scope:
                 torch.accelerator.set_device_index(device.index)
     _torch_modes.hold_slot(scope, current_device)
     _ACTIVE.set((*_ACTIVE.get(), scope))
+    if audit is not None:
+        _AUDITOR.acquire()
     return scope
 
 
@@ -230,6 +265,8 @@ def pop_device(scope: _Scope) -> None:
         _torch_modes.set_current_device(inner or (None if mode is None else mode.device))
         if scope.previous_index is not None:
             torch.accelerator.set_device_index(scope.previous_index)
+    if scope.audit is not None:
+        _AUDITOR.release()
 
 
 def push_nested(device: torch.device) -> _Scope | None:
@@ -255,13 +292,13 @@ _ENTERED_EAGERLY = (None, None)
 
 
 def _enter_block(
-    device: torch.device, exact: bool, precision: str | None
+    device: torch.device, exact: bool, precision: str | None, audit: AuditLevel | None = None
 ) -> tuple[_Scope, _Amp | None]:
     """Enter the scope for ``device``, then the autocast for ``precision``."""
     amp = None
     if precision is not None:
         amp = choose_precision(device, cast(PrecisionName, precision)).autocast()
-    scope = push_device(device, exact=exact)
+    scope = push_device(device, exact=exact, audit=audit)
     if amp is not None:
         try:
             amp.__enter__()
@@ -313,6 +350,13 @@ class on_device:
         ...     return torch.ones(2)
         >>> make().device
         device(type='meta')
+        >>> import numpy as np
+        >>> with on_device("meta", audit="raise"):  # doctest: +ELLIPSIS
+        ...     torch.from_numpy(np.zeros(2))
+        Traceback (most recent call last):
+        ...
+        devicectx._errors.StrayTensorError: torch.from_numpy at ...:2 made a tensor on cpu ...
+        fix: torch.from_numpy(array).to("meta"), or torch.as_tensor(array, device="meta")
 
     Inside, torch factory functions called without ``device=`` (``torch.zeros``,
     ``torch.arange``, ``torch.tensor``, ...) allocate on ``device`` and
@@ -329,17 +373,29 @@ class on_device:
         exact: also put a mode on torch's stack, as ``with torch.device`` does (see the
             cost below), for code that called a constructor by a name bound before the
             first block opened.
+        audit: ``True`` warns (``StrayTensorWarning``, once per line and op), ``"raise"``
+            raises ``StrayTensorError`` (every time, before the tensor reaches the code),
+            where code in the block makes a tensor that does not land on ``device``:
+            ``torch.from_numpy``, ``torch.frombuffer``, ``*_like`` and ``Tensor.new_*`` of a
+            tensor elsewhere, an explicit ``device=``, a ``generator=`` on another device,
+            a buffer or parameter registered on another device. Results of ops on existing
+            tensors are not reported (they follow their inputs; ``@device_agnostic``
+            reports mixed inputs where they meet), nor tensors torch's own code makes on
+            purpose. See :mod:`devicectx._audit`.
 
     What it costs. Only the tensor constructors change inside a block: they are replaced
     in torch's modules while any block in the process is open, and fill in the device
     (0.7 µs a call, where torch's ``DeviceContext`` costs 2 µs). Every other torch call costs
     what it costs outside: ``with torch.device`` instead sends every torch call in the
     thread through a Python mode (1.3x to 1.7x on small ops). With ``exact=True`` the block
-    costs what ``with torch.device`` does.
+    costs what ``with torch.device`` does. With ``audit``, the thread has a mode on
+    torch's stack while the block is open: every torch call in it pays a mode dispatch,
+    and a call that makes tensors a look at their device. ``audit=False`` costs nothing.
 
     Raises:
         InvalidDeviceError: ``device`` is malformed.
         DeviceUnavailableError: this machine lacks ``device``.
+        ValueError: ``audit`` is not ``False``, ``True`` or ``"raise"``.
         TypeError: decorating a class.
 
     Caveats:
@@ -359,6 +415,13 @@ class on_device:
           cannot compile the replacement: script outside any block.
         - One ``on_device`` object may be re-entered (nested), but not entered from several
           threads at once: create one per block, or use the decorator form.
+        - Audit: nested blocks audit against the innermost block's device, audited or
+          not, while any enclosing block of the task audits (the innermost audited block
+          sets warn or raise). ``with torch.device`` and ``set_default_device`` inside do
+          not change what is audited against. Only the thread or task that entered the
+          block is audited. Compiled code (``torch.compile``) is not audited, and a block
+          entered inside compiled code does not audit. ``torch.from_numpy`` bound to
+          another name before the block opened is not seen.
     """
 
     def __init__(
@@ -367,17 +430,22 @@ class on_device:
         *,
         exact: bool = False,
         precision: PrecisionName | None = None,
+        audit: AuditOption = False,
     ) -> None:
         self.spec = device
         self.exact = exact
         # A misspelt name fails here, where the block is written, not at its first entry.
         self.precision = None if precision is None else check_precision_name(precision)
+        self._audit = check_audit(audit)
+        self.audit = audit
         self._entered: list[tuple[_Scope | DeviceContext | None, _Amp | None]] = []
 
     def __repr__(self) -> str:
         options = ", exact=True" if self.exact else ""
         if self.precision is not None:
             options += f", precision={self.precision!r}"
+        if self._audit is not None:
+            options += f", audit={self.audit!r}"
         return f"on_device({self.spec!r}{options})"
 
     def __enter__(self) -> torch.device:
@@ -399,7 +467,7 @@ class on_device:
             plain.__enter__()  # type: ignore[no-untyped-call]
             self._entered.append((plain, None))
             return device
-        self._entered.append(_enter_block(device, self.exact, self.precision))
+        self._entered.append(_enter_block(device, self.exact, self.precision, self._audit))
         return device
 
     def __exit__(
@@ -434,7 +502,12 @@ class on_device:
 
     def _again(self) -> on_device:
         """A fresh block like this one: a decorated function may run in several threads."""
-        return on_device(self.spec, exact=self.exact, precision=self.precision)  # type: ignore[arg-type]
+        return on_device(
+            self.spec,
+            exact=self.exact,
+            precision=self.precision,  # type: ignore[arg-type]
+            audit=self.audit,
+        )
 
     def _resumable(self) -> tuple[Callable[[], Any], Callable[[Any], None]]:
         """How a generator enters a block at every resume and leaves it at every yield."""

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -92,6 +93,23 @@ def constant(fn: _F) -> _F:
     """
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
+
+
+def never_top_level(code: types.CodeType) -> bool:
+    """Tell dynamo never to compile a frame of ``code`` on its own (it still inlines it
+    into the code it traces). Called where dynamo traces it, so dynamo is loaded.
+
+    A constructor's replacement called between graphs of a compiled function would be
+    compiled as a frame of its own, whose graph calls ``torch.as_tensor`` (say) by name:
+    the replacement again, run by its compiled code, without end. Private API:
+    ``skip_code``, in ``torch._dynamo.eval_frame`` (2.7 to 2.15) or its C module (2.6).
+    """
+    for module in ("torch._dynamo.eval_frame", "torch._C._dynamo.eval_frame"):
+        skip = getattr(sys.modules.get(module), "skip_code", None)
+        if skip is not None:
+            skip(code)
+            return True
+    return False
 
 
 def disable(fn: _F) -> _F:

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS_WITH_CASES = ("decorator", "move", "find_devices", "scope")
+SECTIONS_WITH_CASES = ("decorator", "move", "find_devices", "scope", "diagnostics")
 STATUSES = {"ok", "not available", "error"}
+AUDIT_SUBJECTS = ["no block", "on_device(cpu)", "on_device(cpu, audit=True)", "torch.device(cpu)"]
 PEERS = ("send_to_device", "apply_to_collection", "optree.tree_map", "TensorDict.to")
 
 
@@ -70,6 +71,7 @@ def test_json_has_every_section(run: dict[str, Any]) -> None:
         "scope",
         "import",
         "transfer",
+        "diagnostics",
     }
     assert expected == set(run["json"])
 
@@ -149,6 +151,24 @@ def test_transfer_skipped_without_accelerator(run: dict[str, Any]) -> None:
         assert "cases" in transfer
     else:
         assert {"skipped": "no accelerator"} == transfer
+
+
+def test_diagnostics_measure_the_check_the_log_and_the_audit(run: dict[str, Any]) -> None:
+    """The repeated-move check on and off and the transfer log ran, for a new batch each
+    call and for the same one; audit mode was timed on an op and on a constructor, plain,
+    in on_device(cpu) with and without audit, and in torch.device(cpu)."""
+    cases = run["json"]["diagnostics"]["cases"]
+    for key in ("new_batch", "same_batch"):
+        assert {"check on", "check off", "tracked"} == set(cases[key]["subjects"])
+    for op in ("x + 1 (4 elements)", "torch.zeros(4)"):
+        case = cases[f"audit: {op}"]
+        assert AUDIT_SUBJECTS == list(case["subjects"])
+        assert ["on_device(cpu, audit=True)"] == list(case["added_ns"])
+    for case in cases.values():
+        assert all("ok" == s["status"] for s in case["subjects"].values()), case
+    rows = [row for row in run["json"]["rows"] if row["section"] == "6 diagnostics"]
+    assert 6 == len(rows)
+    assert all(row["ours"].startswith("+") for row in rows if "audit" in row["what"])
 
 
 def test_every_row_is_complete(run: dict[str, Any]) -> None:

@@ -251,6 +251,38 @@ def test_first_compile_of_the_process_inside_a_block() -> None:
     assert "meta cpu meta" == done.stdout.strip()
 
 
+# dynamo turns a numpy argument into a tensor with torch.as_tensor, run between graphs: the
+# replacement must not be compiled as a frame of its own (its graph called it again, without
+# end: RecursionError). The result is where torch's own device block puts it.
+_NUMPY_INTO_A_COMPILED_FUNCTION = """
+import numpy as np
+import torch
+from devicectx import on_device
+
+compiled = torch.compile(lambda a: torch.from_numpy(a) + 1, backend="eager")
+with torch.device("meta"):
+    theirs = compiled(np.ones(2, dtype=np.float32)).device
+torch._dynamo.reset()
+with on_device("meta"):
+    ours = compiled(np.ones(2, dtype=np.float32)).device
+print(theirs, ours)
+"""
+
+
+def test_a_numpy_argument_of_a_compiled_function_inside_a_block() -> None:
+    """A compiled function given a numpy array runs inside a block, as inside torch.device."""
+    pytest.importorskip("numpy")
+    done = subprocess.run(
+        [sys.executable, "-c", _NUMPY_INTO_A_COMPILED_FUNCTION],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert 0 == done.returncode, done.stderr[-3000:]
+    theirs, ours = done.stdout.split()
+    assert theirs == ours
+
+
 @given(st.lists(st.sampled_from(["meta", "cpu", "torch-meta", "torch-cpu"]), max_size=6))
 def test_nesting_with_torch_device_blocks(plan: list[str]) -> None:
     """Any nesting of on_device and torch.device blocks allocates on the innermost one's device."""
