@@ -154,7 +154,15 @@ def faking() -> bool:
 
 def keep_trace_rules(replaced: Iterable[tuple[object, object]]) -> None:
     """Make dynamo's tables of torch functions list each ``(original, replacement)`` pair's
-    original, building them now if dynamo is loaded and has not built them yet."""
+    original, building them now if dynamo is loaded and has not built them yet.
+
+    Called before the replacements are put in place (tables built now hold torch's own
+    functions) and after they are taken out (tables dynamo built meanwhile, at a first
+    compile inside a block, hold the replacements). Checked on torch 2.6 to 2.15: the
+    tables are ``trace_rules.get_torch_obj_rule_map()``, ``variables.torch``'s
+    ``get_overridable_functions()`` and ``TorchInGraphFunctionVariable._get_handlers()``,
+    and ``torch.overrides._get_overridable_functions()``.
+    """
     pairs = list(replaced)
     rules = sys.modules.get("torch._dynamo.trace_rules")
     table = getattr(rules, "get_torch_obj_rule_map", None)
@@ -177,6 +185,15 @@ def keep_trace_rules(replaced: Iterable[tuple[object, object]]) -> None:
             for functions_of_namespace in listed.values():
                 if replacement in functions_of_namespace:
                     functions_of_namespace.append(original)  # type: ignore[arg-type]
+    # The functions dynamo handles in a way of its own (torch.from_numpy, torch.full,
+    # torch.tensor, ...), keyed by the function each name held when the table was built.
+    in_graph = getattr(variables, "TorchInGraphFunctionVariable", None)
+    handlers_of = getattr(in_graph, "_get_handlers", None)
+    handlers = handlers_of() if callable(handlers_of) else None
+    if isinstance(handlers, dict):
+        for original, replacement in pairs:
+            if replacement in handlers:
+                handlers.setdefault(original, handlers[replacement])
 
 
 @contextlib.contextmanager

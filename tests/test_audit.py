@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -534,6 +536,38 @@ def test_compiled_function_inside_an_audited_block() -> None:
     plus_one, inside = torch.compile(make, backend="eager", fullgraph=True)(torch.ones(2))
     assert (CPU, META) == (plus_one.device, inside.device)
     torch._dynamo.reset()
+
+
+# The first compiles of the process happen inside an audited block: dynamo's table of
+# functions it handles its own way (torch.from_numpy, torch.full) is built there, while
+# from_numpy is replaced. Compiled code runs unaudited, and compiles after the block too.
+_FIRST_COMPILES_IN_AN_AUDITED_BLOCK = """
+import numpy as np
+import torch
+import torch._dynamo
+from devicectx import on_device
+
+from_array = lambda a: torch.from_numpy(a) * 2
+filled = lambda x: torch.full((2,), 3.0) + x
+with on_device("meta", audit=True):
+    inside = torch.compile(from_array, backend="eager")(np.ones(2, dtype=np.float32))
+    torch.compile(filled, backend="eager")(torch.ones(2, device="meta"))
+torch._dynamo.reset()
+after = torch.compile(from_array, backend="eager", fullgraph=True)(np.ones(2, dtype=np.float32))
+print(after.device, torch.compile(filled, backend="eager", fullgraph=True)(torch.ones(2)).device)
+"""
+
+
+def test_first_compiles_of_the_process_inside_an_audited_block() -> None:
+    """Code compiled inside an audited block runs, and so does code compiled after it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_COMPILES_IN_AN_AUDITED_BLOCK],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert 0 == done.returncode, done.stderr[-3000:]
+    assert "cpu cpu" == done.stdout.strip()
 
 
 @pytest.mark.parametrize("audit", ["warn", "yes", 1, None, "RAISE"])
