@@ -242,8 +242,9 @@ def track_transfers() -> Iterator[TransferLog]:
     Caveats:
         - Like ``on_device``, the block sees its own thread and asyncio task (and tasks
           created inside it), not other threads; nested blocks each record everything.
-        - Paths are worked out for every move while a log is open: a few microseconds a
-          move on large batches. Outside the block nothing is recorded and nothing is paid.
+        - Paths are worked out for every move while a log is open: on a 2-core CPU, a
+          decorated move of 6 tensors nested 3 deep took 1.35x as long inside a log
+          (+34 us). Outside the block nothing is recorded and nothing is paid.
     """
     log = TransferLog()
     _LOGS.set((*_LOGS.get(), log))
@@ -265,8 +266,9 @@ _CHECKED = 256
 _EVERY_FROM = 8
 _EVERY = 8
 _Seen = tuple["weakref.ref[torch.Tensor]", int, bool]  # the tensor, its version, reported
-# Per place: how many moves it made, and what its last checked move copied, by id.
-_LAST: dict[tuple[str, torch.device], tuple[int, dict[int, _Seen]]] = {}
+# Per place: [how many moves it made, what its last checked move copied, by id].
+_LAST: dict[tuple[str, torch.device], list[Any]] = {}
+_NONE: list[torch.Tensor] = []  # no repeats (never appended to)
 _WARNED: set[tuple[str, torch.device, str]] = set()
 _WARNED_LOCK = threading.Lock()
 
@@ -342,10 +344,10 @@ def _repeated(where: str, target: torch.device, sent: list[torch.Tensor]) -> lis
     state = _LAST.get(key)
     count, get = 0, None
     if state is not None:
-        count, get = state[0] + 1, state[1].get
+        count = state[0] = state[0] + 1  # in place: a move not checked allocates nothing
         if count > _EVERY_FROM and count % _EVERY:
-            _LAST[key] = (count, state[1])
-            return []
+            return _NONE
+        get = state[1].get
     now: dict[int, _Seen] = {}
     repeated: list[torch.Tensor] = []
     ref = weakref.ref
@@ -362,7 +364,7 @@ def _repeated(where: str, target: torch.device, sent: list[torch.Tensor]) -> lis
                     repeated.append(tensor)
                 continue
         now[id(tensor)] = (ref(tensor), version, False)
-    _LAST[key] = (count, now)
+    _LAST[key] = [count, now]
     for tensor in repeated:  # reported below (or already, at its path): never again
         weak, version, _ = now[id(tensor)]
         now[id(tensor)] = (weak, version, True)
