@@ -26,6 +26,7 @@ TESTED_HERE = {
     "oom_backoff.py",
     "quickstart.py",
     "torchrun_inference.py",
+    "where_the_bytes_go.py",
 }
 TIMEOUT_S = 120
 
@@ -208,3 +209,26 @@ def test_mixed_precision_trains_one_step_in_the_chosen_precision(precision_name:
     assert loss is not None, lines[4]
     assert float(loss.group(2)) < float(loss.group(1))
     assert 5 == len(lines)
+
+
+def test_where_the_bytes_go_finds_the_constant_and_the_stray() -> None:
+    """where_the_bytes_go.py: the class weights copied every step warn once and show in the
+    table; moved once, they are gone from it; the audited block raises at from_numpy."""
+    lines = run_example("where_the_bytes_go.py")
+    device = auto_device() if auto_device() != "cpu" else "meta"
+
+    first = lines[: lines.index("2. moved once, before the loop")]
+    second = lines[len(first) : lines.index(f"3. an audited block on {device}")]
+    warned = [line for line in first if line.startswith("warning: ")]
+    assert [
+        f"warning: loss_step() copied the same unchanged tensor class_weights (shape (3,), "
+        f"torch.float32, 12 B) from cpu to {device} again: 12 B crosses on every call"
+    ] == warned
+    rows = {line.split()[1]: line.split()[-3:] for line in first if line.startswith("loss_step()")}
+    assert {"logits", "labels", "class_weights"} == set(rows)
+    assert ["5", "60", "B"] == rows["class_weights"]
+    assert "repeated-move warnings: 0" in second
+    assert not any("class_weights" in line for line in second)
+    assert lines[-2].startswith("StrayTensorError: torch.from_numpy at ")
+    assert lines[-2].endswith(f"made a tensor on cpu inside an audited on_device block on {device}")
+    assert f'fix: torch.from_numpy(array).to("{device}")' in lines[-1]
