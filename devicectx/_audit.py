@@ -13,9 +13,10 @@ tensors (torch's constructors, the ``*_like`` family, ``Tensor.new_*``) or takes
 ``generator=``, it asks the running task's audit state (a context variable, so an asyncio
 task or thread without an audited block is never reported), runs the call and looks at
 the device of what came back. ``torch.from_numpy`` and ``torch.frombuffer`` never reach a
-mode: while any block of the process audits they are replaced in the ``torch`` module, as
-:mod:`devicectx._constructors` replaces the constructors. Buffers and parameters are seen
-through torch's global module registration hooks, installed only meanwhile.
+mode: while any block of the process audits they are replaced in torch's modules, with the
+:class:`~devicectx._constructors.TorchPatch` that replaces the constructors. Buffers and
+parameters are seen through torch's global module registration hooks, installed only
+meanwhile.
 
 What is reported: a call made by the user's code (a tensor torch's own code makes as it
 works, on purpose on the CPU, is torch's business), and every buffer or parameter
@@ -35,7 +36,6 @@ import functools
 import os
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from types import BuiltinFunctionType, FrameType, FunctionType
 from typing import Any, Literal, TypeAlias
@@ -47,8 +47,8 @@ from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from devicectx import _torch_modes
-from devicectx._dynamo_hooks import keep_trace_rules
-from devicectx._errors import StrayTensorError, StrayTensorWarning
+from devicectx._constructors import TorchPatch, inline_only
+from devicectx._errors import StrayTensorError, StrayTensorWarning, warn_at
 
 __all__ = ["AuditLevel", "AuditOption", "Auditor", "check_audit", "reset_reports"]
 
@@ -135,7 +135,7 @@ class Auditor:
         self._holders = 0
         self._lock = threading.Lock()
         self._threads = threading.local()  # how many audited blocks this thread has open
-        self._replaced: list[tuple[str, object, object]] = []  # (name, torch's, ours)
+        self._patch = TorchPatch(self._watchers)
         self._hooks: list[Any] = []
 
     def acquire(self) -> None:
@@ -159,26 +159,22 @@ class Auditor:
             if not self._holders:
                 self._uninstall()
 
+    def _watchers(self) -> dict[object, Callable[..., Any]]:
+        originals = [(name, getattr(torch, name)) for name in _UNSEEN]
+        return {fn: _watched(fn, f"torch.{name}", self) for name, fn in originals}
+
     def _install(self) -> None:
-        replaced = [(name, getattr(torch, name)) for name in _UNSEEN]
-        self._replaced = [(name, fn, _watched(fn, f"torch.{name}", self)) for name, fn in replaced]
-        keep_trace_rules((original, ours) for _, original, ours in self._replaced)
-        for name, _original, ours in self._replaced:
-            setattr(torch, name, ours)
+        self._patch.acquire()
         self._hooks = [
             _module.register_module_buffer_registration_hook(self._buffer_hook),
             _module.register_module_parameter_registration_hook(self._parameter_hook),
         ]
 
     def _uninstall(self) -> None:
-        for name, original, ours in self._replaced:
-            # Someone else may have replaced it since (a test's monkeypatch): theirs stays.
-            if torch.__dict__.get(name) is ours:
-                setattr(torch, name, original)
-        keep_trace_rules((original, ours) for _, original, ours in self._replaced)
+        self._patch.release()
         for hook in self._hooks:
             hook.remove()
-        self._replaced, self._hooks = [], []
+        self._hooks = []
 
     def run(
         self,
@@ -300,7 +296,9 @@ def _watched(original: Any, op: str, auditor: Auditor) -> Callable[..., Any]:
     @functools.wraps(original)
     def made(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        if not _is_dynamo_compiling():  # a constant where dynamo traces this: not audited
+        if _is_dynamo_compiling():  # where dynamo traces this: not audited
+            inline_only()
+        else:
             auditor.check_unseen(op, result)
         return result
 
@@ -396,15 +394,7 @@ def _report(
         if key in _SEEN:
             return
         _SEEN.add(key)
-    scope = frame.f_globals
-    warnings.warn_explicit(
-        text,
-        StrayTensorWarning,
-        filename,
-        line,
-        module=scope.get("__name__", "<string>"),
-        registry=scope.setdefault("__warningregistry__", {}),
-    )
+    warn_at(frame, text, StrayTensorWarning)
 
 
 def _name_in_caller(value: object) -> str | None:

@@ -30,7 +30,7 @@ import functools
 import sys
 import threading
 from collections.abc import Callable
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 import torch
@@ -38,47 +38,36 @@ import torch.utils._device
 
 from devicectx._dynamo_hooks import constant, keep_trace_rules, never_top_level
 
-__all__ = ["ConstructorPatch"]
+__all__ = ["TorchPatch", "constructor_patch", "inline_only"]
 
 DeviceQuery = Callable[[], "torch.device | None"]
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-class ConstructorPatch:
-    """The replacement of torch's constructors, counted: in place while anyone holds it.
+class TorchPatch:
+    """Functions of torch replaced in every loaded torch module that holds them, counted:
+    in place while anyone holds the patch, torch's own again when the last one releases.
 
     Args:
-        scope_device: the device a constructor called without ``device=`` gets here, or
-            None to leave torch's own default (and modes) in charge. Called on every
-            constructor call, so it must be cheap.
-        traced_scope_device: the same, for code dynamo traces: a trace-time constant.
-        default_device: what ``torch.get_default_device()`` answers while the patch is
-            in place.
+        make: ``{torch's function: its replacement}``, called once, at the first acquire
+            (by then every torch module that imports one of them by name is loaded).
     """
 
-    def __init__(
-        self,
-        scope_device: DeviceQuery,
-        traced_scope_device: DeviceQuery,
-        default_device: Callable[[], torch.device],
-    ) -> None:
-        self._scope_device = scope_device
-        self._traced_scope_device = traced_scope_device
-        self._default_device = default_device
+    def __init__(self, make: Callable[[], dict[object, Callable[..., Any]]]) -> None:
+        self._make = make
         self._holders = 0
         self._lock = threading.Lock()
-        # (module, name, torch's function, its replacement), found at the first acquire:
-        # by then every torch module that imports a constructor by name is loaded.
+        # (module, name, torch's function, its replacement), found at the first acquire.
         self._sites: list[tuple[ModuleType, str, object, object]] | None = None
 
     def acquire(self) -> None:
-        """Put the wrappers in place, if nobody else has."""
+        """Put the replacements in place, if nobody else has."""
         with self._lock:
             if not self._holders:
                 sites = self._find_sites()
                 keep_trace_rules((original, wrapper) for _, _, original, wrapper in sites)
-                if not _INLINED and "torch._dynamo.eval_frame" in sys.modules:
-                    _inline_only()
+                if "torch._dynamo.eval_frame" in sys.modules:
+                    inline_only()
                 for module, name, _original, wrapper in sites:
                     setattr(module, name, wrapper)
             self._holders += 1
@@ -97,14 +86,9 @@ class ConstructorPatch:
 
     def _find_sites(self) -> list[tuple[ModuleType, str, object, object]]:
         if self._sites is None:
-            wrappers: dict[int, object] = {}
-            for original in torch.utils._device._device_constructors():
-                wrappers[id(original)] = _fill_device(
-                    original, self._scope_device, self._traced_scope_device
-                )
-            getter = torch.get_default_device
-            wrappers[id(getter)] = _answer_default(getter, self._default_device)
-            sites = []
+            wrappers = {id(original): wrapper for original, wrapper in self._make().items()}
+            _REPLACEMENTS.update(wrapper.__code__ for wrapper in wrappers.values())
+            sites: list[tuple[ModuleType, str, object, object]] = []
             for module_name, module in list(sys.modules.items()):
                 if not (module_name == "torch" or module_name.startswith("torch.")):
                     continue
@@ -116,6 +100,34 @@ class ConstructorPatch:
                         sites.append((module, name, value, wrapper))
             self._sites = sites
         return self._sites
+
+
+def constructor_patch(
+    scope_device: DeviceQuery,
+    traced_scope_device: DeviceQuery,
+    default_device: Callable[[], torch.device],
+) -> TorchPatch:
+    """The replacement of torch's constructors (and ``torch.get_default_device``).
+
+    Args:
+        scope_device: the device a constructor called without ``device=`` gets here, or
+            None to leave torch's own default (and modes) in charge. Called on every
+            constructor call, so it must be cheap.
+        traced_scope_device: the same, for code dynamo traces: a trace-time constant.
+        default_device: what ``torch.get_default_device()`` answers while the patch is
+            in place.
+    """
+
+    def make() -> dict[object, Callable[..., Any]]:
+        wrappers: dict[object, Callable[..., Any]] = {
+            original: _fill_device(original, scope_device, traced_scope_device)
+            for original in torch.utils._device._device_constructors()
+        }
+        getter = torch.get_default_device
+        wrappers[getter] = _answer_default(getter, default_device)
+        return wrappers
+
+    return TorchPatch(make)
 
 
 def _fill_device(
@@ -130,7 +142,7 @@ def _fill_device(
     @functools.wraps(original)
     def constructor(*args: Any, **kwargs: Any) -> Any:
         if _is_dynamo_compiling():
-            _inline_only()
+            inline_only()
             if kwargs.get("device") is None:
                 device = traced_scope_device()
                 if device is not None:
@@ -144,22 +156,20 @@ def _fill_device(
     return constructor
 
 
-_INLINED: list[bool] = []  # whether dynamo was told to inline the replacements only
+_REPLACEMENTS: set[CodeType] = set()  # the code of every replacement a patch made
+_INLINED: set[CodeType] = set()  # those dynamo was told to inline only
 
 
 @constant
-def _inline_only() -> bool:
-    """Tell dynamo, once, never to compile the replacements as frames of their own (see
-    ``never_top_level``): when they are put in place with dynamo loaded, else where dynamo
-    first traces one (too late for a replacement compiled as a frame of its own before)."""
-    if not _INLINED:
-        code = _fill_device(torch.zeros, _none, _none).__code__
-        _INLINED.append(never_top_level(code))
+def inline_only() -> bool:
+    """Tell dynamo never to compile a replacement as a frame of its own (see
+    ``never_top_level``): when a patch is put in place with dynamo loaded, else where
+    dynamo traces a replacement (too late for one compiled on its own before). A constant
+    where dynamo traces it: it runs once, at trace time."""
+    for code in _REPLACEMENTS - _INLINED:
+        _INLINED.add(code)
+        never_top_level(code)
     return True
-
-
-def _none() -> None:
-    return None
 
 
 def _from_dynamo() -> bool:

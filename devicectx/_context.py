@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from devicectx import _torch_modes
 from devicectx._audit import AuditLevel, AuditOption, Auditor, check_audit
-from devicectx._constructors import ConstructorPatch
+from devicectx._constructors import constructor_patch
 from devicectx._dynamo_hooks import (
     constant,
     disable,
@@ -179,7 +179,7 @@ def current_device() -> torch.device:
     return _torch_default() if device is None else device
 
 
-_PATCH = ConstructorPatch(scope_device, traced_scope_device, current_device)
+_PATCH = constructor_patch(scope_device, traced_scope_device, current_device)
 
 
 def audit_state() -> tuple[AuditLevel, torch.device] | None:

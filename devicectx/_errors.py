@@ -8,7 +8,9 @@ so ``except devicectx.DeviceError`` catches all of ours. Each warning is a
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
+from types import FrameType
 
 import torch
 
@@ -95,3 +97,17 @@ class RepeatedMoveWarning(DeviceWarning):
 
 class StrayTensorWarning(DeviceWarning):
     """A tensor made inside an audited ``on_device`` block landed on another device."""
+
+
+def warn_at(frame: FrameType, message: str, category: type[DeviceWarning]) -> None:
+    """Warn as from ``frame`` (the user's line), through its module's warning registry,
+    so that warnings filters and Python's own once-per-line rule apply there."""
+    scope = frame.f_globals
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=scope.get("__name__", "<string>"),
+        registry=scope.setdefault("__warningregistry__", {}),
+    )

@@ -55,7 +55,16 @@ from devicectx._alias import dense
 from devicectx._resolve import accelerator_type
 from devicectx._walk import collect
 
-__all__ = ["NEVER", "THRESHOLDS", "Thresholds", "forced", "stage", "to_accelerator", "to_host"]
+__all__ = [
+    "FORCED_THRESHOLDS",
+    "NEVER",
+    "THRESHOLDS",
+    "Thresholds",
+    "forced",
+    "stage",
+    "to_accelerator",
+    "to_host",
+]
 
 _Tensor = torch.Tensor
 _ALIGN = 16  # every run of packed tensors starts here: the largest element size, complex128
@@ -652,6 +661,18 @@ def to_host(
 # The seam for tests.
 
 
+FORCED_THRESHOLDS = Thresholds(
+    min_tensors=1,
+    stage_min_bytes=0,
+    share_max_bytes=64,
+    shared_bytes=256,
+    chunk_bytes=1024,
+    pool_bytes=4096,
+)
+""":func:`forced`'s default: every move of one or more tensors staged, through buffers so
+small that a test's batch fills several regions and chunks."""
+
+
 @contextlib.contextmanager
 def forced(
     thresholds: Thresholds | None = None,
@@ -666,21 +687,14 @@ def forced(
     Failures are raised instead of falling back. Not thread-safe: for tests.
 
     Args:
-        thresholds: default: every move of one or more tensors staged, small buffers.
+        thresholds: default :data:`FORCED_THRESHOLDS`.
         pinned: which sources count as pinned (default: none).
 
     Yields:
         The host staged through: its pool can be inspected.
     """
     global _FORCED, NEVER
-    limits = thresholds or Thresholds(
-        min_tensors=1,
-        stage_min_bytes=0,
-        share_max_bytes=64,
-        shared_bytes=256,
-        chunk_bytes=1024,
-        pool_bytes=4096,
-    )
+    limits = thresholds or FORCED_THRESHOLDS
     pool = _pinned.Pool(_host_buffer, _landed, limits.chunk_bytes, limits.pool_bytes)
     host = _pinned.Host(pool, _no_stream, pinned or _never_pinned)
     saved = _FORCED, NEVER

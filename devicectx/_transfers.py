@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from devicectx._errors import RepeatedMoveWarning
+from devicectx._errors import RepeatedMoveWarning, warn_at
 from devicectx._walk import iter_tensors
 
 __all__ = [
@@ -390,14 +390,7 @@ def _warn(
         if frame is None:
             warnings.warn(message, RepeatedMoveWarning, stacklevel=2)
         else:
-            warnings.warn_explicit(
-                message,
-                RepeatedMoveWarning,
-                frame.f_code.co_filename,
-                frame.f_lineno,
-                module=frame.f_globals.get("__name__", "<unknown>"),
-                registry=frame.f_globals.setdefault("__warningregistry__", {}),
-            )
+            warn_at(frame, message, RepeatedMoveWarning)
 
 
 def _message(

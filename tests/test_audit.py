@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import subprocess
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -13,6 +11,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from helpers import python_output
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import as_tensor as bound_as_tensor  # bound before any block: torch's own
@@ -560,14 +559,7 @@ print(after.device, torch.compile(filled, backend="eager", fullgraph=True)(torch
 
 def test_first_compiles_of_the_process_inside_an_audited_block() -> None:
     """Code compiled inside an audited block runs, and so does code compiled after it."""
-    done = subprocess.run(
-        [sys.executable, "-c", _FIRST_COMPILES_IN_AN_AUDITED_BLOCK],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert 0 == done.returncode, done.stderr[-3000:]
-    assert "cpu cpu" == done.stdout.strip()
+    assert "cpu cpu" == python_output(_FIRST_COMPILES_IN_AN_AUDITED_BLOCK)
 
 
 @pytest.mark.parametrize("audit", ["warn", "yes", 1, None, "RAISE"])

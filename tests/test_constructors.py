@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 import torch.utils._device
+from helpers import python_output
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -241,14 +240,7 @@ print(inside.device, outside.device, traced.device)
 
 def test_first_compile_of_the_process_inside_a_block() -> None:
     """dynamo building its table of torch functions inside a block still knows torch's own after."""
-    done = subprocess.run(
-        [sys.executable, "-c", _FIRST_COMPILE_IN_A_BLOCK],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert 0 == done.returncode, done.stderr[-3000:]
-    assert "meta cpu meta" == done.stdout.strip()
+    assert "meta cpu meta" == python_output(_FIRST_COMPILE_IN_A_BLOCK)
 
 
 # dynamo turns a numpy argument into a tensor with torch.as_tensor, run between graphs: the
@@ -272,14 +264,7 @@ print(theirs, ours)
 def test_a_numpy_argument_of_a_compiled_function_inside_a_block() -> None:
     """A compiled function given a numpy array runs inside a block, as inside torch.device."""
     pytest.importorskip("numpy")
-    done = subprocess.run(
-        [sys.executable, "-c", _NUMPY_INTO_A_COMPILED_FUNCTION],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert 0 == done.returncode, done.stderr[-3000:]
-    theirs, ours = done.stdout.split()
+    theirs, ours = python_output(_NUMPY_INTO_A_COMPILED_FUNCTION).split()
     assert theirs == ours
 
 

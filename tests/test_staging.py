@@ -30,14 +30,7 @@ from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-SMALL = _staging.Thresholds(
-    min_tensors=1,
-    stage_min_bytes=0,
-    share_max_bytes=64,
-    shared_bytes=256,
-    chunk_bytes=1024,
-    pool_bytes=4096,
-)
+SMALL = _staging.FORCED_THRESHOLDS
 """The seam's default thresholds: every move staged, through small buffers, so that a
 few tensors fill several regions and chunks."""
 
