@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Callable, Iterable
-from types import FunctionType, MethodType
+from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +45,7 @@ from torch import nn
 
 from devicectx import _dynamo_hooks, _errors, _mismatch
 from devicectx._context import active_device
+from devicectx._params import self_offset
 from devicectx._resolve import DeviceLike, resolve_device
 from devicectx._target import involved_module, module_devices
 from devicectx._torch_modes import DeviceContext
@@ -191,7 +192,7 @@ def traced_call(
 ) -> Any:
     """A decorated call, written so dynamo can trace it: see the module docstring."""
     __tracebackhide__ = True
-    offset = 1 if instance is not None and isinstance(wrapped, MethodType) else 0
+    offset = self_offset(wrapped, instance)
     named = [
         (name, value)
         for name, value, where in plan.params.named(args, kwargs, offset)

@@ -9,9 +9,28 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import MethodType
 from typing import Any
 
+import wrapt
+
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_PARTIAL = wrapt.PartialCallableObjectProxy
+
+
+def self_offset(wrapped: object, instance: object) -> int:
+    """How many of the function's first parameters a call's ``args`` leave out: 1 where
+    wrapt hands the wrapper the method with ``self`` (or ``cls``) bound, else 0.
+
+    Bound means a bound method (``model.step(x)``, a classmethod), or, for a method called
+    through its class with the instance first (``Model.step(model, x)``), the function
+    with the instance bound in wrapt's ``PartialCallableObjectProxy`` (``args`` then
+    starts at ``x``).
+    """
+    if instance is None:
+        return 0
+    kind = type(wrapped)
+    return 1 if kind is MethodType or kind is _PARTIAL else 0
 
 
 class Params:

@@ -14,7 +14,6 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from types import MethodType
 from typing import Any, cast
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from devicectx import _compiled, _mismatch, _move
 from devicectx._context import active_device, current_device, pop_nested, push_nested
 from devicectx._inputs import Held, scan
-from devicectx._params import Params
+from devicectx._params import Params, self_offset
 from devicectx._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx._resolve import DeviceLike
 from devicectx._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
@@ -130,7 +129,7 @@ class Plan:
         if instance is not None and isinstance(instance, _Module):
             module = instance
         if module is not None and uniform:
-            offset = 1 if instance is not None and type(wrapped) is MethodType else 0
+            offset = self_offset(wrapped, instance)
             requested = target if option is not None else None
             target = self._target(module, requested, instance, args, kwargs, offset)
         if uniform and (first is None or target is None or first == target):
@@ -178,7 +177,7 @@ class Plan:
             (``None``: leave it).
         """
         __tracebackhide__ = True
-        offset = 1 if instance is not None and type(wrapped) is MethodType else 0
+        offset = self_offset(wrapped, instance)
         held = None if self.exclude is None else Held(self.exclude, args, kwargs, offset)
         seen_args, seen_kwargs = (args, kwargs) if held is None else (held.args, held.kwargs)
         option = self.device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import gc
 import inspect
 import multiprocessing
@@ -614,15 +615,53 @@ def test_exclude_varargs_and_varkw() -> None:
     )
 
 
-def test_exclude_on_a_method_counts_from_after_self() -> None:
-    """For a method, positions are counted without ``self``."""
+class Holder:
+    """Each kind of method, with ``keep`` excluded; ``check`` moves nothing."""
 
-    class Holder:
-        @device_agnostic(device="meta", exclude=("keep",))
-        def run(self, x: torch.Tensor, keep: torch.Tensor) -> list[torch.device]:
-            return devices_of(x, keep)
+    @device_agnostic(device="meta", exclude=("keep",))
+    def run(self, x: torch.Tensor, keep: torch.Tensor) -> list[torch.device]:
+        return devices_of(x, keep)
 
-    assert [META, CPU] == Holder().run(torch.ones(1), torch.ones(1))
+    @device_agnostic(device="meta", exclude=("keep",))
+    @classmethod
+    def run_class(cls, x: torch.Tensor, keep: torch.Tensor) -> list[torch.device]:
+        return devices_of(x, keep)
+
+    @device_agnostic(device="meta", exclude=("keep",))
+    @staticmethod
+    def run_static(x: torch.Tensor, keep: torch.Tensor) -> list[torch.device]:
+        return devices_of(x, keep)
+
+    @device_agnostic(device="meta", move=False)
+    def check(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        pass
+
+
+HOLDER = Holder()
+BINDING_FORMS: dict[str, Callable[..., Any]] = {
+    "holder.run": HOLDER.run,
+    "Holder.run(holder, ...)": functools.partial(Holder.run, HOLDER),
+    "Holder.run_class": Holder.run_class,
+    "holder.run_class": HOLDER.run_class,
+    "Holder.run_static": Holder.run_static,
+    "holder.run_static": HOLDER.run_static,
+}
+
+
+@pytest.mark.parametrize("form", BINDING_FORMS)
+def test_exclude_on_a_method_counts_from_after_self(form: str) -> None:
+    """For a method, positions are counted without ``self`` (or ``cls``), however it is
+    called: through the class with the instance first too, where wrapt binds it."""
+    assert [META, CPU] == BINDING_FORMS[form](torch.ones(1), torch.ones(1))
+
+
+@pytest.mark.parametrize("form", ["holder.check", "Holder.check(holder, ...)"])
+def test_mismatch_on_a_method_names_the_arguments_after_self(form: str) -> None:
+    """A method's arguments keep their names in the error, however it is called."""
+    check = HOLDER.check if form == "holder.check" else functools.partial(Holder.check, HOLDER)
+    with pytest.raises(DeviceMismatchError) as error:
+        check(torch.ones(1, device="meta"), torch.ones(1))
+    assert {META: ["x"], CPU: ["y"]} == error.value.devices
 
 
 def test_exclude_unknown_name_is_refused() -> None:
