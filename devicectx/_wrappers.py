@@ -42,7 +42,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from types import FunctionType
-from typing import Any, SupportsIndex, cast
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import torch
 import wrapt
@@ -58,6 +58,14 @@ _PYTHON_BINDING = isinstance(_wrapt_get, FunctionType)
 _is_traced = torch.compiler.is_dynamo_compiling  # False but where dynamo traces the call
 # The bindings for which wrapt calls an unbound wrapper with ``wrapped.__self__``.
 _SELF_BINDINGS = frozenset({"function", "instancemethod", "callable", "classmethod"})
+
+# wrapt's wrappers are generic from wrapt 2.0 on; the 1.x classes cannot be subscripted.
+if TYPE_CHECKING:
+    _FunctionWrapper = wrapt.FunctionWrapper[..., Any]
+    _BoundFunctionWrapper = wrapt.BoundFunctionWrapper[..., Any]
+else:
+    _FunctionWrapper = wrapt.FunctionWrapper
+    _BoundFunctionWrapper = wrapt.BoundFunctionWrapper
 
 
 class _Probing(threading.local):
@@ -110,7 +118,7 @@ def _decorate(function: Callable[..., Any], **options: Any) -> Any:
     return wrap(function, Plan(function, **options))
 
 
-class _BoundWrapper(wrapt.BoundFunctionWrapper[..., Any]):
+class _BoundWrapper(_BoundFunctionWrapper):
     """A decorated method bound to its instance (or class): pickled and copied as a bound
     method is, by looking the name up again on the instance (deep-copied, for deepcopy)."""
 
@@ -121,13 +129,19 @@ class _BoundWrapper(wrapt.BoundFunctionWrapper[..., Any]):
         # wrapt would answer with the parent's (the entry, unbound): bind it as this is.
         entry: Callable[..., Any] = self._self_parent._self_entry
         if self._self_binding == "classmethod":
-            return functools.partial(entry, self._self_owner)
+            return functools.partial(entry, self._owner())
         instance = self._self_instance
         return entry if instance is None else functools.partial(entry, instance)
 
+    def _owner(self) -> object:
+        # wrapt 2 keeps the class the method was reached through; for wrapt 1, that of a
+        # classmethod is its bound function's ``__self__``.
+        owner = getattr(self, "_self_owner", None)
+        return getattr(self.__wrapped__, "__self__", None) if owner is None else owner
+
     def _bound_to(self) -> object:
         instance = self._self_instance  # None where reached through the class
-        return self._self_owner if instance is None else instance
+        return self._owner() if instance is None else instance
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         return getattr, (self._bound_to(), self.__name__)
@@ -139,7 +153,7 @@ class _BoundWrapper(wrapt.BoundFunctionWrapper[..., Any]):
         return getattr(copy.deepcopy(self._bound_to(), memo), self.__name__)
 
 
-class DeviceAgnosticWrapper(wrapt.FunctionWrapper[..., Any]):
+class DeviceAgnosticWrapper(_FunctionWrapper):
     """The object ``@device_agnostic`` returns: a wrapt ``FunctionWrapper`` dynamo can see."""
 
     __class__ = property(_class_of)

@@ -373,9 +373,9 @@ def test_cuda_scopes_compile_with_fullgraph() -> None:
 # --- wrapt without its C extension -------------------------------------------------------
 
 _PURE_WRAPT = """
-import torch, wrapt
+import torch, wrapt, wrapt.wrappers
 from devicectx import device_agnostic
-assert wrapt.FunctionWrapper.__module__ == "wrapt.wrappers", "wrapt's C extension is in use"
+assert wrapt.FunctionWrapper is wrapt.wrappers.FunctionWrapper, "wrapt's C extension is in use"
 
 @device_agnostic(device="meta")
 def scaled(x):
