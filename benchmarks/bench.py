@@ -375,6 +375,13 @@ def section_scope(config: Config) -> tuple[Section, list[Row]]:
     case, bert_rows = _scoped_bert(config)
     cases["BERT forward"] = case
     rows.extend(bert_rows)
+    if torch.accelerator.is_available():
+        kind = torch.accelerator.current_accelerator()
+        assert kind is not None
+        device = torch.device(kind.type, torch.accelerator.current_device_index())
+        case, bert_rows = _accelerator_bert(config, device)
+        cases["BERT forward on the accelerator"] = case
+        rows.extend(bert_rows)
     return {"default_device": str(torch.get_default_device()), "cases": cases}, rows
 
 
@@ -422,6 +429,59 @@ def _scoped_bert(config: Config) -> tuple[Section, list[Row]]:
               missing=_missing(measured["decorated(scope=False)"])),
     ]  # fmt: skip
     return {"label": label, "subjects": as_json(measured)}, rows
+
+
+def _accelerator_bert(config: Config, device: torch.device) -> tuple[Section, list[Row]]:
+    """Issue 15's first row: a BERT forward on the accelerator, the CPU torch's default (the
+    usual case), each call waited for: plain, inside torch's scope and ours, decorated."""
+    from transformers import BertConfig, BertModel
+
+    bert_config = BertConfig(hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
+                             intermediate_size=512, vocab_size=1000)  # fmt: skip
+    torch.manual_seed(0)
+    plain = BertModel(bert_config).eval().to(device)
+    decorated = _decorated_bert(BertModel, bert_config, scope=True).to(device)
+    unscoped = _decorated_bert(BertModel, bert_config, scope=False).to(device)
+    ids = torch.randint(0, 1000, (8, 64), device=device)
+    subjects = {
+        "no scope": Subject(functools.partial(_waited, plain, ids)),
+        f"torch.device({device})": Subject(
+            functools.partial(_waited, plain, ids), lambda: torch.device(device)
+        ),
+        f"on_device({device})": Subject(
+            functools.partial(_waited, plain, ids), lambda: on_device(device)
+        ),
+        "@device_agnostic": Subject(functools.partial(_waited, decorated, ids)),
+        "@device_agnostic(scope=False)": Subject(functools.partial(_waited, unscoped, ids)),
+    }
+    with torch.no_grad():
+        measured = measure_group(subjects, config)
+    m = {name: measured[name].median_ns for name in subjects}
+    label = f"BERT forward on {device} (4 layers, hidden 128, batch 8x64), cpu default"
+    peers = f"no scope {fmt_ns(m['no scope'])}; "
+    peers += f"torch.device({device}) {fmt_ns(m[f'torch.device({device})'])}"
+    rows = [
+        judge("3 scope", f"{label}, inside on_device({device})", m[f"on_device({device})"],
+              peers, m["no scope"], "no scope", 1.05,
+              missing=_missing(measured[f"on_device({device})"])),
+        judge("3 scope", f"{label}, @device_agnostic", m["@device_agnostic"], peers,
+              m["no scope"], "no scope", 1.05, missing=_missing(measured["@device_agnostic"])),
+        judge("3 scope", f"{label}, @device_agnostic(scope=False)",
+              m["@device_agnostic(scope=False)"], peers, m["no scope"], "no scope", 1.02,
+              missing=_missing(measured["@device_agnostic(scope=False)"])),
+    ]  # fmt: skip
+    return {"label": label, "device": str(device), "subjects": as_json(measured)}, rows
+
+
+def _waited(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], Any]:
+    """A call of ``model(ids)`` that returns once the accelerator has run it."""
+
+    def call() -> Any:
+        out = model(ids)
+        torch.accelerator.synchronize()
+        return out
+
+    return call
 
 
 def _decorated_bert(base: type[torch.nn.Module], config: Any, *, scope: bool) -> torch.nn.Module:
