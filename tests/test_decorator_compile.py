@@ -25,6 +25,8 @@ from devicectx import DeviceMismatchError, _compiled, _probe, _wrappers, device_
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
+# Each test moves the same inputs eagerly, then compiled, then again: on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")
 Unsupported = torch._dynamo.exc.Unsupported
 
 

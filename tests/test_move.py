@@ -754,6 +754,8 @@ def test_depth_beyond_the_recursion_limit() -> None:
 # skip=.
 
 
+# The same inputs moved again, on purpose.
+@pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")
 def test_skip_forms() -> None:
     """skip takes a type, a key, a path, a predicate, or a list of them."""
     batch = {

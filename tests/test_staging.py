@@ -364,6 +364,8 @@ def test_no_staging_with_coalesce_false_or_a_skip_by_key() -> None:
         assert 0 < host.pool.held_bytes
 
 
+# The same inputs moved again, on purpose.
+@pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")
 def test_the_decorator_stages_its_inputs_unless_told_not_to() -> None:
     """``@device_agnostic`` stages a call's many input tensors, and with ``coalesce=False``
     moves them one by one, to the same results."""
