@@ -6,8 +6,8 @@ in the thread then makes a trip through Python to reach it, although the mode ch
 the few dozen constructors (pytorch/pytorch#92701: a 4.5x slower ``mm`` launch). Here the
 constructors themselves are replaced, in the torch modules that hold them, by wrappers that
 fill in ``device=`` and call the original: every other call costs what it costs outside a
-scope, and a constructor costs a Python call instead of a mode dispatch (0.7 µs, against
-2 µs for the mode, on a 2-core CPU).
+scope, and a constructor costs a Python call instead of a mode dispatch (1.5 µs, about
+what the mode costs it, on a 2-core CPU).
 
 The wrappers are put in place when the first scope of the process opens and taken away when
 the last one closes (2 µs each way), so a process, or a stretch of one, without scopes runs
