@@ -129,9 +129,8 @@ class Plan:
         if instance is not None and isinstance(instance, _Module):
             module = instance
         if module is not None and uniform:
-            offset = self_offset(wrapped, instance)
             requested = target if option is not None else None
-            target = self._target(module, requested, instance, args, kwargs, offset)
+            target = self._target(module, requested, wrapped, instance, args, kwargs)
         if uniform and (first is None or target is None or first == target):
             if target is None:
                 target = first
@@ -190,7 +189,7 @@ class Plan:
             module = instance
         if module is not None:  # rule 2, between them
             requested = target if option is not None else None
-            target = self._target(module, requested, instance, args, kwargs, offset)
+            target = self._target(module, requested, wrapped, instance, args, kwargs)
         home = first
         if not uniform:  # the slow path: which tensors are where, by name
             found = self._found(seen_args, seen_kwargs, offset)
@@ -227,14 +226,15 @@ class Plan:
         self,
         module: nn.Module,
         requested: torch.device | None,
+        wrapped: Callable[..., Any],
         instance: object,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        offset: int,
     ) -> torch.device | None:
         """Rules 1 to 3 where a module is involved; ``None`` leaves the choice to the inputs.
 
-        ``requested`` is the decorator's ``device=``, already resolved for this call.
+        ``requested`` is the decorator's ``device=``, already resolved for this call. The
+        arguments' names are worked out only for an error (this runs on every forward).
         """
         __tracebackhide__ = True
         option, target = self.device, requested
@@ -242,6 +242,7 @@ class Plan:
         if device is Spread.SPREAD or (
             device is not None and target is not None and device != target
         ):
+            offset = self_offset(wrapped, instance)
             name = self._module_name(module, instance, args, kwargs, offset)
             reason = option.reason() if option is not None else "a module must be on one device"
             found = module_devices(unwrap(module), name)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -134,10 +135,17 @@ class _BoundWrapper(_BoundFunctionWrapper):
         return entry if instance is None else functools.partial(entry, instance)
 
     def _owner(self) -> object:
-        # wrapt 2 keeps the class the method was reached through; for wrapt 1, that of a
-        # classmethod is its bound function's ``__self__``.
+        """The class the method was reached through: wrapt 2 keeps it; for wrapt 1, a
+        classmethod's bound function has it as ``__self__``, and a function's class is
+        found by its qualified name, as pickle finds a class."""
         owner = getattr(self, "_self_owner", None)
-        return getattr(self.__wrapped__, "__self__", None) if owner is None else owner
+        if owner is None:
+            owner = getattr(self.__wrapped__, "__self__", None)
+        if owner is None:
+            owner = sys.modules.get(self.__module__)
+            for name in self.__qualname__.split(".")[:-1]:
+                owner = getattr(owner, name, None)
+        return owner
 
     def _bound_to(self) -> object:
         instance = self._self_instance  # None where reached through the class

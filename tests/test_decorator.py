@@ -965,6 +965,8 @@ def test_bound_methods_pickle_as_methods_do() -> None:
     assert (Maker, "meta") == pickle.loads(pickle.dumps(Maker.make))(1)
     assert (Maker, "meta") == pickle.loads(pickle.dumps(Maker().make))(1)
     assert "meta" == pickle.loads(pickle.dumps(Maker().make_static))(1)
+    through_class = pickle.loads(pickle.dumps(Holder.run))  # wrapt 1 keeps no owner here
+    assert [META, CPU] == through_class(HOLDER, torch.ones(1), torch.ones(1))
 
 
 def test_bound_methods_copy_as_methods_do() -> None:
