@@ -16,12 +16,17 @@ The accelerator is torch's current one (as :func:`devicectx._resolve.accelerator
 asks the driver, the one place that does); pinned memory comes from
 ``torch.empty(..., pin_memory=True)``, which pins for it, events from ``torch.Event`` and
 streams from ``torch.accelerator.current_stream``: all there since torch 2.6, the floor.
-Where pinning fails (no pinned allocator for that accelerator), :func:`host_for` says
-None and moves go tensor by tensor.
+Where pinning fails (no pinned allocator for that accelerator, or a transient failure:
+pinned memory exhausted, a graph being captured), :func:`host_for` says None and moves go
+tensor by tensor; a failure is asked again after a back-off of moves (64, doubling to
+65,536), never cached for the process. Allocations (the probe, a chunk) are made with the
+move's target device current, so that a first move to ``cuda:k`` creates no context on
+another GPU (torch pins through the current device's context).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -82,50 +87,71 @@ class Pool:
         self.generation = 0
         self.free: list[Chunk] = []  # in the order they were given back: oldest first
         self.changed = threading.Condition(threading.Lock())
+        self.backoff = Backoff()  # after a chunk could not be allocated
 
-    def acquire(self) -> Chunk:
+    def acquire(self, device: torch.device | None = None) -> Chunk:
         """A chunk for this move alone, whose earlier copies have all finished.
 
         A finished chunk if there is one; else a new one while the pool is under its
-        limit; else the chunk given back first, once its event says its copies are done.
-        Blocks only when every chunk is held by another thread's move, until one comes back.
+        limit (allocated with ``device`` current); else the chunk given back first, once
+        its event says its copies are done. Blocks only when every chunk is held by
+        another thread's move, until one comes back. Where a new chunk cannot be
+        allocated, it waits for one held, as if the pool were full, and raises only where
+        the pool holds none (the allocator's error; the pool then backs off).
         """
         with self.changed:
             while True:
                 for index, chunk in enumerate(self.free):
                     if chunk.event is None or chunk.event.query():
                         return self.free.pop(index)
-                if self.held_bytes + self.chunk_bytes <= self.limit_bytes:
-                    # Not an inference tensor, even for a move in inference mode: later
-                    # moves outside it write into the buffer.
-                    with torch.inference_mode(False):
-                        buffer = self.allocate(self.chunk_bytes)
-                    self.held_bytes += self.chunk_bytes
-                    return Chunk(buffer, self.generation)
+                room = self.held_bytes + self.chunk_bytes <= self.limit_bytes
+                if room and self.backoff.ready():
+                    try:
+                        # Not an inference tensor, even for a move in inference mode:
+                        # later moves outside it write into the buffer.
+                        with torch.inference_mode(False), current(device):
+                            buffer = self.allocate(self.chunk_bytes)
+                    except Exception:
+                        self.backoff.failed()
+                        if not self.held_bytes:
+                            raise
+                    else:
+                        self.backoff.succeeded()
+                        self.held_bytes += self.chunk_bytes
+                        return Chunk(buffer, self.generation)
                 if self.free:
                     oldest = self.free.pop(0)
                     break
+                if not self.held_bytes:  # released meanwhile, and backing off
+                    msg = "no pinned staging memory: an allocation failed recently"
+                    raise RuntimeError(msg)
                 self.changed.wait()
         oldest.event.synchronize()  # waits for that chunk's copies, not for the device
         return oldest
 
-    def release(self, chunk: Chunk, device: torch.device | None, stream: Any) -> None:
+    def release(self, chunk: Chunk, device: torch.device | None, stream: Any) -> Event | None:
         """Give ``chunk`` back, with an event recorded on ``stream`` after its copies.
 
         ``device`` and ``stream``: where the copies were queued; None where they have
         all finished already (a blocking copy, or one the caller has waited for).
+
+        Returns the event recorded (None where none was): read here, before the chunk is
+        back in the free list, since another thread's move may record it again at once.
         """
+        event = None
         if device is not None:
             if chunk.event is None or chunk.event_device != device:
                 chunk.event = self.new_event(device)  # an event records on its own device only
                 chunk.event_device = device
-            chunk.event.record(stream)
+            event = chunk.event
+            event.record(stream)
         with self.changed:
             if chunk.generation == self.generation:
                 self.free.append(chunk)
             else:  # released meanwhile: torch's pinned allocator keeps it till its copies end
                 self.held_bytes -= self.chunk_bytes
             self.changed.notify()
+        return event
 
     def clear(self) -> int:
         """Drop every chunk not in use now, and those in use when they come back; the
@@ -139,47 +165,130 @@ class Pool:
 
 
 class Host:
-    """What a staged move needs for one accelerator type: its pool, streams, pinning."""
+    """What a staged move needs for one accelerator type: its pool, streams, pinning.
 
-    __slots__ = ("pinned", "pool", "stream")
+    ``stream(device)`` is the device's current stream, where the copies are queued;
+    ``pinned(tensor)`` whether a host tensor is pinned; ``idle(device)`` whether the
+    current stream has finished all the work queued on it (a query, not a wait): where it
+    has not, a pinned source may still be the target of a copy from the device queued
+    there (``.to("cpu", non_blocking=True)`` hands back pinned memory), which the host
+    must not read before the stream gets there.
+    """
+
+    __slots__ = ("idle", "pinned", "pool", "stream")
 
     def __init__(
         self,
         pool: Pool,
         stream: Callable[[torch.device], Any],
         pinned: Callable[[torch.Tensor], bool],
+        idle: Callable[[torch.device], bool] | None = None,
     ) -> None:
         self.pool = pool
         self.stream = stream
         self.pinned = pinned
+        self.idle = idle or _always_idle
+
+
+def _always_idle(device: torch.device) -> bool:
+    return True
+
+
+class Backoff:
+    """After a failure, skip the next 64 tries, then 128, ... up to 65,536: a transient
+    failure (pinned memory exhausted for a while, a graph capture) is retried, and a
+    lasting one costs one try in many."""
+
+    __slots__ = ("skip", "wait")
+
+    FIRST, LAST = 64, 65_536
+
+    def __init__(self) -> None:
+        self.skip = 0  # tries still to skip
+        self.wait = 0  # the skip set at the last failure
+
+    def ready(self) -> bool:
+        """Whether to try now; a False counts as a try skipped."""
+        if not self.skip:
+            return True
+        self.skip -= 1
+        return False
+
+    def failed(self) -> None:
+        self.wait = min(self.wait * 2, self.LAST) if self.wait else self.FIRST
+        self.skip = self.wait
+
+    def succeeded(self) -> None:
+        self.skip = self.wait = 0
+
+
+def current(device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
+    """``device`` made its accelerator's current device for a block (a no-op for None or
+    a device without an index). Restored after without creating a context on the device
+    restored, as ``torch.cuda.device`` does (``torch.accelerator.device_index`` from
+    torch 2.8; before it, the accelerator module's own ``device`` context)."""
+    if device is None or device.index is None or device.type in ("cpu", "meta"):
+        return contextlib.nullcontext()
+    guard = getattr(torch.accelerator, "device_index", None)
+    if guard is None:
+        guard = getattr(getattr(torch, device.type, None), "device", None)
+    return contextlib.nullcontext() if guard is None else guard(device.index)
 
 
 _HOSTS: dict[str, Host | None] = {}
+_BACKOFF: dict[str, Backoff] = {}  # for the types whose probe failed
 _LOCK = threading.Lock()
 
 
-def host_for(device_type: str, chunk_bytes: int, limit_bytes: int) -> Host | None:
-    """The :class:`Host` for an accelerator type; None where its memory cannot be pinned
-    (it is not torch's current accelerator, or has no pinned allocator). Worked out once."""
+def host_for(
+    device_type: str, chunk_bytes: int, limit_bytes: int, device: torch.device | None = None
+) -> Host | None:
+    """The :class:`Host` for an accelerator type; None where its memory cannot be pinned.
+
+    Worked out once where the type is not torch's current accelerator (torch pins for
+    that one alone); a probe that fails (no pinned allocator, or none for now) is tried
+    again after a back-off. ``device``: the move's target, made current for the probe.
+    """
     try:
         return _HOSTS[device_type]
     except KeyError:
         pass
     with _LOCK:
-        if device_type not in _HOSTS:
-            _HOSTS[device_type] = _make_host(device_type, chunk_bytes, limit_bytes)
-        return _HOSTS[device_type]
-
-
-def _make_host(device_type: str, chunk_bytes: int, limit_bytes: int) -> Host | None:
-    try:
-        if accelerator_type() != device_type:  # torch pins for its current accelerator only
+        if device_type in _HOSTS:
+            return _HOSTS[device_type]
+        try:
+            current_type = accelerator_type()
+        except Exception:  # no accelerator runtime
+            current_type = None
+        if current_type != device_type:  # torch pins for its current accelerator only
+            _HOSTS[device_type] = None
             return None
-        torch.empty(1, dtype=torch.uint8, pin_memory=True)  # the allocator is there
-    except Exception:  # no accelerator runtime, or no pinned allocator for it
-        return None
-    pool = Pool(_pinned_buffer, _new_event, chunk_bytes, limit_bytes)
-    return Host(pool, torch.accelerator.current_stream, _is_pinned)
+        backoff = _BACKOFF.setdefault(device_type, Backoff())
+        if not backoff.ready():
+            return None
+        try:
+            with current(device):
+                _pinned_buffer(1)  # the allocator is there
+        except Exception:  # no pinned allocator for it, or none for now
+            backoff.failed()
+            return None
+        del _BACKOFF[device_type]
+        pool = Pool(_pinned_buffer, _new_event, chunk_bytes, limit_bytes)
+        _HOSTS[device_type] = host = Host(pool, _current_stream, _is_pinned, _idle)
+        return host
+
+
+def never(device_type: str) -> bool:
+    """Whether :func:`host_for` settled that ``device_type`` has no host, for good."""
+    return device_type in _HOSTS and _HOSTS[device_type] is None
+
+
+def _current_stream(device: torch.device) -> Any:
+    return torch.accelerator.current_stream(device)
+
+
+def _idle(device: torch.device) -> bool:
+    return bool(torch.accelerator.current_stream(device).query())
 
 
 def _pinned_buffer(nbytes: int) -> torch.Tensor:
@@ -253,6 +362,7 @@ def _forget_in_child() -> None:
     _LOCK = threading.Lock()
     _ORPHANS.extend(_HOSTS.values())
     _HOSTS.clear()
+    _BACKOFF.clear()
 
 
 if hasattr(os, "register_at_fork"):

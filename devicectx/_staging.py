@@ -198,10 +198,15 @@ def stage(
         kind = _accelerator_type() if device.type == "cpu" else device.type
         host = None
         if kind is not None and kind not in _NEVER_TYPES:  # not back from MPS either
-            host = _pinned.host_for(kind, thresholds.chunk_bytes, thresholds.pool_bytes)
+            host = _pinned.host_for(
+                kind, thresholds.chunk_bytes, thresholds.pool_bytes, _index_of(device, kind)
+            )
         if host is None:
-            NEVER.add(device)
+            if kind is None or kind in _NEVER_TYPES or _pinned.never(kind):
+                NEVER.add(device)  # for good; else a failed probe, tried again later
             return None
+    if not host.pool.held_bytes and not host.pool.backoff.ready():
+        return None  # no chunk, and a recent allocation failed: per tensor, at no cost
     try:
         found, inside, keep = collect(obj, skip_types)
     except Exception:  # a container's own code: the move reports it, with its path
@@ -224,6 +229,12 @@ def stage(
     sent.extend(found[source] for source in results)
     keep.append(found)
     return keep
+
+
+def _index_of(device: torch.device, kind: str) -> torch.device | None:
+    """The accelerator device a move's allocations are made for: the target, or for a
+    move back to the host, none in particular (the current one)."""
+    return device if device.type == kind else None
 
 
 def _large(found: dict[int, torch.Tensor], thresholds: Thresholds) -> bool:
@@ -470,17 +481,35 @@ def _pack(typed: torch.Tensor, offset: int, run: _Run) -> None:
         torch.stack(members, out=_slots(typed, offset, run))
 
 
-def _unpack(typed: torch.Tensor, run: _Run, results: dict[int, torch.Tensor]) -> None:
-    members = run[4]
-    if run[2] is None:  # shapes vary
-        at = run[0] // typed.element_size()
+def _unpack(region: torch.Tensor, run: _Run, results: dict[int, torch.Tensor]) -> None:
+    """Each tensor of ``run`` as it lies in ``region`` (bytes, at offset 0): a tensor with
+    a storage of its own, over its own bytes of the region's memory.
+
+    Not views of the region (an ``unbind`` of the run's stack would give views that autograd
+    calls multi-output, which refuse in-place ops with grad operands, and whose
+    ``resize_`` would grow into a neighbour): each storage is a slice of the region's,
+    which keeps the region's memory alive and cannot be resized, so the tensor is what
+    ``.to`` returns (``_base`` None, in-place ops allowed) but for ``resize_`` past its
+    size, which raises.
+    """
+    at, dtype, shape, stride, members = run
+    device = region.device
+    if device.type == "meta":  # the test seam's target: no memory to share
         for member in members:
-            results[id(member)] = typed.as_strided(member.shape, member.stride(), at)
-            at += member.numel()
-    elif len(members) == 1:
-        results[id(members[0])] = _slots(typed, 0, run)
-    else:
-        results.update(zip(map(id, members), _slots(typed, 0, run).unbind(0), strict=True))
+            results[id(member)] = torch.empty_strided(
+                member.shape, member.stride(), dtype=dtype, device=device
+            )
+        return
+    storage = region.untyped_storage()
+    for member in members:
+        nbytes = member.nbytes
+        own = torch.empty(0, dtype=dtype, device=device)
+        if shape is None:
+            shape_, stride_ = member.shape, member.stride()
+        else:
+            shape_, stride_ = shape, stride  # type: ignore[assignment]
+        results[id(member)] = own.set_(storage[at : at + nbytes], 0, shape_, stride_)
+        at += nbytes
 
 
 class _Typed:
@@ -511,9 +540,20 @@ def to_accelerator(
     host: _pinned.Host,
 ) -> dict[int, torch.Tensor]:
     """Host tensors of ``found`` on ``device``, staged: ``{id(source): result}``; empty
-    where staging would not pay (see :class:`Thresholds`)."""
+    where staging would not pay (see :class:`Thresholds`).
+
+    Pinned sources are packed only while the device's current stream is idle: else a
+    copy from the device into one may still be queued there (``.to("cpu",
+    non_blocking=True)`` returns pinned memory before the copy lands), and the host would
+    read it too early. They then move one by one, with ``.to``, ordered on that stream.
+    """
+    pinned: dict[int, bool] = {}  # id -> is_pinned(), asked once a move
+    if not _worth(found, thresholds, host, pinned):
+        return {}
     groups, larger = _sort(found, inside, _on_host, thresholds.share_max_bytes)
-    streamed = [tensor for tensor in larger if not host.pinned(tensor)]  # pinned: as fast alone
+    if not host.idle(device):
+        groups = _unpinned(groups, host, pinned)
+    streamed = [tensor for tensor in larger if not _is_pinned(tensor, host, pinned)]
     if (
         sum(map(len, groups.values())) < thresholds.min_tensors
         and sum(tensor.nbytes for tensor in streamed) < thresholds.stage_min_bytes
@@ -530,9 +570,8 @@ def to_accelerator(
             # copy=True: a new tensor even where the target is the host itself (tests).
             region = chunk.buffer[start : start + padded].to(device, non_blocking=True, copy=True)
             sender.used(padded)
-            typed = _Typed(region)
             for run in runs:
-                _unpack(typed(run[1]), run, results)
+                _unpack(region, run, results)
         for tensor in streamed:
             results[id(tensor)] = sender.alone(tensor)
     finally:
@@ -540,6 +579,51 @@ def to_accelerator(
     if not non_blocking and event is not None:
         event.synchronize()  # as .to(non_blocking=False): the copies have landed
     return results
+
+
+def _worth(
+    found: dict[int, torch.Tensor],
+    thresholds: Thresholds,
+    host: _pinned.Host,
+    pinned: dict[int, bool],
+) -> bool:
+    """Whether a staged move may pay, asked before the sort in one cheap pass: at least
+    ``min_tensors`` small tensors, or ``stage_min_bytes`` of larger ones in pageable
+    memory. It may say yes where the sort then finds less (tensors that require grad,
+    say), never no where the sort would find enough: a move it declines pays this pass
+    alone (and one ``is_pinned`` per larger host tensor, kept in ``pinned``)."""
+    small = pageable = 0
+    share_max, enough_small = thresholds.share_max_bytes, thresholds.min_tensors
+    for tensor in found.values():
+        nbytes = tensor.nbytes
+        if nbytes <= share_max:
+            small += 1
+            if small >= enough_small:
+                return True
+        elif tensor.is_cpu and not _is_pinned(tensor, host, pinned):
+            pageable += nbytes
+            if pageable >= thresholds.stage_min_bytes:
+                return True
+    return False
+
+
+def _is_pinned(tensor: torch.Tensor, host: _pinned.Host, pinned: dict[int, bool]) -> bool:
+    known = pinned.get(id(tensor))
+    if known is None:
+        known = pinned[id(tensor)] = host.pinned(tensor)
+    return known
+
+
+def _unpinned(
+    groups: dict[_Key, list[torch.Tensor]], host: _pinned.Host, pinned: dict[int, bool]
+) -> dict[_Key, list[torch.Tensor]]:
+    """``groups`` without their pinned tensors."""
+    kept: dict[_Key, list[torch.Tensor]] = {}
+    for key, members in groups.items():
+        pageable = [tensor for tensor in members if not _is_pinned(tensor, host, pinned)]
+        if pageable:
+            kept[key] = pageable
+    return kept
 
 
 class _Sender:
@@ -598,15 +682,14 @@ class _Sender:
         if self.chunk is not None:
             self.host.pool.release(self.chunk, self.device, self.stream)
         self.chunk = None
-        self.chunk = self.host.pool.acquire()
+        self.chunk = self.host.pool.acquire(self.device)
 
     def done(self) -> Any:
         """Give the chunk back; the event after this move's copies (None if none)."""
         chunk, self.chunk = self.chunk, None
         if chunk is None:
             return None
-        self.host.pool.release(chunk, self.device, self.stream)
-        return chunk.event
+        return self.host.pool.release(chunk, self.device, self.stream)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -650,9 +733,9 @@ def to_host(
                 staging = chunk.buffer[:used]
                 staging.copy_(packed.buffer)  # blocking: the host reads it next
                 for start, padded, runs in batch:
-                    region = _Typed(staging[start : start + padded].clone())  # its own memory
+                    region = staging[start : start + padded].clone()  # its own memory
                     for run in runs:
-                        _unpack(region(run[1]), run, results)
+                        _unpack(region, run, results)
             finally:
                 host.pool.release(chunk, None, None)
     return results

@@ -11,9 +11,11 @@ take the real path.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -223,14 +225,18 @@ def test_a_tensor_larger_than_a_chunk_streams_through_several() -> None:
 
 
 def test_small_tensors_share_regions_of_bounded_size() -> None:
-    """Small tensors come back as views of shared regions, each at most the shared size;
-    one region per shared size of them."""
+    """Small tensors come back each with a storage of its own (its own bytes, not
+    resizable), over regions of memory shared by several, each at most the shared size."""
     sources = [torch.full((4,), float(i)) for i in range(40)]  # 16 bytes each, 640 in all
     with _staging.forced() as host:
         _, results = staged_into(sources, CPU, host)
-    storages = {results[id(t)].untyped_storage().data_ptr() for t in sources}
-    assert 3 == len(storages)  # 256, 256 and 128 bytes
-    assert all(results[id(t)].untyped_storage().nbytes() <= 256 for t in sources)
+    storages = [results[id(t)].untyped_storage() for t in sources]
+    assert [16] * 40 == [storage.nbytes() for storage in storages]
+    assert not any(storage.resizable() for storage in storages)
+    addresses = sorted(storage.data_ptr() for storage in storages)
+    # Side by side within a region; two allocations never touch (the allocator's headers).
+    regions = 1 + sum(b - a != 16 for a, b in pairwise(addresses))
+    assert 3 == regions  # 256, 256 and 128 bytes
     assert all(torch.equal(t, results[id(t)]) for t in sources)
 
 
@@ -440,6 +446,92 @@ def test_larger_pinned_tensors_are_sent_directly() -> None:
     assert {id(small)} == staged_ids([small, large], pinned=lambda tensor: True)
 
 
+def test_pinned_sources_are_packed_only_while_the_stream_is_idle() -> None:
+    """A pinned source may be the target of a copy from the device still queued on the
+    stream (``.to("cpu", non_blocking=True)`` returns pinned memory at once): while the
+    stream has work queued, pinned sources are left to ``.to``, which is ordered after
+    it; pageable ones are packed as before. With the stream idle, all are packed."""
+    pinned = [torch.full((2,), float(i)) for i in range(4)]
+    pageable = [torch.full((2,), float(i)) for i in range(4, 8)]
+    ids = {id(t) for t in pinned}
+
+    def staged_with(idle: bool) -> set[int]:
+        pool = _pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096)
+        host = _pinned.Host(pool, _staging._no_stream, lambda t: id(t) in ids, lambda device: idle)
+        found, inside, _ = collect([*pinned, *pageable])
+        return set(_staging.to_accelerator(found, inside, CPU, False, SMALL, host))
+
+    assert {id(t) for t in pageable} == staged_with(idle=False)
+    assert {id(t) for t in [*pinned, *pageable]} == staged_with(idle=True)
+
+
+def test_a_declined_move_pays_no_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch staging would not pay for (3 small tensors, the larger ones pinned) is
+    declined before the sort, asking ``is_pinned`` once per larger tensor and never of
+    the small ones."""
+    small = [torch.zeros(2) for _ in range(3)]
+    large = [torch.zeros(100) for _ in range(3)]
+    asked: list[int] = []
+
+    def pinned(tensor: torch.Tensor) -> bool:
+        asked.append(id(tensor))
+        return True
+
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("sorted")
+
+    monkeypatch.setattr(_staging, "_sort", refuse)
+    pool = _pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096)
+    host = _pinned.Host(pool, _staging._no_stream, pinned)
+    found, inside, _ = collect({"small": small, "large": large})
+    thresholds = dataclasses.replace(SMALL, min_tensors=4, stage_min_bytes=1_000)
+    assert {} == _staging.to_accelerator(found, inside, CPU, False, thresholds, host)
+    assert sorted(map(id, large)) == sorted(asked)
+
+
+def test_the_event_of_a_move_is_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A move waits on the event recorded after its own copies, read before its chunk goes
+    back to the pool: another thread may take the chunk and record it again at once."""
+    log: list[str] = []
+    pool = pool_of(log)
+    host = _pinned.Host(pool, _staging._no_stream, _staging._never_pinned)
+    release = pool.release
+
+    def release_then_reused(chunk: _pinned.Chunk, device: Any, stream: Any) -> Any:
+        event = release(chunk, device, stream)
+        chunk.event = Pending(["another thread's"])  # taken and recorded again
+        return event
+
+    monkeypatch.setattr(pool, "release", release_then_reused)
+    sender = _staging._Sender(host, META)
+    sender.space(8, whole=True)
+    event = sender.done()
+    assert isinstance(event, Pending)
+    assert ["record"] == event.log
+
+
+def test_staged_small_tensors_are_no_views() -> None:
+    """Small tensors of one shape, staged, are independent tensors as ``.to`` makes them:
+    no ``_base``, in-place ops with grad operands work under grad mode, and ``resize_``
+    cannot reach a neighbour's bytes."""
+    sources = [torch.full((4,), float(i)) for i in range(6)]
+    with _staging.forced() as host:
+        _, results = staged_into(sources, CPU, host)
+    moved = [results[id(t)] for t in sources]
+    assert [None] * 6 == [t._base for t in moved]
+    weight = nn.Parameter(torch.full((4,), 2.0))
+    with torch.enable_grad():
+        moved[1].mul_(weight)  # 1.0 * weight
+        moved[2].copy_(weight)
+        moved[0][0] = weight.sum()
+    moved[1].sum().backward()
+    assert [1.0] * 4 == weight.grad.tolist()  # type: ignore[union-attr]
+    assert [8.0, 0.0, 0.0, 0.0] == moved[0].tolist()
+    with pytest.raises(RuntimeError, match="not resizable"):
+        moved[3].resize_(8)
+    assert torch.equal(sources[4], moved[4])
+
+
 def test_a_failure_falls_back_to_the_per_tensor_move(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside the seam, a staged move that fails leaves nothing staged: every tensor
     then moves by itself."""
@@ -459,16 +551,92 @@ def test_a_failure_falls_back_to_the_per_tensor_move(monkeypatch: pytest.MonkeyP
 
 
 def test_devices_that_cannot_stage_are_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A target without pinned memory is tested once, then never again; meta and MPS are
-    never staged to."""
+    """A target whose type is not torch's accelerator (pinned memory is pinned for that one
+    alone) is tested once, then never again; meta and MPS are never staged to."""
     assert META in _staging.NEVER
     monkeypatch.setattr(_staging, "NEVER", {META})
-    monkeypatch.setattr(_pinned, "host_for", lambda *args: None)
+    monkeypatch.setattr(_pinned, "_HOSTS", {})
+    monkeypatch.setattr(_pinned, "accelerator_type", lambda: "xpu")
     batch = [torch.zeros(1)] * 4
     cuda, mps = torch.device("cuda", 0), torch.device("mps", 0)
     assert _staging.stage(batch, cuda, False, (), {}, []) is None
     assert _staging.stage(batch, mps, False, (), {}, []) is None
     assert {META, cuda, mps} == _staging.NEVER
+
+
+def test_a_failed_probe_is_tried_again_after_a_back_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the probe of pinned memory fails (pinned memory exhausted, a graph being
+    captured), the device is not given up: the probe is skipped for the next 64 moves,
+    then tried again, and a host is made once it succeeds."""
+    probes: list[int] = []
+
+    def probe(nbytes: int) -> torch.Tensor:
+        probes.append(nbytes)
+        if len(probes) == 1:
+            raise RuntimeError("out of pinned memory")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(_staging, "NEVER", {META})
+    monkeypatch.setattr(_pinned, "_HOSTS", {})
+    monkeypatch.setattr(_pinned, "_BACKOFF", {})
+    monkeypatch.setattr(_pinned, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(_pinned, "_pinned_buffer", probe)
+    monkeypatch.setattr(_pinned, "current", lambda device: contextlib.nullcontext())
+    cuda = torch.device("cuda", 0)
+    for _ in range(1 + _pinned.Backoff.FIRST):
+        assert _pinned.host_for("cuda", 1024, 4096, cuda) is None
+    assert 1 == len(probes)
+    assert cuda not in _staging.NEVER
+    assert _pinned.host_for("cuda", 1024, 4096, cuda) is not None
+    assert 2 == len(probes)
+
+
+def test_a_failed_chunk_allocation_backs_off_then_tries_again() -> None:
+    """A pool that cannot allocate its first chunk raises (the move goes tensor by tensor),
+    then the next 64 staged moves decline at once, before any packing; the 65th tries
+    again. A pool that holds chunks already waits for one of them instead of failing."""
+    allocations: list[int] = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        allocations.append(nbytes)
+        if len(allocations) == 1:
+            raise RuntimeError("out of pinned memory")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    pool = _pinned.Pool(allocate, _staging._landed, 1024, 4096)
+    host = _pinned.Host(pool, _staging._no_stream, _staging._never_pinned)
+    batch = [torch.full((2,), float(i)) for i in range(4)]
+    found, inside, _ = collect(batch)
+    with pytest.raises(RuntimeError, match="out of pinned memory"):
+        _staging.to_accelerator(found, inside, CPU, False, SMALL, host)
+    declined = 0
+    while not pool.backoff.ready():
+        declined += 1
+    assert _pinned.Backoff.FIRST == declined
+    assert 1 == len(allocations)
+    results = _staging.to_accelerator(found, inside, CPU, False, SMALL, host)
+    assert all(torch.equal(t, results[id(t)]) for t in batch)
+    assert 2 == len(allocations)
+    pool.backoff.failed()  # as if the next allocation failed: the chunk held is reused
+    results = _staging.to_accelerator(found, inside, CPU, False, SMALL, host)
+    assert all(torch.equal(t, results[id(t)]) for t in batch)
+    assert 2 == len(allocations)
+
+
+def test_a_move_declines_at_once_while_its_pool_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stage() asks the pool's back-off before collecting anything: a pool with no chunk
+    after a failed allocation costs a move nothing."""
+    pool = _pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096)
+    pool.backoff.failed()
+    host = _pinned.Host(pool, _staging._no_stream, _staging._never_pinned)
+
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("collected while backing off")
+
+    monkeypatch.setattr(_pinned, "host_for", lambda *args: host)
+    monkeypatch.setattr(_staging, "collect", refuse)
+    assert _staging.stage([torch.zeros(2)] * 8, torch.device("cuda", 0), False, (), {}, []) is None
+    assert _pinned.Backoff.FIRST - 1 == pool.backoff.skip
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
@@ -623,6 +791,7 @@ def test_events_follow_the_device_of_the_copies() -> None:
 def test_staging_memory_is_reported_and_released() -> None:
     """staging_memory() counts the buffers kept; release_staging() lets go of them, and
     of one in use as soon as it is given back."""
+    devicectx.release_staging()  # an earlier test may have staged to an accelerator
     assert 0 == devicectx.staging_memory()
     with _staging.forced() as host:
         to_device([torch.zeros(2)] * 3, META)
