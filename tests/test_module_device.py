@@ -193,8 +193,12 @@ def test_data_replaced_on_the_checked_tensor_is_seen() -> None:
     assert CPU == module_device(net)
     net[0].weight.data = net[0].weight.data.to("cuda")
     assert SPREAD == module_device(net)
-    for parameter in net.parameters():
+    net = model()
+    assert CPU == module_device(net)
+    rest = [p for p in net.parameters() if p is not net[0].weight]
+    for parameter in rest:  # not the sample: not seen (documented), until the sample moves
         parameter.data = parameter.data.to("cuda")
+    net[0].weight.data = net[0].weight.data.to("cuda")
     assert torch.device("cuda", torch.cuda.current_device()) == module_device(net)
 
 

@@ -826,9 +826,10 @@ def test_non_blocking_false_waits_for_the_copies() -> None:
 
 
 @pytest.mark.requires_device("cuda")
-def test_staged_move_to_cuda_and_back() -> None:
-    """To CUDA and back, staged: values, dtypes, strides and memory formats kept, the
-    sources free to change at once, the pinned memory reported."""
+def test_staged_move_to_the_accelerator_and_back() -> None:
+    """To the accelerator and back, staged: values, dtypes, strides and memory formats
+    kept, pageable sources free to change at once, the pinned memory reported."""
+    device = torch.accelerator.current_accelerator()
     pageable = {
         "small": [torch.randint(0, 9, (int(n),)) for n in torch.randint(1, 50, (64,))],
         "image": torch.randn(8, 3, 64, 64).to(memory_format=torch.channels_last),
@@ -838,16 +839,34 @@ def test_staged_move_to_cuda_and_back() -> None:
     pinned = {"big": torch.randn(1_000_000).pin_memory(), "ids": torch.arange(5).pin_memory()}
     batch = {"pageable": pageable, "pinned": pinned}
     expected = [t.clone() for t in tensors_of(batch)]
-    moved = to_device(batch, "cuda", non_blocking=True)
-    for source in tensors_of(batch):
+    moved = to_device(batch, device, non_blocking=True)
+    for source in tensors_of(pageable):  # staged: copied when the move returns
         source.zero_()
-    torch.cuda.synchronize()
+    # Not the pinned ones: those may have moved with .to(non_blocking=True), whose source
+    # must not change until the copy lands.
+    torch.accelerator.synchronize()
     actual = tensors_of(moved)
-    assert [described(t.cuda()) for t in expected] == [described(t) for t in actual]
-    assert all(torch.equal(e.cuda(), a) for e, a in zip(expected, actual, strict=True))
+    assert [described(t.to(device)) for t in expected] == [described(t) for t in actual]
+    assert all(torch.equal(e.to(device), a) for e, a in zip(expected, actual, strict=True))
     assert devicectx.staging_memory() > 0
     back = to_device(moved, "cpu")
     assert all(torch.equal(e, b) for e, b in zip(expected, tensors_of(back), strict=True))
     assert [described(t) for t in expected] == [described(t) for t in tensors_of(back)]
     devicectx.release_staging()
     assert 0 == devicectx.staging_memory()
+
+
+@pytest.mark.requires_device("cuda")
+def test_a_pinned_source_with_a_copy_in_flight_is_read_after_the_copy() -> None:
+    """``y = x.to("cpu", non_blocking=True)`` hands back pinned memory before the copy
+    lands; moving ``y`` back with other small tensors gives ``x``'s values, as ``.to``
+    does, without waiting for the device."""
+    device = torch.accelerator.current_accelerator()
+    x = torch.arange(8.0, device=device)
+    for _ in range(3):  # compute queued ahead, so that the copy is likely still in flight
+        x = (x * 1.0).contiguous()
+    y = x.to("cpu", non_blocking=True)
+    small = [torch.full((1,), float(i)) for i in range(4)]
+    moved = to_device([y, *small], device)
+    assert list(range(8)) == moved[0].tolist()
+    assert [[float(i)] for i in range(4)] == [t.tolist() for t in moved[1:]]
