@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import python_output
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -870,3 +871,24 @@ def test_a_pinned_source_with_a_copy_in_flight_is_read_after_the_copy() -> None:
     moved = to_device([y, *small], device)
     assert list(range(8)) == moved[0].tolist()
     assert [[float(i)] for i in range(4)] == [t.tolist() for t in moved[1:]]
+
+
+def test_a_first_staged_move_to_another_device_creates_no_context_on_the_current() -> None:
+    """A first staged move to device 1 allocates its pinned memory with device 1 current,
+    as torch creates a context for the current device: device 0, current but never used,
+    gets none (on a GPU, 0.5 GB in every torchrun rank). In a fresh process, on the
+    emulated accelerator, which creates contexts as CUDA does."""
+    out = python_output(
+        "import torch\n"
+        "from devicectx.testing import emulated\n"
+        "try:\n"
+        "    emulated.enable()\n"
+        "except emulated.EmulatedUnavailable as error:\n"
+        "    raise SystemExit(print('unavailable:', str(error).splitlines()[0]))\n"
+        "from devicectx import to_device, staging_memory\n"
+        "moved = to_device([torch.full((1,), float(i)) for i in range(4)], 'emu:1')\n"
+        "print(staging_memory() > 0, [d.index for d in emulated.initialized_devices()])\n"
+    )
+    if out.startswith("unavailable:"):
+        pytest.skip(f"the emulated accelerator: {out}")
+    assert "True [1]" == out
