@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import subprocess
 import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
 
 
 def python_output(source: str) -> str:
@@ -17,3 +24,30 @@ def python_output(source: str) -> str:
     )
     assert 0 == done.returncode, done.stderr[-3000:]
     return done.stdout.strip()
+
+
+def placed(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every tensor of a structure the strategies build, with its position, preorder;
+    set members are left out (their order follows their hashes)."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    if isinstance(obj, (set, frozenset, str, bytes, torch.Size)):
+        return
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        pairs: Any = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, nn.utils.rnn.PackedSequence):
+        pairs = [("data", obj.data), ("sorted", obj.sorted_indices)]
+    elif isinstance(obj, (dict, collections.abc.Mapping)):
+        pairs = list(obj.items())
+    elif isinstance(obj, (list, tuple, collections.deque, collections.UserList)):
+        pairs = list(enumerate(obj))
+    else:
+        return
+    for key, child in pairs:
+        yield from placed(child, (*path, key))
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The tensors of ``obj`` that have a position, in preorder."""
+    return [tensor for _, tensor in placed(obj)]

@@ -14,13 +14,12 @@ import collections
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
 from itertools import pairwise
 from typing import Any
 
 import pytest
 import torch
-from helpers import python_output
+from helpers import placed, python_output, tensors_of
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -40,33 +39,6 @@ few tensors fill several regions and chunks."""
 batches = nested(tensors(devices=["cpu"]))
 mixed_batches = nested(tensors(devices=["cpu", "meta"]))
 grad_batches = nested(tensors(devices=["cpu"], dtypes=[torch.float32], requires_grad=True))
-
-
-def placed(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """Every tensor of a structure the strategies build, with its position, preorder;
-    set members are left out (their order follows their hashes)."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-        return
-    if isinstance(obj, (set, frozenset, str, bytes, torch.Size)):
-        return
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        pairs: Any = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    elif isinstance(obj, nn.utils.rnn.PackedSequence):
-        pairs = [("data", obj.data), ("sorted", obj.sorted_indices)]
-    elif isinstance(obj, (dict, collections.abc.Mapping)):
-        pairs = list(obj.items())
-    elif isinstance(obj, (list, tuple, collections.deque, collections.UserList)):
-        pairs = list(enumerate(obj))
-    else:
-        return
-    for key, child in pairs:
-        yield from placed(child, (*path, key))
-
-
-def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """The tensors of ``obj`` that have a position, in preorder."""
-    return [tensor for _, tensor in placed(obj)]
 
 
 def described(tensor: torch.Tensor) -> tuple[Any, ...]:
