@@ -295,6 +295,8 @@ def set_repeated_move_warning(enabled: bool) -> bool:
 def paths_if_tracked(obj: object, name: str) -> dict[int, str] | None:
     """Before a move: the paths of ``obj``'s tensors where a log is open (a module is moved
     in place, so its tensors can only be named before), else None, at no cost."""
+    if _is_compiling():  # dynamo cannot trace ContextVar.get; traced code records nothing
+        return None
     return _paths(obj, name) if _LOGS.get() else None
 
 
