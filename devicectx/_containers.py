@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from devicectx._distributed import is_dtensor_type
 from devicectx._paths import ATTR, DUAL, ITEM, MEMBER, Entry, join
 
 C = TypeVar("C")
@@ -109,6 +110,10 @@ class Kind:
 
 
 TENSOR_KIND = Kind(TENSOR)
+DTENSOR_KIND = Kind(TENSOR)
+"""A DTensor's kind: a tensor like any other to the engine, told apart by the decorator's
+check (:func:`devicectx._walk.shared_device`), which refuses DTensors mixed with plain
+tensors."""
 MODULE_KIND = Kind(MODULE)
 LEAF_KIND = Kind(LEAF)
 
@@ -301,7 +306,7 @@ def _work_out(tp: type) -> Kind:
         if registered is not None:
             return registered
     if issubclass(tp, torch.Tensor):
-        return TENSOR_KIND
+        return DTENSOR_KIND if is_dtensor_type(tp) else TENSOR_KIND
     if issubclass(tp, nn.Module):
         return MODULE_KIND
     if issubclass(tp, _LEAF_BASES):
