@@ -55,7 +55,11 @@ def verdicts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
 
 
 def check(verdicts: list[dict[str, str]], scenario: str) -> None:
-    """The scenario passed on both ranks; else the first failure, with its traceback."""
+    """The scenario passed on both ranks; else the first failure, with its traceback.
+    A scenario torch itself cannot run here is skipped, with torch's reason."""
+    skipped = [v[scenario] for v in verdicts if v[scenario].startswith("skip: ")]
+    if skipped:
+        pytest.skip(skipped[0].removeprefix("skip: "))
     failures = [
         f"rank {rank}: {v[scenario]}" for rank, v in enumerate(verdicts) if v[scenario] != "ok"
     ]

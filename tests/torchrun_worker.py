@@ -41,6 +41,10 @@ from devicectx._cli import main as report_main
 SCENARIOS: dict[str, Callable[[], None]] = {}
 
 
+class Skip(Exception):
+    """A scenario this torch cannot run, for a reason of its own: the test skips."""
+
+
 def scenario(function: Callable[[], None]) -> Callable[[], None]:
     SCENARIOS[function.__name__] = function
     return function
@@ -158,7 +162,13 @@ def fsdp_meta_init_and_decorated_step() -> None:
     plain, decorated = fsdp_model(), fsdp_model()
     assert all(isinstance(p, DTensor) for p in decorated.parameters())
     data = batch()
-    assert torch.equal(plain_step(plain, data), decorated_step(decorated, data))
+    try:
+        expected = plain_step(plain, data)
+    except Exception as error:  # torch's own FSDP2 on the CPU (2.6: no Stream.record_event)
+        raise Skip(
+            f"FSDP2 fails on the CPU in torch {torch.__version__} itself: {error!r}"
+        ) from None
+    assert torch.equal(expected, decorated_step(decorated, data))
     assert same(grads(plain), grads(decorated)), "gradients differ"
 
 
@@ -268,6 +278,8 @@ def main() -> None:
         try:
             function()
             verdicts[name] = "ok"
+        except Skip as skip:
+            verdicts[name] = f"skip: {skip}"
         except BaseException:  # a verdict for every scenario, whatever happens
             verdicts[name] = traceback.format_exc()
         dist.barrier()
