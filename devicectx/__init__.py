@@ -16,6 +16,7 @@ from importlib.metadata import version as _version
 
 from devicectx._context import current_device, on_device
 from devicectx._decorator import device_agnostic
+from devicectx._distributed import Layout
 from devicectx._errors import (
     BatchTooLargeError,
     DeviceError,
@@ -36,6 +37,7 @@ from devicectx._pinned import release_staging, staging_memory
 from devicectx._precision import Precision, PrecisionName, choose_precision, precision_scope
 from devicectx._resolve import DeviceLike, available_devices, explain_device, resolve_device
 from devicectx._transfers import Transfer, TransferLog, set_repeated_move_warning, track_transfers
+from devicectx._walk import find_layouts
 
 __version__ = _version("devicectx")
 
@@ -48,6 +50,7 @@ __all__ = [
     "DeviceWarning",
     "InvalidDeviceError",
     "InvalidPrecisionError",
+    "Layout",
     "MoveError",
     "Precision",
     "PrecisionName",
@@ -64,6 +67,7 @@ __all__ = [
     "device_agnostic",
     "explain_device",
     "find_devices",
+    "find_layouts",
     "on_device",
     "precision_scope",
     "register_container",

@@ -98,10 +98,40 @@ class TensorMover:
         # exact type first.
         if type(tensor) is not _Tensor and isinstance(tensor, nn.Parameter):
             data = tensor.detach().to(self.device, non_blocking=non_blocking)
-            param = type(tensor)(data, tensor.requires_grad)
-            param.__dict__.update(tensor.__dict__)
-            return param
+            try:
+                return _parameter(tensor, data)
+            except Exception as error:
+                raise EngineBug(error) from error
         return tensor.to(self.device, non_blocking=non_blocking)
+
+
+class EngineBug(Exception):
+    """A move that failed in devicectx's own code, not in torch's or the user's: the
+    ``MoveError`` then says so, instead of telling the user to work around it."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+
+
+def _parameter(tensor: _Tensor, data: _Tensor) -> _Tensor:
+    """``data``, the moved copy of the parameter ``tensor``, made a parameter as it was.
+
+    A subclass of ``nn.Parameter`` is rebuilt by its own type. A parameter of a tensor
+    subclass (``nn.Parameter(dtensor)``: every FSDP2 and tensor-parallel parameter) is no
+    instance of ``nn.Parameter`` but the subclass flagged ``_is_param`` (torch 2.6-2.15):
+    ``nn.Parameter(data)`` makes it so again, keeping the subclass (a DTensor keeps its
+    mesh and placements, which ``.to`` kept). Attributes set on the parameter are carried
+    over where the new one has none of its own (a subclass's inner tensors are its own).
+    """
+    tp = type(tensor)
+    param = tp(data, tensor.requires_grad) if issubclass(tp, nn.Parameter) else None
+    if param is None:
+        param = nn.Parameter(data, tensor.requires_grad)
+    state = param.__dict__
+    for key, value in tensor.__dict__.items():
+        state.setdefault(key, value)
+    return param
 
 
 class _Span:

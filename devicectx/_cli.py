@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from importlib.metadata import version as _version
 from typing import NoReturn
 
-from devicectx._report import DeviceInfo, DeviceReport, gather_report
+from devicectx._report import DeviceInfo, DeviceReport, JobInfo, gather_report
 
 EXIT_OK = 0
 EXIT_BROKEN = 1
@@ -54,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_report(report))
     if report.problem is not None:
-        print(f"devicectx: {report.problem.error}: {report.problem.message}", file=sys.stderr)
+        prefix = report.job.prefix if report.job is not None else ""
+        problem = f"devicectx: {report.problem.error}: {report.problem.message}"
+        print(prefix + problem.replace("\n", "\n" + prefix), file=sys.stderr)
         return EXIT_BROKEN
     return EXIT_OK
 
@@ -79,8 +81,28 @@ def format_report(report: DeviceReport) -> str:
         ("default", f"{report.default_device} (torch.get_default_device())"),
         ("environment", _environment_line(report.environment)),
     ]
+    if report.job is not None:
+        rows.append(("job", _job_line(report.job)))
     width = max(len(key) for key, _ in rows) + 2
-    return "\n".join(f"{key:<{width}}{value}".rstrip() for key, value in rows)
+    prefix = report.job.prefix if report.job is not None else ""
+    return "\n".join(f"{prefix}{key:<{width}}{value}".rstrip() for key, value in rows)
+
+
+def _job_line(job: JobInfo) -> str:
+    """``rank 1 of 2, local rank 1 of 2, process group gloo``."""
+
+    def of(what: str, rank: int | None, size: int | None) -> str:
+        shown = "?" if rank is None else str(rank)
+        return f"{what} {shown}" + ("" if size is None else f" of {size}")
+
+    backend = f"process group {job.backend}" if job.backend else "no process group initialised"
+    return ", ".join(
+        [
+            of("rank", job.rank, job.world_size),
+            of("local rank", job.local_rank, job.local_world_size),
+            backend,
+        ]
+    )
 
 
 def _device_lines(report: DeviceReport) -> list[str]:

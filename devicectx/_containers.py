@@ -30,6 +30,7 @@ import array
 import collections
 import copy
 import dataclasses
+import functools
 import threading
 from collections.abc import (
     Callable,
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from devicectx._distributed import is_dtensor_type
 from devicectx._paths import ATTR, DUAL, ITEM, MEMBER, Entry, join
 
 C = TypeVar("C")
@@ -108,6 +110,10 @@ class Kind:
 
 
 TENSOR_KIND = Kind(TENSOR)
+DTENSOR_KIND = Kind(TENSOR)
+"""A DTensor's kind: a tensor like any other to the engine, told apart by the decorator's
+check (:func:`devicectx._walk.shared_device`), which refuses DTensors mixed with plain
+tensors."""
 MODULE_KIND = Kind(MODULE)
 LEAF_KIND = Kind(LEAF)
 
@@ -300,7 +306,7 @@ def _work_out(tp: type) -> Kind:
         if registered is not None:
             return registered
     if issubclass(tp, torch.Tensor):
-        return TENSOR_KIND
+        return DTENSOR_KIND if is_dtensor_type(tp) else TENSOR_KIND
     if issubclass(tp, nn.Module):
         return MODULE_KIND
     if issubclass(tp, _LEAF_BASES):
@@ -396,13 +402,31 @@ def _tuple_kind(tp: type) -> Kind:
     if count is not None:  # a structseq, such as torch.return_types.max
         names = getattr(tp, "__match_args__", ())
         if count != getattr(tp, "n_fields", None) or len(names) != count:
-            return LEAF_KIND  # hidden fields (os.stat_result): cannot be rebuilt, holds no tensor
+            return _hidden_structseq_kind(tp, count)
 
         def structseq_split(obj: Any) -> tuple[tuple[str, ...], Any]:
             return names, obj
 
         return Kind(CONTAINER, ATTR, structseq_split, lambda o, k, old, new: tp(new))
     return Kind(CONTAINER, ITEM, _positions, _rebuild_sequence)
+
+
+def _hidden_structseq_kind(tp: type, count: int) -> Kind:
+    """A structseq with fields that are no positions (``time.struct_time``'s ``tm_zone``,
+    ``os.stat_result``'s ``st_atime_ns``): taken apart and rebuilt as pickle does it,
+    by ``__reduce__``, which gives ``(tp, (visible fields, {hidden name: value}))``.
+    The visible fields are keyed by position, as ``obj[0]`` reads them; the hidden ones
+    by name, as ``obj.tm_zone`` does."""
+
+    def split(obj: Any) -> tuple[list[Any], list[Any]]:
+        _, (visible, hidden) = obj.__reduce__()
+        return [*range(len(visible)), *hidden], [*visible, *hidden.values()]
+
+    def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+        visible = len(obj)
+        return tp(tuple(new[:visible]), dict(zip(keys[visible:], new[visible:], strict=True)))
+
+    return Kind(CONTAINER, DUAL, split, rebuild)
 
 
 _MISSING = object()
@@ -426,6 +450,7 @@ def _dataclass_split(tp: type) -> Split:
 
 def _dataclass_rebuild(tp: type) -> Rebuild:
     slots = _slot_names(tp)
+    cached = _cached_names(tp)
 
     def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
         # Not the constructor: init=False fields, InitVars and __post_init__ side effects
@@ -448,9 +473,32 @@ def _dataclass_rebuild(tp: type) -> Rebuild:
         for key, before, after in zip(keys, old, new, strict=True):
             if after is not before:
                 object.__setattr__(clone, key, after)
+        _drop_cached(clone, cached)
         return clone
 
     return rebuild
+
+
+def _cached_names(tp: type) -> tuple[str, ...]:
+    """The names under which ``functools.cached_property``s of ``tp`` keep their values."""
+    return tuple(
+        {
+            value.attrname or name: None
+            for klass in tp.__mro__
+            for name, value in vars(klass).items()
+            if isinstance(value, functools.cached_property)
+        }
+    )
+
+
+def _drop_cached(clone: Any, cached: tuple[str, ...]) -> None:
+    """Forget the values the copy's cached properties hold: they were worked out from the
+    children before the move (a tensor on the old device, say), and are worked out again,
+    from the moved children, when next read. Lightning's apply_to_collection does the same."""
+    state = getattr(clone, "__dict__", None)
+    if cached and state:
+        for name in cached:
+            state.pop(name, None)
 
 
 def _two_views(tp: type) -> bool:
@@ -496,6 +544,7 @@ def _dual_split(tp: type) -> Split:
 def _dual_rebuild(tp: type) -> Rebuild:
     split = _dual_split(tp)
     names = tuple(f.name for f in dataclasses.fields(tp)) + _slot_names(tp)
+    cached = _cached_names(tp)
     mapping = issubclass(tp, Mapping)
     storage = next((k for k in tp.__mro__ if k in (dict, collections.OrderedDict, list)), None)
 
@@ -510,6 +559,7 @@ def _dual_rebuild(tp: type) -> Rebuild:
             why = f"copy.copy() raised {type(error).__name__}: {error}"
             raise CannotRebuild(tp, why) from error
         fresh = clone is not obj and type(clone) is tp
+        _drop_cached(clone, cached)
         if not fresh:
             raise CannotRebuild(tp, "copy.copy() does not make a new object of its type")
         for name in (*names, *getattr(clone, "__dict__", ())):

@@ -8,12 +8,15 @@ else looking at top-level tensors directly and handing containers to the move en
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from devicectx import _move
+from devicectx._distributed import is_dtensor, mixed_message, split_mixed
+from devicectx._errors import DeviceMismatchError
 from devicectx._params import Exclusion
 from devicectx._walk import MIXED, NotPlain, plain_device
 
@@ -54,6 +57,8 @@ def scan(
                 first = device
             elif device != first:
                 uniform = False
+            if type(value) is not _Tensor and is_dtensor(value):
+                uniform = False  # the slow path looks closer: found_devices refuses a mix
         elif type(value) in _LEAVES:
             continue
         elif isinstance(value, _Module):
@@ -63,12 +68,47 @@ def scan(
             # One walk: checks a container against the device known so far, or finds it.
             # Modules nested in containers are checked by their parameters here; one off
             # the device only sends the call down the slow path, which leaves it alone.
-            shared = _move.shared_device(value, first if first is not None else expected)
+            shared = _move.shared_device(
+                value, first if first is not None else expected, dtensor_mixes=True
+            )
             if shared is MIXED:
                 uniform = False
             elif shared is not None:
                 first = shared
     return first, uniform, module
+
+
+def found_devices(
+    function: str, named: Iterable[tuple[str, Any, object]]
+) -> dict[torch.device, list[str]]:
+    """Each device the inputs are on, with the paths of their tensors on it: the slow
+    path's look, taken when the inputs do not all agree (or hold a DTensor).
+
+    0-dim CPU tensors are left out: PyTorch lets them mix with any device.
+
+    Raises:
+        DeviceMismatchError: DTensors together with plain tensors of more than one
+            element, which every DTensor op refuses; the message names both and the fix.
+    """
+    named = list(named)
+    found: dict[torch.device, list[str]] = {}
+    dtensor = False
+    for name, value, _ in named:
+        for path, tensor in _move.iter_tensors(value, name):
+            device = tensor.device
+            if type(tensor) is not _Tensor and not dtensor:
+                dtensor = is_dtensor(tensor)
+            if device.type == "cpu" and tensor.dim() == 0:
+                continue
+            found.setdefault(device, []).append(path)
+    if dtensor:  # rare: a second walk, to tell DTensors and plain tensors apart
+        tensors = (pair for name, value, _ in named for pair in _move.iter_tensors(value, name))
+        dtensors, plain = split_mixed(tensors)
+        if dtensors and plain:
+            message = mixed_message(function, dtensors, plain)
+            reason = "DTensor ops take only DTensors"
+            raise DeviceMismatchError(message, devices=found, target=None, reason=reason)
+    return found
 
 
 class Held:

@@ -67,6 +67,7 @@ def module_off_target(
     found: Mapping[torch.device, Sequence[str]],
     target: torch.device | None,
     reason: str,
+    wrapper: str | None = None,
 ) -> DeviceMismatchError:
     """The module involved is spread over several devices, or is not on ``target``.
 
@@ -78,16 +79,25 @@ def module_off_target(
             (a module wholly on one device is listed by its own name).
         target: the device the call needs; ``None`` when only the module could choose.
         reason: why ``target`` (or, without one, why there is none), in words.
+        wrapper: ``"DistributedDataParallel"``, ``"fully_shard"``, ...: what wrapped the
+            module, which must be given a model already on its device.
     """
     destination = target if target is not None else next(iter(found))
     if len(found) > 1:
         what = f"{module} ({kind}) with parameters on {len(found)} devices"
     else:
         what = f"{module} ({kind}) on {next(iter(found))}, not on its target"
-    fix = (
-        f"{module}.to({_quote(destination)}) before calling {function}(): "
-        "modules are never moved implicitly"
-    )
+    if wrapper is None:
+        fix = (
+            f"{module}.to({_quote(destination)}) before calling {function}(): "
+            "modules are never moved implicitly"
+        )
+    else:
+        wrap = f"{wrapper}(model, ...)" if wrapper[:1].isupper() else f"{wrapper}(model)"
+        fix = (
+            f"move the model before wrapping it: model.to({_quote(destination)}), then "
+            f"{wrap}; a wrapped model is not moved afterwards (and never implicitly)"
+        )
     shown = _target_first(found, target) if target is not None else found
     return _error(function, what, shown, target, reason, fix, count=False)
 

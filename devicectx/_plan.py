@@ -21,7 +21,8 @@ from torch import nn
 
 from devicectx import _compiled, _mismatch, _move
 from devicectx._context import active_device, current_device, pop_nested, push_nested
-from devicectx._inputs import Held, scan
+from devicectx._distributed import wrapper_name
+from devicectx._inputs import Held, found_devices, scan
 from devicectx._params import Params, self_offset
 from devicectx._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx._resolve import DeviceLike
@@ -247,7 +248,8 @@ class Plan:
             reason = option.reason() if option is not None else "a module must be on one device"
             found = module_devices(unwrap(module), name)
             kind = type(module).__name__
-            raise _mismatch.module_off_target(self.name, name, kind, found, target, reason)
+            wrapper = wrapper_name(module)
+            raise _mismatch.module_off_target(self.name, name, kind, found, target, reason, wrapper)
         if target is None:
             target = device if device is not None else active_device()
         return target
@@ -291,14 +293,7 @@ class Plan:
 
         0-dim CPU tensors are left out: PyTorch lets them mix with any device.
         """
-        found: dict[torch.device, list[str]] = {}
-        for name, value, _ in self.params.named(args, kwargs, offset):
-            for path, tensor in _move.iter_tensors(value, name):
-                device = tensor.device
-                if device.type == "cpu" and tensor.dim() == 0:
-                    continue
-                found.setdefault(device, []).append(path)
-        return found
+        return found_devices(self.name, self.params.named(args, kwargs, offset))
 
     def place(self, result: Any, back: torch.device) -> Any:
         """Move a result (or a yielded item) to where ``output=`` says."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from devicectx import _containers
-from devicectx._alias import TensorMover
+from devicectx._alias import EngineBug, TensorMover
 from devicectx._containers import (
     CONTAINER,
     DICT_KIND,
@@ -47,6 +47,7 @@ _CACHE = _containers._CACHE
 _DEPTH = 100  # containers deeper than this go on with an explicit stack
 _BUSY = object()  # a container whose rebuild is under way: meeting it again is a cycle
 _PUSHED = object()  # the explicit-stack walk started a container: descend into it
+_NOT_CALLED = object()  # no .to(non_blocking=True) was made: .to(device) must be
 _FAST_KINDS = (DICT_KIND, LIST_KIND, TUPLE_KIND)
 
 Fix = Callable[[str], str]
@@ -440,12 +441,15 @@ class Rebuild:
                 target = copy.copy(obj)
             except Exception:
                 target = obj
-            result = None
+            result = _NOT_CALLED
             if mover.non_blocking:
                 with contextlib.suppress(TypeError):  # a .to that takes no non_blocking
                     result = target.to(device, non_blocking=True)
-            if result is None:
+            if result is _NOT_CALLED:
                 result = target.to(device)
+            if result is None:  # a .to that moves in place and returns nothing (no `return
+                # self`): the object it moved is the result, checked below like any other.
+                result = target
             if kind.split is None or not _off(result, device):
                 return result
         except Exception as error:
@@ -474,7 +478,13 @@ class Rebuild:
         path = build(self.name, reversed(failed.parts))
         error = failed.error
         fix = self.fix(path)
-        if isinstance(error, CannotRebuild):
+        if isinstance(error, EngineBug):
+            detail = str(error)
+            fix = (
+                "none needed in your code: this is a bug in devicectx; please report it "
+                f"with this message. Meanwhile, {fix}"
+            )
+        elif isinstance(error, CannotRebuild):
             detail = str(error)
             if error.left:
                 places = ", ".join(f"{path}{below} ({device})" for below, device in error.left)

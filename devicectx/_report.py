@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from devicectx._context import current_device
+from devicectx._distributed import job
 from devicectx._errors import DeviceError
 from devicectx._resolve import ENV_VAR, _resolve, accelerator_type, available_devices
 
@@ -90,6 +91,29 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class JobInfo:
+    """This process's place in a distributed job (torchrun), where it is in one.
+
+    Attributes:
+        rank: the global rank (``RANK``, or the initialised process group's).
+        world_size: the number of processes (``WORLD_SIZE``, or the process group's).
+        local_rank: the rank on this machine (``LOCAL_RANK``).
+        local_world_size: the processes on this machine (``LOCAL_WORLD_SIZE``).
+        backend: the process group's backend (``"nccl"``, ``"gloo"``) where one is
+            initialised in this process, else ``None``.
+        prefix: what starts every line of the text report: ``"[rank 1] "`` where the
+            world is larger than one, so that the ranks' reports can be told apart.
+    """
+
+    rank: int | None
+    world_size: int | None
+    local_rank: int | None
+    local_world_size: int | None
+    backend: str | None
+    prefix: str
+
+
+@dataclass(frozen=True)
 class DeviceReport:
     """Everything ``python -m devicectx`` prints.
 
@@ -104,6 +128,9 @@ class DeviceReport:
         environment: the variables that steer the choice (``DEVICECTX_DEVICE``,
             ``LOCAL_RANK``, ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES``), ``None`` if unset.
         problem: what is wrong with the set-up, or ``None`` when nothing is.
+        job: the ranks and sizes of a distributed job and its process group's backend
+            (:class:`JobInfo`); ``None`` outside one (no torchrun variable set, no
+            process group initialised).
     """
 
     devicectx: str
@@ -113,6 +140,7 @@ class DeviceReport:
     default_device: str
     environment: dict[str, str | None]
     problem: Problem | None
+    job: JobInfo | None = None
 
 
 def gather_report() -> DeviceReport:
@@ -147,7 +175,15 @@ def gather_report() -> DeviceReport:
         default_device=str(current_device()),
         environment={name: os.environ.get(name) for name in ENV_VARS},
         problem=problem,
+        job=_job_info(),
     )
+
+
+def _job_info() -> JobInfo | None:
+    found = _guarded(job)
+    if found is None or all(value is None for value in found):
+        return None
+    return JobInfo(*found, prefix=found.prefix)
 
 
 def _build_info() -> BuildInfo:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from devicectx._distributed import fsdp_compute_device, fsdp_label
 from devicectx._errors import DeviceUnavailableError
 from devicectx._module_watch import ModuleCache, Sample
 from devicectx._paths import module_path
@@ -191,7 +192,18 @@ def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | Non
     return found, sample
 
 
-_devices = ModuleCache(_walk)
+def _walk_fsdp(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | None]:
+    """:func:`_walk`, but an FSDP2 module's answer is where it computes (its mesh's
+    device), which differs from where its parameters sit under CPU offload."""
+    found, sample = _walk(module)
+    if found is not None and found is not Spread.SPREAD:
+        compute = fsdp_compute_device(module)
+        if compute is not None:
+            return compute, sample
+    return found, sample
+
+
+_devices = ModuleCache(_walk_fsdp)
 
 
 def module_devices(module: nn.Module, name: str) -> dict[torch.device, list[str]]:
@@ -210,4 +222,7 @@ def module_devices(module: nn.Module, name: str) -> dict[torch.device, list[str]
 
 def module_label(module: nn.Module, name: str) -> str:
     """``model (Linear)``: how a message names the module a target came from."""
+    fsdp = fsdp_label(unwrap(module), name)
+    if fsdp is not None:
+        return fsdp
     return f"the parameters of {name} ({type(module).__name__})"

@@ -30,6 +30,7 @@ from torch import nn
 from devicectx import _containers
 from devicectx._containers import (
     DICT_KIND,
+    DTENSOR_KIND,
     LEAF,
     LEAF_KIND,
     MODULE,
@@ -38,6 +39,7 @@ from devicectx._containers import (
     Kind,
     kind_for,
 )
+from devicectx._distributed import Layout, layout_of
 from devicectx._paths import ITEM, build, join, module_path
 
 _Tensor = torch.Tensor
@@ -69,12 +71,16 @@ MIXED = Mixed.MIXED
 
 
 def shared_device(
-    obj: object, device: torch.device | None = None, skip_types: tuple[type, ...] = ()
+    obj: object,
+    device: torch.device | None = None,
+    skip_types: tuple[type, ...] = (),
+    dtensor_mixes: bool = False,
 ) -> torch.device | Mixed | None:
     """The one device every tensor in ``obj`` is on: ``device`` if given, else the first met.
 
     Returns that device (``device`` itself when given, even if ``obj`` holds no tensor),
-    None when no device was given and ``obj`` holds no tensor, or :data:`MIXED`.
+    None when no device was given and ``obj`` holds no tensor, or :data:`MIXED`, also at
+    the first DTensor where ``dtensor_mixes`` (the decorator's check then looks closer).
     One walk serves both "is it all on X" and "is it all on one device, and which".
     """
     fast_dict, fast_list, fast_tuple = (
@@ -106,7 +112,9 @@ def shared_device(
             role = kind.role
             if role == LEAF or (skip_types and isinstance(item, skip_types)):
                 continue
-            if role == TENSOR:
+            if role == TENSOR:  # a tensor subclass: plain tensors never come here
+                if dtensor_mixes and kind is DTENSOR_KIND:
+                    return MIXED
                 found = item.device
                 if found != device:
                     if device is not None:
@@ -343,6 +351,28 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
                 break
         else:
             stack.pop()
+    return found
+
+
+def find_layouts(obj: object, *, name: str = "obj") -> dict[Layout, list[str]]:
+    """:func:`find_devices` for distributed code: DTensors apart from plain tensors.
+
+    Example:
+        >>> import torch
+        >>> from devicectx import find_layouts
+        >>> find_layouts({"x": torch.zeros(2)}, name="batch")
+        {Layout(device=device(type='cpu'), kind='plain', placements=(), mesh=None): ["batch['x']"]}
+
+    Each key is a :class:`~devicectx.Layout`: the device of the tensor's data, its kind
+    (``"plain"``, ``"replicated"``, ``"sharded"`` or ``"partial"``), its placements and
+    its ``DeviceMesh``; ``str(layout)`` reads ``sharded [Shard(dim=0)] on mesh cpu [0, 1],
+    local data on cpu``. A sharded and a replicated DTensor on one device, and a plain
+    tensor beside them, land under three keys where :func:`find_devices` lists all three
+    under the device. Same walk, order and paths as :func:`find_devices`.
+    """
+    found: dict[Layout, list[str]] = {}
+    for path, tensor in iter_tensors(obj, name, modules=True):
+        found.setdefault(layout_of(tensor), []).append(path)
     return found
 
 

@@ -114,6 +114,7 @@ def test_json_holds_every_fact_of_the_report() -> None:
         "default_device",
         "environment",
         "problem",
+        "job",
     } == set(report)
     assert torch.__version__ == report["build"]["torch_version"]
     assert (torch.version.cuda, torch.version.hip) == (
@@ -130,6 +131,15 @@ def test_json_holds_every_fact_of_the_report() -> None:
     assert "cpu" == report["default_device"]
     assert "1" == report["environment"]["LOCAL_RANK"]
     assert report["problem"] is None
+    expected_job = {
+        "rank": None,
+        "world_size": None,
+        "local_rank": 1,
+        "local_world_size": None,
+        "backend": None,
+        "prefix": "",
+    }
+    assert expected_job == report["job"]
 
 
 def test_devicectx_device_picks_the_device(
@@ -248,3 +258,83 @@ def test_each_gpu_is_listed_with_its_name_memory_and_capability() -> None:
         )
         expected.append((f"cuda:{index}", properties.name, properties.total_memory, capability))
     assert expected == [(d.device, d.name, d.memory, d.capability) for d in devices]
+
+
+TORCHRUN_RANK_1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+
+
+def test_report_under_torchrun_names_the_rank_on_every_line() -> None:
+    """Under torchrun (world of 2) each line starts with the rank, and a job line gives
+    the ranks and sizes, so that two ranks' interleaved reports can be told apart."""
+    result = run_cli(**TORCHRUN_RANK_1)
+
+    lines = result.stdout.splitlines()
+    assert EXIT_OK == result.returncode
+    assert [] == [line for line in lines if not line.startswith("[rank 1] ")]
+    expected = "[rank 1] job          rank 1 of 2, local rank 1 of 2, no process group initialised"
+    assert expected == lines[-1]
+
+
+def test_report_json_under_torchrun_carries_the_job() -> None:
+    """--json carries the same job facts as the text, and the prefix the text uses."""
+    result = run_cli("--json", **TORCHRUN_RANK_1)
+
+    expected = {
+        "rank": 1,
+        "world_size": 2,
+        "local_rank": 1,
+        "local_world_size": 2,
+        "backend": None,
+        "prefix": "[rank 1] ",
+    }
+    assert expected == json.loads(result.stdout)["job"]
+
+
+def test_report_of_a_one_process_world_has_no_prefix() -> None:
+    """A world of one needs no rank on its lines; the job line is still there."""
+    result = run_cli(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("devicectx ")
+    assert "job          rank 0 of 1, local rank 0 of 1, no process group initialised" == lines[-1]
+
+
+def test_report_outside_a_job_has_no_job_line() -> None:
+    """Without torchrun's variables and with no process group the report is as before."""
+    env = {name: "" for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    result = run_cli(**env)
+
+    assert [] == [line for line in result.stdout.splitlines() if line.startswith("job")]
+
+
+def test_report_names_an_initialised_process_group() -> None:
+    """With a process group initialised in the process, the job line gives its backend
+    and the group's own rank and size."""
+    code = (
+        "import torch.distributed as dist\n"
+        "from devicectx._cli import main\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())\n"
+        "main([])\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {**os.environ, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "RANK": "", "WORLD_SIZE": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    )
+
+    expected = "job          rank 0 of 1, local rank 0 of 1, process group gloo"
+    assert expected == result.stdout.splitlines()[-1]
+
+
+def test_problem_on_stderr_carries_the_rank() -> None:
+    """A broken set-up under torchrun says which rank is broken, on stderr too."""
+    result = run_cli(DEVICECTX_DEVICE="cuda:7", **TORCHRUN_RANK_1)
+
+    assert EXIT_BROKEN == result.returncode
+    assert result.stderr.startswith("[rank 1] devicectx: ")

@@ -284,3 +284,24 @@ def test_module_argument_of_a_method_is_named_by_its_parameter() -> None:
         "test_module_argument_of_a_method_is_named_by_its_parameter.<locals>.Trainer.step() "
         "got model (Linear) on cpu, not on its target:"
     ) == lines_of(error)[0]
+
+
+def test_wrapped_module_fix_moves_before_wrapping() -> None:
+    """A DataParallel (or DDP, FSDP) model off the target: the fix moves the model before
+    wrapping it, since a wrapped model is not moved afterwards."""
+
+    @device_agnostic(device="meta")
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        step(nn.DataParallel(nn.Linear(2, 2)), torch.ones(2))
+    assert [
+        "test_wrapped_module_fix_moves_before_wrapping.<locals>.step() got model "
+        "(DataParallel) on cpu, not on its target:",
+        "    cpu <- model",
+        'target meta (from @device_agnostic(device="meta"))',
+        'fix: move the model before wrapping it: model.to("meta"), then '
+        "DataParallel(model, ...); a wrapped model is not moved afterwards (and never "
+        "implicitly)",
+    ] == lines_of(error)

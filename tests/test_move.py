@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
@@ -16,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
+from packaging.version import Version
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
@@ -1190,3 +1192,196 @@ def test_find_devices_looks_into_a_shared_container_once() -> None:
     outer = [looped]
     looped["loop"] = outer
     assert {CPU: ["obj[0]['x']"]} == find_devices(outer)
+
+
+# What the peers' suites showed missing (issue 23).
+
+
+class MovesInPlace:
+    """An object whose .to moves its tensor in place and forgets `return self`."""
+
+    def __init__(self) -> None:
+        self.a = torch.ones(2)
+
+    def to(self, device: Any) -> None:
+        self.a = self.a.to(device)
+
+
+@dataclasses.dataclass
+class MovesInPlaceData:
+    """The same as a dataclass: its field can be read, so what its .to did is checked."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def to(self, device: Any) -> None:
+        self.a = self.a.to(device)
+
+
+def test_an_own_to_that_returns_none_keeps_the_object() -> None:
+    """A .to that moves in place and returns None gives the object, moved, never None,
+    and the input is untouched (its copy was moved)."""
+    obj = MovesInPlace()
+
+    moved = to_device({"b": obj}, "meta")["b"]
+
+    assert type(moved) is MovesInPlace
+    assert META == moved.a.device
+    assert CPU == obj.a.device
+
+
+def test_an_own_to_that_returns_none_is_checked_like_any_other() -> None:
+    """What such a .to leaves behind is found, as for any object with its own .to."""
+    obj = MovesInPlaceData(torch.ones(2), torch.ones(2))
+
+    with pytest.raises(MoveError, match=r"its own \.to\('meta'\) left tensors where they were"):
+        to_device(obj, "meta")
+
+
+def test_an_own_to_that_returns_none_under_the_decorator() -> None:
+    """The decorated body gets the object moved, not None."""
+
+    @device_agnostic(device="meta")
+    def body(obj: MovesInPlace) -> torch.device:
+        return obj.a.device
+
+    assert META == body(MovesInPlace())
+
+
+def test_structseq_with_hidden_fields_is_moved_and_listed() -> None:
+    """time.struct_time holds fields no position shows (tm_zone): rebuilt through
+    __reduce__, with its type and hidden fields, and find_devices sees its tensors."""
+    import time
+
+    st = time.struct_time((torch.ones(1), *range(2, 10)), {"tm_zone": "UTC", "tm_gmtoff": 0})
+
+    moved = to_device(st, "meta")
+
+    assert type(moved) is time.struct_time
+    assert META == moved[0].device
+    assert ("UTC", 0, 2) == (moved.tm_zone, moved.tm_gmtoff, moved.tm_mon)
+    assert {CPU: ["st[0]"]} == find_devices(st, name="st")
+
+
+def test_structseq_with_hidden_fields_and_no_tensor_comes_back_as_itself() -> None:
+    """os.stat_result has hidden fields and no tensor: nothing to rebuild."""
+    import os
+
+    stat = os.stat(".")
+
+    assert stat is to_device(stat, "meta")
+
+
+@pytest.mark.skipif(
+    Version(torch.__version__) < Version("2.7"),
+    reason="dynamo of torch 2.6 cannot trace id() of a dict, which the move engine's memo uses",
+)
+def test_to_device_with_a_real_move_traces_with_fullgraph() -> None:
+    """to_device moving a batch compiles with fullgraph=True (no graph break), as
+    accelerate's send_to_device does."""
+    compiled = torch.compile(lambda batch: to_device(batch, "meta"), fullgraph=True)
+
+    moved = compiled({"a": torch.zeros(2), "b": [torch.ones(3)]})
+
+    assert [META, META] == [moved["a"].device, moved["b"][0].device]
+
+
+@dataclasses.dataclass
+class WithCache:
+    x: torch.Tensor
+
+    @functools.cached_property
+    def doubled(self) -> torch.Tensor:
+        return self.x * 2
+
+
+def test_cached_property_is_dropped_and_recomputed_on_the_new_device() -> None:
+    """A dataclass's cached_property holding a tensor is not carried to the moved copy:
+    read again, it is worked out from the moved fields; the input keeps its own."""
+    obj = WithCache(torch.ones(2))
+    cached = obj.doubled
+
+    moved = to_device(obj, "meta")
+
+    assert "doubled" not in vars(moved)
+    assert META == moved.doubled.device
+    assert obj.doubled is cached
+
+
+def test_cached_property_of_a_frozen_dataclass_is_dropped_too() -> None:
+    """Frozen dataclasses keep cached values in their __dict__ too: dropped the same."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        x: torch.Tensor
+
+        @functools.cached_property
+        def total(self) -> torch.Tensor:
+            return self.x.sum()
+
+    obj = Frozen(torch.ones(2))
+    _ = obj.total
+
+    assert META == to_device(obj, "meta").total.device
+
+
+class LabelledParameter(nn.Parameter):
+    """A subclass of nn.Parameter: rebuilt by its own type."""
+
+
+def test_parameter_subclass_stays_its_type_with_its_attributes() -> None:
+    """A Parameter subclass moves as its own type, a leaf, with its attributes."""
+    param = LabelledParameter(torch.ones(2))
+    param.note = "kept"  # type: ignore[attr-defined]
+
+    moved = to_device(param, "meta")
+
+    assert type(moved) is LabelledParameter
+    assert (True, True, "kept") == (moved.is_leaf, moved.requires_grad, moved.note)
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass whose constructor is not Parameter's: as DTensor's is not."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> Wrapped:  # type: ignore[misc]
+        return torch.Tensor._make_subclass(cls, data)
+
+
+def test_parameter_of_a_tensor_subclass_stays_a_parameter_of_it() -> None:
+    """nn.Parameter(subclass instance) is the subclass flagged as a parameter (how every
+    FSDP2 and tensor-parallel parameter is made): it moves, and stays both."""
+    param = nn.Parameter(Wrapped(torch.ones(2)))
+    assert type(param) is Wrapped
+
+    moved = to_device({"w": param}, "meta")["w"]
+
+    assert type(moved) is Wrapped
+    assert isinstance(moved, nn.Parameter)
+    assert META == moved.device
+
+
+def test_a_failure_in_our_own_rebuild_says_it_is_our_bug(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where devicectx's own code fails, the fix says so, instead of telling the user to
+    leave their tensor behind as if it were their mistake."""
+    from devicectx import _alias
+
+    def broken(tensor: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+        raise TypeError("boom")
+
+    monkeypatch.setattr(_alias, "_parameter", broken)
+
+    with pytest.raises(MoveError) as caught:
+        to_device({"w": nn.Parameter(torch.ones(2))}, "meta")
+
+    expected = [
+        "to_device() could not move obj['w'] (a Parameter of shape (2,), torch.float32, on cpu)"
+        " to meta:",
+        "    TypeError: boom",
+        "fix: none needed in your code: this is a bug in devicectx; please report it with "
+        "this message. Meanwhile, leave it where it is: "
+        "to_device(obj, 'meta', skip=[\"obj['w']\"])",
+    ]
+    assert expected == str(caught.value).splitlines()

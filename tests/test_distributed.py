@@ -1,0 +1,244 @@
+"""torch.distributed: DDP, FSDP2 and DTensor with devicectx, on the CPU with gloo.
+
+Two kinds of test. The job tests launch ``torchrun --standalone --nproc_per_node 2``
+once for the module (tests/torchrun_worker.py runs every scenario on both ranks, a few
+seconds in all, bounded by a timeout) and each checks one scenario's verdict on both
+ranks. The in-process tests use a one-process gloo group, set up and torn down around
+each test, for what one rank can show: layouts, messages, the FSDP2 target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from devicectx import DeviceMismatchError, Layout, device_agnostic, find_devices, find_layouts
+from devicectx._containers import DTENSOR_KIND, kind_for
+from devicectx._distributed import fsdp_compute_device, wrapper_name
+from devicectx._target import module_device
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built")
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).with_name("torchrun_worker.py")
+JOB_TIMEOUT = 240  # seconds: the job takes about 7 s alone, longer on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    """Each rank's verdicts, from one torchrun job of two processes."""
+    out = tmp_path_factory.mktemp("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", str(WORKER), str(out)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=out, timeout=JOB_TIMEOUT, check=False
+    )
+    found = sorted(out.glob("rank*.json"))
+    if len(found) != 2:
+        pytest.fail(
+            f"torchrun gave {len(found)} verdicts (exit {result.returncode}):\n"
+            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
+    return [json.loads(path.read_text()) for path in found]
+
+
+def check(verdicts: list[dict[str, str]], scenario: str) -> None:
+    """The scenario passed on both ranks; else the first failure, with its traceback.
+    A scenario torch itself cannot run here is skipped, with torch's reason."""
+    skipped = [v[scenario] for v in verdicts if v[scenario].startswith("skip: ")]
+    if skipped:
+        pytest.skip(skipped[0].removeprefix("skip: "))
+    failures = [
+        f"rank {rank}: {v[scenario]}" for rank, v in enumerate(verdicts) if v[scenario] != "ok"
+    ]
+    assert [] == failures, "\n".join(failures)
+
+
+def test_the_job_imports_the_checkout_under_test(verdicts: list[dict[str, str]]) -> None:
+    """The launched ranks import devicectx from this checkout, not an installed copy."""
+    expected = str(ROOT / "devicectx")
+    assert [expected, expected] == [v["devicectx"] for v in verdicts]
+
+
+def test_ddp_step_given_the_model(verdicts: list[dict[str, str]]) -> None:
+    """A decorated training step given a DDP model: the undecorated loss and gradients."""
+    check(verdicts, "ddp_module_as_argument")
+
+
+def test_ddp_model_with_decorated_forward(verdicts: list[dict[str, str]]) -> None:
+    """A DDP model whose forward is decorated (the module as self): bit-identical."""
+    check(verdicts, "ddp_module_as_self")
+
+
+def test_ddp_fix_moves_before_wrapping(verdicts: list[dict[str, str]]) -> None:
+    """A DDP model off the target: the fix moves the model, then wraps it."""
+    check(verdicts, "ddp_fix_says_move_before_wrapping")
+
+
+def test_fsdp2_meta_init_and_decorated_step(verdicts: list[dict[str, str]]) -> None:
+    """on_device("meta"), fully_shard, to_empty, then a decorated step: bit-identical."""
+    check(verdicts, "fsdp_meta_init_and_decorated_step")
+
+
+def test_fsdp2_target_explains_itself(verdicts: list[dict[str, str]]) -> None:
+    """A mismatch against an FSDP2 model names its compute device and mesh as the reason."""
+    check(verdicts, "fsdp_target_explains_itself")
+
+
+def test_dtensor_moves_keep_placements(verdicts: list[dict[str, str]]) -> None:
+    """Sharded and replicated DTensors, and DTensor parameters, move with their layout."""
+    check(verdicts, "dtensor_moves_keep_placements")
+
+
+def test_dtensor_mixed_with_plain_refused(verdicts: list[dict[str, str]]) -> None:
+    """A DTensor and a plain tensor in one decorated call: refused before the body."""
+    check(verdicts, "dtensor_mixed_refused_before_the_body")
+
+
+def test_device_report_in_a_job(verdicts: list[dict[str, str]]) -> None:
+    """The report in a job: rank-prefixed lines, the ranks, sizes and the backend."""
+    check(verdicts, "device_report_names_rank_and_backend")
+
+
+# One rank, in this process.
+
+
+@pytest.fixture
+def mesh() -> Iterator[object]:
+    """A one-process gloo group and its CPU mesh, for the length of one test."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_find_layouts_tells_sharded_replicated_and_plain_apart(mesh: object) -> None:
+    """find_devices lists three tensors on one device; find_layouts gives each its kind,
+    placements and mesh, in the same order and with the same paths."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    batch = {
+        "w": distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]),  # type: ignore[arg-type]
+        "b": distribute_tensor(torch.ones(4), mesh, [Replicate()]),  # type: ignore[arg-type]
+        "x": torch.ones(2),
+    }
+    cpu = torch.device("cpu")
+
+    expected = {
+        Layout(cpu, "sharded", ("Shard(dim=0)",), mesh): ["batch['w']"],
+        Layout(cpu, "replicated", ("Replicate()",), mesh): ["batch['b']"],
+        Layout(cpu, "plain"): ["batch['x']"],
+    }
+    assert {cpu: ["batch['w']", "batch['b']", "batch['x']"]} == find_devices(batch, name="batch")
+    assert expected == find_layouts(batch, name="batch")
+    assert [
+        "sharded [Shard(dim=0)] on mesh cpu [0], local data on cpu",
+        "replicated [Replicate()] on mesh cpu [0], local data on cpu",
+        "plain on cpu",
+    ] == [str(layout) for layout in find_layouts(batch)]
+
+
+def test_a_partial_dtensor_is_partial(mesh: object) -> None:
+    """A DTensor awaiting its reduction (Partial) is neither sharded nor replicated."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])  # type: ignore[arg-type]
+
+    assert ["partial"] == [layout.kind for layout in find_layouts(partial)]
+
+
+def test_mixed_message_every_line(mesh: object) -> None:
+    """The mixed-DTensor error: the call, each path with its layout, the rule, the fix."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    @device_agnostic(move=False)
+    def loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the body ran")
+
+    pred = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])  # type: ignore[arg-type]
+    with pytest.raises(DeviceMismatchError) as caught:
+        loss(pred, torch.ones(4, 2))
+
+    expected = [
+        f"{loss.__qualname__}() got DTensors and plain tensors together:",
+        "    pred   : sharded [Shard(dim=0)] on mesh cpu [0], local data on cpu",
+        "    target : plain tensor on cpu",
+        "a DTensor op takes only DTensors (and tensors of one element)",
+        "fix: make target a DTensor: DTensor.from_local(target, pred.device_mesh, "
+        "[Replicate()]) if every rank holds the same target (or its own shard: "
+        "[Shard(dim)]), distribute_tensor(target, pred.device_mesh, pred.placements) to "
+        "split a full tensor from rank 0; or pass pred.to_local() or pred.full_tensor() "
+        "to compute on plain tensors",
+    ]
+    assert expected == str(caught.value).splitlines()
+
+
+def test_dtensors_alone_pass_the_check(mesh: object) -> None:
+    """DTensors with one-element plain tensors (which DTensor ops take) run the body."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    @device_agnostic(move=False)
+    def scale(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        return x * factor
+
+    x = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])  # type: ignore[arg-type]
+
+    assert 8.0 * 2 == scale(x, torch.tensor(2.0)).full_tensor().sum().item()
+
+
+def test_dtensor_kind_is_told_apart(mesh: object) -> None:
+    """The engine keeps a kind of its own for DTensor, by which the check finds one."""
+    from torch.distributed.tensor import DTensor
+
+    assert DTENSOR_KIND is kind_for(DTensor)
+
+
+def test_fsdp2_module_computes_on_its_mesh_device(mesh: object) -> None:
+    """An FSDP2 module's target is its mesh's device; a plain module has none of its own.
+
+    On a CPU both are the CPU. A CPU-offloaded FSDP2 module (parameters on the CPU, compute
+    on the accelerator) needs an accelerator: fully_shard refuses CPUOffloadPolicy here.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(nn.Linear(2, 2), mesh=mesh)  # type: ignore[arg-type]
+
+    assert torch.device("cpu") == fsdp_compute_device(model)  # type: ignore[arg-type]
+    assert torch.device("cpu") == module_device(model)  # type: ignore[arg-type]
+    assert fsdp_compute_device(nn.Linear(2, 2)) is None
+    assert "fully_shard" == wrapper_name(model)  # type: ignore[arg-type]
+
+
+def test_fsdp2_fix_moves_before_fully_shard(mesh: object) -> None:
+    """An FSDP2 model off the decorator's device: the fix moves it before fully_shard."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(nn.Linear(2, 2), mesh=mesh)  # type: ignore[arg-type]
+
+    @device_agnostic(device="meta")
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the body ran")
+
+    with pytest.raises(DeviceMismatchError) as caught:
+        step(model, torch.ones(2))
+
+    expected = (
+        'fix: move the model before wrapping it: model.to("meta"), then fully_shard(model); '
+        "a wrapped model is not moved afterwards (and never implicitly)"
+    )
+    assert expected == str(caught.value).splitlines()[-1]
