@@ -1,15 +1,16 @@
 """``on_device``: torch's default device for a block, isolated per thread and asyncio task.
 
 How it works. Each block is a ``_Scope`` listed in ``_ACTIVE``, a context variable: asyncio
-gives each task its own copy, and each thread starts with an empty one. While any scope in
-the process is open, torch's tensor constructors are wrappers (:mod:`devicectx._constructors`)
-that ask :func:`scope_device` for the running task's device and fill in ``device=``; no
+gives each task its own copy, and each thread starts with an empty one. From the first
+scope of the process that changes the device, torch's tensor constructors are wrappers
+(:mod:`devicectx._constructors`) that ask :func:`scope_device` for the running task's
+device and fill in ``device=``; no
 mode sits on torch's stack, so every other torch call costs what it costs outside a block.
 torch's own default-device state (``with torch.device``, ``set_default_device``) is read
 and composed with in :mod:`devicectx._torch_modes`: a ``with torch.device`` block entered
 inside a scope wins inside it, and ``set_default_device`` inside a scope takes effect at once.
-``exact=True`` adds a mode, as torch's own default device does, for code that bound a
-constructor to another name before the first scope opened.
+``exact=True`` adds a mode, as torch's own default device does, for code that holds one of
+torch's constructors in an object since before the first scope opened.
 """
 
 from __future__ import annotations
@@ -436,13 +437,16 @@ class on_device:
             purpose. See :mod:`devicectx._audit`.
 
     What it costs. Only the tensor constructors change inside a block: they are replaced
-    in torch's modules while any block in the process is open, and fill in the device
-    (0.7 µs a call, where torch's ``DeviceContext`` costs 2 µs). Every other torch call costs
-    what it costs outside: ``with torch.device`` instead sends every torch call in the
-    thread through a Python mode (1.3x to 1.7x on small ops). With ``exact=True`` the block
-    costs what ``with torch.device`` does. With ``audit``, the thread has a mode on
-    torch's stack while the block is open: every torch call in it pays a mode dispatch,
-    and a call that makes tensors a look at their device. ``audit=False`` costs nothing.
+    at the first block of the process that changes the device (and stay, costing a call
+    outside blocks about 0.2 µs), and fill in the device inside (about what torch's
+    ``DeviceContext`` costs a constructor). Entering and leaving a block is a push on a
+    context variable (about 3x ``with torch.device``'s cost on a 2-core CPU). Every other
+    torch call costs what it costs outside: ``with torch.device`` instead sends every torch
+    call in the thread through a Python mode (1.3x to 1.7x on small ops). With
+    ``exact=True`` the block costs what ``with torch.device`` does. With ``audit``, the
+    thread has a mode on torch's stack while the block is open: every torch call in it
+    pays a mode dispatch, and a call that makes tensors a look at their device.
+    ``audit=False`` costs nothing.
 
     Raises:
         InvalidDeviceError: ``device`` is malformed.
@@ -459,12 +463,10 @@ class on_device:
           yield.
         - torch's default device does not reach ``*_like`` functions, ``torch.from_numpy``,
           ``torch.frombuffer`` or ``torch.Generator``; nor do ops on existing tensors.
-        - A constructor bound to another name before the first block of the process
-          opened (``from torch import zeros`` at the top of a module imported earlier, or
-          ``zeros = torch.zeros``) is torch's own function and allocates on torch's
-          default: call it as ``torch.zeros``, or pass ``exact=True``. torch's own modules
-          that do this are covered. ``torch.jit.script`` of code that calls a constructor
-          cannot compile the replacement: script outside any block.
+        - A reference to one of torch's constructors held inside an object, a closure or
+          a default argument since before the first block (``self.op = torch.ones``) is
+          torch's own function and allocates on torch's default: call the constructor by
+          its name, or pass ``exact=True``. Module-level names, in any module, are covered.
         - One ``on_device`` object may be re-entered (nested), but not entered from several
           threads at once: create one per block, or use the decorator form.
         - Audit: nested blocks audit against the innermost block's device, audited or
@@ -473,7 +475,7 @@ class on_device:
           not change what is audited against. Only the thread or task that entered the
           block is audited. Compiled code (``torch.compile``) is not audited, and a block
           entered inside compiled code does not audit. ``torch.from_numpy`` bound to
-          another name before the block opened is not seen.
+          an object before the block opened is not seen.
     """
 
     def __init__(
