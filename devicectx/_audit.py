@@ -164,14 +164,14 @@ class Auditor:
         return {fn: _watched(fn, f"torch.{name}", self) for name, fn in originals}
 
     def _install(self) -> None:
-        self._patch.acquire()
+        self._patch.install()
         self._hooks = [
             _module.register_module_buffer_registration_hook(self._buffer_hook),
             _module.register_module_parameter_registration_hook(self._parameter_hook),
         ]
 
     def _uninstall(self) -> None:
-        self._patch.release()
+        self._patch.uninstall()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -357,9 +357,9 @@ def _fix(func: Callable[..., Any], op: str, block: torch.device, given: bool) ->
     if given:
         return f"{op}(..., {device}), or leave device= out (the block then picks {block})"
     return (
-        f"{op}(..., {device}); without device= it got torch's own default: a name bound to "
-        f"{op} before the first block opened is not filled in (call {op} itself, or use "
-        f"on_device(..., exact=True))"
+        f"{op}(..., {device}); without device= it got torch's own default: {op} held in "
+        f"an object, a closure or a default argument is not filled in (call {op} by its name, "
+        f"or use on_device(..., exact=True))"
     )
 
 

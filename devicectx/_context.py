@@ -1,21 +1,23 @@
 """``on_device``: torch's default device for a block, isolated per thread and asyncio task.
 
 How it works. Each block is a ``_Scope`` listed in ``_ACTIVE``, a context variable: asyncio
-gives each task its own copy, and each thread starts with an empty one. While any scope in
-the process is open, torch's tensor constructors are wrappers (:mod:`devicectx._constructors`)
-that ask :func:`scope_device` for the running task's device and fill in ``device=``; no
+gives each task its own copy, and each thread starts with an empty one. From the first
+scope of the process that changes the device, torch's tensor constructors are wrappers
+(:mod:`devicectx._constructors`) that ask :func:`scope_device` for the running task's
+device and fill in ``device=``; no
 mode sits on torch's stack, so every other torch call costs what it costs outside a block.
 torch's own default-device state (``with torch.device``, ``set_default_device``) is read
 and composed with in :mod:`devicectx._torch_modes`: a ``with torch.device`` block entered
 inside a scope wins inside it, and ``set_default_device`` inside a scope takes effect at once.
-``exact=True`` adds a mode, as torch's own default device does, for code that bound a
-constructor to another name before the first scope opened.
+``exact=True`` adds a mode, as torch's own default device does, for code that holds one of
+torch's constructors in an object since before the first scope opened.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from contextlib import AbstractContextManager
@@ -41,47 +43,62 @@ from devicectx._dynamo_hooks import (
 from devicectx._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx._resolve import DeviceLike, accelerator_type, resolve_device, with_index
 from devicectx._resumed import async_resumed, resumed
-from devicectx._torch_modes import DeviceContext, innermost_device_mode, innermost_of, stack_length
+from devicectx._torch_modes import (
+    DeviceContext,
+    default_slot,
+    innermost_device_mode,
+    innermost_of,
+    stack_length,
+    swap_current_device,
+)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _CPU = torch.device("cpu")
-_NEVER_ACCELERATOR = frozenset({"cpu", "meta"})
+
+
+_UNCHANGED = object()
+"""A scope's ``previous`` where it changed nothing (its device already was the default)."""
 
 
 class _Scope:
-    """One entered ``on_device`` block: its target, and what it changed to get there."""
+    """One scope entered by ``@device_agnostic`` (or the base of a block): its target, and
+    what it changed to get there. Five slots: it is made at every decorated call."""
 
-    __slots__ = (
-        "audit",
-        "below",
-        "closed",
-        "mode",
-        "patched",
-        "previous_index",
-        "target",
-        "yielded",
-    )
+    __slots__ = ("below", "closed", "default", "previous", "target")
+
+    # What only a block (:class:`_Block`) sets; read as None here.
+    audit: AuditLevel | None = None  # audit=True: "warn"; audit="raise": "raise"
+    mode: _ExactMode | None = None  # exact=True: a mode on torch's stack
+    previous_index: int | None = None  # the accelerator's index it made current
 
     def __init__(
-        self, target: torch.device, below: DeviceContext | None, audit: AuditLevel | None
+        self, target: torch.device, below: DeviceContext | None, default: object, previous: object
     ) -> None:
         self.target = target
-        self.audit = audit  # audit=True: "warn"; audit="raise": "raise"
         # torch's innermost DeviceContext when the block was entered: a different one later
         # means a `with torch.device` block was entered inside this one, and it wins.
         self.below = below
-        self.patched = False  # holds the constructor patch
-        self.mode: _ExactMode | None = None  # exact=True: a mode on torch's stack
+        # What torch's per-thread default slot held: set_default_device called inside the
+        # block puts another object there, and takes over at once.
+        self.default = default
+        # dynamo's CURRENT_DEVICE before the block, given back at exit; _UNCHANGED where the
+        # block changed nothing.
+        self.previous = previous
         self.closed = False  # left (a task created inside may still list it)
-        self.yielded = False  # set_default_device was called inside
-        self.previous_index: int | None = None
 
-    def yield_to_default(self) -> None:
-        """``set_default_device`` was called inside the block: it takes over at once."""
-        self.yielded = True
-        if self.mode is not None:
-            _torch_modes.remove_mode(self.mode)
-            self.mode = None
+
+class _Block(_Scope):
+    """An entered ``on_device`` block, or a scope that made an accelerator index current."""
+
+    __slots__ = ("audit", "mode", "previous_index")
+
+    def __init__(
+        self, target: torch.device, below: DeviceContext | None, default: object, previous: object
+    ) -> None:
+        super().__init__(target, below, default, previous)
+        self.audit = None
+        self.mode = None
+        self.previous_index = None
 
 
 class _ExactMode(TorchFunctionMode):
@@ -115,11 +132,14 @@ _CONSTRUCTORS: frozenset[Callable[..., Any]] = frozenset(torch.utils._device._de
 _ACTIVE: ContextVar[tuple[_Scope, ...]] = ContextVar("devicectx_active_scopes", default=())
 
 
+_active = _ACTIVE.get
+
+
 def _open_scope() -> _Scope | None:
-    """The innermost block of the running task that still applies, if any."""
-    for scope in reversed(_ACTIVE.get()):
+    """The innermost block of the running task that is still open, if any."""
+    for scope in reversed(_active()):
         if not scope.closed:
-            return None if scope.yielded else scope
+            return scope
     return None
 
 
@@ -137,8 +157,8 @@ def scope_device() -> torch.device | None:
         # Code that runs while dynamo compiles: its own (not in the block), or a call of a
         # constructor in its graph, run on fake tensors (as traced code, in the block).
         return traced_scope_device() if faking() else None
-    if innermost_device_mode() is not scope.below:
-        return None
+    if innermost_device_mode() is not scope.below or default_slot() is not scope.default:
+        return None  # torch.device entered, or set_default_device called, inside the block
     return scope.target
 
 
@@ -146,7 +166,7 @@ def scope_device() -> torch.device | None:
 def traced_scope_device() -> torch.device | None:
     """:func:`scope_device` for code dynamo traces, which has its own mode stack."""
     scope = _open_scope()
-    if scope is None:
+    if scope is None or default_slot() is not scope.default:
         return None
     return scope.target if innermost_of(traced_mode_stack()) is scope.below else None
 
@@ -179,7 +199,8 @@ def current_device() -> torch.device:
     return _torch_default() if device is None else device
 
 
-_PATCH = constructor_patch(scope_device, traced_scope_device, current_device)
+_PATCH = constructor_patch(_active, scope_device, traced_scope_device, current_device)
+_MODULES = sys.modules
 
 
 def audit_state() -> tuple[AuditLevel, torch.device] | None:
@@ -216,57 +237,84 @@ def active_device() -> torch.device | None:
 
 def push_device(
     device: torch.device, *, exact: bool = False, audit: AuditLevel | None = None
-) -> _Scope:
+) -> _Block:
     """Enter a scope for an already resolved ``device``; undo it with :func:`pop_device`.
 
-    Where ``device`` already is the effective default, torch's constructors are left alone,
-    so code inside pays nothing; the scope is still recorded for :func:`active_device`.
-    With ``audit``, the thread's audit mode is on until :func:`pop_device`.
+    Where ``device`` differs from the effective default, the constructors' replacements
+    are put in place (once per process; modules loaded since the last block are looked
+    through) and dynamo is told the new default; where it is the default already, the
+    scope is only recorded (for :func:`active_device`). With ``audit``, the thread's audit
+    mode is on until :func:`pop_device`.
     """
-    scope = _Scope(device, innermost_device_mode(), audit)
-    if current_device() != device:
-        _PATCH.acquire()
-        scope.patched = True
+    active = _active()
+    below = innermost_device_mode()
+    if (current_device() if active or below is not None else _CPU) == device:
+        scope = _Block(device, below, default_slot(), _UNCHANGED)
+        _ACTIVE.set((*active, scope))
+    else:
+        scope = cast(_Block, _enter(device, active, below, _Block))
         if exact:
             scope.mode = _ExactMode()
             _torch_modes.push_mode(scope.mode)
-        _torch_modes.set_current_device(device)
-        # The CPU and meta never are the accelerator: spare them the question (0.25 µs).
-        if device.type not in _NEVER_ACCELERATOR and device.type == accelerator_type():
-            # torch's own scope does not make the index current (pytorch/pytorch#148864),
-            # but `.cuda()`, streams and synchronize() follow the current index.
-            index = torch.accelerator.current_device_index()
-            if device.index is not None and index != device.index:
-                scope.previous_index = index
-                torch.accelerator.set_device_index(device.index)
-    _torch_modes.hold_slot(scope, current_device)
-    _ACTIVE.set((*_ACTIVE.get(), scope))
     if audit is not None:
+        scope.audit = audit
         _AUDITOR.acquire()
     return scope
 
 
+def _enter(
+    device: torch.device,
+    active: tuple[_Scope, ...],
+    below: DeviceContext | None,
+    kind: type[_Scope] = _Scope,
+) -> _Scope:
+    """Enter a scope that changes the device: the hot path of a decorated call and a block."""
+    if len(_MODULES) != _PATCH.seen:  # the first block, or modules loaded since the last
+        _PATCH.install()
+    # The CPU and meta have no index (and device.type costs 0.2 µs: asked only of a device
+    # with one, an accelerator's).
+    switch = device.index is not None and _makes_index_current(device)
+    if switch:
+        kind = _Block
+    scope = kind(device, below, default_slot(), swap_current_device(device))
+    _ACTIVE.set((*active, scope))
+    if switch:
+        cast(_Block, scope).previous_index = torch.accelerator.current_device_index()
+        torch.accelerator.set_device_index(device.index)
+    return scope
+
+
+def _makes_index_current(device: torch.device) -> bool:
+    """Whether entering ``device`` changes the accelerator's current index. torch's own
+    scope does not (pytorch/pytorch#148864), but `.cuda()`, streams and synchronize()
+    follow the current index."""
+    return (
+        device.type == accelerator_type()
+        and torch.accelerator.current_device_index() != device.index
+    )
+
+
 def pop_device(scope: _Scope) -> None:
-    """Leave a scope entered with :func:`push_device`, whatever was entered since."""
+    """Leave a scope entered with :func:`push_device` or :func:`push_nested`, whatever was
+    entered since."""
     scope.closed = True
-    active = _ACTIVE.get()
-    if active and active[-1] is scope:
-        _ACTIVE.set(active[:-1])
-    else:
-        _ACTIVE.set(tuple(s for s in active if s is not scope))
-    _torch_modes.release_slot(scope)
-    if scope.mode is not None:
-        _torch_modes.remove_mode(scope.mode)
-        scope.mode = None
-    if scope.patched:
-        _PATCH.release()
-        inner = scope_device()
-        mode = innermost_device_mode()
-        _torch_modes.set_current_device(inner or (None if mode is None else mode.device))
+    active = _active()
+    _ACTIVE.set(
+        active[:-1]
+        if active and active[-1] is scope
+        else tuple(s for s in active if s is not scope)
+    )
+    if scope.previous is not _UNCHANGED:
+        # As torch's DeviceContext does: what dynamo read before the block, back.
+        swap_current_device(scope.previous)  # type: ignore[arg-type]
+    if type(scope) is _Block:
+        if scope.mode is not None:
+            _torch_modes.remove_mode(scope.mode)
+            scope.mode = None
         if scope.previous_index is not None:
             torch.accelerator.set_device_index(scope.previous_index)
-    if scope.audit is not None:
-        _AUDITOR.release()
+        if scope.audit is not None:
+            _AUDITOR.release()
 
 
 def push_nested(device: torch.device) -> _Scope | None:
@@ -275,9 +323,14 @@ def push_nested(device: torch.device) -> _Scope | None:
     Where ``device`` already is the effective default, nothing is entered at all (it would
     change nothing), so the common case costs one look at the task's scopes; None comes back.
     """
-    if (_CPU if not _ACTIVE.get() and not stack_length() else current_device()) == device:
+    active = _active()
+    if active or stack_length():
+        if current_device() == device:
+            return None
+        return _enter(device, active, innermost_device_mode())
+    if device == _CPU:
         return None
-    return push_device(device)
+    return _enter(device, active, None)
 
 
 def pop_nested(entered: _Scope | None) -> None:
@@ -384,13 +437,16 @@ class on_device:
             purpose. See :mod:`devicectx._audit`.
 
     What it costs. Only the tensor constructors change inside a block: they are replaced
-    in torch's modules while any block in the process is open, and fill in the device
-    (0.7 µs a call, where torch's ``DeviceContext`` costs 2 µs). Every other torch call costs
-    what it costs outside: ``with torch.device`` instead sends every torch call in the
-    thread through a Python mode (1.3x to 1.7x on small ops). With ``exact=True`` the block
-    costs what ``with torch.device`` does. With ``audit``, the thread has a mode on
-    torch's stack while the block is open: every torch call in it pays a mode dispatch,
-    and a call that makes tensors a look at their device. ``audit=False`` costs nothing.
+    at the first block of the process that changes the device (and stay, costing a call
+    outside blocks about 0.2 µs), and fill in the device inside (about what torch's
+    ``DeviceContext`` costs a constructor). Entering and leaving a block is a push on a
+    context variable (about 3x ``with torch.device``'s cost on a 2-core CPU). Every other
+    torch call costs what it costs outside: ``with torch.device`` instead sends every torch
+    call in the thread through a Python mode (1.3x to 1.7x on small ops). With
+    ``exact=True`` the block costs what ``with torch.device`` does. With ``audit``, the
+    thread has a mode on torch's stack while the block is open: every torch call in it
+    pays a mode dispatch, and a call that makes tensors a look at their device.
+    ``audit=False`` costs nothing.
 
     Raises:
         InvalidDeviceError: ``device`` is malformed.
@@ -407,12 +463,10 @@ class on_device:
           yield.
         - torch's default device does not reach ``*_like`` functions, ``torch.from_numpy``,
           ``torch.frombuffer`` or ``torch.Generator``; nor do ops on existing tensors.
-        - A constructor bound to another name before the first block of the process
-          opened (``from torch import zeros`` at the top of a module imported earlier, or
-          ``zeros = torch.zeros``) is torch's own function and allocates on torch's
-          default: call it as ``torch.zeros``, or pass ``exact=True``. torch's own modules
-          that do this are covered. ``torch.jit.script`` of code that calls a constructor
-          cannot compile the replacement: script outside any block.
+        - A reference to one of torch's constructors held inside an object, a closure or
+          a default argument since before the first block (``self.op = torch.ones``) is
+          torch's own function and allocates on torch's default: call the constructor by
+          its name, or pass ``exact=True``. Module-level names, in any module, are covered.
         - One ``on_device`` object may be re-entered (nested), but not entered from several
           threads at once: create one per block, or use the decorator form.
         - Audit: nested blocks audit against the innermost block's device, audited or
@@ -421,7 +475,7 @@ class on_device:
           not change what is audited against. Only the thread or task that entered the
           block is audited. Compiled code (``torch.compile``) is not audited, and a block
           entered inside compiled code does not audit. ``torch.from_numpy`` bound to
-          another name before the block opened is not seen.
+          an object before the block opened is not seen.
     """
 
     def __init__(

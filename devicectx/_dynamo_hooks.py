@@ -31,8 +31,9 @@ release CI covers:
   once (at dynamo's first trace) by looking their names up in torch's modules; built while
   :mod:`devicectx._constructors` has replaced the constructors, they would list the
   replacements and no longer know torch's own functions (then a `with torch.device` in
-  traced code no longer applies to them: torch 2.7 to 2.10). :func:`keep_trace_rules`
-  keeps torch's own in them.
+  traced code no longer applies to them: torch 2.7 to 2.10); built before, they do not
+  know the replacements (the same, for a replacement dynamo inlines). :func:`keep_trace_rules`
+  lists both in them.
 - ``InstructionTranslator.current_tx().symbolic_torch_function_state.mode_stack``: the mode
   stack dynamo traces with (it clears the thread's own while it compiles), each entry's
   ``value`` the mode; ``torch_function_mode_stack_state_mgr.stack``, the thread's stack it
@@ -165,13 +166,14 @@ def faking() -> bool:
 
 
 def keep_trace_rules(replaced: Iterable[tuple[object, object]]) -> None:
-    """Make dynamo's tables of torch functions list each ``(original, replacement)`` pair's
-    original, building them now if dynamo is loaded and has not built them yet.
+    """Make dynamo's tables of torch functions list both of each ``(original, replacement)``
+    pair, alike, building them now if dynamo is loaded and has not built them yet.
 
-    Called before the replacements are put in place (tables built now hold torch's own
-    functions) and after they are taken out (tables dynamo built meanwhile, at a first
-    compile inside a block, hold the replacements). Checked on torch 2.6 to 2.15: the
-    tables are ``trace_rules.get_torch_obj_rule_map()``, ``variables.torch``'s
+    A table built while the replacements were in place lists them (the tables look names
+    up in torch's modules), one built before lists torch's own: either way, dynamo must
+    know both, as the same function (the replacement put in the graph, or inlined to call
+    the original; a traced `with torch.device` applying to either). Checked on torch 2.6
+    to 2.15: the tables are ``trace_rules.get_torch_obj_rule_map()``, ``variables.torch``'s
     ``get_overridable_functions()`` and ``TorchInGraphFunctionVariable._get_handlers()``,
     and ``torch.overrides._get_overridable_functions()``.
     """
@@ -179,24 +181,32 @@ def keep_trace_rules(replaced: Iterable[tuple[object, object]]) -> None:
     rules = sys.modules.get("torch._dynamo.trace_rules")
     table = getattr(rules, "get_torch_obj_rule_map", None)
     if not callable(table):
-        return  # dynamo is not loaded: it builds the tables later, from torch's own functions
+        return  # dynamo is not loaded: it builds the tables later, from torch's modules
     built = table()
     for original, replacement in pairs:
-        if replacement in built:
-            built.setdefault(original, built.pop(replacement))
+        rule = built.get(replacement, built.get(original))
+        if rule is not None:
+            built.setdefault(original, rule)
+            built.setdefault(replacement, rule)
     # The functions torch function modes (a traced `with torch.device`) apply to.
     variables = sys.modules.get("torch._dynamo.variables.torch")
     overridable = getattr(variables, "get_overridable_functions", None)
     functions = overridable() if callable(overridable) else None
     if isinstance(functions, set):
-        functions.update(original for original, replacement in pairs if replacement in functions)
+        for pair in pairs:
+            if functions.intersection(pair):
+                functions.update(pair)
     listed, names = torch.overrides._get_overridable_functions()
     for original, replacement in pairs:
-        if replacement in names and original not in names:
-            names[original] = names[replacement]  # type: ignore[index]
-            for functions_of_namespace in listed.values():
-                if replacement in functions_of_namespace:
-                    functions_of_namespace.append(original)  # type: ignore[arg-type]
+        name = names.get(replacement, names.get(original))  # type: ignore[call-overload]
+        if name is None:
+            continue
+        for function, other in ((original, replacement), (replacement, original)):
+            if function not in names:
+                names[function] = name  # type: ignore[index]
+                for functions_of_namespace in listed.values():
+                    if other in functions_of_namespace:
+                        functions_of_namespace.append(function)  # type: ignore[arg-type]
     # The functions dynamo handles in a way of its own (torch.from_numpy, torch.full,
     # torch.tensor, ...), keyed by the function each name held when the table was built.
     in_graph = getattr(variables, "TorchInGraphFunctionVariable", None)
@@ -204,8 +214,10 @@ def keep_trace_rules(replaced: Iterable[tuple[object, object]]) -> None:
     handlers = handlers_of() if callable(handlers_of) else None
     if isinstance(handlers, dict):
         for original, replacement in pairs:
-            if replacement in handlers:
-                handlers.setdefault(original, handlers[replacement])
+            handler = handlers.get(replacement, handlers.get(original))
+            if handler is not None:
+                handlers.setdefault(original, handler)
+                handlers.setdefault(replacement, handler)
 
 
 @contextlib.contextmanager

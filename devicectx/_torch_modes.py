@@ -11,11 +11,9 @@ calls. :mod:`devicectx._context` needs three things no public API gives:
 - to read the innermost ``DeviceContext`` (to tell a ``with torch.device`` block entered
   inside a scope, which then wins, from one entered before);
 - to hear of ``set_default_device`` called inside a scope, which must take effect at once
-  and outlive the block. While a thread has scopes open, its slot holds a stand-in that
-  keeps what it displaced; ``set_default_device`` calls the stand-in's ``__exit__``, which
-  tells every scope of the thread to yield and exits the displaced default. When the
-  thread's last scope closes, the slot gets back what it held. Where ``get_default_device``
-  reads the slot (torch 2.6, 2.7), the stand-in answers with the scopes' device;
+  and outlive the block: every call puts a new object (or None) in the slot, so a block
+  notes what the slot held at its entry and yields once it holds something else. Nothing
+  is put in the slot (the stand-in it held until issue 22 cost every block 0.3 µs);
 - for ``on_device(..., exact=True)``, to push a mode on top of the stack and take it out
   from wherever it is at exit (asyncio tasks leave blocks out of order).
 
@@ -26,17 +24,15 @@ asks for a version: from 2.11 a ``DeviceContext`` entered (by ``with torch.devic
 ``set_default_device``) sits at the bottom of the stack and keeps the one it displaced in
 ``prev_mode``; before, ``with torch.device`` pushes on top. Either way the innermost
 ``DeviceContext`` is the newest. Up to 2.9 ``get_default_device`` raises
-``AttributeError`` where it reaches a slot that ``set_default_device(None)`` left None: the
-stand-in's departure and :func:`clear_default_device` leave the slot empty instead.
+``AttributeError`` where it reaches a slot that ``set_default_device(None)`` left None
+(torch's own behaviour; from the first block that changes the device, devicectx's
+``get_default_device`` answers instead): :func:`clear_default_device` leaves it empty.
 
 tests/test_context.py exercises every path here, so a torch release that changes them
 fails there first.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.utils._device
@@ -51,16 +47,15 @@ from torch.utils._device import DeviceContext
 
 __all__ = [
     "DeviceContext",
-    "Yielding",
     "clear_default_device",
-    "hold_slot",
+    "default_slot",
     "innermost_device_mode",
     "innermost_of",
     "push_mode",
-    "release_slot",
     "remove_mode",
     "set_current_device",
     "stack_length",
+    "swap_current_device",
 ]
 
 stack_length = _len_torch_function_stack
@@ -76,62 +71,19 @@ _EMPTY = object()  # the slot had no value at all, which torch reads as "no defa
 _DEVICE_MODULE = torch.utils._device
 
 
-class Yielding(Protocol):
-    """A scope that gives way when ``set_default_device`` is called inside it."""
-
-    def yield_to_default(self) -> None: ...
-
-
-class _StandIn:
-    """Holds torch's default-device slot while this thread has scopes open."""
-
-    __slots__ = ("answer", "displaced", "scopes")
-
-    def __init__(self, displaced: object, answer: Callable[[], torch.device]) -> None:
-        self.displaced = displaced
-        self.answer = answer
-        self.scopes: list[Yielding] = []
-
-    @property
-    def device(self) -> torch.device:
-        """What ``get_default_device`` reports where it reads the slot (torch 2.6, 2.7)."""
-        return self.answer()
-
-    def __exit__(self, *exc_info: object) -> None:
-        """``set_default_device`` replaces the thread's default: every scope yields to it."""
-        for scope in self.scopes:
-            scope.yield_to_default()
-        self.scopes.clear()
-        displaced, self.displaced = self.displaced, _EMPTY
-        if isinstance(displaced, DeviceContext):
-            displaced.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-
-
-def hold_slot(scope: Yielding, answer: Callable[[], torch.device]) -> None:
-    """Have ``scope`` told when ``set_default_device`` is called in this thread.
-
-    ``answer`` is what ``get_default_device`` reports where it reads the slot.
-    """
-    slot = _SLOT.__dict__
-    held = slot.get(_KEY, _EMPTY)
-    if not isinstance(held, _StandIn):
-        held = slot[_KEY] = _StandIn(held, answer)
-    held.scopes.append(scope)
-
-
-def release_slot(scope: Yielding) -> None:
-    """Undo :func:`hold_slot`; the thread's last scope gives the slot back."""
-    slot = _SLOT.__dict__
-    held = slot.get(_KEY)
-    if isinstance(held, _StandIn) and scope in held.scopes:
-        held.scopes.remove(scope)
-        if not held.scopes:
-            _restore_slot(slot, held.displaced)
+def default_slot() -> object:
+    """What this thread's default-device slot holds (``set_default_device`` replaces it with
+    a new object at every call): compared with its value at a block's entry, it tells
+    whether ``set_default_device`` was called inside the block."""
+    return _SLOT.__dict__.get(_KEY, _EMPTY)
 
 
 def innermost_device_mode() -> DeviceContext | None:
     """The ``DeviceContext`` nearest the top of this thread's mode stack, or None."""
-    for position in range(_len_torch_function_stack() - 1, -1, -1):
+    length = _len_torch_function_stack()
+    if not length:  # the usual case, on every constructor called in a block
+        return None
+    for position in range(length - 1, -1, -1):
         mode = _get_function_stack_at(position)
         if isinstance(mode, DeviceContext):
             return mode
@@ -149,6 +101,13 @@ def innermost_of(modes: list[object]) -> DeviceContext | None:
 def set_current_device(device: torch.device | None) -> None:
     """Tell dynamo, which guards compiled code on it, what the default device now is."""
     _DEVICE_MODULE.CURRENT_DEVICE = device
+
+
+def swap_current_device(device: torch.device | None) -> torch.device | None:
+    """:func:`set_current_device`, returning what dynamo read before (for the exit)."""
+    previous: torch.device | None = _DEVICE_MODULE.CURRENT_DEVICE
+    _DEVICE_MODULE.CURRENT_DEVICE = device
+    return previous
 
 
 def push_mode(mode: TorchFunctionMode) -> None:

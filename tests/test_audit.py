@@ -14,7 +14,6 @@ import torch
 from helpers import python_output
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import as_tensor as bound_as_tensor  # bound before any block: torch's own
 from torch.nn.modules import module as torch_module
 from torch.overrides import _get_current_function_mode_stack
 
@@ -23,8 +22,13 @@ from devicectx._audit import reset_reports
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-FROM_NUMPY = torch.from_numpy
-FROMBUFFER = torch.frombuffer
+# torch's own, held in an object: a module-level name bound to one is replaced in audited
+# blocks (and then reported), as torch.from_numpy is.
+OWN = {
+    "from_numpy": torch.from_numpy,
+    "frombuffer": torch.frombuffer,
+    "as_tensor": torch._C._VariableFunctions.as_tensor,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +76,8 @@ def _as_tensor() -> object:
     return torch.as_tensor(A, device="cpu")
 
 
-def _as_tensor_bound() -> object:
-    return bound_as_tensor(A)
+def _as_tensor_held() -> object:
+    return OWN["as_tensor"](A)  # an object holds torch's own function
 
 
 def _asarray() -> object:
@@ -146,8 +150,8 @@ def _new_empty_strided() -> object:
 
 _GIVEN = ", or leave device= out (the block then picks meta)"
 _UNFILLED = (
-    "; without device= it got torch's own default: a name bound to torch.as_tensor before "
-    "the first block opened is not filled in (call torch.as_tensor itself, or use "
+    "; without device= it got torch's own default: torch.as_tensor held in an object, a "
+    "closure or a default argument is not filled in (call torch.as_tensor by its name, or use "
     "on_device(..., exact=True))"
 )
 
@@ -165,7 +169,7 @@ OPS: list[tuple[str, Callable[[], object], str]] = [
      'torch.from_numpy(array).to("meta"), or torch.as_tensor(array, device="meta")'),
     ("torch.frombuffer", _frombuffer, 'torch.frombuffer(buffer, dtype=...).to("meta")'),
     ("torch.as_tensor", _as_tensor, 'torch.as_tensor(..., device="meta")' + _GIVEN),
-    ("torch.as_tensor", _as_tensor_bound, 'torch.as_tensor(..., device="meta")' + _UNFILLED),
+    ("torch.as_tensor", _as_tensor_held, 'torch.as_tensor(..., device="meta")' + _UNFILLED),
     ("torch.asarray", _asarray, 'torch.asarray(..., device="meta")' + _GIVEN),
     ("torch.tensor", _tensor, 'torch.tensor(..., device="meta")' + _GIVEN),
     ("torch.zeros", _zeros, 'torch.zeros(..., device="meta")' + _GIVEN),
@@ -309,10 +313,10 @@ class Masked(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("mask", FROM_NUMPY(np.ones(2, dtype=np.float32)))
+        self.register_buffer("mask", OWN["from_numpy"](np.ones(2, dtype=np.float32)))
 
     def extend(self) -> None:
-        self.register_buffer("extra", FROM_NUMPY(np.ones(1, dtype=np.float32)))
+        self.register_buffer("extra", OWN["from_numpy"](np.ones(1, dtype=np.float32)))
 
 
 BUFFER_LINE = inspect.getsourcelines(Masked.extend)[1] + 1
@@ -378,7 +382,7 @@ def test_nothing_reported_outside_or_without_audit() -> None:
         torch.from_numpy(A)
         torch.zeros(1, device="cpu")
         with on_device("meta"), on_device("meta", audit=False):
-            assert torch.from_numpy is FROM_NUMPY
+            assert torch.from_numpy is OWN["from_numpy"]
             assert [] == _get_current_function_mode_stack()
             torch.from_numpy(A)
             torch.zeros_like(X)
@@ -397,7 +401,9 @@ def test_torch_restored_after_the_last_audited_block() -> None:
     )
 
     def installed() -> bool:
-        return torch.from_numpy is not FROM_NUMPY and torch.frombuffer is not FROMBUFFER
+        return (
+            torch.from_numpy is not OWN["from_numpy"] and torch.frombuffer is not OWN["frombuffer"]
+        )
 
     def nest_then_fail() -> None:
         with on_device("meta", audit=True):
@@ -410,8 +416,8 @@ def test_torch_restored_after_the_last_audited_block() -> None:
 
     with pytest.raises(KeyError):
         nest_then_fail()
-    assert torch.from_numpy is FROM_NUMPY
-    assert torch.frombuffer is FROMBUFFER
+    assert torch.from_numpy is OWN["from_numpy"]
+    assert torch.frombuffer is OWN["frombuffer"]
     assert hooks == (
         dict(torch_module._global_buffer_registration_hooks),
         dict(torch_module._global_parameter_registration_hooks),
@@ -483,7 +489,7 @@ def test_another_thread_is_not_audited() -> None:
     other.start()
     other.join()
     assert isinstance(seen["audited"], StrayTensorError)
-    assert torch.from_numpy is FROM_NUMPY
+    assert torch.from_numpy is OWN["from_numpy"]
 
 
 def test_another_task_is_not_audited() -> None:

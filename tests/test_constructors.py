@@ -1,4 +1,4 @@
-"""What ``on_device`` changes in torch: its constructors while a block is open, nothing else."""
+"""What ``on_device`` changes in torch: its constructors, from the first block on; nothing else."""
 
 from __future__ import annotations
 
@@ -12,13 +12,23 @@ from helpers import python_output
 from hypothesis import given
 from hypothesis import strategies as st
 
-from devicectx import device_agnostic, on_device
+from devicectx import _constructors, device_agnostic, on_device
 from devicectx._torch_modes import stack_length
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-ZEROS = torch._C._VariableFunctions.zeros  # torch's own, whatever torch.zeros is now
-CONSTRUCTORS = sorted(torch.utils._device._device_constructors(), key=lambda f: f.__name__)
+# torch's own functions, whatever torch.zeros is now: held in an object (a module-level name
+# bound to one is replaced at the next block).
+OWN = {"zeros": torch._C._VariableFunctions.zeros}
+# torch's set lists the replacements too, once made (so that its mode knows them).
+CONSTRUCTORS = sorted(
+    (
+        f
+        for f in torch.utils._device._device_constructors()
+        if getattr(f, "__code__", None) not in _constructors._REPLACEMENTS
+    ),
+    key=lambda f: f.__name__,
+)
 # Arguments that make each constructor allocate something small.
 CALLS = {
     "arange": ((3,), {}),
@@ -69,17 +79,21 @@ def test_each_constructor_lands_on_the_block_device(name: str) -> None:
     assert CPU == constructor(*args, **kwargs).device
 
 
-def test_every_constructor_is_replaced_only_while_a_block_is_open() -> None:
-    """Each of torch's constructors is replaced in its modules inside a block, and given back."""
+def test_every_constructor_is_replaced_from_the_first_block_on() -> None:
+    """Each of torch's constructors is replaced in its modules at the first block, and stays:
+    outside every block the replacement hands the call to torch's own function."""
     homes = {"fft_fftfreq": torch.fft, "fft_rfftfreq": torch.fft, "nested_tensor": torch.nested}
     names = {"fft_fftfreq": "fftfreq", "fft_rfftfreq": "rfftfreq"}
+    with on_device("meta"):
+        pass
     for original in CONSTRUCTORS:
         home = homes.get(original.__name__, torch)
         name = names.get(original.__name__, original.__name__)
-        assert getattr(home, name) is original, name
-        with on_device("meta"):
-            assert getattr(home, name) is not original, name
-        assert getattr(home, name) is original, name
+        replacement = getattr(home, name)
+        assert replacement is not original, name
+        assert original is replacement.__wrapped__, name
+    assert CPU == torch.zeros(1).device
+    assert 0 == stack_length()
 
 
 def test_fft_constructors() -> None:
@@ -98,15 +112,17 @@ def test_modules_built_in_a_block_land_on_its_device() -> None:
     assert META == linear.weight.device
 
 
-def test_torch_is_given_back_after_an_exception() -> None:
-    """Leaving the last block by an exception gives torch its own functions back."""
+def test_leaving_by_an_exception_leaves_torch_default() -> None:
+    """Leaving a block by an exception leaves constructors on torch's default again."""
     with pytest.raises(KeyError), on_device("meta"):
         raise KeyError
-    assert torch.zeros is ZEROS
+    assert CPU == torch.zeros(1).device
+    assert torch.utils._device.CURRENT_DEVICE is None
 
 
-def test_torch_is_given_back_when_threads_leave_in_any_order() -> None:
-    """Threads opening and closing blocks in any order leave torch as it was, once all are out."""
+def test_threads_leaving_in_any_order_leave_torch_default() -> None:
+    """Threads opening and closing blocks in any order see their own device, and the CPU once
+    all are out."""
     barrier = threading.Barrier(4)
     seen: list[torch.device] = []
 
@@ -124,7 +140,7 @@ def test_torch_is_given_back_when_threads_leave_in_any_order() -> None:
     for thread in threads:
         thread.join()
     assert (80, 80) == (seen.count(META), seen.count(CPU))
-    assert torch.zeros is ZEROS
+    assert CPU == torch.zeros(1).device
 
 
 def test_a_thread_without_a_block_keeps_the_cpu_while_another_has_one() -> None:
@@ -146,9 +162,9 @@ def test_a_thread_without_a_block_keeps_the_cpu_while_another_has_one() -> None:
     assert [CPU] == seen
 
 
-def test_a_name_bound_before_the_block_needs_exact() -> None:
-    """A constructor bound to a name before the first block is torch's own: exact=True covers it."""
-    zeros = ZEROS
+def test_a_reference_held_in_an_object_needs_exact() -> None:
+    """torch's own constructor held in an object is not filled in: exact=True covers it."""
+    zeros = OWN["zeros"]
     with on_device("meta"):
         assert CPU == zeros(1).device
     with on_device("meta", exact=True):
@@ -156,6 +172,81 @@ def test_a_name_bound_before_the_block_needs_exact() -> None:
         assert META == torch.zeros(1).device
         assert 1 == stack_length()
     assert 0 == stack_length()
+
+
+# A module imported before devicectx binds torch's own functions by name, at module level
+# and in a module that binds them after a block closed; torch modules imported after the
+# first block are looked through too (torch.utils.benchmark binds none: a stand-in module).
+_MODULE_LEVEL_NAMES = r"""
+import sys, types
+import torch
+early = types.ModuleType("early")
+exec("import torch\nfrom torch import zeros, ones\nfrom torch.fft import fftfreq\n"
+     "arange = torch._C._VariableFunctions.arange", early.__dict__)
+sys.modules["early"] = early
+from devicectx import on_device
+
+held = {"zeros": torch.zeros}  # in an object: the one limit
+with on_device("meta"):
+    first = [early.zeros(1).device, early.ones(1).device, early.fftfreq(2).device,
+             early.arange(2).device, held["zeros"](1).device]
+late = types.ModuleType("torch._late")
+exec("import torch\nzeros = torch._C._VariableFunctions.zeros\nones = torch.ones", late.__dict__)
+sys.modules["torch._late"] = late
+with on_device("meta"):
+    second = [late.zeros(1).device, late.ones(1).device]
+outside = [early.zeros(1).device, late.zeros(1).device]
+print(*first, *second, *outside)
+"""
+
+
+def test_module_level_names_bound_anywhere_anytime_follow_the_block() -> None:
+    """A module-level name bound to a constructor, in a module imported before devicectx, or
+    after a block closed, follows the block; a reference held in an object does not."""
+    expected = "meta meta meta meta cpu meta meta cpu cpu"
+    assert expected == python_output(_MODULE_LEVEL_NAMES)
+
+
+# A failing entry (a bad device, a precision the device lacks) as the first block of the
+# process: nothing is replaced, torch's own functions stay.
+_FAILING_ENTRY = """
+import torch
+from devicectx import on_device, DeviceError
+
+for spec in ("gpu", "cuda:3"):
+    try:
+        with on_device(spec):
+            pass
+    except DeviceError as error:
+        print(type(error).__name__, end=" ")
+print(torch.zeros is torch._C._VariableFunctions.zeros, torch.utils._device.CURRENT_DEVICE)
+"""
+
+
+def test_a_failing_entry_leaves_torch_its_own_functions() -> None:
+    """A block that fails at entry, the first of the process, replaces nothing in torch."""
+    expected = "InvalidDeviceError DeviceUnavailableError True None"
+    assert expected == python_output(_FAILING_ENTRY)
+
+
+def test_a_process_without_a_block_runs_torch_own_functions() -> None:
+    """Importing devicectx, and blocks on the default device, replace nothing."""
+    source = (
+        "import torch, devicectx\nwith devicectx.on_device('cpu'):\n    pass\n"
+        "print(torch.zeros is torch._C._VariableFunctions.zeros)"
+    )
+    assert "True" == python_output(source)
+
+
+def test_torch_jit_script_compiles_a_constructor_after_a_block() -> None:
+    """TorchScript knows each replacement as its aten op: code calling one scripts."""
+    with on_device("meta"):
+        pass
+
+    def make(n: int) -> torch.Tensor:
+        return torch.zeros(n) + torch.arange(n)
+
+    assert [0.0, 1.0] == torch.jit.script(make)(2).tolist()
 
 
 def test_exact_applies_per_asyncio_task() -> None:
@@ -169,11 +260,11 @@ def test_exact_applies_per_asyncio_task() -> None:
             with on_device("meta", exact=True):
                 entered.set()
                 await checked.wait()
-                seen.append(ZEROS(1).device)
+                seen.append(OWN["zeros"](1).device)
 
         async def plain() -> None:
             await entered.wait()
-            seen.append(ZEROS(1).device)
+            seen.append(OWN["zeros"](1).device)
             checked.set()
 
         await asyncio.gather(scoped(), plain())
@@ -214,7 +305,7 @@ def test_compiled_function_called_inside_blocks() -> None:
 _FIRST_COMPILE_IN_A_BLOCK = """
 import torch
 import torch._dynamo
-from devicectx import device_agnostic, on_device
+from devicectx import _constructors, device_agnostic, on_device
 
 def make(x):
     return x + torch.zeros(2)
@@ -288,7 +379,6 @@ def test_nesting_with_torch_device_blocks(plan: list[str]) -> None:
             enter(level + 1)
 
     enter(0)
-    assert torch.zeros is ZEROS
     assert CPU == torch.zeros(1).device
 
 
