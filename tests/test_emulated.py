@@ -138,6 +138,20 @@ def test_memory_of_its_own(emu: torch.device) -> None:
     assert before == emulated.memory_allocated(emu)
 
 
+def test_torch_accelerator_memory_functions(emu: torch.device) -> None:
+    """Where torch has them (2.9 and later), torch.accelerator's memory functions answer
+    for emu, and empty_cache() works (devicectx's out-of-memory back-off calls it)."""
+    if not hasattr(torch.accelerator, "memory_allocated"):
+        pytest.skip(f"torch {torch.__version__} has no torch.accelerator.memory_allocated")
+    before = torch.accelerator.memory_allocated(emu)
+    on_device = torch.ones(100, device=emu)
+    assert before + 400 == torch.accelerator.memory_allocated(emu)
+    assert emulated.memory_allocated(emu) == torch.accelerator.memory_allocated(emu)
+    torch.accelerator.empty_cache()
+    del on_device
+    assert before == torch.accelerator.memory_allocated(emu)
+
+
 def test_two_devices(emu: torch.device) -> None:
     """emu:1 has its own memory and count; mixing devices in an op is torch's error."""
     on_one = torch.arange(3.0, device=EMU1)
