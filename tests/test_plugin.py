@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -306,8 +307,8 @@ def test_marker_is_registered(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--markers")
     expected = (
         "@pytest.mark.requires_device(device): skip the test, with the reason, unless this "
-        "machine has the device: a kind ('cuda', 'mps', 'xpu') or one device ('cuda:1') "
-        "(devicectx)"
+        "machine has the device: a kind ('cuda', 'mps', 'xpu'), one device ('cuda:1'), or "
+        "'accelerator' for any accelerator torch.accelerator reports (devicectx)"
     )
     assert expected in result.outlines
 
@@ -456,3 +457,99 @@ def test_example_passes_under_the_plugin() -> None:
     assert 0 == result.returncode, result.stdout + result.stderr
     assert "failed" not in result.stdout
     assert "skipped" not in result.stdout
+
+
+def test_accelerator_marker_follows_torch_accelerator(pytester: pytest.Pytester) -> None:
+    """requires_device('accelerator') runs where torch.accelerator has a device, and
+    otherwise skips, saying so."""
+    pytester.makepyfile(
+        test_it="""
+        import pytest
+
+        @pytest.mark.requires_device("accelerator")
+        def test_any():
+            pass
+        """
+    )
+    reprec = pytester.inline_run("--strict-markers")
+    if torch.accelerator.is_available():
+        reprec.assertoutcome(passed=1)
+        return
+    reprec.assertoutcome(skipped=1)
+    expected = {
+        "test_it.py::test_any": "requires_device('accelerator'): no accelerator here "
+        "(torch.accelerator.is_available() is False)"
+    }
+    assert expected == skip_reasons(reprec)
+
+
+EMULATED_TESTS = """
+    import pytest
+    import torch
+
+    def test_device(device):
+        assert torch.ones(2, device=device).device == device
+
+    @pytest.mark.requires_device("accelerator")
+    def test_accelerator():
+        assert "emu" == torch.accelerator.current_accelerator().type
+"""
+
+
+@pytest.fixture
+def build_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the emulated accelerator's build cache where it is: pytester's subprocesses get
+    a HOME of their own, and would build it from scratch (a minute) in each test."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", base)
+
+
+def emulated_header(result: pytest.RunResult) -> list[str]:
+    """The report header's devicectx lines."""
+    return [line for line in result.outlines if line.startswith("devicectx:")]
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["in-process", "xdist"])
+@pytest.mark.usefixtures("build_cache")
+def test_emulated_accelerator_option(pytester: pytest.Pytester, workers: list[str]) -> None:
+    """--devicectx-accelerator=emulated enables emu before collection: the device fixture
+    runs on emu:0 and emu:1, the accelerator marker passes, with xdist workers too."""
+    pytester.makepyfile(test_it=EMULATED_TESTS)
+    result = pytester.runpytest_subprocess("--devicectx-accelerator=emulated", "-v", *workers)
+    header = emulated_header(result)
+    if any("unavailable" in line for line in header):
+        pytest.skip("\n".join(result.outlines[:12]))
+    assert 1 == len(header)
+    assert header[0].startswith("devicectx: emulated accelerator 'emu' enabled, 2 devices")
+    result.assert_outcomes(passed=4)
+    for test_id in ["test_device[cpu]", "test_device[emu:0]", "test_device[emu:1]"]:
+        assert any(test_id in line and "PASSED" in line for line in result.outlines), test_id
+
+
+def test_emulated_build_failure_skips_with_the_reason(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the emulated accelerator cannot be built, the tests that need it are skipped
+    with the reason, which the report header prints once, even with xdist workers."""
+    pytester.makepyfile(test_it=EMULATED_TESTS)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    result = pytester.runpytest_subprocess("--devicectx-accelerator=emulated", "-rs", "-n", "2")
+    result.assert_outcomes(passed=1, skipped=3)
+    reason = (
+        "the emulated accelerator is built at first use and needs a C++17 compiler: "
+        "'/nonexistent/c++' is not on PATH"
+    )
+    header = "devicectx: the emulated accelerator is unavailable; tests that need it are skipped:"
+    start = result.outlines.index(header)
+    assert [
+        header,
+        f"    {reason}",
+        "    fix: install one (apt-get install g++, or xcode-select --install), or set CXX",
+    ] == result.outlines[start : start + 3]
+    assert 1 == sum(line.startswith("devicectx:") for line in result.outlines)
+    skipped = sorted(line for line in result.outlines if line.startswith("SKIPPED"))
+    assert [
+        f"SKIPPED [1] test_it.py:7: requires_device('accelerator'): the emulated accelerator "
+        f"is unavailable: {reason}",
+        f"SKIPPED [2] test_it.py: the emulated accelerator is unavailable: {reason}",
+    ] == skipped

@@ -3,8 +3,11 @@
 - :func:`assert_device_agnostic`: run a function on each device and compare the outputs;
 - :mod:`devicectx.testing.strategies`: hypothesis strategies for devices, tensors and nested
   batches (needs hypothesis);
+- :mod:`devicectx.testing.emulated`: an emulated accelerator (``emu``) for machines without a
+  GPU: memory of its own, streams, events, pinned memory, copies that finish later;
 - a pytest plugin, active wherever devicectx is installed: the ``device`` fixture, the
-  ``--devices=cpu,meta`` option and the ``@pytest.mark.requires_device("cuda")`` marker.
+  ``--devices=cpu,meta`` and ``--devicectx-accelerator=emulated`` options and the
+  ``@pytest.mark.requires_device("cuda")`` marker.
 
 Both names are imported on first use: the pytest plugin lives in this package, so it is
 imported into every test session, and must cost nothing there and work without hypothesis.

@@ -1,4 +1,5 @@
-"""The pytest plugin: the ``device`` fixture, ``--devices`` and the ``requires_device`` marker.
+"""The pytest plugin: the ``device`` fixture, ``--devices``, ``--devicectx-accelerator`` and the
+``requires_device`` marker.
 
 Registered with the ``pytest11`` entry point, so it is active wherever devicectx is installed
 (``pytest -p no:devicectx`` turns it off). A test session that does not use it is not changed:
@@ -17,11 +18,19 @@ Example (a test module)::
     def test_on_gpu():  # skipped, with the reason, where there is no CUDA device
         ...
 
-Run it on chosen devices with ``pytest --devices=cpu,meta``.
+    @pytest.mark.requires_device("accelerator")
+    def test_streams():  # any accelerator torch.accelerator reports: CUDA, MPS, XPU, emu
+        ...
+
+Run it on chosen devices with ``pytest --devices=cpu,meta``; on a machine without a GPU, add
+an accelerator with ``pytest --devicectx-accelerator=emulated`` (``emu:0`` and ``emu:1``,
+see :mod:`devicectx.testing.emulated`), enabled before collection so that the ``device``
+fixture includes its devices.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +44,11 @@ if TYPE_CHECKING:
 _FIXTURE = "device"
 _MARKER = "requires_device"
 _OPTION_DEST = "devicectx_devices"
+_ACCELERATOR_DEST = "devicectx_accelerator"
+_ANY_ACCELERATOR = "accelerator"
+_EMULATED = "emulated"
+# The emulated device's ids when its build failed: the same ids as when it works, skipped.
+_EMULATED_IDS = ("emu:0", "emu:1")
 
 
 @dataclass(frozen=True)
@@ -46,7 +60,16 @@ class _Choice:
     skip_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class _Emulated:
+    """What ``--devicectx-accelerator=emulated`` gave: the time it took, or why it failed."""
+
+    seconds: float
+    failure: str | None = None
+
+
 _CHOICES = pytest.StashKey[list[_Choice]]()
+_EMULATED_STATE = pytest.StashKey[_Emulated]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -63,14 +86,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             "this machine lacks gives skipped tests."
         ),
     )
+    group.addoption(
+        "--devicectx-accelerator",
+        dest=_ACCELERATOR_DEST,
+        default=None,
+        choices=[_EMULATED],
+        help=(
+            "emulated: enable devicectx's emulated accelerator 'emu' (devices emu:0 and "
+            "emu:1; built with a C++ compiler at first use, then cached) before collection, "
+            "so that the `device` fixture and requires_device('accelerator') tests run on "
+            "it. If it cannot be built, the tests that need it are skipped with the reason."
+        ),
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{_MARKER}(device): skip the test, with the reason, unless this machine has the "
-        "device: a kind ('cuda', 'mps', 'xpu') or one device ('cuda:1') (devicectx)",
+        "device: a kind ('cuda', 'mps', 'xpu'), one device ('cuda:1'), or 'accelerator' "
+        "for any accelerator torch.accelerator reports (devicectx)",
     )
+    if config.getoption(_ACCELERATOR_DEST, default=None) == _EMULATED:
+        # Before --devices is parsed (it may name emu:1) and before collection (the
+        # fixture's parameters). With xdist, the controller builds first, under a file
+        # lock; the workers then load the cached build.
+        config.stash[_EMULATED_STATE] = _enable_emulated()
     text = config.getoption(_OPTION_DEST, default=None)
     if text is not None:
         # Parsed here, not at first use, so a bad spec stops the run before any test.
@@ -117,11 +158,29 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     return chosen
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    state = config.stash.get(_EMULATED_STATE, None)
+    if state is None:
+        return []
+    if state.failure is None:
+        import torch
+
+        return [
+            f"devicectx: emulated accelerator 'emu' enabled, {torch.accelerator.device_count()} "
+            f"devices (built or loaded in {state.seconds:.1f} s)"
+        ]
+    return [
+        "devicectx: the emulated accelerator is unavailable; tests that need it are skipped:",
+        *(f"    {line}" for line in state.failure.splitlines()),
+    ]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A skip mark added here is reported at the test's own location, as skipif's is.
+    emulated_failure = _emulated_failure(config)
     for item in items:
         for marker in item.iter_markers(name=_MARKER):
-            reason = _missing_device(marker)
+            reason = _missing_device(marker, emulated_failure)
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
 
@@ -140,8 +199,29 @@ def _choices(config: pytest.Config) -> list[_Choice]:
         from devicectx._resolve import available_devices
 
         choices = [_Choice(str(device), device) for device in available_devices()]
+        failure = _emulated_failure(config)
+        if failure is not None:
+            reason = f"the emulated accelerator is unavailable: {_first_line(failure)}"
+            choices += [_Choice(id, None, reason) for id in _EMULATED_IDS]
         config.stash[_CHOICES] = choices
     return choices
+
+
+def _enable_emulated() -> _Emulated:
+    from devicectx.testing import emulated
+
+    started = time.perf_counter()
+    try:
+        emulated.enable()
+    except emulated.EmulatedUnavailable as error:
+        return _Emulated(time.perf_counter() - started, str(error))
+    return _Emulated(time.perf_counter() - started)
+
+
+def _emulated_failure(config: pytest.Config) -> str | None:
+    """Why --devicectx-accelerator=emulated failed; None when it worked or was not asked."""
+    state = config.stash.get(_EMULATED_STATE, None)
+    return None if state is None else state.failure
 
 
 def _parse_devices_option(text: str) -> list[_Choice]:
@@ -173,14 +253,22 @@ def _parse_devices_option(text: str) -> list[_Choice]:
     return choices
 
 
-def _missing_device(marker: pytest.Mark) -> str | None:
+def _missing_device(marker: pytest.Mark, emulated_failure: str | None) -> str | None:
     """Why the test must be skipped for want of the marker's device; None when it is here."""
     from devicectx._errors import DeviceUnavailableError
-    from devicectx._resolve import resolve_device
+    from devicectx._resolve import accelerator_type, resolve_device
 
     if _marker_problem(marker) is not None:
         return None
     spec = marker.args[0]
+    if spec == _ANY_ACCELERATOR:
+        if accelerator_type() is not None:
+            return None
+        if emulated_failure is not None:
+            why = f"the emulated accelerator is unavailable: {_first_line(emulated_failure)}"
+        else:
+            why = "no accelerator here (torch.accelerator.is_available() is False)"
+        return f"{_MARKER}({spec!r}): {why}"
     try:
         resolve_device(spec)
     except DeviceUnavailableError as error:
@@ -202,6 +290,8 @@ def _marker_problem(marker: pytest.Mark) -> str | None:
             f"fix: @pytest.mark.{_MARKER}('cuda')"
         )
     spec = marker.args[0]
+    if spec == _ANY_ACCELERATOR:
+        return None
     try:
         resolve_device(spec)
     except InvalidDeviceError as error:
@@ -236,5 +326,5 @@ def _fixture_is_ours(metafunc: pytest.Metafunc) -> bool:
     return getattr(function, "__module__", None) == __name__
 
 
-def _first_line(error: Exception) -> str:
+def _first_line(error: object) -> str:
     return str(error).partition("\n")[0]

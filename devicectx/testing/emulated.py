@@ -53,7 +53,7 @@ turned off: torch allows one PrivateUse1 backend per process, under one name.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType, TracebackType
 from typing import Any
@@ -72,6 +72,7 @@ __all__ = [
     "memory_allocated",
     "paused",
     "pinned_memory_allocated",
+    "settings",
 ]
 
 DEVICE_TYPE = "emu"
@@ -81,7 +82,7 @@ _lock = threading.Lock()
 _extension: Any = None
 
 
-class EmulatedUnavailable(DeviceUnavailableError):  # noqa: N818 (it names a state)
+class EmulatedUnavailable(DeviceUnavailableError):
     """The emulated accelerator cannot be built or registered here; says why and the fix."""
 
 
@@ -177,15 +178,25 @@ def configure(
     Raises:
         EmulatedUnavailable: the emulated accelerator is not enabled.
     """
-    extension = _require()
-    previous = {
-        "delay_ms": extension.delay_ms(),
-        "pinned": extension.pinned_enabled(),
-        "events": extension.events_enabled(),
-        "poison": extension.poison_enabled(),
-    }
+    previous: dict[str, Any] = settings()
     _apply({"delay_ms": delay_ms, "pinned": pinned, "events": events, "poison": poison})
     return _Settings(previous)
+
+
+def settings() -> dict[str, float | bool]:
+    """The current settings, by :func:`configure`'s argument names.
+
+    Example::
+
+        settings()  # {'delay_ms': 2.0, 'pinned': True, 'events': True, 'poison': True}
+    """
+    extension = _require()
+    return {
+        "delay_ms": float(extension.delay_ms()),
+        "pinned": bool(extension.pinned_enabled()),
+        "events": bool(extension.events_enabled()),
+        "poison": bool(extension.poison_enabled()),
+    }
 
 
 def _apply(settings: dict[str, Any]) -> None:
@@ -305,12 +316,18 @@ def _register(devices: int) -> None:
         extension = _build.load()
     except _build.BuildFailed as error:
         raise EmulatedUnavailable(str(error)) from None
+    from torch.utils.backend_registration import (
+        generate_methods_for_privateuse1_backend,
+        rename_privateuse1_backend,
+    )
+
+    # torch's own registration function, private (checked on torch 2.6 to 2.15), untyped.
+    register_module: Callable[[str, ModuleType], None] = torch._register_device_module
     # The order matters: the name first (the device module and the methods are looked up
     # by it), the hooks before the module (torch.accelerator asks them).
-    torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
+    rename_privateuse1_backend(DEVICE_TYPE)
     extension.register_backend(devices)
     _device_module._extension = extension
-    module: ModuleType = _device_module
-    torch._register_device_module(DEVICE_TYPE, module)
-    torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
+    register_module(DEVICE_TYPE, _device_module)
+    generate_methods_for_privateuse1_backend(for_storage=True)
     _extension = extension

@@ -1,16 +1,19 @@
-"""Build the emulated accelerator at first use, once per torch version and Python.
+"""Build the emulated accelerator at first use, once per torch version, Python and source.
 
-The C++ sources next to this file are compiled with ``torch.utils.cpp_extension.load``
-(ninja and a C++17 compiler) into ``$XDG_CACHE_HOME/devicectx/emulated/torch-<version>-
-py<XY>/`` (``~/.cache`` without ``XDG_CACHE_HOME``), and later processes load what is
-there: ninja rebuilds only when a source changed. A file lock serialises processes that
-build at once (pytest-xdist workers): torch's own lock in the build folder is a plain file
-that a build killed midway leaves behind, and every later build then waits for it forever;
-under our lock no other build can be running, so a leftover one is removed.
+The C++ sources next to this file are copied into ``$XDG_CACHE_HOME/devicectx/emulated/
+torch-<version>-py<XY>/<hash of the sources>/`` (``~/.cache`` without ``XDG_CACHE_HOME``)
+and compiled there with ``torch.utils.cpp_extension.load`` (ninja and a C++17 compiler);
+later processes load what is there. The hash keeps checkouts apart: two checkouts (or
+versions) of devicectx with different sources would otherwise rebuild each other's build
+in turn, since ninja rebuilds when a source path changes. A file lock serialises processes
+that build at once (pytest-xdist workers): torch's own lock in the build folder is a plain
+file that a build killed midway leaves behind, and every later build then waits for it
+forever; under our lock no other build can be running, so a leftover one is removed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -21,6 +24,7 @@ import torch
 from packaging.version import Version
 
 SOURCES = ("runtime.cpp", "backend.cpp", "autocast.cpp", "bindings.cpp")
+FILES = (*SOURCES, "runtime.h")
 EXTENSION = "devicectx_emulated"
 FLOOR = Version("2.6")  # pyproject.toml's torch floor: older headers differ
 
@@ -30,11 +34,19 @@ class BuildFailed(Exception):
 
 
 def cache_dir() -> Path:
-    """Where this torch and Python's build lives."""
+    """Where this torch, Python and source's build lives."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     torch_version = torch.__version__.replace("+", "-")
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(base) / "devicectx" / "emulated" / f"torch-{torch_version}-{python}"
+    digest = hashlib.sha256()
+    for source in FILES:
+        digest.update(source.encode() + b"\0" + _source(source).read_bytes() + b"\0")
+    folder = f"torch-{torch_version}-{python}"
+    return Path(base) / "devicectx" / "emulated" / folder / digest.hexdigest()[:16]
+
+
+def _source(name: str) -> Path:
+    return Path(__file__).with_name(name)
 
 
 def load() -> ModuleType:
@@ -48,15 +60,18 @@ def load() -> ModuleType:
     from filelock import FileLock  # a dependency of torch
     from torch.utils import cpp_extension
 
-    here = Path(__file__).parent
     build = cache_dir()
     build.mkdir(parents=True, exist_ok=True)
     with FileLock(str(build / "devicectx-build.lock")):
         (build / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
+        for name in FILES:
+            copy = build / name
+            if not copy.exists():  # copied under the lock, so never half-written
+                shutil.copyfile(_source(name), copy)
         try:
             module = cpp_extension.load(
                 name=EXTENSION,
-                sources=[str(here / source) for source in SOURCES],
+                sources=[str(build / source) for source in SOURCES],
                 build_directory=str(build),
                 extra_cflags=["-O2"],
                 verbose=False,

@@ -75,19 +75,19 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
 
 def manual_seed(seed: int) -> None:
     """Seed the emulated devices' random numbers: the CPU generator, which their ops use."""
-    torch.random.default_generator.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
 
 
 def manual_seed_all(seed: int) -> None:
     """Seed every emulated device (they share the CPU generator)."""
-    torch.random.default_generator.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)
 
 
 def get_rng_state(device: torch.device | str | int | None = None) -> torch.Tensor:
     """The random state of the emulated devices: the CPU generator's."""
-    return torch.random.default_generator.get_state()
+    return torch.default_generator.get_state()
 
 
 def set_rng_state(state: torch.Tensor, device: torch.device | str | int | None = None) -> None:
     """Restore a state from :func:`get_rng_state`."""
-    torch.random.default_generator.set_state(state)
+    torch.default_generator.set_state(state)

@@ -5,6 +5,7 @@
 #include "runtime.h"
 
 #include <c10/util/Exception.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <atomic>
@@ -16,6 +17,14 @@
 #include <map>
 #include <mutex>
 #include <thread>
+
+// torch >= 2.9 asks the device type's allocator for torch.accelerator's memory functions
+// (empty_cache, memory_allocated, memory_stats), as a c10::DeviceAllocator.
+#define DEVICECTX_DEVICE_ALLOCATOR \
+  (TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= 209)
+#if DEVICECTX_DEVICE_ALLOCATOR
+#include <c10/core/CachingDeviceAllocator.h>
+#endif
 
 namespace devicectx_emu {
 namespace {
@@ -215,6 +224,7 @@ struct Memory {
   std::mutex mu;
   std::map<uintptr_t, Block*> live;
   std::atomic<int64_t> allocated[kMaxDevices + 1] = {};
+  std::atomic<int64_t> peak[kMaxDevices + 1] = {};
   std::mutex quarantine_mu;
   std::deque<Block*> quarantine;
   size_t quarantine_bytes = 0;
@@ -322,7 +332,10 @@ c10::DataPtr allocate_block(size_t size, int device, Worker* owner) {
   {
     std::lock_guard<std::mutex> lock(state.mu);
     state.live[reinterpret_cast<uintptr_t>(ptr)] = block;
-    state.allocated[slot(device)] += static_cast<int64_t>(size);
+    int64_t now = state.allocated[slot(device)] += static_cast<int64_t>(size);
+    if (now > state.peak[slot(device)].load()) {
+      state.peak[slot(device)].store(now);  // under state.mu: no lost update
+    }
   }
   return c10::DataPtr(ptr, block, &delete_block, where);
 }
@@ -334,9 +347,47 @@ void add_user(Block* block, Worker* stream) {
   }
 }
 
-class DeviceAllocator final : public c10::Allocator {
+#if DEVICECTX_DEVICE_ALLOCATOR
+using AllocatorBase = c10::DeviceAllocator;
+#else
+using AllocatorBase = c10::Allocator;
+#endif
+
+class DeviceAllocator final : public AllocatorBase {
  public:
   explicit DeviceAllocator(int index) : index_(index) {}
+
+#if DEVICECTX_DEVICE_ALLOCATOR
+  bool initialized() override {
+    return true;
+  }
+
+  // Nothing is cached; the quarantine of freed blocks stays, since a late reader would
+  // otherwise read unmapped memory.
+  void emptyCache(c10::MempoolId_t /*pool*/) override {}
+
+  void recordStream(const c10::DataPtr& data, c10::Stream stream) override {
+    record_data_ptr(data, stream.device_index(), stream.id());
+  }
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex index) override {
+    c10::CachingDeviceAllocator::DeviceStats stats;
+    auto& all = stats.allocated_bytes[static_cast<size_t>(
+        c10::CachingDeviceAllocator::StatType::AGGREGATE)];
+    all.current = memory().allocated[slot(checked_index(index))].load();
+    all.peak = memory().peak[slot(checked_index(index))].load();
+    stats.active_bytes = stats.allocated_bytes;
+    stats.reserved_bytes = stats.allocated_bytes;
+    return stats;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex /*index*/) override {}
+
+  void resetPeakStats(c10::DeviceIndex index) override {
+    int at = slot(checked_index(index));
+    memory().peak[at].store(memory().allocated[at].load());
+  }
+#endif
 
   c10::DataPtr allocate(size_t size) override {
     int index = checked_index(index_);

@@ -1,0 +1,543 @@
+"""The emulated accelerator (devicectx.testing.emulated): its device semantics and switches.
+
+Enabling it cannot be undone in a process, and it makes ``"auto"`` mean ``emu:0`` for every
+later test. So the tests that need it run in this process only in a session started with
+``--devicectx-accelerator=emulated``; in any other session, the first test runs this file
+in a fresh pytest process with that option, and the others are skipped here. No test
+sleeps or times anything: ``paused()`` holds queued work back.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import python_output
+
+import devicectx
+from devicectx.testing import emulated
+
+ROOT = Path(__file__).resolve().parent.parent
+EMU0 = torch.device("emu", 0) if emulated.enabled() else None
+EMU1 = torch.device("emu", 1) if emulated.enabled() else None
+
+
+@pytest.fixture
+def emu(request: pytest.FixtureRequest) -> Iterator[torch.device]:
+    """emu:0, in a session where the emulated accelerator is enabled; checks nothing leaked."""
+    if not emulated.enabled():
+        if request.config.getoption("devicectx_accelerator") == "emulated":
+            pytest.skip("the emulated accelerator is unavailable (see the report header)")
+        pytest.skip(
+            "needs --devicectx-accelerator=emulated; "
+            "test_this_file_on_the_emulated_accelerator runs it so, in a fresh process"
+        )
+    yield torch.device("emu", 0)
+    torch.accelerator.synchronize(0)
+    torch.accelerator.synchronize(1)
+    defaults = {"delay_ms": 2.0, "pinned": True, "events": True, "poison": True}
+    assert defaults == emulated.settings(), "the test left configure() changed"
+    assert 0 == torch.accelerator.current_device_index(), "the test left another device current"
+    assert 0 == torch.accelerator.current_stream(0).stream_id, "the test left a stream current"
+
+
+@contextmanager
+def on_stream(stream: torch.Stream) -> Iterator[None]:
+    """Make ``stream`` current in the block (torch 2.6's Stream is no context manager)."""
+    previous = torch.accelerator.current_stream(stream.device_index)
+    torch.accelerator.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(previous)
+
+
+def pinned(values: list[float]) -> torch.Tensor:
+    """A pinned CPU tensor holding ``values``."""
+    return torch.tensor(values).pin_memory()
+
+
+def test_this_file_on_the_emulated_accelerator() -> None:
+    """Without the option, this file's tests pass in a fresh process that enables it."""
+    if emulated.enabled():
+        pytest.skip("the emulated accelerator is enabled here: the tests ran in this process")
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        [*command, "--devicectx-accelerator=emulated", "-p", "no:xdist", "-rs"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if "the emulated accelerator is unavailable" in done.stdout:
+        pytest.skip(done.stdout[-2000:])
+    assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
+    skipped = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert 2 == len(skipped), skipped  # this test, and the one for a process without it
+    assert all("in this process" in line for line in skipped), skipped
+
+
+def test_enable_is_idempotent(emu: torch.device) -> None:
+    """enable() returns emu:0 each time; another device count is refused, with the fix."""
+    assert emu == emulated.enable()
+    assert emulated.enabled()
+    with pytest.raises(ValueError, match=r"already enabled with 2 devices") as info:
+        emulated.enable(devices=3)
+    assert "fix: call enable(2)" in str(info.value)
+
+
+def test_torch_accelerator_sees_it(emu: torch.device) -> None:
+    """torch.accelerator reports emu, two devices, the current index and stream."""
+    assert torch.accelerator.is_available()
+    assert "emu" == torch.accelerator.current_accelerator().type
+    assert 2 == torch.accelerator.device_count()
+    assert 0 == torch.accelerator.current_device_index()
+    stream = torch.accelerator.current_stream()
+    assert (emu.index, 0) == (stream.device_index, stream.stream_id)
+
+
+def test_devicectx_resolves_to_it(emu: torch.device) -> None:
+    """resolve_device('auto') is emu:0, and available_devices() lists both emu devices."""
+    assert emu == devicectx.resolve_device("auto")
+    assert emu == devicectx.resolve_device(0)
+    assert EMU1 == devicectx.resolve_device("emu:1")
+    expected = [torch.device("cpu"), emu, EMU1]
+    assert expected == devicectx.available_devices()
+    with pytest.raises(devicectx.DeviceUnavailableError, match="there are 2 'emu' device"):
+        devicectx.resolve_device("emu:2")
+
+
+def test_device_module(emu: torch.device) -> None:
+    """torch.emu, Tensor.emu() and Module.emu() work as torch.cuda's counterparts do."""
+    assert 2 == torch.emu.device_count()
+    assert 0 == torch.emu.current_device()
+    assert emu == torch.ones(2).emu().device
+    assert EMU1 == torch.nn.Linear(2, 2).emu(1).weight.device
+    assert torch.ones(2, device=emu).is_emu
+    torch.emu.synchronize()
+
+
+def test_memory_of_its_own(emu: torch.device) -> None:
+    """A copy to the device is a new block, counted per device; changing the source
+    changes nothing on the device."""
+    before = emulated.memory_allocated(emu)
+    source = torch.arange(4.0)
+    copy = source.to(emu)
+    assert source.data_ptr() != copy.data_ptr()
+    assert before + 16 == emulated.memory_allocated(emu)
+    source.add_(10)
+    assert [0.0, 1.0, 2.0, 3.0] == copy.tolist()
+    del copy
+    assert before == emulated.memory_allocated(emu)
+
+
+def test_torch_accelerator_memory_functions(emu: torch.device) -> None:
+    """Where torch has them (2.9 and later), torch.accelerator's memory functions answer
+    for emu, and empty_cache() works (devicectx's out-of-memory back-off calls it)."""
+    if not hasattr(torch.accelerator, "memory_allocated"):
+        pytest.skip(f"torch {torch.__version__} has no torch.accelerator.memory_allocated")
+    before = torch.accelerator.memory_allocated(emu)
+    on_device = torch.ones(100, device=emu)
+    assert before + 400 == torch.accelerator.memory_allocated(emu)
+    assert emulated.memory_allocated(emu) == torch.accelerator.memory_allocated(emu)
+    torch.accelerator.empty_cache()
+    del on_device
+    assert before == torch.accelerator.memory_allocated(emu)
+
+
+def test_two_devices(emu: torch.device) -> None:
+    """emu:1 has its own memory and count; mixing devices in an op is torch's error."""
+    on_one = torch.arange(3.0, device=EMU1)
+    assert EMU1 == on_one.device
+    assert 12 <= emulated.memory_allocated(EMU1)
+    back = on_one.to(emu)
+    assert (emu, [0.0, 1.0, 2.0]) == (back.device, back.tolist())
+    assert back.data_ptr() != on_one.data_ptr()
+    with pytest.raises(RuntimeError, match="same device"):
+        _ = on_one + back
+
+
+def test_a_move_to_the_second_device_initialises_only_it(emu: torch.device) -> None:
+    """Moving to emu:1 without set_device creates no context on emu:0 (as CUDA would not);
+    pinned memory allocated while emu:0 is current initialises emu:0."""
+    printed = python_output(
+        textwrap.dedent(
+            """
+        import torch
+        from devicectx.testing import emulated
+        emulated.enable()
+        print(emulated.initialized_devices())
+        torch.ones(2).to("emu:1")
+        print(emulated.initialized_devices())
+        torch.ones(2).pin_memory()
+        print(emulated.initialized_devices())
+        """
+        )
+    )
+    expected = [
+        "[]",
+        "[device(type='emu', index=1)]",
+        "[device(type='emu', index=0), device(type='emu', index=1)]",
+    ]
+    assert expected == printed.splitlines()
+
+
+def test_current_device_is_per_thread(emu: torch.device) -> None:
+    """set_device_index changes the current device of this thread only."""
+    seen = []
+    torch.accelerator.set_device_index(1)
+    try:
+        thread = threading.Thread(target=lambda: seen.append(torch.emu.current_device()))
+        thread.start()
+        thread.join()
+        assert EMU1 == torch.ones(1, device="emu").device
+    finally:
+        torch.accelerator.set_device_index(0)
+    assert [0] == seen
+
+
+def test_streams(emu: torch.device) -> None:
+    """torch.Stream makes new streams; set_stream makes one current for this thread only."""
+    stream = torch.Stream(device=emu)
+    assert (0, True) == (stream.device_index, stream.stream_id != 0)
+    seen = []
+    with on_stream(stream):
+        assert stream == torch.accelerator.current_stream(emu)
+        thread = threading.Thread(
+            target=lambda: seen.append(torch.accelerator.current_stream(emu).stream_id)
+        )
+        thread.start()
+        thread.join()
+    assert [0] == seen
+    assert EMU1.index == torch.Stream(device=EMU1).device_index
+
+
+def test_blocking_copies_complete_on_return(emu: torch.device) -> None:
+    """A blocking copy, either way, is done when it returns: sources may change at once."""
+    source = pinned([1.0, 2.0])
+    on_device = source.to(emu)
+    source.fill_(0)
+    assert [1.0, 2.0] == on_device.tolist()
+    host = torch.zeros(2).pin_memory()
+    host.copy_(on_device)
+    assert [1.0, 2.0] == host.tolist()
+
+
+def test_non_blocking_copy_to_pinned_memory_lands_later(emu: torch.device) -> None:
+    """A non_blocking device-to-host copy into pinned memory has not happened until the
+    stream runs it: read at once, the destination holds its old bytes."""
+    on_device = torch.arange(4.0, device=emu)
+    destination = torch.full((4,), -7.0).pin_memory()
+    with emulated.paused(emu):
+        destination.copy_(on_device, non_blocking=True)
+        assert [-7.0] * 4 == destination.tolist()
+    torch.accelerator.synchronize()
+    assert [0.0, 1.0, 2.0, 3.0] == destination.tolist()
+
+
+def test_to_cpu_non_blocking_gives_pinned_memory_that_lands_later(emu: torch.device) -> None:
+    """x.to('cpu', non_blocking=True) returns pinned memory that the copy fills later."""
+    on_device = torch.arange(4.0, device=emu)
+    with emulated.paused(emu):
+        host = on_device.to("cpu", non_blocking=True)
+        assert host.is_pinned()
+    torch.accelerator.synchronize()
+    assert [0.0, 1.0, 2.0, 3.0] == host.tolist()
+
+
+def test_non_blocking_copy_from_pinned_memory_reads_the_source_late(emu: torch.device) -> None:
+    """A non_blocking host-to-device copy from pinned memory reads its source when the
+    stream runs it: a source overwritten before then sends the new bytes, as on a GPU."""
+    source = pinned([1.0, 2.0])
+    with emulated.paused(emu):
+        on_device = source.to(emu, non_blocking=True)
+        source.fill_(9.0)
+    assert [9.0, 9.0] == on_device.tolist()
+
+
+def test_non_blocking_copy_from_pageable_memory_is_blocking(emu: torch.device) -> None:
+    """From pageable memory a non_blocking copy completes on return, as CUDA's does."""
+    source = torch.tensor([1.0, 2.0])
+    on_device = source.to(emu, non_blocking=True)
+    source.fill_(9.0)
+    assert [1.0, 2.0] == on_device.tolist()
+
+
+def test_ops_run_after_the_copies_queued_on_their_stream(emu: torch.device) -> None:
+    """An op on the device waits for its current stream: it sees a copy queued before it."""
+    source = pinned([1.0, 2.0])
+    with emulated.configure(delay_ms=5):
+        on_device = source.to(emu, non_blocking=True)
+        assert [2.0, 3.0] == (on_device + 1).tolist()
+
+
+def test_waiting_for_a_paused_stream_raises(emu: torch.device) -> None:
+    """An op that would wait for a paused stream raises, naming it, instead of hanging."""
+    on_device = torch.arange(2.0, device=emu)
+    destination = torch.zeros(2).pin_memory()
+    with emulated.paused(emu):
+        destination.copy_(on_device, non_blocking=True)
+        with pytest.raises(RuntimeError, match=r"emu:0 stream 0 is paused") as info:
+            _ = on_device + 1
+    assert "fix: resume the device or stream" in str(info.value)
+
+
+def test_other_streams_are_not_waited_for(emu: torch.device) -> None:
+    """Work on the current stream does not wait for another stream: a copy queued there
+    is not done when an op on the default stream runs."""
+    side = torch.Stream(device=emu)
+    on_device = torch.arange(2.0, device=emu)
+    destination = torch.zeros(2).pin_memory()
+    with emulated.paused(stream=side):
+        with on_stream(side):
+            destination.copy_(on_device, non_blocking=True)
+        assert [1.0, 2.0] == (on_device + 1).tolist()
+        assert not side.query()
+    side.synchronize()
+    assert [0.0, 1.0] == destination.tolist()
+
+
+def test_events_are_stream_markers(emu: torch.device) -> None:
+    """An event completes when its stream reaches it; a stream waiting on it waits too."""
+    first = torch.Stream(device=emu)
+    second = torch.Stream(device=emu)
+    event = torch.Event(device=emu)
+    with emulated.paused(stream=first):
+        event.record(first)
+        second.wait_event(event)
+        assert (False, False) == (event.query(), second.query())
+    event.synchronize()
+    second.synchronize()
+    assert (True, True) == (event.query(), second.query())
+
+
+def test_event_elapsed_time(emu: torch.device) -> None:
+    """elapsed_time between two completed timing events is a number of milliseconds."""
+    start = torch.Event(device=emu, enable_timing=True)
+    end = torch.Event(device=emu, enable_timing=True)
+    start.record()
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0.0
+
+
+def test_events_switched_off(emu: torch.device) -> None:
+    """configure(events=False) emulates a device without events: recording one raises."""
+    with (
+        emulated.configure(events=False),
+        pytest.raises(RuntimeError, match="events are switched off"),
+    ):
+        torch.Event(device=emu).record()
+    torch.Event(device=emu).record()
+
+
+def test_pinned_memory_switched_off(emu: torch.device) -> None:
+    """configure(pinned=False) emulates a device without pinned memory: pin_memory()
+    raises, is_pinned() is False, and a non_blocking copy from that memory is blocking."""
+    source = pinned([1.0, 2.0])
+    with emulated.configure(pinned=False):
+        with pytest.raises(RuntimeError, match="pinned memory is switched off"):
+            torch.ones(2).pin_memory()
+        assert not source.is_pinned()
+        on_device = source.to(emu, non_blocking=True)
+        source.fill_(9.0)
+        assert [1.0, 2.0] == on_device.tolist()
+    assert source.is_pinned()
+
+
+def test_freed_memory_is_poisoned(emu: torch.device) -> None:
+    """A copy on another stream that reads memory freed before it ran reads poison:
+    NaN for floats, -1 for integers."""
+    side = torch.Stream(device=emu)
+    floats = torch.arange(3.0, device=emu)
+    ints = torch.arange(3, device=emu)
+    float_copy = torch.zeros(3).pin_memory()
+    int_copy = torch.zeros(3, dtype=torch.int64).pin_memory()
+    with emulated.paused(stream=side):
+        with on_stream(side):
+            float_copy.copy_(floats, non_blocking=True)
+            int_copy.copy_(ints, non_blocking=True)
+        del floats, ints
+    side.synchronize()
+    assert float_copy.isnan().all()
+    assert [-1, -1, -1] == int_copy.tolist()
+
+
+def test_poison_switched_off(emu: torch.device) -> None:
+    """configure(poison=False) leaves freed memory as it was (it is still not reused)."""
+    side = torch.Stream(device=emu)
+    floats = torch.arange(3.0, device=emu)
+    copy = torch.zeros(3).pin_memory()
+    with emulated.configure(poison=False), emulated.paused(stream=side):
+        with on_stream(side):
+            copy.copy_(floats, non_blocking=True)
+        del floats
+    side.synchronize()
+    assert [0.0, 1.0, 2.0] == copy.tolist()
+
+
+def test_record_stream_defers_the_free(emu: torch.device) -> None:
+    """record_stream(side) keeps a freed block intact until side ran past the free."""
+    side = torch.Stream(device=emu)
+    floats = torch.arange(3.0, device=emu)
+    copy = torch.zeros(3).pin_memory()
+    before = emulated.memory_allocated(emu)
+    with emulated.paused(stream=side):
+        with on_stream(side):
+            copy.copy_(floats, non_blocking=True)
+        floats.record_stream(side)
+        del floats
+        assert before - 12 == emulated.memory_allocated(emu)
+    side.synchronize()
+    assert [0.0, 1.0, 2.0] == copy.tolist()
+
+
+def test_a_free_on_the_same_stream_is_ordered(emu: torch.device) -> None:
+    """Memory freed while a copy on its own stream still reads it is freed after the copy,
+    as a caching allocator reuses it only for later work on that stream."""
+    floats = torch.arange(3.0, device=emu)
+    copy = torch.zeros(3).pin_memory()
+    with emulated.paused(emu):
+        copy.copy_(floats, non_blocking=True)
+        del floats
+    torch.accelerator.synchronize()
+    assert [0.0, 1.0, 2.0] == copy.tolist()
+
+
+def test_common_ops(emu: torch.device) -> None:
+    """Factories, matmul, reductions, views and in-place writes through views work."""
+    torch.manual_seed(0)
+    a = torch.randn(3, 4, device=emu)
+    b = torch.randn(4, 2, device=emu)
+    assert torch.allclose((a @ b).cpu(), a.cpu() @ b.cpu())
+    assert [0.0, 0.0] == torch.zeros(2, device=emu).tolist()
+    assert [0, 1, 2] == torch.arange(3, device=emu).tolist()
+    assert abs(a.sum().item() - a.cpu().sum().item()) < 1e-5
+    rows = a.unbind()
+    assert all(row.device == emu for row in rows)
+    a[0] = 5.0
+    a.t()[1].fill_(2.0)  # column 1, through a view
+    expected = [5.0, 2.0, 5.0, 5.0]
+    assert expected == a[0].tolist()
+    view = a.view(12)
+    assert view.data_ptr() == a.data_ptr()
+    grown = torch.ones(2, device=emu).resize_(6)
+    assert (6, emu) == (grown.numel(), grown.device)
+
+
+def test_autograd_backward(emu: torch.device) -> None:
+    """A Linear forward and backward on the device gives the CPU's gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    inputs = torch.randn(3, 4)
+    model(inputs).square().sum().backward()
+    expected = model.weight.grad.clone()
+    model.zero_grad()
+    model.to(emu)
+    emu_inputs = inputs.to(emu).requires_grad_()
+    model(emu_inputs).square().sum().backward()
+    assert emu == model.weight.grad.device == emu_inputs.grad.device
+    assert torch.allclose(expected, model.weight.grad.cpu(), atol=1e-6)
+
+
+def test_autocast(emu: torch.device) -> None:
+    """torch.autocast('emu') casts as on CUDA: matmul in the lower precision, sum in float32."""
+    a = torch.ones(2, 2, device=emu)
+    with torch.autocast("emu", dtype=torch.bfloat16):
+        assert torch.bfloat16 == (a @ a).dtype
+        assert torch.float32 == (a @ a).sum().dtype
+    assert [torch.float16, torch.bfloat16] == torch.emu.get_amp_supported_dtype()
+
+
+def test_configure_as_a_call_and_as_a_context(emu: torch.device) -> None:
+    """configure() as a call keeps its settings; in a with block, they end with it."""
+    with emulated.configure(delay_ms=0, poison=False):
+        with emulated.configure(delay_ms=7):
+            assert {"delay_ms": 7.0, "pinned": True, "events": True, "poison": False} == (
+                emulated.settings()
+            )
+        assert {"delay_ms": 0.0, "pinned": True, "events": True, "poison": False} == (
+            emulated.settings()
+        )
+        emulated.configure(events=False)
+        assert not emulated.settings()["events"]
+    assert {"delay_ms": 2.0, "pinned": True, "events": True, "poison": True} == (
+        emulated.settings()
+    )
+    with pytest.raises(ValueError, match="must be >= 0"):
+        emulated.configure(delay_ms=-1)
+
+
+def test_bad_device_arguments(emu: torch.device) -> None:
+    """memory_allocated and paused name a device that does not exist, and the fix."""
+    with pytest.raises(ValueError, match=r"emu:5 does not exist: there are 2") as info:
+        emulated.memory_allocated("emu:5")
+    assert "fix: pass emu:0 to emu:1" in str(info.value)
+    with pytest.raises(ValueError, match="'cpu' is not an emulated device"):
+        emulated.memory_allocated("cpu")
+
+
+def test_another_privateuse1_backend_is_refused() -> None:
+    """enable() refuses, saying why, where another PrivateUse1 backend took the name."""
+    printed = python_output(
+        textwrap.dedent(
+            """
+        import torch
+        from devicectx.testing import emulated
+        torch.utils.rename_privateuse1_backend("other")
+        try:
+            emulated.enable()
+        except emulated.EmulatedUnavailable as error:
+            print(error)
+        """
+        )
+    )
+    expected = [
+        "another PrivateUse1 backend, 'other', is registered in this process, and torch allows one",
+        "fix: run the emulated accelerator's tests in a process that does not load the "
+        "'other' backend",
+    ]
+    assert expected == printed.splitlines()
+
+
+def test_the_sources_ship_with_the_package() -> None:
+    """The C++ sources the build compiles are files of the installed package."""
+    from devicectx.testing._emulated import _build
+
+    assert all(_build._source(name).is_file() for name in _build.FILES)
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a C++ compiler the build stops before it starts, saying how to get one."""
+    from devicectx.testing._emulated import _build
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(_build.BuildFailed) as info:
+        _build._check_prerequisites()
+    expected = [
+        "the emulated accelerator is built at first use and needs a C++17 compiler: "
+        "'/nonexistent/c++' is not on PATH",
+        "fix: install one (apt-get install g++, or xcode-select --install), or set CXX",
+    ]
+    assert expected == str(info.value).splitlines()
+
+
+def test_not_enabled_is_a_clear_error() -> None:
+    """The functions that need the backend say how to enable it."""
+    if emulated.enabled():
+        pytest.skip("enabled in this process")
+    with pytest.raises(emulated.EmulatedUnavailable) as info:
+        emulated.memory_allocated()
+    expected = [
+        "the emulated accelerator is not enabled in this process",
+        "fix: call devicectx.testing.emulated.enable() first, or run pytest with "
+        "--devicectx-accelerator=emulated",
+    ]
+    assert expected == str(info.value).splitlines()
