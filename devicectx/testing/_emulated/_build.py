@@ -1,0 +1,115 @@
+"""Build the emulated accelerator at first use, once per torch version and Python.
+
+The C++ sources next to this file are compiled with ``torch.utils.cpp_extension.load``
+(ninja and a C++17 compiler) into ``$XDG_CACHE_HOME/devicectx/emulated/torch-<version>-
+py<XY>/`` (``~/.cache`` without ``XDG_CACHE_HOME``), and later processes load what is
+there: ninja rebuilds only when a source changed. A file lock serialises processes that
+build at once (pytest-xdist workers): torch's own lock in the build folder is a plain file
+that a build killed midway leaves behind, and every later build then waits for it forever;
+under our lock no other build can be running, so a leftover one is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from packaging.version import Version
+
+SOURCES = ("runtime.cpp", "backend.cpp", "autocast.cpp", "bindings.cpp")
+EXTENSION = "devicectx_emulated"
+FLOOR = Version("2.6")  # pyproject.toml's torch floor: older headers differ
+
+
+class BuildFailed(Exception):
+    """The extension could not be built or loaded; the message says why and the fix."""
+
+
+def cache_dir() -> Path:
+    """Where this torch and Python's build lives."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    torch_version = torch.__version__.replace("+", "-")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(base) / "devicectx" / "emulated" / f"torch-{torch_version}-{python}"
+
+
+def load() -> ModuleType:
+    """Build (or reuse) the extension and import it.
+
+    Raises:
+        BuildFailed: no compiler, no ninja, no torch headers, an unsupported torch or
+            platform, or a compile error (with the compiler's last lines).
+    """
+    _check_prerequisites()
+    from filelock import FileLock  # a dependency of torch
+    from torch.utils import cpp_extension
+
+    here = Path(__file__).parent
+    build = cache_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(build / "devicectx-build.lock")):
+        (build / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
+        try:
+            module = cpp_extension.load(
+                name=EXTENSION,
+                sources=[str(here / source) for source in SOURCES],
+                build_directory=str(build),
+                extra_cflags=["-O2"],
+                verbose=False,
+            )
+        except (RuntimeError, OSError, ImportError) as error:
+            tail = "\n".join(str(error).strip().splitlines()[-12:])
+            msg = (
+                f"building the emulated accelerator in {build} failed:\n{tail}\n"
+                "fix: check that a C++17 compiler works (c++ --version) and that torch's "
+                "headers are installed; remove the folder above to build from scratch"
+            )
+            raise BuildFailed(msg) from None
+    if not isinstance(module, ModuleType):  # load() returns the imported module
+        raise BuildFailed(f"building the emulated accelerator in {build} gave no module")
+    return module
+
+
+def _check_prerequisites() -> None:
+    if os.name != "posix":
+        msg = (
+            f"the emulated accelerator builds on Linux and macOS only, not on {sys.platform}\n"
+            "fix: run these tests on Linux (WSL works) or macOS"
+        )
+        raise BuildFailed(msg)
+    release = Version(Version(torch.__version__).base_version)
+    if release < FLOOR:
+        msg = (
+            f"the emulated accelerator needs torch >= {FLOOR}, found {torch.__version__}\n"
+            f"fix: pip install 'torch>={FLOOR}'"
+        )
+        raise BuildFailed(msg)
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        msg = (
+            f"the emulated accelerator is built at first use and needs a C++17 compiler: "
+            f"{compiler!r} is not on PATH\n"
+            "fix: install one (apt-get install g++, or xcode-select --install), or set CXX"
+        )
+        raise BuildFailed(msg)
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        msg = (
+            "the emulated accelerator is built with ninja, which is not installed\n"
+            "fix: pip install ninja (or pip install 'devicectx[testing]')"
+        )
+        raise BuildFailed(msg) from None
+    headers = Path(cpp_extension.include_paths()[0]) / "ATen" / "ATen.h"
+    if not headers.exists():
+        msg = (
+            f"this torch install has no C++ headers ({headers} is missing)\n"
+            "fix: install torch from a wheel of the package index, which ships them"
+        )
+        raise BuildFailed(msg)

@@ -1,0 +1,93 @@
+"""``torch.emu``: the device module torch looks up for the emulated accelerator.
+
+torch asks a renamed PrivateUse1 backend's module for these names
+(``torch.utils.backend_registration``, ``torch.amp.autocast_mode``, ``torch.random``,
+``Tensor.emu()``): the device count and current index, seeding, the dtypes autocast
+accepts. Registered with ``torch._register_device_module("emu", this module)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_extension: Any = None  # the built extension, set by devicectx.testing.emulated.enable
+
+
+def _index(device: torch.device | str | int | None) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return current_device() if device.index is None else device.index
+
+
+def is_available() -> bool:
+    """True: the emulated devices exist once enabled."""
+    return _extension is not None
+
+
+def is_initialized() -> bool:
+    """True: nothing is initialised lazily at the module level."""
+    return _extension is not None
+
+
+def _lazy_init() -> None:
+    """Nothing to do: the backend is ready when enabled."""
+
+
+def _is_in_bad_fork() -> bool:
+    """False: the worker threads are not carried into a forked child, nor used there."""
+    return False
+
+
+def device_count() -> int:
+    """How many emulated devices there are."""
+    return int(_extension.device_count())
+
+
+def current_device() -> int:
+    """This thread's current emulated device index."""
+    return int(_extension.current_device())
+
+
+def set_device(device: torch.device | str | int) -> None:
+    """Make ``device`` this thread's current emulated device."""
+    _extension.set_device(_index(device))
+
+
+def synchronize(device: torch.device | str | int | None = None) -> None:
+    """Wait for every stream of ``device`` (default: the current one) to finish its work."""
+    _extension.synchronize(_index(device))
+
+
+def current_stream(device: torch.device | str | int | None = None) -> torch.Stream:
+    """This thread's current stream on ``device``."""
+    return torch.accelerator.current_stream(_index(device))
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """The dtypes ``torch.autocast("emu", dtype=...)`` accepts."""
+    return [torch.float16, torch.bfloat16]
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the emulated devices' random numbers: the CPU generator, which their ops use."""
+    torch.random.default_generator.manual_seed(seed)
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seed every emulated device (they share the CPU generator)."""
+    torch.random.default_generator.manual_seed(seed)
+
+
+def get_rng_state(device: torch.device | str | int | None = None) -> torch.Tensor:
+    """The random state of the emulated devices: the CPU generator's."""
+    return torch.random.default_generator.get_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device | str | int | None = None) -> None:
+    """Restore a state from :func:`get_rng_state`."""
+    torch.random.default_generator.set_state(state)

@@ -1,0 +1,514 @@
+// The emulated accelerator as torch sees it: the device guard, the PrivateUse1 hooks, the
+// pinned host allocator, and the ATen operators registered for PrivateUse1.
+//
+// Operators: the factory, view and copy operators are ours (views must share device
+// memory; copies are where streams and pinned memory matter); every other operator runs
+// on the CPU through torch's boxed CPU fallback, after the current stream has drained.
+//
+// Written against torch 2.6 to 2.15 (the range devicectx supports). Hooks that only some
+// releases declare are written without `override`, so that they override where torch
+// declares them and are plain methods elsewhere.
+#include "runtime.h"
+
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#define DEVICECTX_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= (major) * 100 + (minor))
+
+#if DEVICECTX_TORCH_AT_LEAST(2, 8)
+#include <ATen/core/CachingHostAllocator.h>
+#endif
+
+namespace devicectx_emu {
+namespace {
+
+constexpr auto kEmu = c10::DeviceType::PrivateUse1;
+
+int index_of(const c10::Device& device) {
+  TORCH_CHECK(device.type() == kEmu, "emu: expected an emu device, got ", device);
+  return checked_index(device.has_index() ? device.index() : -1);
+}
+
+// ---- the device guard ----
+
+struct GuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override {
+    return kEmu;
+  }
+
+  c10::Device exchangeDevice(c10::Device device) const override {
+    int old = current_device();
+    set_current_device(index_of(device));
+    return {kEmu, static_cast<c10::DeviceIndex>(old)};
+  }
+
+  c10::Device getDevice() const override {
+    return {kEmu, static_cast<c10::DeviceIndex>(current_device())};
+  }
+
+  void setDevice(c10::Device device) const override {
+    set_current_device(index_of(device));
+  }
+
+  void uncheckedSetDevice(c10::Device device) const noexcept override {
+    try {
+      set_current_device(index_of(device));
+    } catch (...) {
+    }
+  }
+
+  // noexcept: torch 2.6 declares these two noexcept, later releases do not.
+  c10::Stream getStream(c10::Device device) const noexcept override {
+    int index = device.has_index() ? device.index() : current_device();
+    return make(index, current_stream(index));
+  }
+
+  c10::Stream exchangeStream(c10::Stream stream) const noexcept override {
+    int index = stream.device_index();
+    return make(index, exchange_stream(index, stream.id()));
+  }
+
+  c10::Stream getDefaultStream(c10::Device device) const override {
+    return make(index_of(device), 0);
+  }
+
+  c10::Stream getStreamFromGlobalPool(c10::Device device, bool /*high*/) const override {
+    int index = index_of(device);
+    return make(index, pool_stream(index));
+  }
+
+  c10::Stream getNewStream(c10::Device device, int /*priority*/) const override {
+    int index = index_of(device);
+    return make(index, new_stream(index));
+  }
+
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return static_cast<c10::DeviceIndex>(device_count());
+  }
+
+  void destroyEvent(void* event, const c10::DeviceIndex /*index*/) const noexcept override {
+    destroy_event(event);
+  }
+
+  void record(
+      void** event,
+      const c10::Stream& stream,
+      const c10::DeviceIndex index,
+      const c10::EventFlag /*flag*/) const override {
+    TORCH_CHECK(
+        index == -1 || index == stream.device_index(),
+        "emu: an event of emu:",
+        static_cast<int>(index),
+        " recorded on a stream of emu:",
+        static_cast<int>(stream.device_index()));
+    if (*event == nullptr) {
+      TORCH_CHECK(
+          events_enabled(),
+          "emu: events are switched off (devicectx.testing.emulated.configure(events=False)), "
+          "as on a device without them");
+      *event = create_event(stream.device_index());
+    }
+    record_event(*event, stream.device_index(), stream.id());
+  }
+
+  void block(void* event, const c10::Stream& stream) const override {
+    if (event != nullptr) {
+      block_on_event(event, stream.device_index(), stream.id());
+    }
+  }
+
+  bool queryEvent(void* event) const override {
+    return query_event(event);
+  }
+
+  bool queryStream(const c10::Stream& stream) const override {
+    return query_stream(stream.device_index(), stream.id());
+  }
+
+  void synchronizeStream(const c10::Stream& stream) const override {
+    wait_stream(stream.device_index(), stream.id());
+  }
+
+  void synchronizeEvent(void* event) const override {
+    synchronize_event(event);
+  }
+
+  void synchronizeDevice(const c10::DeviceIndex index) const override {
+    synchronize_device(index);
+  }
+
+  void recordDataPtrOnStream(const c10::DataPtr& data, const c10::Stream& stream)
+      const override {
+    record_data_ptr(data, stream.device_index(), stream.id());
+  }
+
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex /*index*/)
+      const override {
+    return elapsed_ms(start, end);
+  }
+
+ private:
+  static c10::Stream make(int index, c10::StreamId id) {
+    return c10::Stream(
+        c10::Stream::UNSAFE, c10::Device(kEmu, static_cast<c10::DeviceIndex>(index)), id);
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, GuardImpl);
+
+// ---- storage growth (resize_, UntypedStorage.resize_) ----
+
+void resize_storage(c10::StorageImpl* storage, int index, size_t nbytes) {
+  TORCH_CHECK(storage->resizable(), "emu: this tensor's storage is not resizable");
+  wait_current_stream(index);
+  c10::DataPtr fresh = device_allocator(index)->allocate(nbytes);
+  size_t keep = std::min(nbytes, storage->nbytes());
+  if (keep > 0) {
+    std::memcpy(fresh.get(), storage->data_ptr().get(), keep);
+  }
+  storage->set_data_ptr_noswap(std::move(fresh));
+  storage->set_nbytes(nbytes);
+}
+
+// ---- the hooks ----
+
+struct Hooks final : public at::PrivateUse1HooksInterface {
+  // Declared by torch >= 2.7 (2.6 asks the device count instead).
+  bool isBuilt() const {
+    return true;
+  }
+
+  bool isAvailable() const {
+    return device_count() > 0;
+  }
+
+  bool hasPrimaryContext(c10::DeviceIndex index) const override {
+    return is_initialized(index);
+  }
+
+  void init() const override {}
+
+  c10::DeviceIndex deviceCount() const override {
+    return static_cast<c10::DeviceIndex>(device_count());
+  }
+
+  void setCurrentDevice(c10::DeviceIndex index) const override {
+    set_current_device(index);
+  }
+
+  c10::DeviceIndex getCurrentDevice() const override {
+    return static_cast<c10::DeviceIndex>(current_device());
+  }
+
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex index) const override {
+    int old = current_device();
+    set_current_device(index);
+    return static_cast<c10::DeviceIndex>(old);
+  }
+
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex index) const override {
+    return exchangeDevice(index);
+  }
+
+  bool isPinnedPtr(const void* data) const override {
+    return is_pinned_ptr(data);
+  }
+
+  at::Allocator* getPinnedMemoryAllocator() const override {
+    return pinned_allocator();
+  }
+
+  at::Device getDeviceFromPtr(void* data) const override {
+    int index = device_of_ptr(data);
+    TORCH_CHECK(index >= 0, "emu: the pointer ", data, " is not emu device memory");
+    return {kEmu, static_cast<c10::DeviceIndex>(index)};
+  }
+
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
+    resize_storage(storage.unsafeGetStorageImpl(), index_of(storage.device()), nbytes);
+  }
+};
+
+#if DEVICECTX_TORCH_AT_LEAST(2, 8)
+// torch >= 2.8 keeps a host allocator per device type (at::getHostAllocator), which
+// torch.accelerator's host-memory functions ask; pinning itself goes through the hooks.
+struct HostAllocator final : public at::HostAllocator {
+  at::DataPtr allocate(size_t size) override {
+    return pinned_allocator()->allocate(size);
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return nullptr;
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  bool record_event(void* ptr, void* /*ctx*/, c10::Stream stream) override {
+    record_host_ptr(ptr, stream.device_index(), stream.id());
+    return true;
+  }
+  void empty_cache() override {}
+  at::HostStats get_stats() override {
+    return {};
+  }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {}
+};
+#endif
+
+// ---- copies ----
+
+// The memory of an emu tensor as a CPU tensor over the same bytes: no copy.
+at::Tensor host_alias(const at::Tensor& tensor) {
+  if (!tensor.is_privateuseone()) {
+    return tensor;
+  }
+  at::TensorOptions options = tensor.options().device(at::kCPU);
+  if (tensor.numel() == 0) {
+    return at::empty_strided(tensor.sizes(), tensor.strides(), options);
+  }
+  at::Tensor alias = at::from_blob(tensor.data_ptr(), tensor.sizes(), tensor.strides(), options);
+  alias._set_conj(tensor.is_conj());
+  alias._set_neg(tensor.is_neg());
+  return alias;
+}
+
+// What a queued copy needs of a tensor: its bytes and layout, no reference (a GPU copy
+// keeps none: freeing a source too early is the caller's bug, which poison then shows).
+struct Layout {
+  explicit Layout(const at::Tensor& tensor)
+      : data(tensor.numel() == 0 ? nullptr : tensor.data_ptr()),
+        sizes(tensor.sizes().vec()),
+        strides(tensor.strides().vec()),
+        dtype(tensor.scalar_type()),
+        conj(tensor.is_conj()),
+        neg(tensor.is_neg()) {}
+
+  at::Tensor view() const {
+    at::TensorOptions options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+    if (data == nullptr) {
+      return at::empty_strided(sizes, strides, options);
+    }
+    at::Tensor alias = at::from_blob(data, sizes, strides, options);
+    alias._set_conj(conj);
+    alias._set_neg(neg);
+    return alias;
+  }
+
+  void* data;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  at::ScalarType dtype;
+  bool conj;
+  bool neg;
+};
+
+bool is_pinned(const at::Tensor& host) {
+  return host.numel() > 0 && is_pinned_ptr(host.data_ptr());
+}
+
+// A non_blocking copy to or from pinned memory: queued on the device's current stream,
+// and done `delay_ms` after the stream reaches it.
+void copy_later(int index, const at::Tensor& dst, const at::Tensor& src, const at::Tensor& host) {
+  c10::StreamId stream = current_stream(index);
+  record_host_ptr(host.data_ptr(), index, stream);
+  auto delay = std::chrono::duration<double, std::milli>(delay_ms());
+  submit(index, stream, [to = Layout(dst), from = Layout(src), delay] {
+    std::this_thread::sleep_for(delay);
+    at::Tensor target = to.view();
+    target.copy_(from.view());
+  });
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  TORCH_CHECK(
+      self.is_privateuseone() || self.is_cpu(), "emu: cannot copy from ", self.device());
+  TORCH_CHECK(dst.is_privateuseone() || dst.is_cpu(), "emu: cannot copy to ", dst.device());
+  if (self.is_privateuseone() && dst.is_privateuseone()) {
+    int from = index_of(self.device());
+    int to = index_of(dst.device());
+    wait_current_stream(from);
+    if (to != from) {
+      wait_current_stream(to);
+    }
+    host_alias(dst).copy_(host_alias(self));
+    return dst;
+  }
+  const at::Tensor& host = dst.is_privateuseone() ? self : dst;
+  int index = index_of((dst.is_privateuseone() ? dst : self).device());
+  if (non_blocking && is_pinned(host)) {
+    copy_later(index, dst, self, host);
+    return dst;
+  }
+  wait_current_stream(index);
+  host_alias(dst).copy_(host_alias(self));
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  dst.resize_(self.sizes());
+  return copy_from(self, dst, false);
+}
+
+// ---- factories, views, metadata ----
+
+at::Tensor empty_memory_format(
+    c10::IntArrayRef size,
+    std::optional<c10::ScalarType> dtype,
+    std::optional<c10::Layout> layout,
+    std::optional<c10::Device> device,
+    std::optional<bool> pin_memory,
+    std::optional<c10::MemoryFormat> memory_format) {
+  TORCH_CHECK(!pin_memory.value_or(false), "emu: only CPU tensors can be pinned");
+  TORCH_CHECK(
+      layout.value_or(c10::kStrided) == c10::kStrided, "emu: only strided tensors are supported");
+  int index = device.has_value() ? index_of(*device) : checked_index(-1);
+  return at::detail::empty_generic(
+      size,
+      device_allocator(index),
+      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::dtype_or_default(dtype),
+      memory_format);
+}
+
+at::Tensor empty_strided(
+    c10::IntArrayRef size,
+    c10::IntArrayRef stride,
+    std::optional<c10::ScalarType> dtype,
+    std::optional<c10::Layout> layout,
+    std::optional<c10::Device> device,
+    std::optional<bool> pin_memory) {
+  TORCH_CHECK(!pin_memory.value_or(false), "emu: only CPU tensors can be pinned");
+  TORCH_CHECK(
+      layout.value_or(c10::kStrided) == c10::kStrided, "emu: only strided tensors are supported");
+  int index = device.has_value() ? index_of(*device) : checked_index(-1);
+  return at::detail::empty_strided_generic(
+      size,
+      stride,
+      device_allocator(index),
+      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::dtype_or_default(dtype));
+}
+
+const at::Tensor& resize_(
+    const at::Tensor& self,
+    c10::IntArrayRef size,
+    std::optional<c10::MemoryFormat> memory_format) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  if (self.sizes() != size) {
+    impl->set_sizes_contiguous(size);
+  }
+  if (self.numel() > 0) {
+    size_t needed = at::detail::computeStorageNbytesContiguous(
+        size, self.dtype().itemsize(), self.storage_offset());
+    c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+    if (needed > storage->nbytes()) {
+      resize_storage(storage, index_of(self.device()), needed);
+    }
+  }
+  if (memory_format.has_value()) {
+    TORCH_CHECK(
+        *memory_format != c10::MemoryFormat::Preserve,
+        "emu: resize_ does not take memory_format=torch.preserve_format");
+    impl->empty_tensor_restride(*memory_format);
+  }
+  return self;
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage storage(
+      c10::Storage::use_byte_size_t(), 0, device_allocator(index_of(self.device())), true);
+  return self.set_(storage, 0, {0}, {});
+}
+
+at::Tensor as_strided(
+    const at::Tensor& self,
+    c10::IntArrayRef size,
+    c10::IntArrayRef stride,
+    std::optional<int64_t> storage_offset) {
+  return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  wait_current_stream(index_of(self.device()));
+  return at::_local_scalar_dense(host_alias(self));
+}
+
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  TORCH_CHECK(stream.device_type() == kEmu, "emu: record_stream needs an emu stream");
+  record_data_ptr(self.storage().data_ptr(), stream.device_index(), stream.id());
+}
+
+// Every other operator: on the CPU, after the streams of the devices involved drained.
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  size_t count = op.schema().arguments().size();
+  for (const c10::IValue& value : torch::jit::last(*stack, count)) {
+    if (value.isTensor()) {
+      const at::Tensor& tensor = value.toTensor();
+      if (tensor.defined() && tensor.is_privateuseone()) {
+        wait_current_stream(tensor.device().index());
+      }
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& tensor : value.toTensorList().vec()) {
+        if (tensor.defined() && tensor.is_privateuseone()) {
+          wait_current_stream(tensor.device().index());
+        }
+      }
+    }
+  }
+  at::native::cpu_fallback(op, stack);
+}
+
+}  // namespace
+
+void register_hooks() {
+  static Hooks* hooks = new Hooks;
+  at::RegisterPrivateUse1HooksInterface(hooks);
+#if DEVICECTX_TORCH_AT_LEAST(2, 8)
+  static HostAllocator* host = new HostAllocator;
+  at::setHostAllocator(kEmu, host);
+#endif
+  c10::SetAllocator(kEmu, device_allocator(-1));
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("as_strided", as_strided);
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("unfold", TORCH_FN(at::native::unfold));
+  m.impl("view_as_real", TORCH_FN(at::native::view_as_real));
+  m.impl("view_as_complex", TORCH_FN(at::native::view_as_complex));
+  m.impl("resize_", resize_);
+  m.impl("set_.source_Storage", TORCH_FN(at::native::set_));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(at::native::set_storage_cpu_));
+  m.impl("set_.source_Tensor", TORCH_FN(at::native::set_tensor_));
+  m.impl("set_", set_empty);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("_local_scalar_dense", local_scalar_dense);
+  m.impl("record_stream", record_stream);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+}  // namespace devicectx_emu

@@ -1,0 +1,316 @@
+"""An emulated accelerator: a device that is not the CPU, for machines without a GPU.
+
+``enable()`` builds (at first use, then cached) and registers a small torch backend named
+``"emu"``, with two devices by default. Device-agnostic code then runs on a device that
+is not the CPU and has an accelerator's semantics:
+
+- device memory of its own (``x.to("emu").data_ptr()`` is a new block), counted by
+  :func:`memory_allocated`; freed memory is filled with 0xFF bytes (NaN in floating
+  dtypes, -1 in integers) and kept a while before the real free, so a late reader reads
+  poison; a block used on another stream (``Tensor.record_stream``) is poisoned only once
+  that stream ran past the free, as CUDA's caching allocator reuses it;
+- streams that run in order on worker threads (a default stream per device, a pool,
+  ``torch.Stream(device="emu:0")``), a current stream per thread and device; events
+  (record, query, synchronize, wait, elapsed time) are markers queued on a stream;
+- pinned host memory (``pin_memory()``, ``is_pinned()``);
+- copies: blocking ones are complete on return, as CUDA's are; a ``non_blocking=True``
+  copy to or from pinned memory completes later, on the current stream of the device,
+  ``delay_ms`` after the stream reaches it, so that code reading a destination too early
+  reads old bytes, and code overwriting a source too early sends new ones;
+- every op on the device waits for the device's current stream to drain, then runs on
+  the CPU (the values are real); work on other streams is not waited for, so races
+  between streams show as they do on a GPU;
+- ``torch.accelerator``, ``devicectx.resolve_device("auto")``, ``available_devices()``
+  and the pytest plugin see it (torch prefers a registered PrivateUse1 backend, so it is
+  the accelerator even on a machine with a GPU); ``torch.autocast("emu")`` casts the ops
+  it casts on CUDA; contexts are created as CUDA creates them (:func:`initialized_devices`).
+
+Example::
+
+    import torch
+    from devicectx.testing import emulated
+
+    device = emulated.enable()                       # emu:0
+    x = torch.arange(4.0).to(device)
+    with emulated.paused(device):                    # nothing on emu:0 runs until the end
+        y = x.to("cpu", non_blocking=True)           # pinned memory, copied later
+        assert y.tolist() != [0.0, 1.0, 2.0, 3.0]    # not there yet
+    torch.accelerator.synchronize()
+    assert y.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+What it does not emulate: timings (a kernel costs what the CPU takes, a copy's delay is
+fixed), CUDA graphs, the sync-debug mode, real GPU kernels and their numerics (TF32,
+reduction orders), device-side asserts, memory limits, peer access, IPC, ``torch.compile``
+for the device. Ops queue no work on streams: only copies and events do.
+
+Build cost: about 40-60 s of a C++ compiler the first time per torch and Python (cached
+under ``~/.cache/devicectx/emulated``), then a fraction of a second to load. It needs a
+C++17 compiler (g++ or clang), ``ninja`` (in ``devicectx[testing]``), torch's headers
+(every wheel ships them), and Linux or macOS. Once enabled in a process, it cannot be
+turned off: torch allows one PrivateUse1 backend per process, under one name.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType, TracebackType
+from typing import Any
+
+import torch
+
+from devicectx._errors import DeviceUnavailableError
+
+__all__ = [
+    "DEVICE_TYPE",
+    "EmulatedUnavailable",
+    "configure",
+    "enable",
+    "enabled",
+    "initialized_devices",
+    "memory_allocated",
+    "paused",
+    "pinned_memory_allocated",
+]
+
+DEVICE_TYPE = "emu"
+_DEFAULT_NAME = "privateuseone"  # PrivateUse1's name until a backend renames it
+
+_lock = threading.Lock()
+_extension: Any = None
+
+
+class EmulatedUnavailable(DeviceUnavailableError):  # noqa: N818 (it names a state)
+    """The emulated accelerator cannot be built or registered here; says why and the fix."""
+
+
+def enable(devices: int = 2, *, delay_ms: float = 2.0) -> torch.device:
+    """Build (at first use), load and register the emulated accelerator; return ``emu:0``.
+
+    Idempotent: a later call returns the same device, and sets ``delay_ms``.
+
+    Example::
+
+        device = enable()
+        torch.ones(2, device=device) + 1           # computed on the CPU, stored on emu:0
+
+    Args:
+        devices: how many ``emu`` devices (1 to 16); fixed for the process.
+        delay_ms: how long a non_blocking copy to or from pinned memory takes, from the
+            moment its stream reaches it (see :func:`configure`).
+
+    Returns:
+        ``torch.device("emu", 0)``.
+
+    Raises:
+        EmulatedUnavailable: the build failed (the compiler's last lines are in the
+            message), or another PrivateUse1 backend is registered in this process.
+        ValueError: ``devices`` is out of range, or differs from an earlier call's.
+    """
+    if not 1 <= devices <= 16:
+        raise ValueError(f"enable(devices={devices}): between 1 and 16 emulated devices")
+    with _lock:
+        if _extension is None:
+            _register(devices)
+        elif _extension.device_count() != devices:
+            msg = (
+                f"enable(devices={devices}): the emulated accelerator is already enabled with "
+                f"{_extension.device_count()} devices, a count fixed for the process\n"
+                f"fix: call enable({_extension.device_count()}), or set the count in a new process"
+            )
+            raise ValueError(msg)
+    configure(delay_ms=delay_ms)
+    return torch.device(DEVICE_TYPE, 0)
+
+
+def enabled() -> bool:
+    """Whether :func:`enable` has registered the emulated accelerator in this process."""
+    return _extension is not None
+
+
+class _Settings:
+    """What :func:`configure` set; restores the previous settings when used as a context."""
+
+    def __init__(self, previous: dict[str, Any]) -> None:
+        self._previous = previous
+
+    def __enter__(self) -> _Settings:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        _apply(self._previous)
+
+
+def configure(
+    *,
+    delay_ms: float | None = None,
+    pinned: bool | None = None,
+    events: bool | None = None,
+    poison: bool | None = None,
+) -> _Settings:
+    """Change the emulated device's behaviour at run time; as a context, only in the block.
+
+    Example::
+
+        with configure(pinned=False):              # a device without pinned memory
+            torch.ones(2).pin_memory()             # raises RuntimeError
+        configure(delay_ms=0)                      # for the rest of the process
+
+    Args:
+        delay_ms: how long a non_blocking copy to or from pinned memory takes once its
+            stream reaches it (default 2). Tests should not rely on it: use
+            :func:`paused` to hold copies back deterministically.
+        pinned: False emulates a device without pinned memory: ``pin_memory()`` raises,
+            ``is_pinned()`` is False, non_blocking copies are blocking.
+        events: False emulates a device without events: recording one raises.
+        poison: False leaves freed memory as it was (it is still kept a while).
+
+    Returns:
+        An object whose ``with`` block restores the previous settings on exit.
+
+    Raises:
+        EmulatedUnavailable: the emulated accelerator is not enabled.
+    """
+    extension = _require()
+    previous = {
+        "delay_ms": extension.delay_ms(),
+        "pinned": extension.pinned_enabled(),
+        "events": extension.events_enabled(),
+        "poison": extension.poison_enabled(),
+    }
+    _apply({"delay_ms": delay_ms, "pinned": pinned, "events": events, "poison": poison})
+    return _Settings(previous)
+
+
+def _apply(settings: dict[str, Any]) -> None:
+    extension = _require()
+    if settings["delay_ms"] is not None:
+        if settings["delay_ms"] < 0:
+            raise ValueError(f"configure(delay_ms={settings['delay_ms']}): must be >= 0")
+        extension.set_delay_ms(float(settings["delay_ms"]))
+    if settings["pinned"] is not None:
+        extension.set_pinned_enabled(bool(settings["pinned"]))
+    if settings["events"] is not None:
+        extension.set_events_enabled(bool(settings["events"]))
+    if settings["poison"] is not None:
+        extension.set_poison_enabled(bool(settings["poison"]))
+
+
+@contextmanager
+def paused(
+    device: torch.device | str | int | None = None, *, stream: torch.Stream | None = None
+) -> Iterator[None]:
+    """Hold back the work queued on a device's streams (or on one stream) until the block ends.
+
+    Deterministic where a delay is not: a non_blocking copy queued in the block has not
+    happened until the block ends, whatever the machine's speed.
+
+    Example::
+
+        with paused("emu:0"):
+            y = x.to("cpu", non_blocking=True)     # queued, not done
+            ...                                    # y still holds old bytes here
+        torch.accelerator.synchronize()            # now y is right
+
+    Anything that would wait for a paused stream inside the block (an op on the device,
+    a blocking copy, ``synchronize()``) raises instead of hanging.
+
+    Args:
+        device: the device whose streams to pause (default: the current emu device).
+        stream: pause only this stream (an ``emu`` ``torch.Stream``) instead.
+    """
+    extension = _require()
+    if stream is not None:
+        index, stream_id = stream.device_index, stream.stream_id
+    else:
+        index, stream_id = _index(device), -1
+    was_paused = extension.is_paused(index, stream_id)
+    extension.set_paused(index, stream_id, True)
+    try:
+        yield
+    finally:
+        extension.set_paused(index, stream_id, was_paused)
+
+
+def memory_allocated(device: torch.device | str | int | None = None) -> int:
+    """Bytes of live device memory on ``device`` (default: the current emu device).
+
+    Freed memory stops counting at once, even while it waits, poisoned, for its streams.
+    """
+    return int(_require().memory_allocated(_index(device)))
+
+
+def pinned_memory_allocated() -> int:
+    """Bytes of live pinned host memory allocated by the emulated backend."""
+    return int(_require().memory_allocated(-1))
+
+
+def initialized_devices() -> list[torch.device]:
+    """The emu devices with a context: where memory, a stream or an event was made, or
+    pinned memory allocated while the device was current (as CUDA creates contexts)."""
+    return [torch.device(DEVICE_TYPE, i) for i in _require().initialized_devices()]
+
+
+def _index(device: torch.device | str | int | None) -> int:
+    extension = _require()
+    if device is None:
+        return int(extension.current_device())
+    if isinstance(device, int):
+        index = device
+    else:
+        parsed = torch.device(device)
+        if parsed.type != DEVICE_TYPE:
+            raise ValueError(f"{device!r} is not an emulated device; fix: pass 'emu:0'")
+        index = int(extension.current_device()) if parsed.index is None else parsed.index
+    if not 0 <= index < extension.device_count():
+        msg = (
+            f"emu:{index} does not exist: there are {extension.device_count()} emulated "
+            f"devices\nfix: pass emu:0 to emu:{extension.device_count() - 1}, or "
+            f"enable(devices={index + 1}) in a new process"
+        )
+        raise ValueError(msg)
+    return index
+
+
+def _require() -> Any:
+    if _extension is None:
+        msg = (
+            "the emulated accelerator is not enabled in this process\n"
+            "fix: call devicectx.testing.emulated.enable() first, or run pytest with "
+            "--devicectx-accelerator=emulated"
+        )
+        raise EmulatedUnavailable(msg)
+    return _extension
+
+
+def _register(devices: int) -> None:
+    global _extension
+    name = torch._C._get_privateuse1_backend_name()
+    if name != _DEFAULT_NAME:
+        msg = (
+            f"another PrivateUse1 backend, {name!r}, is registered in this process, and torch "
+            "allows one\nfix: run the emulated accelerator's tests in a process that does not "
+            f"load the {name!r} backend"
+        )
+        raise EmulatedUnavailable(msg)
+    from devicectx.testing._emulated import _build, _device_module
+
+    try:
+        extension = _build.load()
+    except _build.BuildFailed as error:
+        raise EmulatedUnavailable(str(error)) from None
+    # The order matters: the name first (the device module and the methods are looked up
+    # by it), the hooks before the module (torch.accelerator asks them).
+    torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
+    extension.register_backend(devices)
+    _device_module._extension = extension
+    module: ModuleType = _device_module
+    torch._register_device_module(DEVICE_TYPE, module)
+    torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
+    _extension = extension
