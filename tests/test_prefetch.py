@@ -27,14 +27,17 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from devicectx import (
     MoveError,
     _prefetch,
+    _staging,
     _transfers,
     device_agnostic,
     on_device,
     prefetch,
+    staging_memory,
     to_device,
     track_transfers,
 )
 from devicectx._walk import iter_tensors
+from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
@@ -519,3 +522,325 @@ def test_property_lookahead_keeps_order_bound_and_errors(case: dict[str, Any]) -
         sent += entry.startswith("send")
         handed_over += entry.startswith("hand over")
         assert sent - handed_over <= case["depth"] + 1, log
+
+
+# The stream path, on an accelerator: the emulated one (pytest
+# --devicectx-accelerator=emulated) finishes copies late and poisons freed memory, so that
+# a batch read before its copies land, or memory reused while a stream still reads it,
+# shows as wrong values.
+
+needs_accelerator = pytest.mark.skipif(
+    not torch.accelerator.is_available(),
+    reason="needs an accelerator with streams: pytest --devicectx-accelerator=emulated, or a GPU",
+)
+needs_emulated = pytest.mark.skipif(
+    not emulated.enabled(),
+    reason="needs the emulated accelerator's controls: pytest --devicectx-accelerator=emulated",
+)
+
+
+def accelerator(index: int = 0) -> torch.device:
+    """Device ``index`` of the accelerator."""
+    kind = torch.accelerator.current_accelerator()
+    assert kind is not None
+    return torch.device(kind.type, index)
+
+
+def detection_like(i: int, large: bool = False) -> dict[str, Any]:
+    """A batch like a detection loader's: images, ids, boxes and labels of varying lengths
+    (staged together), with values that tell batch ``i`` apart; a 2 MiB tensor too if
+    ``large`` (streamed through the staging chunks)."""
+    generator = torch.Generator().manual_seed(i)
+    batch: dict[str, Any] = {
+        "images": torch.randn(2, 3, 8, 8, generator=generator),
+        "ids": torch.tensor([2 * i, 2 * i + 1]),
+        "boxes": [torch.rand(k, 4, generator=generator) for k in (1, 3, 2)],
+        "labels": [torch.randint(0, 80, (k,), generator=generator) for k in (1, 3, 2)],
+    }
+    if large:
+        batch["features"] = torch.randn(512, 1024, generator=generator)
+    return batch
+
+
+def values(obj: Any) -> list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+    """Each tensor of ``obj`` by path (set members unnumbered), with its shape, strides and
+    values on the CPU, sorted by path."""
+    return sorted(
+        ((re.sub(r"\)\[\d+\]", ")[_]", path), tuple(t.shape), t.stride(), t.detach().cpu())
+         for path, t in iter_tensors(obj, "batch")),
+        key=lambda item: item[:3],
+    )  # fmt: skip
+
+
+def assert_same(expected: Any, actual: Any) -> None:
+    """Same paths, devices, dtypes, shapes, strides and values (NaN equal to NaN)."""
+    left, right = values(expected), values(actual)
+    assert [item[:3] for item in left] == [item[:3] for item in right]
+    for (path, *_, a), (_, *_, b) in zip(left, right, strict=True):
+        assert a.dtype == b.dtype, path
+        assert torch.equal(a, b) or (a.is_floating_point() and torch.allclose(
+            a, b, rtol=0, atol=0, equal_nan=True)), path  # fmt: skip
+    assert summary(expected) == summary(actual)
+
+
+@needs_accelerator
+@pytest.mark.parametrize("large", [False, True])
+def test_stream_path_moves_each_batch_as_to_device_does(large: bool) -> None:
+    """On an accelerator every batch arrives with the values, dtypes, shapes and strides
+    to_device gives it, through a copy stream; the caller's stream and device are as
+    they were."""
+    device = accelerator()
+    sources = [detection_like(i, large) for i in range(5)]
+    before = (torch.accelerator.current_stream(device), torch.accelerator.current_device_index())
+
+    batches = prefetch(sources, device, depth=2)
+    moved = list(batches)
+
+    assert batches.streams
+    for source, batch in zip(sources, moved, strict=True):
+        assert_same(to_device(source, device), batch)
+    assert before == (
+        torch.accelerator.current_stream(device),
+        torch.accelerator.current_device_index(),
+    )
+
+
+@needs_accelerator
+def test_another_device_keeps_the_current_index() -> None:
+    """Prefetching to device 1 leaves device 0 current, and lands on device 1."""
+    if torch.accelerator.device_count() < 2:
+        pytest.skip("needs two devices")
+    index = torch.accelerator.current_device_index()
+
+    moved = list(prefetch([detection_like(i) for i in range(3)], accelerator(1)))
+
+    assert index == torch.accelerator.current_device_index()
+    assert {accelerator(1)} == {t.device for b in moved for _, t in iter_tensors(b)}
+
+
+@needs_emulated
+def test_hand_over_does_not_wait_on_the_host() -> None:
+    """Batches are handed over while their copies are still held back: the host never
+    waits for them (a wait on a paused stream would raise); the caller's stream does,
+    so the batch is right when read."""
+    device = accelerator()
+    sources = [detection_like(i) for i in range(4)]
+    batches = prefetch(sources, device, depth=2)
+    running = iter(batches)
+
+    with emulated.paused(device, stream=batches._streams.copy):
+        first = next(running)
+        second = next(running)
+
+    assert_same(to_device(sources[0], device), first)
+    assert_same(to_device(sources[1], device), second)
+
+
+def nonempty(batch: Any) -> list[torch.Tensor]:
+    """The tensors of ``batch`` with at least one element, in the structure's order."""
+    return [t for _, t in iter_tensors(batch) if t.numel()]
+
+
+def late_read(held: list[Any], device: torch.device) -> list[torch.Tensor]:
+    """Queue a copy of each tensor of the batch in ``held`` (its only reference) to the
+    host on the caller's stream, drop the batch while those copies are held back, then let
+    them run: the values they read, which are poison if its memory was freed under them.
+    Empty tensors are left out: they have no memory (and the emulator copies them at once,
+    which waits for the held-back stream)."""
+    stream = torch.accelerator.current_stream(device)
+    with emulated.paused(device, stream=stream):
+        copies = [t.to("cpu", non_blocking=True) for t in nonempty(held[0])]
+        held.clear()
+        gc.collect()
+    torch.accelerator.synchronize()
+    return copies
+
+
+@needs_emulated
+def test_memory_of_a_dropped_batch_waits_for_the_callers_stream() -> None:
+    """A batch dropped while the caller's stream still reads it keeps its memory until
+    that stream has run past: the late reads see the batch, not the poison freed memory
+    is filled with."""
+    device = accelerator()
+    sources = [detection_like(i) for i in range(3)]
+    running = iter(prefetch(sources, device))
+
+    copies = late_read([next(running)], device)
+
+    expected = nonempty(sources[0])
+    assert len(expected) == len(copies)
+    assert all(torch.equal(a, b) for a, b in zip(expected, copies, strict=True))
+
+
+@needs_emulated
+@pytest.mark.parametrize("left_out", ["record_stream", "wait_event"])
+def test_the_emulator_catches_a_hand_over_that_leaves_a_step_out(
+    monkeypatch: pytest.MonkeyPatch, left_out: str
+) -> None:
+    """The checks above can fail: without record_stream the late reads see poison;
+    without the wait, the batch is read before its copies land."""
+
+    def hand_over(self: _prefetch.Streams, batch: Any, event: Any) -> None:
+        if left_out == "record_stream":
+            torch.accelerator.current_stream(self.device).wait_event(event)
+
+    monkeypatch.setattr(_prefetch.Streams, "hand_over", hand_over)
+    device = accelerator()
+    sources = [detection_like(i) for i in range(3)]
+    running = iter(prefetch(sources, device))
+
+    held = [next(running)]
+    read_now = held[0]["ids"].cpu()
+    copies = late_read(held, device)
+
+    assert any(torch.isnan(copy).any() or (copy == -1).any() for copy in copies)
+    if left_out == "wait_event":
+        assert not torch.equal(sources[0]["ids"], read_now)
+
+
+@needs_emulated
+@pytest.mark.parametrize("how", ["close", "break"])
+def test_close_and_break_free_the_batches_in_flight(how: str) -> None:
+    """close(), or a break out of the loop, frees the device memory of the batches in
+    flight; the batch handed over stays the caller's until dropped."""
+    device = accelerator()
+    torch.accelerator.synchronize()
+    gc.collect()
+    base = emulated.memory_allocated(device)
+    one = to_device(detection_like(0), device)
+    per_batch = emulated.memory_allocated(device) - base
+    del one
+    batches = prefetch([detection_like(i) for i in range(6)], device, depth=3)
+
+    if how == "close":
+        running = iter(batches)
+        kept = next(running)
+        in_flight = emulated.memory_allocated(device) - base
+        batches.close()
+    else:
+        for batch in batches:
+            kept = batch
+            in_flight = emulated.memory_allocated(device) - base
+            break
+        del batch
+    gc.collect()
+    after = emulated.memory_allocated(device) - base
+    del kept
+    gc.collect()
+
+    assert (4 * per_batch, per_batch, 0) == (
+        in_flight,
+        after,
+        emulated.memory_allocated(device) - base,
+    )
+
+
+@needs_accelerator
+def test_staging_memory_stays_bounded_and_reported() -> None:
+    """Many large batches ahead use at most the staging pool's bound of pinned memory,
+    and staging_memory() reports what is held."""
+    device = accelerator()
+    sources = [{"x": torch.randn(1024, 1024), "i": i} for i in range(12)]  # 4 MiB each
+
+    for batch in prefetch(sources, device, depth=4):
+        held = staging_memory()
+        assert 0 < held <= _staging.THRESHOLDS.pool_bytes
+        assert batch["x"].device == device
+
+
+@needs_accelerator
+def test_stream_path_records_transfers_at_the_prefetch_line() -> None:
+    """On the stream path too, track_transfers names the line that called prefetch."""
+    device = accelerator()
+    line = inspect.currentframe().f_lineno + 3  # type: ignore[union-attr]
+    place = f"{_transfers._short(__file__)}:{line}"
+    with track_transfers() as transfers:
+        batches = prefetch([detection_like(i) for i in range(3)], device)
+        for _ in batches:
+            pass
+
+    assert {place} == {row.where for row in transfers.rows}
+    assert {(CPU, device)} == set(transfers.directions())
+    assert 3 * 8 == transfers.total_tensors
+
+
+@needs_accelerator
+def test_stream_path_raises_in_turn() -> None:
+    """On the stream path, a loader error and a batch that cannot be moved are raised
+    when their batch is asked for, after the batches before them."""
+    device = accelerator()
+    log: list[str] = []
+    sources = [detection_like(0), {"odd": Unmovable(torch.zeros(1))}, *map(detection_like, (2, 3))]
+    running = iter(prefetch(Reads(sources, log, frozenset({3})), device, depth=3))
+
+    first = next(running)
+    with pytest.raises(MoveError, match=r"prefetch\(\) at batch 1 could not move"):
+        next(running)
+    third = next(running)
+    with pytest.raises(KeyError, match="sample 3"):
+        next(running)
+
+    assert_same(to_device(sources[0], device), first)
+    assert_same(to_device(sources[2], device), third)
+
+
+@st.composite
+def consumer_cases(draw: st.DrawFn) -> dict[str, Any]:
+    """Batches from the strategies, a depth of 1 to 4, maybe a batch the loader fails at,
+    and per batch what the caller does: read it, write it, read it late (a copy queued on
+    its stream, then the batch dropped), or break."""
+    count = draw(st.integers(0, 5))
+    leaves = tensors(devices=["cpu"])
+    structures = draw(st.lists(nested(leaves), min_size=count, max_size=count))
+    return {
+        "sources": [{"i": i, "b": b, "pad": detection_like(i)} for i, b in enumerate(structures)],
+        "depth": draw(st.integers(1, 4)),
+        "raise_at": draw(st.none() | st.integers(0, max(count - 1, 0))),
+        "actions": draw(
+            st.lists(
+                st.sampled_from(["read", "write", "late", "break"]), min_size=count, max_size=count
+            )
+        ),
+    }
+
+
+@needs_emulated
+@given(consumer_cases())
+def test_property_every_batch_is_its_source_moved_and_no_memory_is_reused_early(
+    case: dict[str, Any],
+) -> None:
+    """Over generated batches, depths and consumer schedules on the emulated accelerator:
+    every batch the caller sees equals its source moved with to_device (values, dtypes,
+    shapes, strides, paths), whatever the caller did to the batches before it; memory of
+    a dropped batch is not reused while the caller's stream still reads it; the loader's
+    error comes in its turn."""
+    device = accelerator()
+    raise_at = frozenset() if case["raise_at"] is None else frozenset({case["raise_at"]})
+    loader = Reads(case["sources"], [], raise_at)
+    handed: list[int] = []
+    running = iter(prefetch(loader, device, depth=case["depth"]))
+    try:
+        for action in case["actions"]:
+            held = [next(running, None)]  # the batch's only reference, for "late"
+            if held[0] is None:
+                break
+            source = case["sources"][held[0]["i"]]
+            handed.append(held[0]["i"])
+            if action == "late":
+                expected = nonempty(source)
+                copies = late_read(held, device)
+                for want, got in zip(expected, copies, strict=True):
+                    assert torch.equal(want, got) or torch.allclose(
+                        want, got, rtol=0, atol=0, equal_nan=True
+                    )
+                continue
+            assert_same(to_device(source, device), held[0])
+            if action == "write":
+                for _, tensor in iter_tensors(held[0]):
+                    if tensor._base is None:
+                        tensor.zero_()
+            elif action == "break":
+                break
+    except KeyError:
+        assert case["raise_at"] == len(handed)
+    assert list(range(len(handed))) == handed
