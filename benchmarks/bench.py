@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from _diagnostics import section_diagnostics
 from _imports import section_import
+from _prefetch import section_prefetch
 from _report import TOLERANCE, Row, judge, render, rows_from, times
 from _timing import Config, Measurement, Subject, as_json, bind, fmt_ns, measure_group
 from _transfer import section_transfer
@@ -549,7 +550,9 @@ def _environment(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     }
 
 
-_SECTIONS = ("decorator", "move", "find_devices", "scope", "import", "transfer", "diagnostics")
+_SECTIONS = (
+    "decorator", "move", "find_devices", "scope", "import", "transfer", "diagnostics", "prefetch"
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -581,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         ("import", lambda: section_import(args.quick)),
         ("transfer", lambda: section_transfer(config, args.quick, args.nominal_gbps)),
         ("diagnostics", lambda: section_diagnostics(config)),
+        ("prefetch", lambda: section_prefetch(config, args.quick)),
     ]
     for name, run in steps:
         if args.only and name not in args.only:

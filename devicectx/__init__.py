@@ -6,6 +6,7 @@
 - :func:`resolve_device`: ``"auto"``, ``LOCAL_RANK`` under torchrun, ``DEVICECTX_DEVICE``;
 - :func:`precision_scope` and :func:`choose_precision`: mixed precision named as Lightning
   names it (``"bf16-mixed"``, ``"16-mixed"``, ``"32"``, ``"auto"``), on any device;
+- :func:`prefetch`: batches moved to the device ahead of the step, on a copy stream;
 - :func:`track_transfers`: every copy between devices, by place; a
   :class:`RepeatedMoveWarning` for an unchanged tensor copied again and again.
 
@@ -35,6 +36,7 @@ from devicectx._move import find_devices, register_container, to_device
 from devicectx._oom import shrink_batch_on_oom
 from devicectx._pinned import release_staging, staging_memory
 from devicectx._precision import Precision, PrecisionName, choose_precision, precision_scope
+from devicectx._prefetch import prefetch
 from devicectx._resolve import DeviceLike, available_devices, explain_device, resolve_device
 from devicectx._transfers import Transfer, TransferLog, set_repeated_move_warning, track_transfers
 from devicectx._walk import find_layouts
@@ -70,6 +72,7 @@ __all__ = [
     "find_layouts",
     "on_device",
     "precision_scope",
+    "prefetch",
     "register_container",
     "release_staging",
     "resolve_device",

@@ -72,6 +72,7 @@ def test_json_has_every_section(run: dict[str, Any]) -> None:
         "import",
         "transfer",
         "diagnostics",
+        "prefetch",
     }
     assert expected == set(run["json"])
 
@@ -189,3 +190,27 @@ def test_markdown_printed_and_written(run: dict[str, Any]) -> None:
     assert header in run["markdown"]
     assert run["markdown"] in run["stdout"]
     assert len(run["json"]["rows"]) == run["markdown"].split("\n## ")[0].count("\n| ") - 2
+
+
+def test_prefetch_loop_ran_on_the_host_and_the_accelerator_there_is(run: dict[str, Any]) -> None:
+    """The prefetch section timed every loop on cpu and meta, and on the accelerator (real,
+    or the emulated one where it builds, else saying why not); only torchtnt's prefetcher
+    may be missing, off CUDA or uninstalled."""
+    section = run["json"]["prefetch"]
+    kinds = [case["kind"] for case in section["cases"].values()]
+    assert ["cpu", "meta"] == kinds[:2]
+    assert kinds[2:] in (["accelerator"], ["emulated"]) or "emulated" in section["skipped"]
+    for key, case in section["cases"].items():
+        for name, figures in case["subjects"].items():
+            if name == "CudaDataPrefetcher":
+                assert figures["status"] in ("ok", "not available"), (key, figures["detail"])
+            else:
+                assert "ok" == figures["status"], (key, name, figures["detail"])
+                assert figures["per_step_ns"] > 0
+        assert case["bound_ns"] > 0
+        assert set(case["added_ns"]) == {
+            "@device_agnostic(device=d)",
+            "@device_agnostic(device=d, scope=False)",
+        }
+    rows = [row for row in run["json"]["rows"] if row["section"] == "7 prefetch"]
+    assert 3 * len(kinds) == len(rows)

@@ -24,6 +24,7 @@ TESTED_HERE = {
     "mixed_device_error.py",
     "mixed_precision.py",
     "oom_backoff.py",
+    "prefetch.py",
     "quickstart.py",
     "torchrun_inference.py",
     "where_the_bytes_go.py",
@@ -232,3 +233,51 @@ def test_where_the_bytes_go_finds_the_constant_and_the_stray() -> None:
     assert lines[-2].startswith("StrayTensorError: torch.from_numpy at ")
     assert lines[-2].endswith(f"made a tensor on cpu inside an audited on_device block on {device}")
     assert f'fix: torch.from_numpy(array).to("{device}")' in lines[-1]
+
+
+def _prefetch_lines(lines: list[str], device: str, streams: bool) -> None:
+    """What examples/prefetch.py prints on ``device``: the loader's length, whether a copy
+    stream is used, a loss that goes down, and the transfer table."""
+    assert [
+        f"device: {device}",
+        "batches per epoch: 8 (the loader's 8)",
+        f"copy stream: {'yes' if streams else 'no (batches move in order)'}",
+    ] == lines[:3]
+    losses = [
+        re.fullmatch(r"epoch (\d): loss (\d+\.\d+) -> (\d+\.\d+)", line) for line in lines[3:6]
+    ]
+    assert all(losses), lines[3:6]
+    assert ["0", "1", "2"] == [match.group(1) for match in losses if match]
+    first, last = (float(match.group(2)) for match in losses[::2] if match)
+    assert last < first
+
+
+def test_prefetch_trains_on_batches_moved_ahead() -> None:
+    """prefetch.py keeps the loader's length, trains (the loss goes down), and on an
+    accelerator counts every copy at its prefetch line, none by the decorated step."""
+    lines = run_example("prefetch.py")
+    device = lines[0].removeprefix("device: ")  # the example's process enables no emulator
+    assert device in (auto_device(), "cpu")
+
+    _prefetch_lines(lines, device, device != "cpu")
+    if device == "cpu":
+        assert ["no transfers"] == lines[6:]
+    else:
+        assert all(line.startswith("examples/prefetch.py:") for line in lines[7:-1]), lines
+
+
+@pytest.mark.skipif(
+    not (
+        torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == "emu"
+    ),
+    reason="needs the emulated accelerator built: pytest --devicectx-accelerator=emulated",
+)
+def test_prefetch_on_the_emulated_accelerator() -> None:
+    """prefetch.py emulated: the same training on emu:0, through a copy stream; the table
+    shows both tensors of each of the 24 batches copied at the prefetch line."""
+    lines = run_example("prefetch.py", "emulated")
+
+    _prefetch_lines(lines, "emu:0", True)
+    rows = [line.split() for line in lines[7:]]
+    assert ["batch[0]", "batch[1]", "cpu"] == [row[1] for row in rows]
+    assert ["24", "24", "48"] == [row[-3] for row in rows]

@@ -1,0 +1,846 @@
+"""``prefetch``: batches moved ahead of the step, in order, with a loader's habits kept.
+
+Three layers. On the CPU and ``meta`` (no streams) the iterator moves each batch when it is
+asked for; those tests run everywhere. The lookahead (reading ``depth`` batches ahead,
+errors kept for their turn, freeing on ``close`` and ``break``) is checked on the CPU too,
+through a stand-in for :class:`devicectx._prefetch.Streams` that records what it is asked.
+The stream path itself (copy stream, events, ``record_stream``) runs on an accelerator:
+the emulated one of the testing kit, or a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import re
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from devicectx import (
+    MoveError,
+    _prefetch,
+    _staging,
+    _transfers,
+    device_agnostic,
+    on_device,
+    prefetch,
+    staging_memory,
+    to_device,
+    track_transfers,
+)
+from devicectx._walk import iter_tensors
+from devicectx.testing import emulated
+from devicectx.testing.strategies import nested, tensors
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+def summary(obj: Any) -> list[tuple[str, tuple[int, ...], str, str, str]]:
+    """Each tensor of ``obj``, sorted: its path (set members unnumbered: their order
+    follows hashes), shape, dtype, device and type; what a move to ``meta`` can be compared
+    on (it keeps no values)."""
+    return sorted(
+        (re.sub(r"\)\[\d+\]", ")[_]", path), tuple(t.shape), str(t.dtype), str(t.device),
+         type(t).__name__)
+        for path, t in iter_tensors(obj, "batch")
+    )  # fmt: skip
+
+
+def numbered(count: int) -> list[dict[str, Any]]:
+    """``count`` small batches, each a dict with its index and two tensors."""
+    return [
+        {"i": i, "x": torch.full((2, 3), float(i)), "y": torch.arange(i + 1)} for i in range(count)
+    ]
+
+
+class Reads:
+    """A loader that logs each read into a shared log, and raises for the batches asked to."""
+
+    def __init__(
+        self, batches: list[Any], log: list[str], raise_at: frozenset[int] = frozenset()
+    ) -> None:
+        self.batches = batches
+        self.log = log
+        self.raise_at = raise_at
+        self.position = 0
+
+    def __iter__(self) -> Reads:
+        return self
+
+    def __next__(self) -> Any:
+        index = self.position
+        if index >= len(self.batches):
+            raise StopIteration
+        self.position += 1
+        self.log.append(f"read {index}")
+        if index in self.raise_at:
+            raise KeyError(f"sample {index} is missing")
+        return self.batches[index]
+
+
+class Recording:
+    """A stand-in for ``Streams`` on the CPU: moves at once, and logs sends, hand-overs
+    and waits by batch index (its events are the indices)."""
+
+    def __init__(self, device: torch.device, log: list[str]) -> None:
+        self.device = device
+        self.log = log
+
+    def send(self, move: Callable[[Any, int], Any], batch: Any, index: int) -> tuple[Any, int]:
+        moved = move(batch, index)
+        self.log.append(f"send {index}")
+        return moved, index
+
+    def hand_over(self, batch: Any, event: int) -> None:
+        self.log.append(f"hand over {event}")
+
+    def landed(self, event: int) -> None:
+        self.log.append(f"landed {event}")
+
+
+@pytest.fixture
+def log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A log, and every prefetcher made in the test given a recording stand-in for streams."""
+    entries: list[str] = []
+    monkeypatch.setattr(_prefetch, "streams_for", lambda device: Recording(device, entries))
+    return entries
+
+
+# Where there are no streams: in order, one when asked.
+
+
+def test_moves_each_batch_as_to_device_does() -> None:
+    """Each batch comes back moved to meta, as to_device moves it, in the loader's order."""
+    batches = numbered(4)
+
+    moved = list(prefetch(batches, "meta"))
+
+    assert [summary(to_device(b, "meta")) for b in batches] == [summary(b) for b in moved]
+    assert [0, 1, 2, 3] == [b["i"] for b in moved]
+
+
+def test_batches_already_on_the_device_come_back_as_they_are() -> None:
+    """On the CPU, to the CPU, nothing is copied: the loader's own batches come back."""
+    batches = numbered(3)
+
+    assert [id(b) for b in batches] == [id(b) for b in prefetch(batches, "cpu")]
+
+
+def test_no_streams_on_the_cpu_or_meta() -> None:
+    """The CPU and meta have no streams: batches move in order, and that is said."""
+    assert (False, False) == (prefetch([], "cpu").streams, prefetch([], "meta").streams)
+
+
+def test_device_defaults_to_the_enclosing_block_then_auto() -> None:
+    """device=None takes the enclosing on_device block's device, else what "auto" picks."""
+    with on_device("meta"):
+        inside: Any = prefetch([], None)
+    outside: Any = prefetch([], None)
+
+    assert META == inside.device
+    assert torch.device("cpu") == outside.device or torch.accelerator.is_available()
+
+
+def test_in_order_reads_one_batch_when_asked() -> None:
+    """Without streams, nothing is read ahead: each read comes when its batch is asked for."""
+    log: list[str] = []
+    batches = prefetch(Reads(numbered(3), log), "meta", depth=4)
+
+    for batch in batches:
+        log.append(f"step {batch['i']}")
+
+    assert ["read 0", "step 0", "read 1", "step 1", "read 2", "step 2"] == log
+
+
+def test_no_thread_is_started() -> None:
+    """Prefetching starts no thread, with streams or without."""
+    before = threading.active_count()
+
+    for _ in prefetch(numbered(3), "meta"):
+        assert before == threading.active_count()
+
+
+@pytest.mark.parametrize("depth", [0, -1, 1.5, True, "2"])
+def test_depth_must_be_a_positive_int(depth: Any) -> None:
+    """A depth that is no int of at least 1 is refused when the prefetcher is made."""
+    with pytest.raises(ValueError, match="depth") as raised:
+        prefetch([], "meta", depth=depth)
+
+    assert [
+        f"prefetch(depth={depth!r}): depth is how many batches move ahead of the one handed "
+        "over, an int of at least 1",
+        "fix: prefetch(batches, depth=2), or depth=1 to hold the fewest batches on the device",
+    ] == str(raised.value).splitlines()
+
+
+# A loader's habits.
+
+
+def test_len_and_loader_attributes_are_read_through() -> None:
+    """len(), sampler, batch_size and dataset are the DataLoader's own."""
+    dataset = TensorDataset(torch.arange(10.0))
+    loader = DataLoader(dataset, batch_size=4)
+
+    batches = prefetch(loader, "meta")
+
+    assert (3, loader.sampler, 4, dataset) == (
+        len(batches),
+        batches.sampler,
+        batches.batch_size,
+        batches.dataset,
+    )
+
+
+def test_len_of_an_iterable_without_one_is_a_type_error() -> None:
+    """A generator has no len(): neither has its prefetcher, and list() still works."""
+    batches = prefetch((b for b in numbered(2)), "meta")
+
+    with pytest.raises(TypeError):
+        len(batches)
+    assert 2 == len(list(batches))
+
+
+def test_missing_attribute_names_the_attribute() -> None:
+    """An attribute neither the prefetcher nor the loader has is an AttributeError."""
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        prefetch([], "meta").no_such_thing  # noqa: B018
+
+
+def test_set_epoch_reaches_a_distributed_sampler() -> None:
+    """set_epoch() tells the loader's DistributedSampler, which then shuffles anew."""
+    dataset = TensorDataset(torch.arange(16))
+    sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=2, rank=0, seed=0)
+    batches = prefetch(DataLoader(dataset, batch_size=4, sampler=sampler), "cpu")
+
+    first = [b[0].tolist() for b in batches]
+    batches.set_epoch(3)
+    again = [b[0].tolist() for b in batches]
+
+    assert 3 == sampler.epoch
+    assert first != again
+
+
+def test_set_epoch_prefers_the_loaders_own() -> None:
+    """A loader with its own set_epoch (accelerate's) is told directly."""
+
+    class Loader(list[Any]):
+        epoch = -1
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+    loader = Loader(numbered(2))
+
+    prefetch(loader, "meta").set_epoch(5)
+
+    assert 5 == loader.epoch
+
+
+def test_set_epoch_without_one_says_so() -> None:
+    """A loader with no set_epoch anywhere: the error names it and what to do."""
+    with pytest.raises(AttributeError) as raised:
+        prefetch(numbered(1), "meta").set_epoch(1)
+
+    assert [
+        "prefetch(...).set_epoch(1): the wrapped list has no set_epoch, nor has its sampler",
+        "fix: leave set_epoch out for this loader, or give it a sampler that takes one "
+        "(DistributedSampler)",
+    ] == str(raised.value).splitlines()
+
+
+def test_reiterable_when_the_loader_is() -> None:
+    """A list or a DataLoader gives a new pass at each iter(), as a loop per epoch needs."""
+    loader = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2)
+    batches = prefetch(loader, "meta")
+
+    epochs = [[tuple(b[0].shape) for b in batches] for _ in range(2)]
+
+    assert [[(2,), (2,), (2,)]] * 2 == epochs
+
+
+def test_an_iterator_is_one_pass_resumed_after_break() -> None:
+    """Over a generator, a break and a new loop go on where the first stopped: nothing read
+    ahead is lost, as with the generator itself."""
+    batches = prefetch((b for b in numbered(5)), "meta")
+
+    first = []
+    for batch in batches:
+        first.append(batch["i"])
+        if batch["i"] == 1:
+            break
+    rest = [batch["i"] for batch in batches]
+
+    assert ([0, 1], [2, 3, 4]) == (first, rest)
+
+
+@pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")  # the list, twice
+def test_close_ends_the_passes() -> None:
+    """close() ends every pass under way; a list can be iterated again after it."""
+    batches = prefetch(numbered(3), "meta")
+    running = iter(batches)
+    next(running)
+
+    batches.close()
+
+    assert [] == list(running)
+    assert [0, 1, 2] == [b["i"] for b in batches]
+
+
+def test_repr_shows_the_call() -> None:
+    """The repr reads as the call that made it."""
+    assert "prefetch([], 'meta', depth=3)" == repr(prefetch([], "meta", depth=3))
+
+
+# Errors, in order.
+
+
+def raise_in_loader(log: list[str]) -> Iterator[dict[str, Any]]:
+    """A generator loader that yields two batches, then fails."""
+    yield from numbered(2)
+    log.append("about to fail")
+    raise KeyError("sample 2 is missing")
+
+
+def test_loader_error_surfaces_in_its_turn_with_its_traceback() -> None:
+    """The loader's exception comes when its batch is asked for, after the batches before
+    it, as the same exception, with the loader's frame in its traceback."""
+    log: list[str] = []
+    seen: list[int] = []
+
+    with pytest.raises(KeyError) as raised:
+        seen.extend(batch["i"] for batch in prefetch(raise_in_loader(log), "meta"))
+
+    assert [0, 1] == seen
+    frames = [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
+    assert "raise_in_loader" == frames[-1]
+
+
+class Unmovable:
+    """An object with a tensor and its own ``.to``, which always fails."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+    def to(self, *args: Any, **kwargs: Any) -> Unmovable:
+        raise RuntimeError("this object stays where it is")
+
+
+def test_move_error_names_the_batch_index_and_path() -> None:
+    """A batch that cannot be moved raises MoveError naming its index, the path inside it,
+    and the skip= that leaves it alone; the batches before it come first."""
+    batches = [*numbered(2), {"i": 2, "odd": Unmovable(torch.zeros(1))}]
+    seen: list[int] = []
+
+    with pytest.raises(MoveError) as raised:
+        seen.extend(batch["i"] for batch in prefetch(batches, "meta"))
+
+    assert [0, 1] == seen
+    assert [
+        "prefetch() at batch 2 could not move batch['odd'] (an Unmovable) to meta:",
+        "    RuntimeError: this object stays where it is",
+        "fix: leave it where it is: prefetch(batches, 'meta', skip=[\"batch['odd']\"])",
+    ] == str(raised.value).splitlines()
+
+
+def test_skip_paths_are_rooted_at_batch() -> None:
+    """skip= takes paths from ``batch``, as the error's fix writes them."""
+    batches: list[dict[str, Any]] = [{"i": 0, "odd": Unmovable(torch.zeros(1)), "x": torch.ones(1)}]
+
+    (moved,) = prefetch(batches, "meta", skip=["batch['odd']"])
+
+    assert (META, CPU) == (moved["x"].device, moved["odd"].value.device)
+
+
+# The rest of devicectx sees it.
+
+
+def test_track_transfers_names_the_prefetch_line() -> None:
+    """The copies are recorded under the line that called prefetch, by path in the batch."""
+    line = inspect.currentframe().f_lineno + 3  # type: ignore[union-attr]
+    place = f"{_transfers._short(__file__)}:{line}"
+    with track_transfers() as transfers:
+        batches = prefetch(numbered(3), "meta")
+        for _ in batches:
+            pass
+
+    assert {
+        (place, "batch['x']", 3, 3 * 24),
+        (place, "batch['y']", 3, (1 + 2 + 3) * 8),
+    } == {(row.where, row.path, row.tensors, row.bytes) for row in transfers.rows}
+
+
+def test_decorated_step_finds_its_inputs_on_the_device() -> None:
+    """@device_agnostic on the step moves nothing: every copy is prefetch's."""
+
+    @device_agnostic(device="meta")
+    def step(batch: dict[str, Any]) -> torch.Tensor:
+        total: torch.Tensor = batch["x"].sum()
+        return total
+
+    with track_transfers() as transfers:
+        batches = prefetch(numbered(3), "meta")
+        results = [step(batch) for batch in batches]
+
+    assert [META] * 3 == [r.device for r in results]
+    assert {_transfers._short(__file__)} == {row.where.split(":")[0] for row in transfers.rows}
+
+
+# The lookahead, through a recording stand-in for the streams.
+
+
+def test_reads_depth_batches_ahead(log: list[str]) -> None:
+    """With streams, the first batch asked for reads depth more; each later one reads one
+    more, sent before the batch is handed over."""
+    batches = prefetch(Reads(numbered(4), log), "meta", depth=2)
+
+    for batch in batches:
+        log.append(f"step {batch['i']}")
+
+    assert [
+        "read 0", "send 0", "read 1", "send 1", "read 2", "send 2", "hand over 0", "step 0",
+        "read 3", "send 3", "hand over 1", "step 1",
+        "hand over 2", "step 2",
+        "hand over 3", "step 3",
+    ] == log  # fmt: skip
+
+
+def test_loader_error_ahead_waits_for_its_turn(log: list[str]) -> None:
+    """An error read ahead stops the reading; it is raised when its batch is asked for,
+    and a loader that can go on is read again after it."""
+    batches = prefetch(Reads(numbered(4), log, raise_at=frozenset({1})), "meta", depth=2)
+    running = iter(batches)
+
+    first = next(running)
+    log.append(f"step {first['i']}")
+    with pytest.raises(KeyError, match="sample 1 is missing"):
+        next(running)
+    log.append("error seen")
+    rest = [batch["i"] for batch in running]
+
+    assert [
+        "read 0", "send 0", "read 1", "hand over 0", "step 0", "error seen",
+        "read 2", "send 2", "read 3", "send 3", "hand over 2", "hand over 3",
+    ] == log  # fmt: skip
+    assert [2, 3] == rest
+
+
+def test_move_error_ahead_waits_for_its_turn(log: list[str]) -> None:
+    """A batch read ahead that cannot be moved raises MoveError in its turn, not before."""
+    batches = [*numbered(1), {"i": 1, "odd": Unmovable(torch.zeros(1))}, *numbered(1)]
+    running = iter(prefetch(batches, "meta", depth=3))
+
+    assert 0 == next(running)["i"]
+    with pytest.raises(MoveError, match=r"prefetch\(\) at batch 1 could not move"):
+        next(running)
+    assert 0 == next(running)["i"]  # the list's third batch
+
+
+def test_close_waits_for_the_copies_in_flight_and_frees_them(log: list[str]) -> None:
+    """close() waits for each batch in flight to land, then drops it; the pass is over."""
+    batches = prefetch(numbered(5), "meta", depth=2)
+    running = iter(batches)
+    next(running)
+
+    batches.close()
+
+    assert ["send 0", "send 1", "send 2", "hand over 0", "landed 1", "landed 2"] == log
+    assert [] == list(running)
+
+
+def test_break_frees_the_batches_in_flight(log: list[str]) -> None:
+    """A break out of the loop drops the pass, which frees its batches in flight as
+    close() does: nothing is held for them after the loop."""
+    batches = prefetch(numbered(5), "meta", depth=2)
+
+    for _ in batches:
+        break
+    gc.collect()
+
+    assert ["send 0", "send 1", "send 2", "hand over 0", "landed 1", "landed 2"] == log
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> dict[str, Any]:
+    """A loader of 0 to 6 generated batches, a depth of 1 to 4, maybe a batch the loader
+    fails at, and what the consumer does with each batch: read it, write it, or break."""
+    count = draw(st.integers(0, 6))
+    structures = draw(st.lists(nested(tensors(devices=["cpu"])), min_size=count, max_size=count))
+    return {
+        "batches": [{"i": i, "b": b} for i, b in enumerate(structures)],
+        "depth": draw(st.integers(1, 4)),
+        "raise_at": draw(st.none() | st.integers(0, max(count - 1, 0))),
+        "actions": draw(
+            st.lists(st.sampled_from(["read", "write", "break"]), min_size=count, max_size=count)
+        ),
+    }
+
+
+@given(schedules())
+def test_property_lookahead_keeps_order_bound_and_errors(case: dict[str, Any]) -> None:
+    """Over generated batches and consumer schedules: each batch handed over is its source
+    moved as to_device moves it, in order; no more than depth + 1 batches are ever sent and
+    not yet handed over; the loader's error comes exactly in its turn; a break ends it."""
+    log: list[str] = []
+    raise_at = frozenset() if case["raise_at"] is None else frozenset({case["raise_at"]})
+    loader = Reads(case["batches"], log, raise_at)
+    original = _prefetch.streams_for
+    _prefetch.streams_for = lambda device: Recording(device, log)  # type: ignore[assignment, return-value]
+    try:
+        batches = prefetch(loader, "meta", depth=case["depth"])
+    finally:
+        _prefetch.streams_for = original
+    handed: list[int] = []
+    failed_at = None
+    try:
+        for batch, action in zip(batches, case["actions"], strict=False):
+            expected = case["batches"][batch["i"]]
+            assert summary(to_device(expected, "meta")) == summary(batch)
+            handed.append(batch["i"])
+            if action == "write":
+                for _, tensor in iter_tensors(batch):
+                    if tensor._base is None:  # a view may overlap itself (an expand)
+                        tensor.zero_()
+            elif action == "break":
+                break
+    except KeyError:
+        failed_at = len(handed)
+
+    assert list(range(len(handed))) == handed
+    if case["raise_at"] is not None and failed_at is not None:
+        assert case["raise_at"] == failed_at
+    sent = handed_over = 0
+    for entry in log:
+        sent += entry.startswith("send")
+        handed_over += entry.startswith("hand over")
+        assert sent - handed_over <= case["depth"] + 1, log
+
+
+# The stream path, on an accelerator: the emulated one (pytest
+# --devicectx-accelerator=emulated) finishes copies late and poisons freed memory, so that
+# a batch read before its copies land, or memory reused while a stream still reads it,
+# shows as wrong values.
+
+needs_accelerator = pytest.mark.skipif(
+    not torch.accelerator.is_available(),
+    reason="needs an accelerator with streams: pytest --devicectx-accelerator=emulated, or a GPU",
+)
+needs_emulated = pytest.mark.skipif(
+    not emulated.enabled(),
+    reason="needs the emulated accelerator's controls: pytest --devicectx-accelerator=emulated",
+)
+
+
+def accelerator(index: int = 0) -> torch.device:
+    """Device ``index`` of the accelerator."""
+    kind = torch.accelerator.current_accelerator()
+    assert kind is not None
+    return torch.device(kind.type, index)
+
+
+def detection_like(i: int, large: bool = False) -> dict[str, Any]:
+    """A batch like a detection loader's: images, ids, boxes and labels of varying lengths
+    (staged together), with values that tell batch ``i`` apart; a 2 MiB tensor too if
+    ``large`` (streamed through the staging chunks)."""
+    generator = torch.Generator().manual_seed(i)
+    batch: dict[str, Any] = {
+        "images": torch.randn(2, 3, 8, 8, generator=generator),
+        "ids": torch.tensor([2 * i, 2 * i + 1]),
+        "boxes": [torch.rand(k, 4, generator=generator) for k in (1, 3, 2)],
+        "labels": [torch.randint(0, 80, (k,), generator=generator) for k in (1, 3, 2)],
+    }
+    if large:
+        batch["features"] = torch.randn(512, 1024, generator=generator)
+    return batch
+
+
+def values(obj: Any) -> list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+    """Each tensor of ``obj`` by path (set members unnumbered), with its shape, strides and
+    values on the CPU, sorted by path."""
+    return sorted(
+        ((re.sub(r"\)\[\d+\]", ")[_]", path), tuple(t.shape), t.stride(), t.detach().cpu())
+         for path, t in iter_tensors(obj, "batch")),
+        key=lambda item: item[:3],
+    )  # fmt: skip
+
+
+def assert_same(expected: Any, actual: Any) -> None:
+    """Same paths, devices, dtypes, shapes, strides and values (NaN equal to NaN)."""
+    left, right = values(expected), values(actual)
+    assert [item[:3] for item in left] == [item[:3] for item in right]
+    for (path, *_, a), (_, *_, b) in zip(left, right, strict=True):
+        assert a.dtype == b.dtype, path
+        assert torch.equal(a, b) or (a.is_floating_point() and torch.allclose(
+            a, b, rtol=0, atol=0, equal_nan=True)), path  # fmt: skip
+    assert summary(expected) == summary(actual)
+
+
+@needs_accelerator
+@pytest.mark.parametrize("large", [False, True])
+def test_stream_path_moves_each_batch_as_to_device_does(large: bool) -> None:
+    """On an accelerator every batch arrives with the values, dtypes, shapes and strides
+    to_device gives it, through a copy stream; the caller's stream and device are as
+    they were."""
+    device = accelerator()
+    sources = [detection_like(i, large) for i in range(5)]
+    before = (torch.accelerator.current_stream(device), torch.accelerator.current_device_index())
+
+    batches = prefetch(sources, device, depth=2)
+    moved = list(batches)
+
+    assert batches.streams
+    for source, batch in zip(sources, moved, strict=True):
+        assert_same(to_device(source, device), batch)
+    assert before == (
+        torch.accelerator.current_stream(device),
+        torch.accelerator.current_device_index(),
+    )
+
+
+@needs_accelerator
+def test_another_device_keeps_the_current_index() -> None:
+    """Prefetching to device 1 leaves device 0 current, and lands on device 1."""
+    if torch.accelerator.device_count() < 2:
+        pytest.skip("needs two devices")
+    index = torch.accelerator.current_device_index()
+
+    moved = list(prefetch([detection_like(i) for i in range(3)], accelerator(1)))
+
+    assert index == torch.accelerator.current_device_index()
+    assert {accelerator(1)} == {t.device for b in moved for _, t in iter_tensors(b)}
+
+
+@needs_emulated
+def test_hand_over_does_not_wait_on_the_host() -> None:
+    """Batches are handed over while their copies are still held back: the host never
+    waits for them (a wait on a paused stream would raise); the caller's stream does,
+    so the batch is right when read."""
+    device = accelerator()
+    sources = [detection_like(i) for i in range(4)]
+    batches = prefetch(sources, device, depth=2)
+    running = iter(batches)
+
+    with emulated.paused(device, stream=batches._streams.copy):
+        first = next(running)
+        second = next(running)
+
+    assert_same(to_device(sources[0], device), first)
+    assert_same(to_device(sources[1], device), second)
+
+
+def nonempty(batch: Any) -> list[torch.Tensor]:
+    """The tensors of ``batch`` with at least one element, in the structure's order."""
+    return [t for _, t in iter_tensors(batch) if t.numel()]
+
+
+def late_read(held: list[Any], device: torch.device) -> list[torch.Tensor]:
+    """Queue a copy of each tensor of the batch in ``held`` (its only reference) to the
+    host on the caller's stream, drop the batch while those copies are held back, then let
+    them run: the values they read, which are poison if its memory was freed under them.
+    Empty tensors are left out: they have no memory (and the emulator copies them at once,
+    which waits for the held-back stream)."""
+    stream = torch.accelerator.current_stream(device)
+    with emulated.paused(device, stream=stream):
+        copies = [t.to("cpu", non_blocking=True) for t in nonempty(held[0])]
+        held.clear()
+        gc.collect()
+    torch.accelerator.synchronize()
+    return copies
+
+
+@needs_emulated
+def test_memory_of_a_dropped_batch_waits_for_the_callers_stream() -> None:
+    """A batch dropped while the caller's stream still reads it keeps its memory until
+    that stream has run past: the late reads see the batch, not the poison freed memory
+    is filled with."""
+    device = accelerator()
+    sources = [detection_like(i) for i in range(3)]
+    running = iter(prefetch(sources, device))
+
+    copies = late_read([next(running)], device)
+
+    expected = nonempty(sources[0])
+    assert len(expected) == len(copies)
+    assert all(torch.equal(a, b) for a, b in zip(expected, copies, strict=True))
+
+
+@needs_emulated
+@pytest.mark.parametrize("left_out", ["record_stream", "wait_event"])
+def test_the_emulator_catches_a_hand_over_that_leaves_a_step_out(
+    monkeypatch: pytest.MonkeyPatch, left_out: str
+) -> None:
+    """The checks above can fail: without record_stream the late reads see poison;
+    without the wait, the batch is read before its copies land."""
+
+    def hand_over(self: _prefetch.Streams, batch: Any, event: Any) -> None:
+        if left_out == "record_stream":
+            torch.accelerator.current_stream(self.device).wait_event(event)
+
+    monkeypatch.setattr(_prefetch.Streams, "hand_over", hand_over)
+    device = accelerator()
+    sources = [detection_like(i) for i in range(3)]
+    running = iter(prefetch(sources, device))
+
+    held = [next(running)]
+    read_now = held[0]["ids"].cpu()
+    copies = late_read(held, device)
+
+    assert any(torch.isnan(copy).any() or (copy == -1).any() for copy in copies)
+    if left_out == "wait_event":
+        assert not torch.equal(sources[0]["ids"], read_now)
+
+
+@needs_emulated
+@pytest.mark.parametrize("how", ["close", "break"])
+def test_close_and_break_free_the_batches_in_flight(how: str) -> None:
+    """close(), or a break out of the loop, frees the device memory of the batches in
+    flight; the batch handed over stays the caller's until dropped."""
+    device = accelerator()
+    torch.accelerator.synchronize()
+    gc.collect()
+    base = emulated.memory_allocated(device)
+    one = to_device(detection_like(0), device)
+    per_batch = emulated.memory_allocated(device) - base
+    del one
+    batches = prefetch([detection_like(i) for i in range(6)], device, depth=3)
+
+    if how == "close":
+        running = iter(batches)
+        kept = next(running)
+        in_flight = emulated.memory_allocated(device) - base
+        batches.close()
+    else:
+        for batch in batches:
+            kept = batch
+            in_flight = emulated.memory_allocated(device) - base
+            break
+        del batch
+    gc.collect()
+    after = emulated.memory_allocated(device) - base
+    del kept
+    gc.collect()
+
+    assert (4 * per_batch, per_batch, 0) == (
+        in_flight,
+        after,
+        emulated.memory_allocated(device) - base,
+    )
+
+
+@needs_accelerator
+def test_staging_memory_stays_bounded_and_reported() -> None:
+    """Many large batches ahead use at most the staging pool's bound of pinned memory,
+    and staging_memory() reports what is held."""
+    device = accelerator()
+    sources = [{"x": torch.randn(1024, 1024), "i": i} for i in range(12)]  # 4 MiB each
+
+    for batch in prefetch(sources, device, depth=4):
+        held = staging_memory()
+        assert 0 < held <= _staging.THRESHOLDS.pool_bytes
+        assert batch["x"].device == device
+
+
+@needs_accelerator
+def test_stream_path_records_transfers_at_the_prefetch_line() -> None:
+    """On the stream path too, track_transfers names the line that called prefetch."""
+    device = accelerator()
+    line = inspect.currentframe().f_lineno + 3  # type: ignore[union-attr]
+    place = f"{_transfers._short(__file__)}:{line}"
+    with track_transfers() as transfers:
+        batches = prefetch([detection_like(i) for i in range(3)], device)
+        for _ in batches:
+            pass
+
+    assert {place} == {row.where for row in transfers.rows}
+    assert {(CPU, device)} == set(transfers.directions())
+    assert 3 * 8 == transfers.total_tensors
+
+
+@needs_accelerator
+def test_stream_path_raises_in_turn() -> None:
+    """On the stream path, a loader error and a batch that cannot be moved are raised
+    when their batch is asked for, after the batches before them."""
+    device = accelerator()
+    log: list[str] = []
+    sources = [detection_like(0), {"odd": Unmovable(torch.zeros(1))}, *map(detection_like, (2, 3))]
+    running = iter(prefetch(Reads(sources, log, frozenset({3})), device, depth=3))
+
+    first = next(running)
+    with pytest.raises(MoveError, match=r"prefetch\(\) at batch 1 could not move"):
+        next(running)
+    third = next(running)
+    with pytest.raises(KeyError, match="sample 3"):
+        next(running)
+
+    assert_same(to_device(sources[0], device), first)
+    assert_same(to_device(sources[2], device), third)
+
+
+@st.composite
+def consumer_cases(draw: st.DrawFn) -> dict[str, Any]:
+    """Batches from the strategies, a depth of 1 to 4, maybe a batch the loader fails at,
+    and per batch what the caller does: read it, write it, read it late (a copy queued on
+    its stream, then the batch dropped), or break."""
+    count = draw(st.integers(0, 5))
+    leaves = tensors(devices=["cpu"])
+    structures = draw(st.lists(nested(leaves), min_size=count, max_size=count))
+    return {
+        "sources": [{"i": i, "b": b, "pad": detection_like(i)} for i, b in enumerate(structures)],
+        "depth": draw(st.integers(1, 4)),
+        "raise_at": draw(st.none() | st.integers(0, max(count - 1, 0))),
+        "actions": draw(
+            st.lists(
+                st.sampled_from(["read", "write", "late", "break"]), min_size=count, max_size=count
+            )
+        ),
+    }
+
+
+@needs_emulated
+@given(consumer_cases())
+def test_property_every_batch_is_its_source_moved_and_no_memory_is_reused_early(
+    case: dict[str, Any],
+) -> None:
+    """Over generated batches, depths and consumer schedules on the emulated accelerator:
+    every batch the caller sees equals its source moved with to_device (values, dtypes,
+    shapes, strides, paths), whatever the caller did to the batches before it; memory of
+    a dropped batch is not reused while the caller's stream still reads it; the loader's
+    error comes in its turn."""
+    device = accelerator()
+    raise_at = frozenset() if case["raise_at"] is None else frozenset({case["raise_at"]})
+    loader = Reads(case["sources"], [], raise_at)
+    handed: list[int] = []
+    running = iter(prefetch(loader, device, depth=case["depth"]))
+    try:
+        for action in case["actions"]:
+            held = [next(running, None)]  # the batch's only reference, for "late"
+            if held[0] is None:
+                break
+            source = case["sources"][held[0]["i"]]
+            handed.append(held[0]["i"])
+            if action == "late":
+                expected = nonempty(source)
+                copies = late_read(held, device)
+                for want, got in zip(expected, copies, strict=True):
+                    assert torch.equal(want, got) or torch.allclose(
+                        want, got, rtol=0, atol=0, equal_nan=True
+                    )
+                continue
+            assert_same(to_device(source, device), held[0])
+            if action == "write":
+                for _, tensor in iter_tensors(held[0]):
+                    if tensor._base is None:
+                        tensor.zero_()
+            elif action == "break":
+                break
+    except KeyError:
+        assert case["raise_at"] == len(handed)
+    assert list(range(len(handed))) == handed
