@@ -45,6 +45,7 @@ from devicectx._context import active_device
 from devicectx._move import _move, _nothing_to_move
 from devicectx._resolve import DeviceLike, accelerator_type, resolve_device
 from devicectx._skip import Skip, SkipLike, compile_skip
+from devicectx._staging import regions_used_on
 from devicectx._walk import collect
 
 __all__ = ["Prefetcher", "Streams", "prefetch", "streams_for"]
@@ -378,12 +379,17 @@ class Streams:
         """``move(batch, index)`` queued on the copy stream, after the work queued so far on
         the caller's stream; the result and the event after its copies."""
         copy = self.copy
-        copy.wait_stream(torch.accelerator.current_stream(self.device))
-        index_before = torch.accelerator.current_device_index()
         previous = torch.accelerator.current_stream(self.device)
+        copy.wait_stream(previous)
+        index_before = torch.accelerator.current_device_index()
         torch.accelerator.set_stream(copy)  # the engine queues and allocates on the current one
         try:
-            moved = move(batch, index)
+            # A staged result's storage is a slice of a shared region, which record_stream
+            # on the result does not reach: the regions are recorded on the caller's stream
+            # as they are made (the stream the batch is handed to, unless the caller
+            # changes streams between batches, where the results alone are recorded).
+            with regions_used_on(previous):
+                moved = move(batch, index)
         finally:
             torch.accelerator.set_stream(previous)
             torch.accelerator.set_device_index(index_before)  # set_stream changed it

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from itertools import pairwise
 from typing import Any
@@ -61,6 +62,7 @@ __all__ = [
     "THRESHOLDS",
     "Thresholds",
     "forced",
+    "regions_used_on",
     "stage",
     "to_accelerator",
     "to_host",
@@ -569,6 +571,8 @@ def to_accelerator(
                 _pack(chunk.typed(run[1]), start, run)
             # copy=True: a new tensor even where the target is the host itself (tests).
             region = chunk.buffer[start : start + padded].to(device, non_blocking=True, copy=True)
+            for stream in _USED_ON.streams:
+                region.record_stream(stream)
             sender.used(padded)
             for run in runs:
                 _unpack(region, run, results)
@@ -624,6 +628,32 @@ def _unpinned(
         if pageable:
             kept[key] = pageable
     return kept
+
+
+class _UsedOn(threading.local):
+    streams: tuple[Any, ...] = ()
+
+
+_USED_ON = _UsedOn()
+
+
+@contextlib.contextmanager
+def regions_used_on(*streams: Any) -> Iterator[None]:
+    """Record the device regions of the staged moves made in this block (this thread) as
+    used on ``streams`` (``Tensor.record_stream``).
+
+    For a caller that hands the results to another stream (:func:`devicectx.prefetch`):
+    ``record_stream`` on a result itself does not reach its region, since a result's
+    storage is a slice of the region's (see :func:`_unpack`), which the allocator does not
+    know; recorded here, the region's memory is not reused before those streams are done
+    with it, whenever its last result is freed.
+    """
+    saved = _USED_ON.streams
+    _USED_ON.streams = saved + streams
+    try:
+        yield
+    finally:
+        _USED_ON.streams = saved
 
 
 class _Sender:
