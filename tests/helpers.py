@@ -13,6 +13,16 @@ import torch
 from torch import nn
 
 
+def python_command(*argv: str) -> list[str]:
+    """``python ARGV...`` for a child process that should see the devices this test sees:
+    under ``--devicectx-accelerator=emulated``, it runs through
+    ``python -m devicectx.testing.emulate``, which enables the emulated accelerator first."""
+    from devicectx.testing import emulated
+
+    prefix = ["-m", "devicectx.testing.emulate"] if emulated.enabled() else []
+    return [sys.executable, *prefix, *argv]
+
+
 def python_output(source: str) -> str:
     """What ``source`` prints, run in a fresh interpreter; its error output if it fails.
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import python_command
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS_WITH_CASES = ("decorator", "move", "find_devices", "scope", "diagnostics")
@@ -29,8 +29,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("DEVICECTX_DEVICE", "LOCAL_RANK")}
     done = subprocess.run(
         [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench.py"),
+            *python_command(str(ROOT / "benchmarks" / "bench.py")),
             "--quick",
             "--json",
             str(out / "figures.json"),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import python_command
 
 import devicectx
 from devicectx import (
@@ -36,7 +37,7 @@ no_accelerator = pytest.mark.skipif(
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """Run ``python -m devicectx ARGS`` in a fresh process, with ``env`` added."""
     return subprocess.run(
-        [sys.executable, "-m", "devicectx", *args],
+        python_command("-m", "devicectx", *args),
         capture_output=True,
         text=True,
         env={**os.environ, **env},
@@ -90,8 +91,12 @@ def test_python_m_devicectx_prints_the_report() -> None:
 @pytest.mark.skipif(not SCRIPT.exists(), reason=f"the console script is not installed at {SCRIPT}")
 def test_the_console_script_prints_the_same_json_as_python_m() -> None:
     """The installed `devicectx` script and `python -m devicectx` give one report."""
+    from devicectx.testing import emulated
+
+    # The script itself, or run as a script through the emulated accelerator's runner.
+    command = python_command(str(SCRIPT)) if emulated.enabled() else [str(SCRIPT)]
     script = subprocess.run(
-        [str(SCRIPT), "--json"], capture_output=True, text=True, timeout=120, check=False
+        [*command, "--json"], capture_output=True, text=True, timeout=120, check=False
     )
     module = run_cli("--json")
 

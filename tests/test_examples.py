@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import python_command
 
 from devicectx import DeviceMismatchError, PrecisionUnsupportedError, choose_precision
 
@@ -50,7 +51,7 @@ def run(*command: str) -> subprocess.CompletedProcess[str]:
 
 def run_example(name: str, *arguments: str) -> list[str]:
     """The lines an example prints, run as ``python examples/NAME ARGUMENTS...``."""
-    return run(sys.executable, str(EXAMPLES / name), *arguments).stdout.splitlines()
+    return run(*python_command(str(EXAMPLES / name), *arguments)).stdout.splitlines()
 
 
 def free_port() -> int:
@@ -133,12 +134,15 @@ def test_batches_of_every_kind_train_on_the_models_device() -> None:
 
 def test_torchrun_inference_runs_two_cooperating_processes() -> None:
     """Under torchrun with 2 processes, each rank picks its device and all_reduce adds counts."""
+    # Each rank on the devices this test sees (the emulated accelerator's, where enabled).
+    emulate = python_command()[1:]
     result = run(
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
         f"--master_port={free_port()}",
+        *emulate,
         str(EXAMPLES / "torchrun_inference.py"),
     )
 

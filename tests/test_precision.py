@@ -33,6 +33,9 @@ from devicectx._precision import _decide, check_precision_name
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 BOTH = (BF16, FP16)
+# PrivateUse1's device type: "privateuseone", or the name a backend gave it (the emulated
+# accelerator's "emu", where the session runs on it).
+PRIVATE = torch._C._get_privateuse1_backend_name()
 NAMES = ["auto", "bf16-mixed", "16-mixed", "32", "32-true"]
 VALID_NAMES = "valid names: 'auto', 'bf16-mixed', '16-mixed', '32' (or '32-true')"
 AUTO_FIX = 'precision="auto" to pick what each device supports'
@@ -170,11 +173,11 @@ def test_grad_scaler_is_for_float16_only() -> None:
         ("hpu:0", BOTH, "bf16-mixed", BF16, "'auto' on hpu:0, which computes in bfloat16"),
         ("xla:0", BOTH, "bf16-mixed", BF16, "'auto' on xla:0, which computes in bfloat16"),
         (
-            "privateuseone:0",
+            f"{PRIVATE}:0",
             (FP16,),
             "16-mixed",
             FP16,
-            "'auto' on privateuseone:0, which does not compute in bfloat16 "
+            f"'auto' on {PRIVATE}:0, which does not compute in bfloat16 "
             "(scale the loss with torch.amp.GradScaler)",
         ),
         ("lazy:0", (), "32", None, "'auto' on lazy:0, where torch.autocast does not run"),
@@ -266,13 +269,13 @@ def test_explicit_names_per_device_type(
             id="xpu-without-bf16",
         ),
         pytest.param(
-            "privateuseone:0",
+            f"{PRIVATE}:0",
             (BF16,),
             "",
             "16-mixed",
             [
                 "precision '16-mixed' (autocast to torch.float16) is not supported on "
-                "privateuseone:0: its autocast computes in torch.bfloat16 only",
+                f"{PRIVATE}:0: its autocast computes in torch.bfloat16 only",
                 "works there: 'bf16-mixed', '32'",
                 f'fix: precision="bf16-mixed", or {AUTO_FIX}',
             ],
@@ -362,9 +365,7 @@ def test_names_are_checked_before_the_device() -> None:
 
 # --- every input: a precision autocast takes, or our error -------------------------------
 
-device_types = st.sampled_from(
-    ["cpu", "cuda", "mps", "xpu", "hpu", "xla", "meta", "lazy", "privateuseone"]
-)
+device_types = st.sampled_from(["cpu", "cuda", "mps", "xpu", "hpu", "xla", "meta", "lazy", PRIVATE])
 devices = st.builds(
     lambda kind, index: (
         torch.device(kind) if kind in ("cpu", "meta") else torch.device(kind, index)

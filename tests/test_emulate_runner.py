@@ -1,0 +1,51 @@
+"""``python -m devicectx.testing.emulate``: a script or module run on the emulated accelerator."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUNNER = [sys.executable, "-m", "devicectx.testing.emulate"]
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The runner with ``args``, in a fresh process; skips where the build is unavailable."""
+    done = subprocess.run(
+        [*RUNNER, *args], capture_output=True, text=True, timeout=600, check=False, cwd=cwd
+    )
+    if done.returncode == 2 and "EmulatedUnavailable" in done.stderr:
+        pytest.skip(f"the emulated accelerator: {done.stderr.splitlines()[0]}")
+    return done
+
+
+def test_a_script_runs_as_main_with_its_own_arguments(tmp_path: Path) -> None:
+    """The script runs as ``__main__``, sees its own arguments (options included) and its
+    folder on ``sys.path``, and ``"auto"`` is the emulated accelerator."""
+    (tmp_path / "sibling.py").write_text("VALUE = 'sibling'\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, devicectx, sibling\n"
+        "print(__name__, sys.argv[1:], sibling.VALUE)\n"
+        "print(devicectx.resolve_device('auto'), torch.accelerator.device_count())\n"
+    )
+    done = run("--devices", "1", str(script), "--epochs", "1")
+    assert 0 == done.returncode, done.stderr
+    assert ["__main__ ['--epochs', '1'] sibling", "emu:0 1"] == done.stdout.splitlines()
+
+
+def test_a_module_runs_as_python_m_runs_it() -> None:
+    """``-m devicectx --json`` runs the device report with its option, on ``emu``."""
+    done = run("-m", "devicectx", "--json")
+    assert 0 == done.returncode, done.stderr
+    assert "emu:0" == json.loads(done.stdout)["auto"]["device"]
+
+
+def test_without_a_script_it_says_what_to_give() -> None:
+    """No script and no module: a usage error (exit 2) saying what to give."""
+    done = subprocess.run([*RUNNER, "--devices", "1"], capture_output=True, text=True, check=False)
+    assert 2 == done.returncode
+    assert done.stderr.splitlines()[-1].endswith("error: give a script to run, or -m MODULE")
