@@ -13,6 +13,14 @@ import torch
 from torch import nn
 
 
+def accelerator(index: int = 0) -> torch.device:
+    """Device ``index`` of the machine's accelerator (tests marked
+    ``requires_device("accelerator")``: CUDA, the emulated ``emu``, ...)."""
+    kind = torch.accelerator.current_accelerator()
+    assert kind is not None, "no accelerator: mark the test requires_device('accelerator')"
+    return torch.device(kind.type, index)
+
+
 def python_command(*argv: str) -> list[str]:
     """``python ARGV...`` for a child process that should see the devices this test sees:
     under ``--devicectx-accelerator=emulated``, it runs through

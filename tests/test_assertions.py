@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from helpers import accelerator
 from hypothesis import given
 from torch import nn
 
@@ -339,18 +340,19 @@ def test_torch_ops_are_agnostic(x: torch.Tensor) -> None:
     assert_device_agnostic(lambda t: (t.clone(), t.reshape(-1), t.sum()), x, devices=CPU_META)
 
 
-@pytest.mark.requires_device("cuda")
-def test_catches_values_that_differ_on_cuda() -> None:
-    """A function that adds 1 only on CUDA is caught there, with its diff."""
+@pytest.mark.requires_device("accelerator")
+def test_catches_values_that_differ_on_the_accelerator() -> None:
+    """A function that adds 1 only on the accelerator is caught there, with its diff."""
+    device = accelerator()
 
     def off_by_one(x: torch.Tensor) -> torch.Tensor:
-        return x + 1 if x.is_cuda else x
+        return x + 1 if x.device.type == device.type else x
 
     with pytest.raises(AssertionError) as raised:
-        assert_device_agnostic(off_by_one, torch.ones(2), devices=["cpu", "cuda"])
+        assert_device_agnostic(off_by_one, torch.ones(2), devices=["cpu", device])
     assert [
-        "off_by_one is not device-agnostic (ran on cpu, cuda:0):",
-        "  on cuda:0, compared with cpu:",
+        f"off_by_one is not device-agnostic (ran on cpu, {device}):",
+        f"  on {device}, compared with cpu:",
         "    out: 2 of 2 values differ (100.0%), rtol=1.3e-06, atol=1e-05",
         "      max abs diff 1 at index (0,)",
         "      max rel diff 1 at index (0,)",

@@ -1017,8 +1017,8 @@ def accelerator() -> torch.device:
     return torch.device(found.type, torch.accelerator.current_device_index())
 
 
-@pytest.mark.requires_device("cuda")
-def test_cuda_round_trip_with_output_input() -> None:
+@pytest.mark.requires_device("accelerator")
+def test_accelerator_round_trip_with_output_input() -> None:
     """CPU tensors in, the work on the GPU, CPU tensors back: the case ``"input"`` is for."""
     gpu = accelerator()
 
@@ -1031,8 +1031,8 @@ def test_cuda_round_trip_with_output_input() -> None:
     assert [3.0, 3.0] == result.tolist()
 
 
-@pytest.mark.requires_device("cuda")
-def test_cuda_module_chooses_and_mismatch_names_it() -> None:
+@pytest.mark.requires_device("accelerator")
+def test_accelerator_module_chooses_and_mismatch_names_it() -> None:
     """A model on the GPU draws CPU inputs to it; with move=False they are refused."""
     gpu = accelerator()
     net = Net().to(gpu)

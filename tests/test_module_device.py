@@ -188,18 +188,20 @@ def test_a_swap_of_the_checked_tensor_is_seen() -> None:
 @pytest.mark.requires_device("cuda")
 def test_data_replaced_on_the_checked_tensor_is_seen() -> None:
     """``param.data = t`` on the tensor the cache checks is seen, unreported. (The CPU cannot
-    take a meta tensor's data: this one needs a GPU.)"""
+    take a meta tensor's data, nor a PrivateUse1 backend's, the emulated one's included:
+    torch allows ``.data`` across the CPU and its built-in accelerators only.)"""
+    device = torch.device("cuda", torch.cuda.current_device())
     net = model()
     assert CPU == module_device(net)
-    net[0].weight.data = net[0].weight.data.to("cuda")
+    net[0].weight.data = net[0].weight.data.to(device)
     assert SPREAD == module_device(net)
     net = model()
     assert CPU == module_device(net)
     rest = [p for p in net.parameters() if p is not net[0].weight]
     for parameter in rest:  # not the sample: not seen (documented), until the sample moves
-        parameter.data = parameter.data.to("cuda")
-    net[0].weight.data = net[0].weight.data.to("cuda")
-    assert torch.device("cuda", torch.cuda.current_device()) == module_device(net)
+        parameter.data = parameter.data.to(device)
+    net[0].weight.data = net[0].weight.data.to(device)
+    assert device == module_device(net)
 
 
 def test_functional_call_with_every_parameter_elsewhere_is_seen() -> None:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
+from helpers import accelerator
 from packaging.version import Version
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
@@ -879,16 +880,17 @@ def test_non_blocking_only_to_accelerators_other_than_mps(
     assert used == TensorMover(torch.device(target), asked).non_blocking
 
 
-@pytest.mark.requires_device("cuda")
-def test_cuda_round_trip_keeps_values_views_and_gradients() -> None:
-    """cpu -> cuda -> cpu keeps shared memory, and gradients reach the originals."""
+@pytest.mark.requires_device("accelerator")
+def test_accelerator_round_trip_keeps_values_views_and_gradients() -> None:
+    """cpu -> accelerator -> cpu keeps shared memory, and gradients reach the originals."""
+    device = accelerator()
     base = torch.arange(6.0)
-    moved = to_device({"base": base, "view": base[2:4], "again": base}, "cuda", non_blocking=True)
+    moved = to_device({"base": base, "view": base[2:4], "again": base}, device, non_blocking=True)
     assert moved["view"]._base is moved["base"] is moved["again"]
     moved["base"][2] = 100.0
     assert moved["view"][0].item() == 100.0
     leaf = torch.arange(6.0, requires_grad=True)
-    back = to_device(to_device([leaf, leaf[2:4]], "cuda"), "cpu", non_blocking=True)
+    back = to_device(to_device([leaf, leaf[2:4]], device), "cpu", non_blocking=True)
     back[1].sum().backward()
     assert leaf.grad is not None
     assert leaf.grad.tolist() == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
@@ -910,11 +912,12 @@ def test_coalesce_false_is_taken_by_every_entry_point() -> None:
         assert moved["ids"][0] is moved["ids"][1]
 
 
-@pytest.mark.requires_device("cuda")
-def test_coalesce_false_and_true_give_the_same_values_on_cuda() -> None:
-    """To CUDA and back, the staged move and the per-tensor one give the same tensors."""
+@pytest.mark.requires_device("accelerator")
+def test_coalesce_false_and_true_give_the_same_values_on_the_accelerator() -> None:
+    """To the accelerator, the staged move and the per-tensor one give the same tensors."""
+    device = accelerator()
     batch = {"ids": [torch.arange(i + 1) for i in range(16)], "x": torch.randn(512, 512)}
-    staged, alone = to_device(batch, "cuda"), to_device(batch, "cuda", coalesce=False)
+    staged, alone = to_device(batch, device), to_device(batch, device, coalesce=False)
     for a, b in zip(iter_tensors(staged), iter_tensors(alone), strict=True):
         assert a[0] == b[0]
         assert torch.equal(a[1], b[1])

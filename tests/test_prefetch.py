@@ -530,10 +530,7 @@ def test_property_lookahead_keeps_order_bound_and_errors(case: dict[str, Any]) -
 # a batch read before its copies land, or memory reused while a stream still reads it,
 # shows as wrong values.
 
-needs_accelerator = pytest.mark.skipif(
-    not torch.accelerator.is_available(),
-    reason="needs an accelerator with streams: pytest --devicectx-accelerator=emulated, or a GPU",
-)
+needs_accelerator = pytest.mark.requires_device("accelerator")
 needs_emulated = pytest.mark.skipif(
     not emulated.enabled(),
     reason="needs the emulated accelerator's controls: pytest --devicectx-accelerator=emulated",

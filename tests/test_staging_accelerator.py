@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import tensors_of
+from helpers import accelerator, tensors_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -23,13 +23,6 @@ from devicectx import to_device
 from devicectx.testing.strategies import nested, tensors
 
 pytestmark = pytest.mark.requires_device("accelerator")
-
-
-def accelerator() -> torch.device:
-    """The accelerator's first device (the marker skips where there is none)."""
-    kind = torch.accelerator.current_accelerator()
-    assert kind is not None
-    return torch.device(kind.type, 0)
 
 
 def pinned(tensor: torch.Tensor) -> torch.Tensor:
