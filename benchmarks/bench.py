@@ -30,6 +30,7 @@ from _diagnostics import section_diagnostics
 from _imports import section_import
 from _prefetch import section_prefetch
 from _report import TOLERANCE, Row, judge, render, rows_from, times
+from _targets import decorator_off_default, entry, in_block, off_default_devices
 from _timing import Config, Measurement, Subject, as_json, bind, fmt_ns, measure_group
 from _transfer import section_transfer
 from _trees import (
@@ -168,6 +169,9 @@ def section_decorator(config: Config, trees: list[Tree]) -> tuple[Section, list[
     forward_case, forward_row = _decorated_forward(config)
     cases["forward"] = forward_case
     rows.append(forward_row)
+    for device in off_default_devices():  # issue 22: each call enters a scope
+        cases[f"flat3 on {device}"], off_rows = decorator_off_default(config, device)
+        rows.extend(off_rows)
     return {"device": str(CPU), "cases": cases}, rows
 
 
@@ -376,6 +380,9 @@ def section_scope(config: Config) -> tuple[Section, list[Row]]:
     case, bert_rows = _scoped_bert(config)
     cases["BERT forward"] = case
     rows.extend(bert_rows)
+    for device in off_default_devices():  # issue 22: a block entered per call
+        cases[f"block entry ({device})"], entry_rows = entry(config, device)
+        rows.extend(entry_rows)
     if torch.accelerator.is_available():
         kind = torch.accelerator.current_accelerator()
         assert kind is not None
@@ -412,6 +419,12 @@ def _scoped_bert(config: Config) -> tuple[Section, list[Row]]:
             functools.partial(bind, decorated, ids), lambda: on_device(META)
         ),
         "decorated(scope=False)": Subject(functools.partial(bind, unscoped, ids)),
+        "torch.device(meta) per call": Subject(
+            functools.partial(bind, in_block, lambda: torch.device(META), plain, ids)
+        ),
+        "on_device(meta) per call": Subject(
+            functools.partial(bind, in_block, lambda: on_device(META), plain, ids)
+        ),
     }
     with torch.no_grad():
         measured = measure_group(subjects, config)
@@ -428,6 +441,11 @@ def _scoped_bert(config: Config) -> tuple[Section, list[Row]]:
         judge("3 scope", f"{label}, @device_agnostic(scope=False), no scope",
               m["decorated(scope=False)"], peers, m["no scope"], "no scope", 1.02,
               missing=_missing(measured["decorated(scope=False)"])),
+        judge("3 scope", f"{label}, on_device(meta) entered per call",
+              m["on_device(meta) per call"],
+              peers + f"; torch.device(meta) per call {fmt_ns(m['torch.device(meta) per call'])}",
+              m["no scope"], "no scope", 1.05,
+              missing=_missing(measured["on_device(meta) per call"])),
     ]  # fmt: skip
     return {"label": label, "subjects": as_json(measured)}, rows
 

@@ -124,6 +124,7 @@ class TorchPatch:
 
 def constructor_patch(
     active: Callable[[], tuple[object, ...]],
+    calls: Any,
     scope_device: DeviceQuery,
     traced_scope_device: DeviceQuery,
     default_device: Callable[[], torch.device],
@@ -133,6 +134,8 @@ def constructor_patch(
     Args:
         active: the running task's blocks (empty outside every block): asked first, on
             every constructor call, so it must be cheap.
+        calls: a ``threading.local`` whose ``scopes`` lists the scopes of the decorated
+            calls running in this thread (empty outside them): asked next.
         scope_device: the device a constructor called without ``device=`` gets here, or
             None to leave torch's own default (and modes) in charge; asked inside blocks.
         traced_scope_device: the same, for code dynamo traces: a trace-time constant.
@@ -143,7 +146,7 @@ def constructor_patch(
     def make() -> dict[object, Callable[..., Any]]:
         originals = torch.utils._device._device_constructors()
         wrappers: dict[object, Callable[..., Any]] = {
-            original: _fill_device(original, active, scope_device, traced_scope_device)
+            original: _fill_device(original, active, calls, scope_device, traced_scope_device)
             for original in originals
         }
         # torch's DeviceContext, traced or not, treats a replacement handed to it (by dynamo,
@@ -159,6 +162,7 @@ def constructor_patch(
 def _fill_device(
     original: Callable[..., Any],
     active: Callable[[], tuple[object, ...]],
+    calls: Any,
     scope_device: DeviceQuery,
     traced_scope_device: DeviceQuery,
 ) -> Callable[..., Any]:
@@ -168,7 +172,8 @@ def _fill_device(
     # is not in any constructor's signature), and device=None means "the default".
     # is_dynamo_compiling() is False when the function runs, True where dynamo traces it:
     # then the scope's device is read at trace time, where dynamo keeps its own mode stack.
-    # Outside every block (the task's tuple of blocks empty): torch's function at once.
+    # Outside every scope (the task's tuple of blocks and the thread's list of decorated
+    # calls empty): torch's function at once.
     @functools.wraps(original)
     def constructor(*args: Any, **kwargs: Any) -> Any:
         if _is_dynamo_compiling():
@@ -177,7 +182,7 @@ def _fill_device(
                 device = traced_scope_device()
                 if device is not None:
                     kwargs["device"] = device
-        elif active() and kwargs.get("device") is None:
+        elif (active() or calls.scopes) and kwargs.get("device") is None:
             device = scope_device()
             if device is not None and not _from_dynamo():
                 kwargs["device"] = device

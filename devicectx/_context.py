@@ -19,7 +19,7 @@ import functools
 import inspect
 import sys
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterator
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from types import TracebackType
@@ -44,6 +44,8 @@ from devicectx._precision import PrecisionName, check_precision_name, choose_pre
 from devicectx._resolve import DeviceLike, accelerator_type, resolve_device, with_index
 from devicectx._resumed import async_resumed, resumed
 from devicectx._torch_modes import (
+    EMPTY_SLOT,
+    SLOT_KEY,
     DeviceContext,
     default_slot,
     innermost_device_mode,
@@ -54,6 +56,7 @@ from devicectx._torch_modes import (
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _CPU = torch.device("cpu")
+_is_compiling = torch.compiler.is_compiling
 
 
 _UNCHANGED = object()
@@ -95,10 +98,47 @@ class _Block(_Scope):
     def __init__(
         self, target: torch.device, below: DeviceContext | None, default: object, previous: object
     ) -> None:
-        super().__init__(target, below, default, previous)
+        # _Scope.__init__'s lines, not a call of it: a block is entered per call too.
+        self.target = target
+        self.below = below
+        self.default = default
+        self.previous = previous
+        self.closed = False
         self.audit = None
         self.mode = None
         self.previous_index = None
+
+
+class _Call(_Scope):
+    """The scope of a decorated call running in this thread (:func:`call_scoped`).
+
+    Not in the context variable: a call's body runs to its end before any other task of
+    the thread runs, so a list per thread holds these, and nothing is left to close when
+    the call returns (a task created in the body, which runs later, never sees it).
+    """
+
+    __slots__ = ("outer",)
+
+    def __init__(
+        self,
+        target: torch.device,
+        below: DeviceContext | None,
+        default: object,
+        outer: tuple[_Scope, ...],
+    ) -> None:
+        self.target = target
+        self.below = below
+        self.default = default
+        # The task's blocks when the call began: a block not among them was entered inside.
+        self.outer = outer
+        # (``closed`` and ``previous`` stay unset: a call's scope is never read for them.)
+
+
+class _Calls(threading.local):
+    """The scopes of the decorated calls running in this thread, innermost last."""
+
+    def __init__(self) -> None:
+        self.scopes: list[_Call] = []
 
 
 class _ExactMode(TorchFunctionMode):
@@ -135,12 +175,36 @@ _ACTIVE: ContextVar[tuple[_Scope, ...]] = ContextVar("devicectx_active_scopes", 
 _active = _ACTIVE.get
 
 
+_CALLS = _Calls()
+
+
 def _open_scope() -> _Scope | None:
-    """The innermost block of the running task that is still open, if any."""
-    for scope in reversed(_active()):
+    """The innermost open scope here: a block of the running task, or a decorated call
+    running in this thread, whichever was entered last; None outside every scope."""
+    active = _active()
+    calls = _CALLS.scopes
+    if calls:
+        call = calls[-1]
+        if active is call.outer:  # the usual case: no block entered inside the call
+            return call
+        return next(_open_scopes(active, calls), None)
+    for scope in reversed(active):
         if not scope.closed:
             return scope
     return None
+
+
+def _open_scopes(active: tuple[_Scope, ...], calls: list[_Call]) -> Iterator[_Scope]:
+    """The open scopes here, innermost first: the task's open blocks, and the thread's
+    decorated calls placed among them by the blocks each call began inside."""
+    index = len(calls) - 1
+    for scope in reversed(active):
+        while index >= 0 and scope in calls[index].outer:
+            yield calls[index]
+            index -= 1
+        if not scope.closed:
+            yield scope
+    yield from reversed(calls[: index + 1])
 
 
 def scope_device() -> torch.device | None:
@@ -199,17 +263,23 @@ def current_device() -> torch.device:
     return _torch_default() if device is None else device
 
 
-_PATCH = constructor_patch(_active, scope_device, traced_scope_device, current_device)
+_PATCH = constructor_patch(_active, _CALLS, scope_device, traced_scope_device, current_device)
 _MODULES = sys.modules
+_stack_length = stack_length
+# torch's state a scope reads and sets at entry, read here directly (a function call costs
+# as much as the read): see :mod:`devicectx._torch_modes`. dynamo's view of the default
+# device is the global CURRENT_DEVICE of torch.utils._device, which DeviceContext sets.
+_DEVICE_GLOBALS: dict[str, object] = vars(torch.utils._device)
+_CURRENT = "CURRENT_DEVICE"
+_SLOT = torch._GLOBAL_DEVICE_CONTEXT
+_SLOT_KEY, _EMPTY_SLOT = SLOT_KEY, EMPTY_SLOT
 
 
 def audit_state() -> tuple[AuditLevel, torch.device] | None:
     """The running task's audit: the innermost audited block's level, and the device of
     its innermost block (audited or not); None where no open block of the task audits."""
     device = None
-    for scope in reversed(_ACTIVE.get()):
-        if scope.closed:
-            continue
+    for scope in _open_scopes(_active(), _CALLS.scopes):
         if device is None:
             device = scope.target
         if scope.audit is not None:
@@ -226,13 +296,10 @@ def active_device() -> torch.device | None:
     Unlike :func:`current_device`, this ignores torch's own default (``set_default_device``,
     ``with torch.device``): it answers "did the caller ask for a device with on_device?".
     """
-    active = _ACTIVE.get()
-    if not active:  # the common case, on every decorated call: answered at once
+    if not _active() and not _CALLS.scopes:  # the common case, on every decorated call
         return None
-    for scope in reversed(active):
-        if not scope.closed:
-            return scope.target
-    return None
+    scope = _open_scope()
+    return None if scope is None else scope.target
 
 
 def push_device(
@@ -246,20 +313,30 @@ def push_device(
     scope is only recorded (for :func:`active_device`). With ``audit``, the thread's audit
     mode is on until :func:`pop_device`.
     """
-    active = _active()
-    below = innermost_device_mode()
-    if (current_device() if active or below is not None else _CPU) == device:
-        scope = _Block(device, below, default_slot(), _UNCHANGED)
-        _ACTIVE.set((*active, scope))
-    else:
-        scope = cast(_Block, _enter(device, active, below, _Block))
-        if exact:
-            scope.mode = _ExactMode()
-            _torch_modes.push_mode(scope.mode)
+    scope = _push_block(device)
+    if exact and scope.previous is not _UNCHANGED:
+        scope.mode = _ExactMode()
+        _torch_modes.push_mode(scope.mode)
     if audit is not None:
         scope.audit = audit
         _AUDITOR.acquire()
     return scope
+
+
+def _push_block(device: torch.device) -> _Block:
+    """:func:`push_device` without ``exact`` or ``audit``: every plain ``with on_device``."""
+    active = _active()
+    if active or _stack_length() or _CALLS.scopes:
+        below = innermost_device_mode()
+        unchanged = current_device() == device
+    else:  # no block, no mode: torch's default is the CPU
+        below = None
+        unchanged = device == _CPU
+    if unchanged:
+        scope = _Block(device, below, default_slot(), _UNCHANGED)
+        _ACTIVE.set((*active, scope))
+        return scope
+    return cast(_Block, _enter(device, active, below, _Block))
 
 
 def _enter(
@@ -273,14 +350,24 @@ def _enter(
         _PATCH.install()
     # The CPU and meta have no index (and device.type costs 0.2 µs: asked only of a device
     # with one, an accelerator's).
-    switch = device.index is not None and _makes_index_current(device)
-    if switch:
-        kind = _Block
-    scope = kind(device, below, default_slot(), swap_current_device(device))
+    if device.index is not None and _makes_index_current(device):
+        return _enter_index(device, active, below)
+    # As torch's DeviceContext does: dynamo guards compiled code on CURRENT_DEVICE.
+    previous = _DEVICE_GLOBALS[_CURRENT]
+    _DEVICE_GLOBALS[_CURRENT] = device
+    scope = kind(device, below, _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT), previous)
     _ACTIVE.set((*active, scope))
-    if switch:
-        cast(_Block, scope).previous_index = torch.accelerator.current_device_index()
-        torch.accelerator.set_device_index(device.index)
+    return scope
+
+
+def _enter_index(
+    device: torch.device, active: tuple[_Scope, ...], below: DeviceContext | None
+) -> _Block:
+    """:func:`_enter` for an accelerator device whose index is not the current one."""
+    scope = _Block(device, below, default_slot(), swap_current_device(device))
+    _ACTIVE.set((*active, scope))
+    scope.previous_index = torch.accelerator.current_device_index()
+    torch.accelerator.set_device_index(device.index)
     return scope
 
 
@@ -304,17 +391,24 @@ def pop_device(scope: _Scope) -> None:
         if active and active[-1] is scope
         else tuple(s for s in active if s is not scope)
     )
-    if scope.previous is not _UNCHANGED:
-        # As torch's DeviceContext does: what dynamo read before the block, back.
-        swap_current_device(scope.previous)  # type: ignore[arg-type]
-    if type(scope) is _Block:
-        if scope.mode is not None:
-            _torch_modes.remove_mode(scope.mode)
-            scope.mode = None
-        if scope.previous_index is not None:
-            torch.accelerator.set_device_index(scope.previous_index)
-        if scope.audit is not None:
-            _AUDITOR.release()
+    previous = scope.previous
+    if previous is not _UNCHANGED:
+        _DEVICE_GLOBALS[_CURRENT] = previous  # what dynamo read before the block, back
+    if type(scope) is _Block and (
+        scope.mode is not None or scope.previous_index is not None or scope.audit is not None
+    ):
+        _leave_extras(scope)
+
+
+def _leave_extras(scope: _Block) -> None:
+    """Undo what a block did beyond the scope: its mode, the accelerator's index, the audit."""
+    if scope.mode is not None:
+        _torch_modes.remove_mode(scope.mode)
+        scope.mode = None
+    if scope.previous_index is not None:
+        torch.accelerator.set_device_index(scope.previous_index)
+    if scope.audit is not None:
+        _AUDITOR.release()
 
 
 def push_nested(device: torch.device) -> _Scope | None:
@@ -324,13 +418,57 @@ def push_nested(device: torch.device) -> _Scope | None:
     change nothing), so the common case costs one look at the task's scopes; None comes back.
     """
     active = _active()
-    if active or stack_length():
+    if active or _stack_length() or _CALLS.scopes:
         if current_device() == device:
             return None
         return _enter(device, active, innermost_device_mode())
     if device == _CPU:
         return None
     return _enter(device, active, None)
+
+
+def call_scoped(
+    device: torch.device, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``fn(*args, **kwargs)`` inside a scope for ``device``: a decorated call's body.
+
+    The hot path of every decorated call whose target is not the default device (every
+    training step on an accelerator). The body of a plain function runs to its end before
+    any other task of the thread runs, so its scope is pushed on a list of the thread
+    (:class:`_Call`), not on the task's context variable, whose every change allocates.
+    """
+    __tracebackhide__ = True
+    active = _active()
+    calls = _CALLS.scopes
+    if active or calls or _stack_length():
+        if current_device() == device:
+            return fn(*args, **kwargs)
+        below = innermost_device_mode()
+    elif device == _CPU:
+        return fn(*args, **kwargs)
+    else:
+        below = None
+    if len(_MODULES) != _PATCH.seen:
+        _PATCH.install()
+    if device.index is not None and _makes_index_current(device):
+        entered = _enter_index(device, active, below)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            pop_device(entered)
+    # As torch's DeviceContext does: dynamo guards compiled code on CURRENT_DEVICE.
+    previous = _DEVICE_GLOBALS[_CURRENT]
+    _DEVICE_GLOBALS[_CURRENT] = device
+    scope = _Call(device, below, _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT), active)
+    calls.append(scope)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if calls[-1] is scope:
+            calls.pop()
+        else:  # pragma: no cover - a body that switched greenlets, say
+            calls.remove(scope)
+        _DEVICE_GLOBALS[_CURRENT] = previous
 
 
 def pop_nested(entered: _Scope | None) -> None:
@@ -341,7 +479,6 @@ def pop_nested(entered: _Scope | None) -> None:
 
 _Amp = AbstractContextManager[Any]
 _EAGER_BLOCKS = threading.local()  # blocks with a precision entered from compiled code
-_ENTERED_EAGERLY = (None, None)
 
 
 def _enter_block(
@@ -492,7 +629,11 @@ class on_device:
         self.precision = None if precision is None else check_precision_name(precision)
         self._audit = check_audit(audit)
         self.audit = audit
-        self._entered: list[tuple[_Scope | DeviceContext | None, _Amp | None]] = []
+        self._plain = not exact and self.precision is None and self._audit is None
+        # What each entry (nested entries of this object included) left to undo: a block; a
+        # block and the autocast entered with it; the DeviceContext of a traced entry; None
+        # for a block with a precision entered from compiled code.
+        self._entered: list[_Block | tuple[_Scope, _Amp | None] | DeviceContext | None] = []
 
     def __repr__(self) -> str:
         options = ", exact=True" if self.exact else ""
@@ -504,7 +645,7 @@ class on_device:
 
     def __enter__(self) -> torch.device:
         device = resolve_device(self.spec)
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             if self.precision is not None:
                 # dynamo traces autocast only as a `with` statement of the traced code: the
                 # block is entered eagerly, behind a graph break (an error with fullgraph).
@@ -514,14 +655,17 @@ class on_device:
                 )
                 _prepare_eagerly()
                 _EAGERLY["enter"](device, self.exact, self.precision)
-                self._entered.append(_ENTERED_EAGERLY)
+                self._entered.append(None)
                 return device
             # dynamo cannot trace context variables; it does trace a plain DeviceContext.
             plain = DeviceContext(device)
             plain.__enter__()  # type: ignore[no-untyped-call]
-            self._entered.append((plain, None))
+            self._entered.append(plain)
             return device
-        self._entered.append(_enter_block(device, self.exact, self.precision, self._audit))
+        if self._plain:  # the common block: no mode, no autocast, no audit
+            self._entered.append(_push_block(device))
+        else:
+            self._entered.append(_enter_block(device, self.exact, self.precision, self._audit))
         return device
 
     def __exit__(
@@ -530,13 +674,15 @@ class on_device:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        entered, amp = self._entered.pop()
-        if entered is None:
+        entered = self._entered.pop()
+        if type(entered) is _Block:
+            pop_device(entered)
+        elif type(entered) is tuple:
+            _leave_block(*entered)
+        elif entered is None:
             _EAGERLY["exit"]()
-        elif isinstance(entered, _Scope):
-            _leave_block(entered, amp)
         else:
-            entered.__exit__(exc_type, exc, traceback)  # type: ignore[no-untyped-call]
+            entered.__exit__(exc_type, exc, traceback)  # type: ignore[union-attr]
 
     def __call__(self, func: _F) -> _F:
         if inspect.isclass(func):

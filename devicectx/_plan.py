@@ -20,7 +20,13 @@ import torch
 from torch import nn
 
 from devicectx import _compiled, _mismatch, _move
-from devicectx._context import active_device, current_device, pop_nested, push_nested
+from devicectx._context import (
+    active_device,
+    call_scoped,
+    current_device,
+    pop_nested,
+    push_nested,
+)
 from devicectx._distributed import wrapper_name
 from devicectx._inputs import Held, found_devices, scan
 from devicectx._params import Params, self_offset
@@ -37,6 +43,7 @@ from devicectx._target import (
 )
 
 _Module = nn.Module
+_Tensor = torch.Tensor
 # True only where dynamo traces the code that calls it (not for code run during a compile).
 _is_traced = torch.compiler.is_dynamo_compiling
 FUNCTION, GENERATOR, COROUTINE, ASYNC_GENERATOR = range(4)
@@ -122,17 +129,25 @@ class Plan:
         # Anything else (moves, checks, errors, exclude=) takes prepare(), from scratch.
         option = self.device
         target = (option.fixed or option.resolve()) if option is not None else active_device()
-        first, uniform, module = (
-            scan(args if not kwargs else (*args, *kwargs.values()), target)
-            if self.exclude is None
-            else (None, False, None)
-        )
+        if self.exclude is not None:
+            first, uniform, module = None, False, None
+        elif kwargs or not args or target is None:
+            first, uniform, module = scan((*args, *kwargs.values()) if kwargs else args, target)
+        else:
+            # scan()'s answer where every argument is a plain tensor on the target (a
+            # training step's tensors on the accelerator), without its three calls.
+            for value in args:
+                if type(value) is not _Tensor or value.device != target:
+                    first, uniform, module = scan(args, target)
+                    break
+            else:
+                first, uniform, module = target, True, None
         if instance is not None and isinstance(instance, _Module):
             module = instance
         if module is not None and uniform:
             requested = target if option is not None else None
             target = self._target(module, requested, wrapped, instance, args, kwargs)
-        if uniform and (first is None or target is None or first == target):
+        if uniform and (first is target or first is None or target is None or first == target):
             if target is None:
                 target = first
             back = self.output.resolve() if self.output is not None else None
@@ -142,19 +157,29 @@ class Plan:
             args, kwargs, target, back = self.prepare(wrapped, instance, args, kwargs)
         if self.kind != FUNCTION:
             return self._start(wrapped, args, kwargs, target, back)
-        scope = push_nested(target) if self.scope and target is not None else None
-        if scope is None and self.precision is None:
-            result = wrapped(*args, **kwargs)
+        if self.precision is not None:
+            result = self._autocast_call(wrapped, args, kwargs, target)
+        elif self.scope and target is not None:
+            result = call_scoped(target, wrapped, args, kwargs)
         else:
-            try:
-                if self.precision is None:
-                    result = wrapped(*args, **kwargs)
-                else:
-                    with self.autocast(target):
-                        result = wrapped(*args, **kwargs)
-            finally:
-                pop_nested(scope)
+            result = wrapped(*args, **kwargs)
         return result if back is None else self.place(result, back)
+
+    def _autocast_call(
+        self,
+        wrapped: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: torch.device | None,
+    ) -> Any:
+        """The body, scoped (unless ``scope=False``), inside the autocast of ``precision=``."""
+        __tracebackhide__ = True
+        scope = push_nested(target) if self.scope and target is not None else None
+        try:
+            with self.autocast(target):
+                return wrapped(*args, **kwargs)
+        finally:
+            pop_nested(scope)
 
     def autocast(self, target: torch.device | None) -> AbstractContextManager[Any]:
         """The autocast the body runs under, for the target (or, with none, the default)."""

@@ -63,8 +63,14 @@ def resolve_device(spec: DeviceLike = "auto") -> torch.device:
         InvalidDeviceError: the spec is malformed (``"gpu"``, ``"cuda:-1"``, ``3.5``,
             ``True``), or ``DEVICECTX_DEVICE``/``LOCAL_RANK`` holds a malformed value.
         DeviceUnavailableError: the device is well formed but this machine lacks it.
+
+    A spec that names one device for the life of the process (``"meta"``, ``"cpu"``,
+    ``"cuda:1"``, a ``torch.device`` with its index) is resolved once, then looked up:
+    ``on_device("meta")`` is entered at every call of a function, and a decorated call
+    resolves its ``device=`` at every call.
     """
-    return _resolve(spec)[0]
+    device = _known(spec)
+    return _resolve(spec)[0] if device is None else device
 
 
 def explain_device(spec: DeviceLike = "auto") -> str:
@@ -95,6 +101,40 @@ def available_devices() -> list[torch.device]:
         return [_CPU]
     count = _accelerator_count()
     return [_CPU, *(torch.device(accelerator, i) for i in range(count))]
+
+
+_FIXED: dict[object, torch.device | None] = {}
+"""Specs looked at by :func:`_known`: the device of one that names a device for good, None
+for one that does not (``"auto"``, ``"cuda"``, an int, a malformed spec)."""
+_FIXED_MAX = 64  # a bound, for code that makes a new spec string at every call
+_UNSEEN = object()
+
+
+@constant  # dynamo calls it once while tracing and keeps the answer
+def _known(spec: object) -> torch.device | None:
+    """The device of a spec that names one device for good (resolved at its first look,
+    where that succeeds), or None: resolve the spec the long way."""
+    try:
+        known = _FIXED.get(spec, _UNSEEN)
+    except TypeError:  # unhashable: not a device spec, which the long way says
+        return None
+    if known is not _UNSEEN:
+        return known  # type: ignore[return-value]
+    if len(_FIXED) >= _FIXED_MAX:
+        return None
+    device = None
+    if type(spec) is torch.device or (type(spec) is str and spec.strip() != "auto"):
+        try:
+            named = _parse(spec)
+            device = _explicit(spec)
+        except DeviceUnavailableError:
+            return None  # not kept: a backend registered later may provide it
+        except InvalidDeviceError:
+            device = None
+        if device is not None and device != named:
+            device = None  # "cuda", "cpu:0": the index (or its absence) is worked out
+    _FIXED[spec] = device
+    return device
 
 
 def _resolve(spec: object) -> tuple[torch.device, str]:

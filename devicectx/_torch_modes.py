@@ -46,6 +46,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext
 
 __all__ = [
+    "EMPTY_SLOT",
+    "SLOT_KEY",
     "DeviceContext",
     "clear_default_device",
     "default_slot",
@@ -65,8 +67,8 @@ stack_length = _len_torch_function_stack
 # "device_context" of this threading.local. Read through its __dict__ (this thread's own):
 # getattr with a default costs 0.6 µs when the attribute is missing, the usual case.
 _SLOT = torch._GLOBAL_DEVICE_CONTEXT
-_KEY = "device_context"
-_EMPTY = object()  # the slot had no value at all, which torch reads as "no default"
+SLOT_KEY = _KEY = "device_context"
+EMPTY_SLOT = _EMPTY = object()  # the slot had no value at all, which torch reads as "no default"
 # dynamo guards compiled code on this module's CURRENT_DEVICE, which DeviceContext keeps.
 _DEVICE_MODULE = torch.utils._device
 
@@ -74,7 +76,8 @@ _DEVICE_MODULE = torch.utils._device
 def default_slot() -> object:
     """What this thread's default-device slot holds (``set_default_device`` replaces it with
     a new object at every call): compared with its value at a block's entry, it tells
-    whether ``set_default_device`` was called inside the block."""
+    whether ``set_default_device`` was called inside the block. (The hot path of a scope's
+    entry reads ``_SLOT.__dict__.get(SLOT_KEY, EMPTY_SLOT)`` itself.)"""
     return _SLOT.__dict__.get(_KEY, _EMPTY)
 
 

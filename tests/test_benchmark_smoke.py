@@ -87,25 +87,62 @@ def test_every_subject_ran_or_says_why_not(run: dict[str, Any], section: str) ->
         assert "error" != figures["status"], (name, figures["detail"])
 
 
+def _off_default() -> list[str]:
+    """The devices the benchmark times as a target that is not the default: meta, and the
+    accelerator where there is one."""
+    found = ["meta"]
+    if torch.accelerator.is_available():
+        kind = torch.accelerator.current_accelerator()
+        assert kind is not None
+        found.append(str(torch.device(kind.type, torch.accelerator.current_device_index())))
+    return found
+
+
 def test_sections_cover_the_cases_of_the_issue(run: dict[str, Any]) -> None:
     """Decorator, move and find sections cover the flat, nested and two many-leaf trees;
-    the decorator section also a decorated module forward."""
+    the decorator section also a decorated module forward and three tensors on each device
+    that is not the default; the scope section each op, the BERT forwards and a block's
+    entry on each such device (with an accelerator, also a BERT forward on it)."""
     report = run["json"]
     decorator = list(report["decorator"]["cases"])
     trees = decorator[:4]
     assert ["flat3", "nested"] == trees[:2]
-    assert [*trees, "forward"] == decorator
+    off = [f"flat3 on {device}" for device in _off_default()]
+    assert [*trees, "forward", *off] == decorator
     assert [*trees, "aliased_10"] == list(report["move"]["cases"])
     assert trees == list(report["find_devices"]["cases"])
-    assert 4 == len(report["scope"]["cases"])
+    scope = ["a + b (8x8)", "torch.zeros(8, 8)", "nn.Linear(16, 16) forward", "BERT forward"]
+    scope += [f"block entry ({device})" for device in _off_default()]
+    if torch.accelerator.is_available():
+        scope.append("BERT forward on the accelerator")
+    assert scope == list(report["scope"]["cases"])
+
+
+def test_off_default_targets_are_timed_with_a_target(run: dict[str, Any]) -> None:
+    """Issue 22's rows: each decorated call on a device that is not the default, and each
+    block entered per call, has a row with its target, and every subject ran."""
+    rows = {row["what"]: row for row in run["json"]["rows"]}
+    for device in _off_default():
+        added = f"3 flat tensors on {device}, not the default: time @device_agnostic"
+        assert "<= 0.5x" == rows[f"{added}(device={device!r}) adds"]["target"]
+        entered = f"entering and leaving on_device({device!r}), no block around it"
+        assert "<= 2.0x" == rows[entered]["target"]
+        for section, case in (
+            ("decorator", f"flat3 on {device}"),
+            ("scope", f"block entry ({device})"),
+        ):
+            subjects = run["json"][section]["cases"][case]["subjects"]
+            assert all("ok" == s["status"] for s in subjects.values()), (case, subjects)
+    bert = "BERT forward (transformers, 4 layers, hidden 32, batch 2x8)"
+    assert "<= 1.05x" == rows[f"{bert}, on_device(meta) entered per call"]["target"]
 
 
 def test_peers_all_ran(run: dict[str, Any]) -> None:
     """The installed peers are measured on every tree of the decorator and move sections."""
     for section in ("decorator", "move"):
         for key, case in run["json"][section]["cases"].items():
-            if key == "forward":  # a model called with and without the decorator: no peers
-                continue
+            if key == "forward" or key.startswith("flat3 on "):  # the model; issue 22's rows,
+                continue  # beside send_to_device alone
             for peer in PEERS:
                 assert "ok" == case["subjects"][peer]["status"], (section, peer)
 
@@ -123,10 +160,15 @@ def test_scope_section_has_every_context(run: dict[str, Any]) -> None:
     contexts += ["torch.device(cpu)", "on_device(cpu)"]
     cases = dict(run["json"]["scope"]["cases"])
     bert = cases.pop("BERT forward")
+    for key in list(cases):  # the entries, and the accelerator's forward: checked elsewhere
+        if key.startswith("block entry") or key == "BERT forward on the accelerator":
+            del cases[key]
+    assert 3 == len(cases)
     for case in cases.values():
         assert contexts == list(case["subjects"])
     forwards = ["no scope", "torch.device(meta)", "on_device(meta)"]
     forwards += ["decorated, in on_device(meta)", "decorated(scope=False)"]
+    forwards += ["torch.device(meta) per call", "on_device(meta) per call"]
     assert forwards == list(bert["subjects"])
     assert all("ok" == subject["status"] for subject in bert["subjects"].values())
 

@@ -113,11 +113,13 @@ def test_modules_built_in_a_block_land_on_its_device() -> None:
 
 
 def test_leaving_by_an_exception_leaves_torch_default() -> None:
-    """Leaving a block by an exception leaves constructors on torch's default again."""
+    """Leaving a block by an exception leaves constructors on torch's default again, and
+    dynamo's view of the default as it was."""
+    before = torch.utils._device.CURRENT_DEVICE  # (tests before this one may have set it)
     with pytest.raises(KeyError), on_device("meta"):
         raise KeyError
     assert CPU == torch.zeros(1).device
-    assert torch.utils._device.CURRENT_DEVICE is None
+    assert before is torch.utils._device.CURRENT_DEVICE
 
 
 def test_threads_leaving_in_any_order_leave_torch_default() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TypeVar
 
 import pytest
 import torch
@@ -14,13 +15,21 @@ from hypothesis import strategies as st
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-from devicectx import DeviceUnavailableError, InvalidDeviceError, current_device, on_device
+from devicectx import (
+    DeviceUnavailableError,
+    InvalidDeviceError,
+    StrayTensorWarning,
+    current_device,
+    device_agnostic,
+    on_device,
+)
 from devicectx._context import active_device
 from devicectx._torch_modes import clear_default_device
 from devicectx.testing.strategies import devices
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
+T = TypeVar("T")
 
 
 def allocated() -> torch.device:
@@ -588,6 +597,111 @@ def test_decorating_a_class_is_refused() -> None:
         "(`@on_device(...)` on `def forward`), or use `with on_device(...):` inside them"
     )
     assert expected == str(info.value)
+
+
+# ---- the scope of a @device_agnostic call (kept per thread, not in the context) ----
+
+
+def _to_meta(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` decorated with ``@device_agnostic(device="meta")``: its body runs in a scope."""
+    return device_agnostic(device="meta")(fn)
+
+
+def test_a_block_inside_a_decorated_call_wins_and_the_call_scope_comes_back() -> None:
+    """Blocks entered in a decorated body are inner to the call's scope; after them, and
+    after the call, each outer device is back."""
+
+    def body() -> list[torch.device]:
+        seen = [allocated()]
+        with on_device("cpu"):
+            seen.append(allocated())
+            seen.append(_to_meta(allocated)())  # a decorated call inside the inner block
+        seen.append(allocated())
+        return seen
+
+    with on_device("cpu"):
+        assert [META, CPU, META, META] == _to_meta(body)()
+        assert CPU == allocated() == current_device()
+    assert active_device() is None
+
+
+def test_a_decorated_call_inside_a_block_sees_its_own_target() -> None:
+    """Inside a meta block, a call decorated for the CPU allocates on the CPU, and nested
+    decorated calls and active_device() see the call's target."""
+
+    @device_agnostic(device="cpu")
+    def body() -> tuple[torch.device, torch.device | None]:
+        return allocated(), active_device()
+
+    with on_device("meta"):
+        assert (CPU, CPU) == body()
+        assert META == allocated()
+
+
+def test_a_task_created_in_a_decorated_body_runs_without_its_scope() -> None:
+    """A task created in a decorated body, run once the call has returned, allocates on the
+    default: the call's scope was closed (as a block's is for a task that outlives it)."""
+
+    async def main() -> torch.device:
+        async def child() -> torch.device:
+            return allocated()
+
+        task = _to_meta(lambda: asyncio.get_running_loop().create_task(child()))()
+        return await task
+
+    assert CPU == asyncio.run(main())
+
+
+def test_tasks_run_by_a_decorated_body_see_its_scope() -> None:
+    """An event loop run inside a decorated body runs its tasks inside the call's scope;
+    each task's own blocks stay its own."""
+
+    async def inside() -> list[torch.device]:
+        async def own_block() -> torch.device:
+            with on_device("cpu"):
+                await asyncio.sleep(0)
+                return allocated()
+
+        async def plain() -> torch.device:
+            await asyncio.sleep(0)
+            return allocated()
+
+        return list(await asyncio.gather(own_block(), plain()))
+
+    assert [CPU, META] == _to_meta(lambda: asyncio.run(inside()))()
+
+
+def test_a_decorated_call_scope_stays_in_its_thread() -> None:
+    """Another thread, running while a decorated call is in its body, allocates on its own
+    default."""
+    seen: list[torch.device] = []
+
+    def other() -> None:
+        seen.append(allocated())
+
+    def body() -> torch.device:
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        return allocated()
+
+    assert META == _to_meta(body)()
+    assert [CPU] == seen
+
+
+def test_an_audited_block_audits_against_a_decorated_call_inside_it() -> None:
+    """Inside an audited block, a decorated call's target is the device tensors are
+    audited against: a tensor made there on the block's device is reported."""
+
+    @device_agnostic(device="cpu")
+    def body() -> torch.Tensor:
+        return torch.empty(1, device="meta")
+
+    with (
+        pytest.warns(StrayTensorWarning, match="made a tensor on meta"),
+        on_device("meta", audit=True),
+    ):
+        body()
 
 
 # ---- torch.compile ----

@@ -51,6 +51,34 @@ def test_explicit_specs(spec: object, expected: torch.device) -> None:
     assert expected == torch.empty(0, device=resolve_device(spec)).device  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("spec", ["meta", "cpu", " meta ", META, CPU])
+def test_a_spec_naming_one_device_is_resolved_once(spec: object) -> None:
+    """A spec that names one device for good is looked up after its first resolution
+    (``on_device("meta")`` is entered at every call of a function): the same device."""
+    first = resolve_device(spec)  # type: ignore[arg-type]
+    assert first is resolve_device(spec)  # type: ignore[arg-type]
+    assert first in (CPU, META)
+
+
+def test_specs_that_can_name_another_device_are_resolved_each_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``"auto"`` (and None) follow the environment at every call; kept specs do not."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", "meta")
+    assert META == resolve_device("auto") == resolve_device(None)
+    monkeypatch.setenv("DEVICECTX_DEVICE", "cpu")
+    assert CPU == resolve_device("auto") == resolve_device(None)
+    assert META == resolve_device("meta")
+
+
+@pytest.mark.parametrize("spec", ["gpu", [0], True, "cpu:1"])
+def test_a_refused_spec_is_refused_at_every_call(spec: object) -> None:
+    """A malformed or unavailable spec is never kept: it raises at each call."""
+    for _ in range(2):
+        with pytest.raises(DeviceError):
+            resolve_device(spec)  # type: ignore[arg-type]
+
+
 def test_auto_without_accelerator_is_cpu() -> None:
     """With no accelerator and nothing set, auto (and None) is the CPU."""
     if HAS_ACCELERATOR:
