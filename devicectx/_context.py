@@ -189,7 +189,10 @@ def _open_scope() -> _Scope | None:
     calls = _CALLS.scopes
     if calls:
         call = calls[-1]
-        if active is call.outer:  # the usual case: no block entered inside the call
+        outer = call.outer
+        # No block entered in the call's body (or each left again: a block is pushed once,
+        # and only on top, so the same length and last block mean the same blocks).
+        if len(active) == len(outer) and (not outer or active[-1] is outer[-1]):
             return call
         return next(_open_scopes(active, calls), None)
     for scope in reversed(active):
