@@ -625,6 +625,21 @@ def test_a_block_inside_a_decorated_call_wins_and_the_call_scope_comes_back() ->
     assert active_device() is None
 
 
+def test_a_block_entered_and_left_in_a_decorated_body_leaves_the_call_innermost() -> None:
+    """Inside a block, a decorated body that entered and left a block of its own is back in
+    the call's scope (the task's blocks are the same again, in a new tuple)."""
+
+    def body() -> list[torch.device]:
+        seen = [allocated()]
+        with on_device("meta"):
+            seen.append(allocated())
+        seen.append(allocated())
+        return seen
+
+    with on_device("meta"):
+        assert [CPU, META, CPU] == device_agnostic(device="cpu")(body)()
+
+
 def test_a_decorated_call_inside_a_block_sees_its_own_target() -> None:
     """Inside a meta block, a call decorated for the CPU allocates on the CPU, and nested
     decorated calls and active_device() see the call's target."""
