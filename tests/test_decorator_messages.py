@@ -294,12 +294,14 @@ def test_wrapped_module_fix_moves_before_wrapping() -> None:
     def step(model: nn.Module, x: torch.Tensor) -> None:
         pass
 
+    model = nn.DataParallel(nn.Linear(2, 2))  # on cuda:0 where CUDA is: DataParallel moves it
+    where = next(model.parameters()).device
     with pytest.raises(DeviceMismatchError) as error:
-        step(nn.DataParallel(nn.Linear(2, 2)), torch.ones(2))
+        step(model, torch.ones(2))
     assert [
         "test_wrapped_module_fix_moves_before_wrapping.<locals>.step() got model "
-        "(DataParallel) on cpu, not on its target:",
-        "    cpu <- model",
+        f"(DataParallel) on {where}, not on its target:",
+        f"    {where!s:<4}<- model",
         'target meta (from @device_agnostic(device="meta"))',
         'fix: move the model before wrapping it: model.to("meta"), then '
         "DataParallel(model, ...); a wrapped model is not moved afterwards (and never "

@@ -37,7 +37,9 @@ JOB_TIMEOUT = 240  # seconds: the job takes about 7 s alone, longer on a loaded 
 def verdicts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     """Each rank's verdicts, from one torchrun job of two processes."""
     out = tmp_path_factory.mktemp("torchrun")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # The checkout first, before what the path held (an installed devicectx's metadata, say).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(name, None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
