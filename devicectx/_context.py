@@ -382,10 +382,16 @@ def _makes_index_current(device: torch.device) -> bool:
     """Whether entering ``device`` changes the accelerator's current index. torch's own
     scope does not (pytorch/pytorch#148864), but `.cuda()`, streams and synchronize()
     follow the current index."""
-    return (
-        device.type == accelerator_type()
-        and torch.accelerator.current_device_index() != device.index
-    )
+    kind = device.type
+    current = IS_ACCELERATOR.get(kind)
+    if current is None:  # asking torch costs 2-4 us a block (the driver, on CUDA)
+        current = IS_ACCELERATOR[kind] = kind == accelerator_type()
+    return current and torch.accelerator.current_device_index() != device.index
+
+
+IS_ACCELERATOR: dict[str, bool] = {}
+"""Whether a device type is torch's accelerator, by type, asked once: it changes only when
+a PrivateUse1 backend registers (the emulated accelerator's ``enable()`` clears it)."""
 
 
 def pop_device(scope: _Scope) -> None:

@@ -10,10 +10,11 @@ with streams (CUDA, ROCm, XPU, the testing kit's emulated device):
   pinned buffers, so sources need not be pinned), with the copy stream made the current
   stream of the target around the move: the engine queues its copies, and allocates the
   results, on the current stream;
-- before that, the copy stream waits for the work queued so far on the caller's stream
-  (a source written there, a pinned buffer a device-to-host copy still fills): the copy
-  of batch ``i + depth``, queued when batch ``i`` is handed over, waits at most for the
-  step ``i - 1``, and overlaps the steps ``i`` to ``i + depth - 1``;
+- before that, where a source may still be written by the caller's stream (one on a
+  device, or a pinned buffer a device-to-host copy still fills) and that stream is busy,
+  the copy stream waits for the work queued there so far; a batch of pageable host
+  tensors (a ``DataLoader`` without ``pin_memory``) needs no such wait, and its copies
+  start at once, overlapping the steps queued before them;
 - an event is recorded on the copy stream after the move. Handing the batch over, the
   caller's current stream waits on that event (the device waits, not the host), and every
   tensor of the batch is recorded as used on that stream (``Tensor.record_stream``): the
@@ -380,7 +381,8 @@ class Streams:
         the caller's stream; the result and the event after its copies."""
         copy = self.copy
         previous = torch.accelerator.current_stream(self.device)
-        copy.wait_stream(previous)
+        if not previous.query() and _written_by_streams(batch):
+            copy.wait_stream(previous)
         index_before = torch.accelerator.current_device_index()
         torch.accelerator.set_stream(copy)  # the engine queues and allocates on the current one
         try:
@@ -410,6 +412,21 @@ class Streams:
     def landed(self, event: Any) -> None:
         """Wait until the copies before ``event`` have landed."""
         event.synchronize()
+
+
+def _written_by_streams(batch: Any) -> bool:
+    """Whether a stream may still be writing a source of ``batch``: one on a device, or a
+    pinned one (``.to("cpu", non_blocking=True)`` fills pinned memory later). The copies
+    of such a batch wait for the caller's stream; a batch of pageable host tensors (a
+    ``DataLoader`` without ``pin_memory``) is read by the host alone, and its copies need
+    not wait for the steps queued before them: that wait would hold every staging chunk
+    until the device is done with those steps, and the host with them."""
+    found, inside, _ = collect(batch)
+    for tensors in (found, inside):
+        for tensor in tensors.values():
+            if not tensor.is_cpu or tensor.is_pinned():
+                return True
+    return False
 
 
 def streams_for(device: torch.device) -> Streams | None:

@@ -62,6 +62,7 @@ __all__ = [
     "THRESHOLDS",
     "Thresholds",
     "forced",
+    "forget_accelerator",
     "regions_used_on",
     "stage",
     "to_accelerator",
@@ -245,6 +246,13 @@ def _large(found: dict[int, torch.Tensor], thresholds: Thresholds) -> bool:
 
 
 _ACCELERATOR: list[str | None] = []  # torch's current accelerator type, once looked up
+
+
+def forget_accelerator() -> None:
+    """Ask again which accelerator there is: a PrivateUse1 backend has registered (the
+    emulated accelerator), and the devices found unable to stage may now stage."""
+    _ACCELERATOR.clear()
+    NEVER.intersection_update({torch.device("meta")})
 
 
 def _accelerator_type() -> str | None:

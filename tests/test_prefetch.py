@@ -844,3 +844,26 @@ def test_property_every_batch_is_its_source_moved_and_no_memory_is_reused_early(
     except KeyError:
         assert case["raise_at"] == len(handed)
     assert list(range(len(handed))) == handed
+
+
+@needs_accelerator
+def test_a_source_the_callers_stream_still_writes_is_read_after_it() -> None:
+    """A pinned source filled by a copy still queued on the caller's stream
+    (``x.to("cpu", non_blocking=True)``) arrives as that copy leaves it: the copy stream
+    waits for the caller's stream where a batch has such a source."""
+    device = accelerator()
+    x = torch.arange(8.0, device=device)
+    for _ in range(3):  # work queued ahead of the copy
+        x = (x * 1.0).contiguous()
+    pending = x.to("cpu", non_blocking=True)
+    batch = {"y": pending, "small": [torch.full((1,), float(i)) for i in range(4)]}
+    (moved,) = list(prefetch([batch], device))
+    torch.accelerator.synchronize()
+    assert list(range(8)) == moved["y"].cpu().tolist()
+
+
+def test_pageable_batches_need_no_wait_for_the_callers_stream() -> None:
+    """Only a batch with a source on a device, or pinned, makes the copies wait for the
+    caller's stream: pageable host tensors are read by the host alone."""
+    assert not _prefetch._written_by_streams({"x": torch.ones(2), "ids": [torch.zeros(3)]})
+    assert _prefetch._written_by_streams({"x": torch.ones(2), "m": torch.ones(2, device="meta")})

@@ -331,3 +331,8 @@ def _register(devices: int) -> None:
     register_module(DEVICE_TYPE, _device_module)
     generate_methods_for_privateuse1_backend(for_storage=True)
     _extension = extension
+    # torch's accelerator is now this one: forget what devicectx worked out before.
+    from devicectx import _context, _staging
+
+    _context.IS_ACCELERATOR.clear()
+    _staging.forget_accelerator()
