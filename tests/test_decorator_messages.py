@@ -301,7 +301,7 @@ def test_wrapped_module_fix_moves_before_wrapping() -> None:
     assert [
         "test_wrapped_module_fix_moves_before_wrapping.<locals>.step() got model "
         f"(DataParallel) on {where}, not on its target:",
-        f"    {where!s:<4}<- model",
+        f"    {where} <- model",
         'target meta (from @device_agnostic(device="meta"))',
         'fix: move the model before wrapping it: model.to("meta"), then '
         "DataParallel(model, ...); a wrapped model is not moved afterwards (and never "
