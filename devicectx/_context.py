@@ -64,6 +64,9 @@ _is_compiling = torch.compiler.is_compiling
 
 
 _UNCHANGED = object()
+# A block whose device torch gives already, on its own (no block, no mode around it: the
+# CPU): constructors in it need no device, and are left to torch at once.
+_TORCH_OWN = object()
 """A scope's ``previous`` where it changed nothing (its device already was the default)."""
 
 
@@ -222,7 +225,7 @@ def scope_device() -> torch.device | None:
     :func:`traced_scope_device` instead.
     """
     scope = _open_scope()
-    if scope is None:
+    if scope is None or (type(scope) is _Block and scope.previous is _TORCH_OWN):
         return None
     if tracing():
         # Code that runs while dynamo compiles: its own (not in the block), or a call of a
@@ -321,7 +324,7 @@ def push_device(
     mode is on until :func:`pop_device`.
     """
     scope = _push_block(device)
-    if exact and scope.previous is not _UNCHANGED:
+    if exact and scope.previous is not _UNCHANGED and scope.previous is not _TORCH_OWN:
         scope.mode = _ExactMode()
         _torch_modes.push_mode(scope.mode)
     if audit is not None:
@@ -339,6 +342,10 @@ def _push_block(device: torch.device) -> _Block:
     else:  # no block, no mode: torch's default is the CPU
         below = None
         unchanged = device == _CPU
+        if unchanged:
+            scope = _Block(device, below, default_slot(), _TORCH_OWN)
+            _ACTIVE.set((*active, scope))
+            return scope
     if unchanged:
         scope = _Block(device, below, default_slot(), _UNCHANGED)
         _ACTIVE.set((*active, scope))
@@ -405,7 +412,7 @@ def pop_device(scope: _Scope) -> None:
         else tuple(s for s in active if s is not scope)
     )
     previous = scope.previous
-    if previous is not _UNCHANGED:
+    if previous is not _UNCHANGED and previous is not _TORCH_OWN:
         _DEVICE_GLOBALS[_CURRENT] = previous  # what dynamo read before the block, back
     if type(scope) is _Block and (
         scope.mode is not None or scope.previous_index is not None or scope.audit is not None

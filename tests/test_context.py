@@ -763,3 +763,25 @@ def test_accelerator_index_is_made_current_and_restored() -> None:
     with on_device(torch.device(accelerator.type, last)):
         assert last == torch.accelerator.current_device_index()
     assert before == torch.accelerator.current_device_index()
+
+
+def test_a_block_on_the_device_torch_gives_leaves_constructors_to_torch() -> None:
+    """A block on the CPU with nothing around it (torch gives the CPU already) fills in no
+    device: a constructor there gets torch's own default, and a block entered inside
+    still gets its own."""
+    from devicectx import _context
+
+    with on_device("meta"):
+        pass  # the replacements are in place from here on
+    with on_device("cpu"):
+        assert _context.scope_device() is None
+        assert torch.device("cpu") == torch.zeros(1).device
+        with on_device("meta"):
+            assert torch.device("meta") == torch.zeros(1).device
+            with on_device("meta"):
+                assert torch.device("meta") == torch.zeros(1).device
+        torch.set_default_device("meta")
+        try:
+            assert torch.device("meta") == torch.zeros(1).device
+        finally:
+            torch.set_default_device(None)
