@@ -140,11 +140,21 @@ class Pool:
         """
         event = None
         if device is not None:
-            if chunk.event is None or chunk.event_device != device:
-                chunk.event = self.new_event(device)  # an event records on its own device only
-                chunk.event_device = device
-            event = chunk.event
-            event.record(stream)
+            try:
+                if chunk.event is None or chunk.event_device != device:
+                    chunk.event = self.new_event(device)  # records on its own device only
+                    chunk.event_device = device
+                event = chunk.event
+                event.record(stream)
+            except Exception:
+                # No event (a device without them, or none for now): the chunk cannot be
+                # known free again, so the pool lets it go (torch's pinned allocator keeps
+                # memory a copy still reads) and backs off; the caller moves tensor by tensor.
+                with self.changed:
+                    self.held_bytes -= self.chunk_bytes
+                    self.backoff.failed()
+                    self.changed.notify()
+                raise
         with self.changed:
             if chunk.generation == self.generation:
                 self.free.append(chunk)
@@ -269,6 +279,8 @@ def host_for(
         try:
             with current(device):
                 _pinned_buffer(1)  # the allocator is there
+                if device is not None:  # and events, which tell when a chunk is free again
+                    _new_event(device).record(_current_stream(device))
         except Exception:  # no pinned allocator for it, or none for now
             backoff.failed()
             return None

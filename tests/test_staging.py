@@ -865,3 +865,33 @@ def test_a_first_staged_move_to_another_device_creates_no_context_on_the_current
     if out.startswith("unavailable:"):
         pytest.skip(f"the emulated accelerator: {out}")
     assert "True [1]" == out
+
+
+@pytest.mark.parametrize("missing", ["pinned", "events"])
+def test_a_device_without_pinned_memory_or_events_moves_tensor_by_tensor(missing: str) -> None:
+    """On an accelerator without pinned memory, or without events (the emulated one with
+    either turned off, in a fresh process), moves are correct, tensor by tensor, and
+    silent: no warning, no pinned memory held; turned on again, staging comes back after
+    its back-off."""
+    out = python_output(
+        "import warnings, torch\n"
+        "from devicectx.testing import emulated\n"
+        "try:\n"
+        "    emulated.enable()\n"
+        "except emulated.EmulatedUnavailable as error:\n"
+        "    raise SystemExit(print('unavailable:', str(error).splitlines()[0]))\n"
+        "from devicectx import to_device, staging_memory\n"
+        "batch = [torch.full((3,), float(i)) for i in range(8)]\n"
+        "warnings.simplefilter('error')\n"
+        f"with emulated.configure({missing}=False):\n"
+        "    moved = to_device(batch, 'emu:0', non_blocking=True)\n"
+        "    torch.accelerator.synchronize()\n"
+        "    print([t.tolist()[0] for t in moved], staging_memory())\n"
+        "for _ in range(70):\n"
+        "    moved = to_device([t + 0 for t in batch], 'emu:0')\n"
+        "values = [t.tolist()[0] for t in moved]\n"
+        "print(staging_memory() > 0, values == list(map(float, range(8))))\n"
+    )
+    if out.startswith("unavailable:"):
+        pytest.skip(f"the emulated accelerator: {out}")
+    assert ["[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0] 0", "True True"] == out.splitlines()
