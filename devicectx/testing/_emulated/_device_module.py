@@ -58,6 +58,25 @@ def set_device(device: torch.device | str | int) -> None:
     _extension.set_device(_index(device))
 
 
+class device:  # torch.cuda.device's name and form
+    """A block with ``index`` as this thread's current emulated device, as
+    ``torch.cuda.device`` (what devicectx uses on torch releases without
+    ``torch.accelerator.device_index``). Making a device current initialises nothing."""
+
+    def __init__(self, index: torch.device | str | int | None) -> None:
+        self.index = None if index is None else _index(index)
+        self.previous = -1
+
+    def __enter__(self) -> None:
+        if self.index is not None:
+            self.previous = current_device()
+            set_device(self.index)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.index is not None:
+            set_device(self.previous)
+
+
 def synchronize(device: torch.device | str | int | None = None) -> None:
     """Wait for every stream of ``device`` (default: the current one) to finish its work."""
     _extension.synchronize(_index(device))
