@@ -390,15 +390,28 @@ def _makes_index_current(device: torch.device) -> bool:
     scope does not (pytorch/pytorch#148864), but `.cuda()`, streams and synchronize()
     follow the current index."""
     kind = device.type
-    current = IS_ACCELERATOR.get(kind)
-    if current is None:  # asking torch costs 2-4 us a block (the driver, on CUDA)
-        current = IS_ACCELERATOR[kind] = kind == accelerator_type()
-    return current and torch.accelerator.current_device_index() != device.index
+    index_of = IS_ACCELERATOR.get(kind, _UNKNOWN)
+    if index_of is _UNKNOWN:  # asking torch costs 2-4 us a block (the driver, on CUDA)
+        index_of = IS_ACCELERATOR[kind] = _current_index_of(kind)
+    return index_of is not None and index_of() != device.index  # type: ignore[operator]
 
 
-IS_ACCELERATOR: dict[str, bool] = {}
-"""Whether a device type is torch's accelerator, by type, asked once: it changes only when
-a PrivateUse1 backend registers (the emulated accelerator's ``enable()`` clears it)."""
+def _current_index_of(kind: str) -> Callable[[], int] | None:
+    """How to read the current index of ``kind`` where it is torch's accelerator (None
+    where it is not): its device module's ``current_device`` (``torch.cuda``, ``torch.xpu``,
+    ``torch.emu``; a third of ``torch.accelerator.current_device_index``'s cost on CUDA,
+    which asks the accelerator's hooks first), else torch.accelerator's."""
+    if kind != accelerator_type():
+        return None
+    reader = getattr(getattr(torch, kind, None), "current_device", None)
+    return reader if callable(reader) else torch.accelerator.current_device_index
+
+
+_UNKNOWN = object()
+IS_ACCELERATOR: dict[str, object] = {}
+"""For each device type met, how to read its current index where it is torch's accelerator,
+else None; asked once: it changes only when a PrivateUse1 backend registers (the emulated
+accelerator's ``enable()`` clears it)."""
 
 
 def pop_device(scope: _Scope) -> None:
