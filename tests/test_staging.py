@@ -556,6 +556,8 @@ def test_a_failed_probe_is_tried_again_after_a_back_off(monkeypatch: pytest.Monk
     monkeypatch.setattr(_pinned, "accelerator_type", lambda: "cuda")
     monkeypatch.setattr(_pinned, "_pinned_buffer", probe)
     monkeypatch.setattr(_pinned, "current", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_pinned, "_new_event", _staging._landed)  # events work
+    monkeypatch.setattr(_pinned, "_current_stream", _staging._no_stream)
     cuda = torch.device("cuda", 0)
     for _ in range(1 + _pinned.Backoff.FIRST):
         assert _pinned.host_for("cuda", 1024, 4096, cuda) is None
