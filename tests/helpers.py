@@ -69,3 +69,17 @@ def placed(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ..
 def tensors_of(obj: Any) -> list[torch.Tensor]:
     """The tensors of ``obj`` that have a position, in preorder."""
     return [tensor for _, tensor in placed(obj)]
+
+
+def described(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a move must keep of one tensor (values aside)."""
+    return (
+        type(tensor),
+        tensor.device,
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride() if tensor.numel() else None,
+        tensor.requires_grad,
+        tensor.grad_fn is None,
+        tensor.is_leaf,
+    )

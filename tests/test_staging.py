@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import placed, python_output, tensors_of
+from helpers import described, placed, python_output, tensors_of
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -40,20 +40,6 @@ few tensors fill several regions and chunks."""
 batches = nested(tensors(devices=["cpu"]))
 mixed_batches = nested(tensors(devices=["cpu", "meta"]))
 grad_batches = nested(tensors(devices=["cpu"], dtypes=[torch.float32], requires_grad=True))
-
-
-def described(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What a move must keep of one tensor (values aside)."""
-    return (
-        type(tensor),
-        tensor.device,
-        tensor.dtype,
-        tuple(tensor.shape),
-        tensor.stride() if tensor.numel() else None,
-        tensor.requires_grad,
-        tensor.grad_fn is None,
-        tensor.is_leaf,
-    )
 
 
 def relations(results: list[torch.Tensor]) -> list[tuple[bool, bool]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import accelerator, tensors_of
+from helpers import accelerator, described, tensors_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -61,18 +61,6 @@ sources = st.tuples(tensors(devices=["cpu"], shapes=shapes), st.sampled_from(SOU
     lambda pair: pair[1](pair[0])
 )
 batches = nested(sources)
-
-
-def described(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (
-        type(tensor),
-        tensor.device,
-        tensor.dtype,
-        tuple(tensor.shape),
-        tensor.stride() if tensor.numel() else None,
-        tensor.requires_grad,
-        tensor.is_leaf,
-    )
 
 
 def relations(results: list[torch.Tensor]) -> list[tuple[bool, bool, bool]]:
