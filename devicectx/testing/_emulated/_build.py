@@ -13,7 +13,9 @@ forever; under our lock no other build can be running, so a leftover one is remo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import shutil
 import sys
@@ -58,7 +60,8 @@ def load() -> ModuleType:
     """
     _check_prerequisites()
     from filelock import FileLock  # a dependency of torch
-    from torch.utils import cpp_extension
+
+    cpp_extension = _cpp_extension()
 
     build = cache_dir()
     build.mkdir(parents=True, exist_ok=True)
@@ -89,6 +92,15 @@ def load() -> ModuleType:
     return module
 
 
+def _cpp_extension() -> ModuleType:
+    """``torch.utils.cpp_extension``, imported without the line a CUDA build of torch < 2.7
+    prints on stderr where no CUDA runtime is installed ("No CUDA runtime is found, using
+    CUDA_HOME=..."): it would land in the output of every process that enables the device."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        from torch.utils import cpp_extension
+    return cpp_extension
+
+
 def _check_prerequisites() -> None:
     if os.name != "posix":
         msg = (
@@ -111,7 +123,7 @@ def _check_prerequisites() -> None:
             "fix: install one (apt-get install g++, or xcode-select --install), or set CXX"
         )
         raise BuildFailed(msg)
-    from torch.utils import cpp_extension
+    cpp_extension = _cpp_extension()
 
     try:
         cpp_extension.verify_ninja_availability()
