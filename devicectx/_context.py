@@ -92,7 +92,7 @@ class _Scope:
         # block puts another object there, and takes over at once.
         self.default = default
         # dynamo's CURRENT_DEVICE before the block, given back at exit; _UNCHANGED where the
-        # block changed nothing.
+        # block changed nothing, _TORCH_OWN where torch gives its device by itself.
         self.previous = previous
         self.closed = False  # left (a task created inside may still list it)
 
@@ -390,9 +390,9 @@ def _makes_index_current(device: torch.device) -> bool:
     scope does not (pytorch/pytorch#148864), but `.cuda()`, streams and synchronize()
     follow the current index."""
     kind = device.type
-    index_of = IS_ACCELERATOR.get(kind, _UNKNOWN)
+    index_of = INDEX_READERS.get(kind, _UNKNOWN)
     if index_of is _UNKNOWN:  # asking torch costs 2-4 us a block (the driver, on CUDA)
-        index_of = IS_ACCELERATOR[kind] = _current_index_of(kind)
+        index_of = INDEX_READERS[kind] = _current_index_of(kind)
     return index_of is not None and index_of() != device.index  # type: ignore[operator]
 
 
@@ -408,7 +408,7 @@ def _current_index_of(kind: str) -> Callable[[], int] | None:
 
 
 _UNKNOWN = object()
-IS_ACCELERATOR: dict[str, object] = {}
+INDEX_READERS: dict[str, object] = {}
 """For each device type met, how to read its current index where it is torch's accelerator,
 else None; asked once: it changes only when a PrivateUse1 backend registers (the emulated
 accelerator's ``enable()`` clears it)."""

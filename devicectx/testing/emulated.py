@@ -334,5 +334,5 @@ def _register(devices: int) -> None:
     # torch's accelerator is now this one: forget what devicectx worked out before.
     from devicectx import _context, _staging
 
-    _context.IS_ACCELERATOR.clear()
+    _context.INDEX_READERS.clear()
     _staging.forget_accelerator()
