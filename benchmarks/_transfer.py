@@ -11,7 +11,7 @@ datasheet figure, which torch cannot query.
 
 Everywhere, accelerator or not: the host side of a staged move (collecting, packing into
 the staging buffer, unpacking), measured as a move to ``meta`` through the staging seam
-(:func:`devicectx._staging.forced`, with the real thresholds and ordinary host memory),
+(:func:`devicectx.move._staging.forced`, with the real thresholds and ordinary host memory),
 beside the per-tensor move to ``meta``: what staging costs the host.
 
 The moves to the accelerator run with torch's intra-op threads set to the machine's cores
@@ -34,7 +34,8 @@ from _report import Row, judge
 from _timing import Config, Measurement, Subject, as_json, bind, fmt_ns, measure_group
 from _trees import Tree, as_tensordict, detection, load, many_leaves, nested, tensors_in, tiles
 
-from devicectx import _staging, to_device
+from devicectx import to_device
+from devicectx.move import _staging
 
 META = torch.device("meta")
 STAGED = "to_device"

@@ -15,9 +15,6 @@ The optional testing kit lives in :mod:`devicectx.testing` (``pip install device
 
 from importlib.metadata import version as _version
 
-from devicectx._context import current_device, on_device
-from devicectx._decorator import device_agnostic
-from devicectx._distributed import Layout
 from devicectx._errors import (
     BatchTooLargeError,
     DeviceError,
@@ -32,14 +29,22 @@ from devicectx._errors import (
     StrayTensorError,
     StrayTensorWarning,
 )
-from devicectx._move import find_devices, register_container, to_device
-from devicectx._oom import shrink_batch_on_oom
-from devicectx._pinned import release_staging, staging_memory
-from devicectx._precision import Precision, PrecisionName, choose_precision, precision_scope
-from devicectx._prefetch import prefetch
-from devicectx._resolve import DeviceLike, available_devices, explain_device, resolve_device
-from devicectx._transfers import Transfer, TransferLog, set_repeated_move_warning, track_transfers
-from devicectx._walk import find_layouts
+from devicectx.decorator._decorator import device_agnostic
+from devicectx.devices._oom import shrink_batch_on_oom
+from devicectx.devices._resolve import DeviceLike, available_devices, explain_device, resolve_device
+from devicectx.move._distributed import Layout
+from devicectx.move._move import find_devices, register_container, to_device
+from devicectx.move._pinned import release_staging, staging_memory
+from devicectx.move._prefetch import prefetch
+from devicectx.move._transfers import (
+    Transfer,
+    TransferLog,
+    set_repeated_move_warning,
+    track_transfers,
+)
+from devicectx.move._walk import find_layouts
+from devicectx.scope._context import current_device, on_device
+from devicectx.scope._precision import Precision, PrecisionName, choose_precision, precision_scope
 
 __version__ = _version("devicectx")
 

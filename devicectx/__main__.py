@@ -1,5 +1,5 @@
 """``python -m devicectx``: the device report."""
 
-from devicectx._cli import main
+from devicectx.devices._cli import main
 
 raise SystemExit(main())

@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from torch.overrides import _get_current_function_mode_stack
 
-from devicectx import _transfers
-from devicectx._torch_modes import clear_default_device
+from devicectx._torch.modes import clear_default_device
+from devicectx.move import _transfers
 
 # Tensor work is slow next to plain Python, so no per-example deadline; "ci" runs the
 # default number of examples, "dev" fewer for a quick loop, "thorough" many more.

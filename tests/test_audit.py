@@ -18,7 +18,7 @@ from torch.nn.modules import module as torch_module
 from torch.overrides import _get_current_function_mode_stack
 
 from devicectx import StrayTensorError, StrayTensorWarning, on_device
-from devicectx._audit import reset_reports
+from devicectx.scope._audit import reset_reports
 
 CPU = torch.device("cpu")
 META = torch.device("meta")

@@ -21,9 +21,9 @@ from devicectx import (
     explain_device,
     resolve_device,
 )
-from devicectx._cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, format_report, main
-from devicectx._report import ENV_VARS, gather_report
-from devicectx._resolve import accelerator_type
+from devicectx.devices._cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, format_report, main
+from devicectx.devices._report import ENV_VARS, gather_report
+from devicectx.devices._resolve import accelerator_type
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).with_name("devicectx")
@@ -317,7 +317,7 @@ def test_report_names_an_initialised_process_group() -> None:
     and the group's own rank and size."""
     code = (
         "import torch.distributed as dist\n"
-        "from devicectx._cli import main\n"
+        "from devicectx.devices._cli import main\n"
         "dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())\n"
         "main([])\n"
         "dist.destroy_process_group()\n"

@@ -12,8 +12,9 @@ from helpers import python_output
 from hypothesis import given
 from hypothesis import strategies as st
 
-from devicectx import _constructors, device_agnostic, on_device
-from devicectx._torch_modes import stack_length
+from devicectx import device_agnostic, on_device
+from devicectx._torch.modes import stack_length
+from devicectx.scope import _constructors
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -307,7 +308,8 @@ def test_compiled_function_called_inside_blocks() -> None:
 _FIRST_COMPILE_IN_A_BLOCK = """
 import torch
 import torch._dynamo
-from devicectx import _constructors, device_agnostic, on_device
+from devicectx import device_agnostic, on_device
+from devicectx.scope import _constructors
 
 def make(x):
     return x + torch.zeros(2)

@@ -23,8 +23,8 @@ from devicectx import (
     device_agnostic,
     on_device,
 )
-from devicectx._context import active_device
-from devicectx._torch_modes import clear_default_device
+from devicectx._torch.modes import clear_default_device
+from devicectx.scope._context import active_device
 from devicectx.testing.strategies import devices
 
 CPU = torch.device("cpu")
@@ -769,7 +769,7 @@ def test_a_block_on_the_device_torch_gives_leaves_constructors_to_torch() -> Non
     """A block on the CPU with nothing around it (torch gives the CPU already) fills in no
     device: a constructor there gets torch's own default, and a block entered inside
     still gets its own."""
-    from devicectx import _context
+    from devicectx.scope import _context
 
     with on_device("meta"):
         pass  # the replacements are in place from here on

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from devicectx import DeviceMismatchError, InvalidDeviceError, device_agnostic, on_device
-from devicectx._context import active_device
+from devicectx.scope._context import active_device
 
 CPU = torch.device("cpu")
 META = torch.device("meta")

@@ -3,7 +3,7 @@
 dynamo sees through a wrapt ``FunctionWrapper`` to the wrapped code; these tests check that
 the decorator still acts inside compiled code (inputs moved, body scoped, output placed,
 mismatches refused), by results, not only by the absence of graph breaks. Each runs on both
-branches of :mod:`devicectx._wrappers`: ``traced`` (the probe found the installed torch
+branches of :mod:`devicectx.decorator._wrappers`: ``traced`` (the probe found the installed torch
 honours devicectx's hooks: dynamo traces the call, with ``fullgraph=True``) and
 ``fallback`` (forced: the call runs eagerly, a graph break, so ``fullgraph=True`` refuses).
 """
@@ -21,7 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from devicectx import DeviceMismatchError, _compiled, _probe, _wrappers, device_agnostic, on_device
+from devicectx import DeviceMismatchError, device_agnostic, on_device
+from devicectx.decorator import _compiled, _probe, _wrappers
 
 CPU = torch.device("cpu")
 META = torch.device("meta")

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from devicectx import DeviceMismatchError, device_agnostic, on_device
-from devicectx._move import iter_tensors
-from devicectx._target import Spread, module_device
+from devicectx.decorator._target import Spread, module_device
+from devicectx.move._move import iter_tensors
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")

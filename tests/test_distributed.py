@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from devicectx import DeviceMismatchError, Layout, device_agnostic, find_devices, find_layouts
-from devicectx._containers import DTENSOR_KIND, kind_for
-from devicectx._distributed import fsdp_compute_device, wrapper_name
-from devicectx._target import module_device
+from devicectx.decorator._target import module_device
+from devicectx.move._containers import DTENSOR_KIND, kind_for
+from devicectx.move._distributed import fsdp_compute_device, wrapper_name
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built")
 

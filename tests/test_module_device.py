@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from devicectx import DeviceMismatchError, device_agnostic
-from devicectx._target import Spread, _devices, module_device
+from devicectx.decorator._target import Spread, _devices, module_device
 
 CPU = torch.device("cpu")
 META = torch.device("meta")

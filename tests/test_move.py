@@ -26,15 +26,15 @@ from devicectx import (
     DeviceUnavailableError,
     InvalidDeviceError,
     MoveError,
-    _containers,
     device_agnostic,
     find_devices,
     register_container,
     to_device,
 )
-from devicectx._alias import TensorMover
-from devicectx._move import all_on, iter_tensors, move_call, move_to, shared_device
-from devicectx._walk import NotPlain, plain_device
+from devicectx.move import _containers
+from devicectx.move._alias import TensorMover
+from devicectx.move._move import all_on, iter_tensors, move_call, move_to, shared_device
+from devicectx.move._walk import NotPlain, plain_device
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -455,7 +455,7 @@ def test_two_views_that_cannot_agree_are_refused(
 ) -> None:
     """A dataclass and mapping whose entries cannot be set raises MoveError, on both
     walks, rather than come back with its field moved and its entry not."""
-    from devicectx import _rebuild
+    from devicectx.move import _rebuild
 
     monkeypatch.setattr(_rebuild, "_DEPTH", depth_limit)
     snapshot = Snapshot(torch.zeros(1))
@@ -975,7 +975,7 @@ def test_move_error_path_through_every_kind(
     depth_limit: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The path in a MoveError is right through each kind of container, on both walks."""
-    from devicectx import _rebuild
+    from devicectx.move import _rebuild
 
     monkeypatch.setattr(_rebuild, "_DEPTH", depth_limit)
     stuck = torch.zeros(1, device="meta")
@@ -998,7 +998,7 @@ def test_move_error_from_a_registered_container(
     depth_limit: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A registered container whose functions fail raises MoveError naming it, on both walks."""
-    from devicectx import _rebuild
+    from devicectx.move import _rebuild
 
     monkeypatch.setattr(_rebuild, "_DEPTH", depth_limit)
     for batch, path in [({"k": [Broken()]}, "obj['k'][0]"), (Broken(), "obj")]:
@@ -1370,7 +1370,7 @@ def test_a_failure_in_our_own_rebuild_says_it_is_our_bug(
 ) -> None:
     """Where devicectx's own code fails, the fix says so, instead of telling the user to
     leave their tensor behind as if it were their mistake."""
-    from devicectx import _alias
+    from devicectx.move import _alias
 
     def broken(tensor: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
         raise TypeError("boom")

@@ -24,7 +24,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
 
-from devicectx import _rebuild, _walk, find_devices, to_device
+from devicectx import find_devices, to_device
+from devicectx.move import _rebuild, _walk
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")

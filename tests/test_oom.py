@@ -15,9 +15,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import devicectx._oom
+import devicectx.devices._oom
 from devicectx import BatchTooLargeError, DeviceError, shrink_batch_on_oom
-from devicectx._oom import is_out_of_memory
+from devicectx.devices._oom import is_out_of_memory
 
 # The messages each backend's allocator raises, copied from torch's sources (c10/cuda,
 # c10/xpu, aten/src/ATen/mps) and from real runs; the type is what torch 2.13 raises.
@@ -237,7 +237,7 @@ def test_sizes_tried_halve_from_the_start_down_to_the_minimum(
     # A full gc.collect() takes ~90 ms with torch loaded, 12 of them per example here;
     # the sizes do not depend on it, and the test of freed memory below runs the real one.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(devicectx._oom, "free_memory", lambda: None)
+        patch.setattr(devicectx.devices._oom, "free_memory", lambda: None)
         try:
             result: int | None = run(start)
         except BatchTooLargeError as error:

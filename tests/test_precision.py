@@ -23,13 +23,13 @@ from devicectx import (
     InvalidPrecisionError,
     Precision,
     PrecisionUnsupportedError,
-    _resolve,
     choose_precision,
     device_agnostic,
     on_device,
     precision_scope,
 )
-from devicectx._precision import _decide, check_precision_name
+from devicectx.devices import _resolve
+from devicectx.scope._precision import _decide, check_precision_name
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 BOTH = (BF16, FP16)

@@ -3,7 +3,7 @@
 Three layers. On the CPU and ``meta`` (no streams) the iterator moves each batch when it is
 asked for; those tests run everywhere. The lookahead (reading ``depth`` batches ahead,
 errors kept for their turn, freeing on ``close`` and ``break``) is checked on the CPU too,
-through a stand-in for :class:`devicectx._prefetch.Streams` that records what it is asked.
+through a stand-in for :class:`devicectx.move._prefetch.Streams` that records what it is asked.
 The stream path itself (copy stream, events, ``record_stream``) runs on an accelerator:
 the emulated one of the testing kit, or a GPU.
 """
@@ -27,9 +27,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from devicectx import (
     MoveError,
-    _prefetch,
-    _staging,
-    _transfers,
     device_agnostic,
     on_device,
     prefetch,
@@ -37,7 +34,8 @@ from devicectx import (
     to_device,
     track_transfers,
 )
-from devicectx._walk import iter_tensors
+from devicectx.move import _prefetch, _staging, _transfers
+from devicectx.move._walk import iter_tensors
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
 

@@ -16,12 +16,12 @@ from devicectx import (
     DeviceError,
     DeviceUnavailableError,
     InvalidDeviceError,
-    _resolve,
     available_devices,
     explain_device,
     on_device,
     resolve_device,
 )
+from devicectx.devices import _resolve
 
 CPU = torch.device("cpu")
 META = torch.device("meta")

@@ -1,7 +1,7 @@
 """Staged moves (``coalesce=True``): the same results as tensor-by-tensor moves, in fewer copies.
 
 Packing and unpacking are the same on every device, so most tests take the staged path
-through the seam :func:`devicectx._staging.forced`, which stages every move through
+through the seam :func:`devicectx.move._staging.forced`, which stages every move through
 ordinary host memory: the whole engine to ``meta`` (structure, aliasing, views, strides,
 autograd), and the staging functions to the CPU (values). The pool of pinned buffers is
 tested with events that stand for an accelerator's. Tests marked
@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import devicectx
-from devicectx import _pinned, _staging, to_device
-from devicectx._move import move_call, move_to
-from devicectx._walk import collect
+from devicectx import to_device
+from devicectx.move import _pinned, _staging
+from devicectx.move._move import move_call, move_to
+from devicectx.move._walk import collect
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")

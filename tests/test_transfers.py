@@ -25,13 +25,13 @@ import devicectx
 from devicectx import (
     DeviceWarning,
     RepeatedMoveWarning,
-    _staging,
     device_agnostic,
     set_repeated_move_warning,
     to_device,
     track_transfers,
 )
-from devicectx._walk import iter_tensors
+from devicectx.move import _staging
+from devicectx.move._walk import iter_tensors
 from devicectx.testing import assert_device_agnostic
 from devicectx.testing.strategies import nested, tensors
 
@@ -315,7 +315,7 @@ def test_to_device_warns_per_calling_line(recorded: list[warnings.WarningMessage
 def test_the_warning_follows_identity_and_version(steps: list[str]) -> None:
     """Over any sequence of calls, the warning comes exactly when a tensor is moved twice
     in a row unchanged, and only the first time."""
-    from devicectx import _transfers
+    from devicectx.move import _transfers
 
     _transfers._reset_for_tests()
     tensor = torch.ones(2)

@@ -36,7 +36,7 @@ from devicectx import (
     on_device,
     to_device,
 )
-from devicectx._cli import main as report_main
+from devicectx.devices._cli import main as report_main
 
 SCENARIOS: dict[str, Callable[[], None]] = {}
 

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from devicectx._move import iter_tensors, move_call
-from devicectx._resolve import DeviceLike, available_devices, resolve_device
+from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
+from devicectx.move._move import iter_tensors, move_call
 
 _META = torch.device("meta")
 

@@ -196,7 +196,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def _choices(config: pytest.Config) -> list[_Choice]:
     choices = config.stash.get(_CHOICES, None)
     if choices is None:
-        from devicectx._resolve import available_devices
+        from devicectx.devices._resolve import available_devices
 
         choices = [_Choice(str(device), device) for device in available_devices()]
         failure = _emulated_failure(config)
@@ -226,7 +226,7 @@ def _emulated_failure(config: pytest.Config) -> str | None:
 
 def _parse_devices_option(text: str) -> list[_Choice]:
     from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
-    from devicectx._resolve import resolve_device
+    from devicectx.devices._resolve import resolve_device
 
     items = [item.strip() for item in text.split(",")]
     if not all(items):
@@ -256,7 +256,7 @@ def _parse_devices_option(text: str) -> list[_Choice]:
 def _missing_device(marker: pytest.Mark, emulated_failure: str | None) -> str | None:
     """Why the test must be skipped for want of the marker's device; None when it is here."""
     from devicectx._errors import DeviceUnavailableError
-    from devicectx._resolve import accelerator_type, resolve_device
+    from devicectx.devices._resolve import accelerator_type, resolve_device
 
     if _marker_problem(marker) is not None:
         return None
@@ -279,7 +279,7 @@ def _missing_device(marker: pytest.Mark, emulated_failure: str | None) -> str | 
 def _marker_problem(marker: pytest.Mark) -> str | None:
     """What is wrong with how the marker is written; None when nothing is."""
     from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
-    from devicectx._resolve import resolve_device
+    from devicectx.devices._resolve import resolve_device
 
     if len(marker.args) != 1 or marker.kwargs:
         given = ", ".join(

@@ -332,7 +332,8 @@ def _register(devices: int) -> None:
     generate_methods_for_privateuse1_backend(for_storage=True)
     _extension = extension
     # torch's accelerator is now this one: forget what devicectx worked out before.
-    from devicectx import _context, _staging
+    from devicectx.move import _staging
+    from devicectx.scope import _context
 
     _context.INDEX_READERS.clear()
     _staging.forget_accelerator()

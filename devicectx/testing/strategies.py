@@ -31,7 +31,7 @@ import torch
 from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
 
-from devicectx._resolve import DeviceLike, available_devices, resolve_device
+from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 
 __all__ = [
     "KINDS",

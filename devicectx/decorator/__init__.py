@@ -1,0 +1,12 @@
+"""The decorator: ``@device_agnostic``.
+
+- ``_decorator``: the public decorator and its options;
+- ``_wrappers``: the wrapt wrappers for each binding form (function, method, class);
+- ``_plan``: what one eager call does (find the target, move or check, run in scope);
+- ``_compiled``: the same call written for dynamo, a layer above the plan;
+- ``_probe``: whether this torch's dynamo honours the inline hook;
+- ``_params``, ``_inputs``: a signature's tensor parameters, and reading a call's tensors;
+- ``_target``: the call's device (``device=``, a module's parameters, the scope);
+- ``_module_watch``: a module's device, cached until torch says its tensors moved;
+- ``_mismatch``: the error that names each argument on the wrong device.
+"""

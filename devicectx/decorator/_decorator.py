@@ -1,0 +1,161 @@
+"""``@device_agnostic``: run a function on one device, moving (or checking) its inputs.
+
+The decorator is a wrapt ``FunctionWrapper`` (:mod:`devicectx.decorator._wrappers`), so functions,
+methods, classmethods, staticmethods and ``nn.Module.forward`` all arrive as
+``(wrapped, instance, args, kwargs)``. What a call does is settled at decoration
+(:mod:`devicectx.decorator._plan`); under ``torch.compile`` the call takes the path of
+:mod:`devicectx.decorator._compiled`, which dynamo can trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec, TypeVar, overload
+
+from devicectx.decorator._plan import Plan
+from devicectx.decorator._target import DeviceOption
+from devicectx.decorator._wrappers import wrap
+from devicectx.devices._resolve import DeviceLike
+from devicectx.scope._precision import PrecisionName, check_precision_name
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+@overload
+def device_agnostic(wrapped: Callable[_P, _R], /) -> Callable[_P, _R]: ...
+
+
+@overload
+def device_agnostic(
+    wrapped: None = None,
+    /,
+    *,
+    device: DeviceLike = None,
+    move: bool = True,
+    output: DeviceLike = None,
+    exclude: str | Iterable[str] = (),
+    non_blocking: bool = False,
+    scope: bool = True,
+    coalesce: bool = True,
+    precision: PrecisionName | None = None,
+) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
+
+
+def device_agnostic(
+    wrapped: Callable[..., Any] | None = None,
+    /,
+    *,
+    device: DeviceLike = None,
+    move: bool = True,
+    output: DeviceLike = None,
+    exclude: str | Iterable[str] = (),
+    non_blocking: bool = False,
+    scope: bool = True,
+    coalesce: bool = True,
+    precision: PrecisionName | None = None,
+) -> Any:
+    """Run a function on one device: its tensor inputs moved (or checked), its body scoped.
+
+    Example:
+        >>> import torch
+        >>> @device_agnostic(device="meta")
+        ... def affine(x, w, b):
+        ...     return x @ w + b + torch.ones(2)  # torch.ones lands on meta too
+        >>> affine(torch.ones(2), torch.eye(2), torch.zeros(2)).device
+        device(type='meta')
+
+    The device, the first rule that applies:
+
+    1. ``device=``;
+    2. the ``nn.Module`` involved: the instance of a decorated method, else the first
+       module argument (``DataParallel`` and ``DistributedDataParallel`` looked through);
+    3. the innermost active :func:`~devicectx.on_device` (a decorated call's own scope
+       counts: a decorated function called from another one's body follows it);
+    4. the device the argument tensors agree on (0-dim CPU tensors, which PyTorch mixes
+       with any device, do not count).
+
+    Args:
+        wrapped: the function; given when used bare, as ``@device_agnostic``.
+        device: any :func:`~devicectx.resolve_device` spec, resolved at each call
+            (``"auto"`` follows the environment); ``None``: rules 2 to 4 choose.
+        move: ``True``: move every tensor in every argument, at any depth, to the target
+            (aliasing kept, nothing mutated); ``False``: move nothing, and raise if a
+            tensor is elsewhere (a 0-dim CPU tensor is allowed, as PyTorch allows it).
+        output: ``None`` leaves the result alone; a device spec moves it there;
+            ``"input"`` moves it to the device the tensor inputs came from. For a
+            generator, each yielded item; for an async function, the awaited result.
+        exclude: names of parameters whose values are neither moved nor checked.
+        non_blocking: passed to the copies to an accelerator (see
+            :func:`~devicectx.to_device` for when devicectx makes a copy safe anyway).
+        scope: run the body under ``on_device(target)``, so tensors it creates without
+            ``device=`` land on the target. Ops on existing tensors inside pay nothing
+            for it (only constructors are redirected: a BERT forward scoped to a device
+            other than the default costs 1.00x the plain one); entering and leaving costs
+            about 1 µs a call where the target is not the default, nothing where it is.
+            ``scope=False`` saves that, for hot paths that pass devices.
+        coalesce: stage the moves of many tensors between the host and an accelerator,
+            inputs and results alike, into a few large copies through pinned memory
+            (see :func:`~devicectx.to_device`); ``False``: one copy per tensor.
+        precision: run the body under ``torch.autocast`` for the target's device type:
+            ``"bf16-mixed"``, ``"16-mixed"``, ``"32"`` or ``"auto"`` (see
+            :func:`~devicectx.choose_precision`); ``None`` leaves autocast alone.
+
+    Returns:
+        The decorated function, with the same name, docstring, signature and static type.
+
+    Raises:
+        DeviceMismatchError: before the body runs, when ``move=False`` and a tensor is
+            off the target; when nothing chooses a target and the inputs disagree; when
+            the module involved is not on the target or is spread over several devices
+            (modules are never moved implicitly).
+        InvalidDeviceError: at decoration, for a malformed ``device=`` or ``output=``.
+        InvalidPrecisionError: at decoration, for an unknown ``precision=``.
+        PrecisionUnsupportedError: at a call, for a precision the target cannot run.
+        ValueError: at decoration, for an ``exclude`` name the function does not take.
+
+    Caveats:
+        - Each call scans its arguments and checks the device of the module involved.
+          That check is cached per module, re-read when torch reports a move or a
+          registration (``.to()``, assigning a parameter), and one of the module's
+          tensors is checked at every call; tensors written around torch's hooks
+          (``module._parameters[name] = t``) are noticed at the next such report.
+        - ``output="input"`` with inputs on several devices: the device of the first
+          tensor argument (0-dim CPU tensors aside).
+        - A generator's or async function's inputs are moved or checked at the call; its
+          body is scoped at every resume, and left at every yield.
+        - Under ``torch.compile`` the target is chosen while tracing, and with
+          ``fullgraph=True`` a mismatch surfaces as torch's ``Unsupported`` quoting ours.
+          Write ``@device_agnostic`` above ``@classmethod``/``@staticmethod`` there; see
+          :mod:`devicectx.decorator._compiled` for all that changes. Where the installed torch does
+          not trace decorated calls as devicectx expects (checked once per process, at
+          first use), they run eagerly instead: graph breaks.
+    """
+    if wrapped is None:
+        for spec, argument in ((device, "device"), (output, "output")):
+            if spec is not None and not (argument == "output" and spec == "input"):
+                DeviceOption(spec, argument=argument)  # a malformed spec fails here, at once
+        if precision is not None:
+            check_precision_name(precision)
+        return functools.partial(
+            device_agnostic,
+            device=device,
+            move=move,
+            output=output,
+            exclude=exclude,
+            non_blocking=non_blocking,
+            scope=scope,
+            coalesce=coalesce,
+            precision=precision,
+        )
+    if inspect.isclass(wrapped):
+        name = wrapped.__name__
+        msg = (
+            f"@device_agnostic cannot decorate the class {name}: decorate the methods that "
+            f"take tensors instead (`@device_agnostic` on `def forward`)"
+        )
+        raise TypeError(msg)
+    plan = Plan(wrapped, device, move, output, exclude, non_blocking, scope, coalesce, precision)
+    return wrap(wrapped, plan)

@@ -1,0 +1,135 @@
+"""A decorated call's inputs: the one look every call takes, and the excluded arguments.
+
+:func:`scan` is the hot path of ``@device_agnostic``: it answers "is every tensor
+already on one device, and which?", with the recursive walk for plain batches where it can,
+else looking at top-level tensors directly and handing containers to the move engine.
+:class:`Held` keeps ``exclude=`` arguments out of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from devicectx._errors import DeviceMismatchError
+from devicectx.decorator._params import Exclusion
+from devicectx.move import _move
+from devicectx.move._distributed import is_dtensor, mixed_message, split_mixed
+from devicectx.move._walk import MIXED, NotPlain, plain_device
+
+_Tensor = torch.Tensor
+_Module = nn.Module
+# Values that hold no tensor and need no walk: the scan steps over them.
+_LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.device, torch.dtype})
+
+
+def scan(
+    values: tuple[Any, ...], expected: torch.device | None
+) -> tuple[torch.device | None, bool, nn.Module | None]:
+    """One look at a call's arguments: the hot path of every call.
+
+    Args:
+        values: the arguments, positional then keyword.
+        expected: the device the inputs should be on, when already known: containers are
+            then checked against it, without looking for their first tensor.
+
+    Returns:
+        A device of the inputs (the first tensor's, or ``expected``), whether every
+        tensor is on it, and the first module argument. A batch of plain containers
+        takes :func:`~devicectx.move._walk.plain_device`; anything else, this loop: top-level
+        tensors and scalars are looked at directly, containers are checked by the move
+        engine (modules are not looked into: they are the module rule's business).
+    """
+    try:
+        return plain_device(values), True, None
+    except NotPlain:
+        pass  # a module, another type, or two devices: the loop below tells which
+    first: torch.device | None = None
+    uniform = True
+    module: nn.Module | None = None
+    for value in values:
+        if isinstance(value, _Tensor):
+            device = value.device
+            if first is None:
+                first = device
+            elif device != first:
+                uniform = False
+            if type(value) is not _Tensor and is_dtensor(value):
+                uniform = False  # the slow path looks closer: found_devices refuses a mix
+        elif type(value) in _LEAVES:
+            continue
+        elif isinstance(value, _Module):
+            if module is None:
+                module = value
+        elif uniform:
+            # One walk: checks a container against the device known so far, or finds it.
+            # Modules nested in containers are checked by their parameters here; one off
+            # the device only sends the call down the slow path, which leaves it alone.
+            shared = _move.shared_device(
+                value, first if first is not None else expected, dtensor_mixes=True
+            )
+            if shared is MIXED:
+                uniform = False
+            elif shared is not None:
+                first = shared
+    return first, uniform, module
+
+
+def found_devices(
+    function: str, named: Iterable[tuple[str, Any, object]]
+) -> dict[torch.device, list[str]]:
+    """Each device the inputs are on, with the paths of their tensors on it: the slow
+    path's look, taken when the inputs do not all agree (or hold a DTensor).
+
+    0-dim CPU tensors are left out: PyTorch lets them mix with any device.
+
+    Raises:
+        DeviceMismatchError: DTensors together with plain tensors of more than one
+            element, which every DTensor op refuses; the message names both and the fix.
+    """
+    named = list(named)
+    found: dict[torch.device, list[str]] = {}
+    dtensor = False
+    for name, value, _ in named:
+        for path, tensor in _move.iter_tensors(value, name):
+            device = tensor.device
+            if type(tensor) is not _Tensor and not dtensor:
+                dtensor = is_dtensor(tensor)
+            if device.type == "cpu" and tensor.dim() == 0:
+                continue
+            found.setdefault(device, []).append(path)
+    if dtensor:  # rare: a second walk, to tell DTensors and plain tensors apart
+        tensors = (pair for name, value, _ in named for pair in _move.iter_tensors(value, name))
+        dtensors, plain = split_mixed(tensors)
+        if dtensors and plain:
+            message = mixed_message(function, dtensors, plain)
+            reason = "DTensor ops take only DTensors"
+            raise DeviceMismatchError(message, devices=found, target=None, reason=reason)
+    return found
+
+
+class Held:
+    """A call's arguments with the excluded ones held out of the move and the checks."""
+
+    __slots__ = ("args", "keywords", "kwargs", "order", "positions")
+
+    def __init__(
+        self, exclusion: Exclusion, args: tuple[Any, ...], kwargs: dict[str, Any], offset: int
+    ) -> None:
+        self.positions = {i: v for i, v in enumerate(args) if exclusion.holds_position(i + offset)}
+        self.keywords = {k: v for k, v in kwargs.items() if exclusion.holds_keyword(k)}
+        # Held positions become None, so the others keep their places (and names).
+        self.args = tuple(None if i in self.positions else v for i, v in enumerate(args))
+        self.kwargs = {k: v for k, v in kwargs.items() if k not in self.keywords}
+        self.order = tuple(kwargs)
+
+    def merge(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Put the held values back among the moved ones, in the caller's keyword order."""
+        positions, keywords = self.positions, self.keywords
+        merged = tuple(positions.get(i, v) for i, v in enumerate(args))
+        return merged, {k: keywords[k] if k in keywords else kwargs[k] for k in self.order}

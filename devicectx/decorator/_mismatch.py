@@ -1,0 +1,170 @@
+"""The text of ``@device_agnostic``'s errors: what was found where, the target, and the fix.
+
+Every message has the same four parts, so a reader learns the shape once::
+
+    train.loss() got tensors on 2 devices:
+        meta <- pred, batch['mask']
+        cpu  <- target
+    target meta (from the parameters of model (Net))
+    fix: pass target.to("meta"), or use @device_agnostic(move=True) to move inputs
+
+Only plain values (names, paths, devices) come in, so the same functions build the
+message in eager code and, at trace time, for :mod:`devicectx.decorator._compiled`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from devicectx._errors import DeviceMismatchError
+
+# Paths shown per device before "and N more": enough to find the culprit, short enough to read.
+_MAX_PATHS = 6
+# Arguments named in a "pass x.to(...)" fix before "...".
+_MAX_FIXES = 3
+
+
+def tensors_off_target(
+    function: str,
+    found: Mapping[torch.device, Sequence[str]],
+    target: torch.device,
+    reason: str,
+) -> DeviceMismatchError:
+    """``move=False`` and some tensors are not on ``target``.
+
+    Args:
+        function: the qualname of the decorated function.
+        found: each device with the paths of the argument tensors on it, in the order met.
+        target: the device the call needs.
+        reason: why ``target``, in words (``"@device_agnostic(device=\\"meta\\")"``).
+    """
+    off = [path for device, paths in found.items() if device != target for path in paths]
+    calls = _to_calls(off, target)
+    fix = f"pass {calls}, or use @device_agnostic(move=True) to move inputs"
+    return _error(function, "tensors", _target_first(found, target), target, reason, fix)
+
+
+def no_common_device(
+    function: str,
+    found: Mapping[torch.device, Sequence[str]],
+) -> DeviceMismatchError:
+    """Nothing chose a target, and the argument tensors do not agree on one."""
+    reason = "no device= argument, no nn.Module involved and no on_device block to choose one"
+    first = _quote(next(iter(found)))
+    fix = (
+        f"name the device with @device_agnostic(device={first}), "
+        f"or call {function}() inside `with on_device({first}):`"
+    )
+    return _error(function, "tensors", found, None, reason, fix)
+
+
+def module_off_target(
+    function: str,
+    module: str,
+    kind: str,
+    found: Mapping[torch.device, Sequence[str]],
+    target: torch.device | None,
+    reason: str,
+    wrapper: str | None = None,
+) -> DeviceMismatchError:
+    """The module involved is spread over several devices, or is not on ``target``.
+
+    Args:
+        function: the qualname of the decorated function.
+        module: how the call names the module: ``"model"``, or ``"self"`` for a method.
+        kind: the module's class name (``"Linear"``).
+        found: each device with the paths of the module's parameters and buffers on it
+            (a module wholly on one device is listed by its own name).
+        target: the device the call needs; ``None`` when only the module could choose.
+        reason: why ``target`` (or, without one, why there is none), in words.
+        wrapper: ``"DistributedDataParallel"``, ``"fully_shard"``, ...: what wrapped the
+            module, which must be given a model already on its device.
+    """
+    destination = target if target is not None else next(iter(found))
+    if len(found) > 1:
+        what = f"{module} ({kind}) with parameters on {len(found)} devices"
+    else:
+        what = f"{module} ({kind}) on {next(iter(found))}, not on its target"
+    if wrapper is None:
+        fix = (
+            f"{module}.to({_quote(destination)}) before calling {function}(): "
+            "modules are never moved implicitly"
+        )
+    else:
+        wrap = f"{wrapper}(model, ...)" if wrapper[:1].isupper() else f"{wrapper}(model)"
+        fix = (
+            f"move the model before wrapping it: model.to({_quote(destination)}), then "
+            f"{wrap}; a wrapped model is not moved afterwards (and never implicitly)"
+        )
+    shown = _target_first(found, target) if target is not None else found
+    return _error(function, what, shown, target, reason, fix, count=False)
+
+
+def _error(
+    function: str,
+    what: str,
+    found: Mapping[torch.device, Sequence[str]],
+    target: torch.device | None,
+    reason: str,
+    fix: str,
+    *,
+    count: bool = True,
+) -> DeviceMismatchError:
+    """Lay out the four parts; ``count``: say on how many devices ``what`` was found."""
+    n = len(found)
+    width = max(len(str(device)) for device in found)
+    on = f" on {n} device{'s' if n != 1 else ''}" if count else ""
+    lines = [f"{function}() got {what}{on}:"]
+    lines += [f"    {device!s:<{width}} <- {_paths(paths)}" for device, paths in found.items()]
+    lines.append(
+        f"target {target} (from {reason})" if target is not None else f"no target: {reason}"
+    )
+    lines.append(f"fix: {fix}")
+    return DeviceMismatchError("\n".join(lines), devices=found, target=target, reason=reason)
+
+
+def _target_first(
+    found: Mapping[torch.device, Sequence[str]], target: torch.device | None
+) -> dict[torch.device, Sequence[str]]:
+    """The same mapping with ``target`` listed first: what is right, then what is not."""
+    ordered: dict[torch.device, Sequence[str]] = {}
+    if target is not None and target in found:
+        ordered[target] = found[target]
+    ordered.update((device, paths) for device, paths in found.items() if device != target)
+    return ordered
+
+
+def _paths(paths: Sequence[str]) -> str:
+    if len(paths) <= _MAX_PATHS:
+        return ", ".join(paths)
+    return f"{', '.join(paths[:_MAX_PATHS])} and {len(paths) - _MAX_PATHS} more"
+
+
+def _to_calls(paths: Sequence[str], target: torch.device) -> str:
+    """``x.to("meta")`` for a tensor argument, ``to_device(batch, "meta")`` for a nested one."""
+    calls: list[str] = []
+    for path in paths:
+        argument = _argument_of(path)
+        call = (
+            f"{argument}.to({_quote(target)})"
+            if argument == path
+            else f"to_device({argument}, {_quote(target)})"
+        )
+        if call not in calls:
+            calls.append(call)
+    shown = ", ".join(calls[:_MAX_FIXES])
+    return shown + ", ..." if len(calls) > _MAX_FIXES else shown
+
+
+def _argument_of(path: str) -> str:
+    """The argument a path starts from: ``batch`` for ``batch['mask'][0]``."""
+    for index, char in enumerate(path):
+        if char in "[.":
+            return path[:index]
+    return path
+
+
+def _quote(device: torch.device) -> str:
+    return f'"{device}"'

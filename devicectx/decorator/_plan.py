@@ -1,0 +1,388 @@
+"""What a ``@device_agnostic`` function does at each call: the plan, and the eager call.
+
+Everything that can be worked out once (names of parameters, positions of excluded ones,
+whether the function is a generator) is worked out at decoration, in :class:`Plan`; a call
+only looks at its arguments. :meth:`Plan.call` is the wrapt wrapper of every decorated
+function. Under ``torch.compile`` dynamo does not trace this module (it reaches
+:mod:`devicectx.decorator._compiled` instead, see :mod:`devicectx.decorator._wrappers`);
+should it trace :meth:`Plan.call` anyway, the call hands over to
+:func:`devicectx.decorator._compiled.under_compile`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from devicectx.decorator import _compiled, _mismatch
+from devicectx.decorator._inputs import Held, found_devices, scan
+from devicectx.decorator._params import Params, self_offset
+from devicectx.decorator._target import (
+    DeviceOption,
+    Spread,
+    module_device,
+    module_devices,
+    module_label,
+    unwrap,
+)
+from devicectx.devices._resolve import DeviceLike
+from devicectx.move import _move
+from devicectx.move._distributed import wrapper_name
+from devicectx.scope._context import (
+    active_device,
+    call_scoped,
+    current_device,
+    pop_nested,
+    push_nested,
+)
+from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
+from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
+
+_Module = nn.Module
+_Tensor = torch.Tensor
+# True only where dynamo traces the code that calls it (not for code run during a compile).
+_is_traced = torch.compiler.is_dynamo_compiling
+FUNCTION, GENERATOR, COROUTINE, ASYNC_GENERATOR = range(4)
+UNBOUND = object()
+"""The instance wrapt passes for a decorated function called unbound: not None (see
+:class:`devicectx.decorator._wrappers.DeviceAgnosticWrapper`), read as None."""
+
+
+class Plan:
+    """What a decorated function does at each call, settled at decoration."""
+
+    __slots__ = (
+        "coalesce",
+        "device",
+        "exclude",
+        "kind",
+        "move",
+        "name",
+        "non_blocking",
+        "output",
+        "params",
+        "precision",
+        "scope",
+        "to_input",
+        "traceable",
+    )
+
+    def __init__(
+        self,
+        wrapped: Callable[..., Any],
+        device: DeviceLike = None,
+        move: bool = True,
+        output: DeviceLike = None,
+        exclude: str | Iterable[str] = (),
+        non_blocking: bool = False,
+        scope: bool = True,
+        coalesce: bool = True,
+        precision: str | None = None,
+    ) -> None:
+        function = getattr(wrapped, "__func__", wrapped)  # classmethod, staticmethod
+        self.name: str = getattr(function, "__qualname__", repr(function))
+        self.device = None if device is None else DeviceOption(device, argument="device")
+        self.move = move
+        self.to_input = isinstance(output, str) and output == "input"
+        self.output = (
+            None if output is None or self.to_input else DeviceOption(output, argument="output")
+        )
+        self.non_blocking = non_blocking
+        self.scope = scope
+        self.coalesce = coalesce
+        self.precision = None if precision is None else check_precision_name(precision)
+        self.params = Params.of(function, self.name)
+        names = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+        self.exclude = self.params.exclusion(names) if names else None
+        self.kind = (
+            ASYNC_GENERATOR
+            if inspect.isasyncgenfunction(function)
+            else GENERATOR
+            if inspect.isgeneratorfunction(function)
+            else COROUTINE
+            if inspect.iscoroutinefunction(function)
+            else FUNCTION
+        )
+        # Whether dynamo may trace a call (a plain function), or must run it eagerly.
+        self.traceable = self.kind == FUNCTION
+        if self.kind == GENERATOR:
+            disable_resume_under_compile()
+
+    def call(
+        self,
+        wrapped: Callable[..., Any],
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The wrapt wrapper: prepare the arguments, run the body scoped, place the result."""
+        __tracebackhide__ = True
+        if instance is UNBOUND:
+            instance = None
+        if _is_traced():  # dynamo traces this very call: see the module docstring
+            return _compiled.under_compile(self, wrapped, instance, args, kwargs)
+        # The common case inline: nothing excluded, every tensor already on the target.
+        # Anything else (moves, checks, errors, exclude=) takes prepare(), from scratch.
+        option = self.device
+        target = (option.fixed or option.resolve()) if option is not None else active_device()
+        if self.exclude is not None:
+            first, uniform, module = None, False, None
+        elif kwargs or not args or target is None:
+            first, uniform, module = scan((*args, *kwargs.values()) if kwargs else args, target)
+        else:
+            # scan()'s answer where every argument is a plain tensor on the target (a
+            # training step's tensors on the accelerator), without its three calls.
+            for value in args:
+                if type(value) is not _Tensor or value.device != target:
+                    first, uniform, module = scan(args, target)
+                    break
+            else:
+                first, uniform, module = target, True, None
+        if instance is not None and isinstance(instance, _Module):
+            module = instance
+        if module is not None and uniform:
+            requested = target if option is not None else None
+            target = self._target(module, requested, wrapped, instance, args, kwargs)
+        if uniform and (first is target or first is None or target is None or first == target):
+            if target is None:
+                target = first
+            back = self.output.resolve() if self.output is not None else None
+            if self.to_input:
+                back = first
+        else:
+            args, kwargs, target, back = self.prepare(wrapped, instance, args, kwargs)
+        if self.kind != FUNCTION:
+            return self._start(wrapped, args, kwargs, target, back)
+        if self.precision is not None:
+            result = self._autocast_call(wrapped, args, kwargs, target)
+        elif self.scope and target is not None:
+            result = call_scoped(target, wrapped, args, kwargs)
+        else:
+            result = wrapped(*args, **kwargs)
+        return result if back is None else self.place(result, back)
+
+    def _autocast_call(
+        self,
+        wrapped: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: torch.device | None,
+    ) -> Any:
+        """The body, scoped (unless ``scope=False``), inside the autocast of ``precision=``."""
+        __tracebackhide__ = True
+        scope = push_nested(target) if self.scope and target is not None else None
+        try:
+            with self.autocast(target):
+                return wrapped(*args, **kwargs)
+        finally:
+            pop_nested(scope)
+
+    def autocast(self, target: torch.device | None) -> AbstractContextManager[Any]:
+        """The autocast the body runs under, for the target (or, with none, the default)."""
+        assert self.precision is not None
+        device = target if target is not None else current_device()
+        return choose_precision(device, cast(PrecisionName, self.precision)).autocast()
+
+    def prepare(
+        self,
+        wrapped: Callable[..., Any],
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[tuple[Any, ...], dict[str, Any], torch.device | None, torch.device | None]:
+        """Choose the target, then move or check the inputs.
+
+        Returns:
+            ``(args, kwargs, target, back)``: the arguments to call with; the target
+            (``None`` when no tensor and no rule named one); where the result goes
+            (``None``: leave it).
+        """
+        __tracebackhide__ = True
+        offset = self_offset(wrapped, instance)
+        held = None if self.exclude is None else Held(self.exclude, args, kwargs, offset)
+        seen_args, seen_kwargs = (args, kwargs) if held is None else (held.args, held.kwargs)
+        option = self.device
+        # Rules 1 and 3 first, so the scan can test the inputs against a known device.
+        target = (option.fixed or option.resolve()) if option is not None else active_device()
+        first, uniform, module = scan(
+            seen_args if not seen_kwargs else (*seen_args, *seen_kwargs.values()), target
+        )
+        if instance is not None and isinstance(instance, _Module):
+            module = instance
+        if module is not None:  # rule 2, between them
+            requested = target if option is not None else None
+            target = self._target(module, requested, wrapped, instance, args, kwargs)
+        home = first
+        if not uniform:  # the slow path: which tensors are where, by name
+            found = self._found(seen_args, seen_kwargs, offset)
+            home = next(iter(found), first)
+            if target is None and len(found) > 1:  # rule 4: the inputs must agree
+                raise _mismatch.no_common_device(self.name, found)
+        if target is None:
+            target = home
+        elif not (uniform and (first is None or first == target)):
+            if self.move:
+                moved = _move.move_call(
+                    seen_args,
+                    seen_kwargs,
+                    target,
+                    names=self.params.positional[offset:],
+                    rest=self.params.varargs or "args",
+                    non_blocking=self.non_blocking,
+                    skip=_Module,
+                    coalesce=self.coalesce,
+                    where=f"{self.name}()",
+                )
+                args, kwargs = moved if held is None else held.merge(*moved)
+            else:
+                if uniform:
+                    found = self._found(seen_args, seen_kwargs, offset)
+                if any(device != target for device in found):
+                    reason = self._reason(module, instance, args, kwargs, offset)
+                    raise _mismatch.tensors_off_target(self.name, found, target, reason)
+        if self.output is not None:
+            return args, kwargs, target, self.output.resolve()
+        return args, kwargs, target, home if self.to_input else None
+
+    def _target(
+        self,
+        module: nn.Module,
+        requested: torch.device | None,
+        wrapped: Callable[..., Any],
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> torch.device | None:
+        """Rules 1 to 3 where a module is involved; ``None`` leaves the choice to the inputs.
+
+        ``requested`` is the decorator's ``device=``, already resolved for this call. The
+        arguments' names are worked out only for an error (this runs on every forward).
+        """
+        __tracebackhide__ = True
+        option, target = self.device, requested
+        device = module_device(unwrap(module))
+        if device is Spread.SPREAD or (
+            device is not None and target is not None and device != target
+        ):
+            offset = self_offset(wrapped, instance)
+            name = self._module_name(module, instance, args, kwargs, offset)
+            reason = option.reason() if option is not None else "a module must be on one device"
+            found = module_devices(unwrap(module), name)
+            kind = type(module).__name__
+            wrapper = wrapper_name(module)
+            raise _mismatch.module_off_target(self.name, name, kind, found, target, reason, wrapper)
+        if target is None:
+            target = device if device is not None else active_device()
+        return target
+
+    def _module_name(
+        self,
+        module: nn.Module,
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        offset: int,
+    ) -> str:
+        """How the call names ``module``: ``self``, or the parameter it came in."""
+        if module is instance:
+            return "self"
+        for position, value in enumerate(args):
+            if value is module:
+                return self.params.argument_name(position, offset)
+        return next((key for key, value in kwargs.items() if value is module), "module")
+
+    def _reason(
+        self,
+        module: nn.Module | None,
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        offset: int,
+    ) -> str:
+        """Why the target is what it is: for messages, so only on the way to an error."""
+        if self.device is not None:
+            return self.device.reason()
+        if module is not None and module_device(unwrap(module)) is not None:
+            name = self._module_name(module, instance, args, kwargs, offset)
+            return module_label(module, name)
+        return "the innermost on_device block"
+
+    def _found(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], offset: int
+    ) -> dict[torch.device, list[str]]:
+        """Each device the inputs are on, with the paths of their tensors on it.
+
+        0-dim CPU tensors are left out: PyTorch lets them mix with any device.
+        """
+        return found_devices(self.name, self.params.named(args, kwargs, offset))
+
+    def place(self, result: Any, back: torch.device) -> Any:
+        """Move a result (or a yielded item) to where ``output=`` says."""
+        return _move.move_to(
+            result,
+            back,
+            non_blocking=self.non_blocking,
+            skip=_Module,
+            name="result",
+            coalesce=self.coalesce,
+            where=f"{self.name}() -> result",
+        )
+
+    def _start(
+        self,
+        wrapped: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: torch.device | None,
+        back: torch.device | None,
+    ) -> Any:
+        """Call a generator or async function: its body runs later, scoped at each resume."""
+        scoped = target if self.scope else None
+        enter: Callable[[], Any] = (
+            _no_scope if scoped is None else functools.partial(push_nested, scoped)
+        )
+        leave: Callable[[Any], None] = pop_nested
+        if self.precision is not None:
+            enter, leave = _with_autocast(enter, functools.partial(self.autocast, target))
+        place = None if back is None else functools.partial(self.place, back=back)
+        inner = wrapped(*args, **kwargs)  # runs none of the body yet
+        if self.kind == GENERATOR:
+            return resumed(inner, enter, leave, place)
+        if self.kind == COROUTINE:
+            return awaited(inner, enter, leave, place)
+        return async_resumed(inner, enter, leave, place)
+
+
+def _with_autocast(
+    enter_scope: Callable[[], Any], make: Callable[[], AbstractContextManager[Any]]
+) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """Enter and leave the scope and an autocast together, at every resume and yield."""
+
+    def enter() -> tuple[Any, AbstractContextManager[Any]]:
+        scope = enter_scope()
+        amp = make()
+        try:
+            amp.__enter__()
+        except BaseException:
+            pop_nested(scope)
+            raise
+        return scope, amp
+
+    def leave(entered: tuple[Any, AbstractContextManager[Any]]) -> None:
+        scope, amp = entered
+        try:
+            amp.__exit__(None, None, None)
+        finally:
+            pop_nested(scope)
+
+    return enter, leave
+
+
+def _no_scope() -> None:
+    """The scope of a call with ``scope=False`` or no target: none."""

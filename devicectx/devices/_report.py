@@ -1,0 +1,274 @@
+"""The device report: what torch was built with, what it sees here, and where ``"auto"`` goes.
+
+:func:`gather_report` collects the facts into a :class:`DeviceReport`; the CLI
+(``python -m devicectx``) only formats it, as text or as JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version as _version
+from typing import Any, TypeVar
+
+import torch
+
+from devicectx._errors import DeviceError
+from devicectx.devices._resolve import ENV_VAR, _resolve, accelerator_type, available_devices
+from devicectx.move._distributed import job
+from devicectx.scope._context import current_device
+
+# The variables that decide which device a process gets, in the order they matter.
+ENV_VARS = (ENV_VAR, "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """What this torch was compiled with.
+
+    Attributes:
+        torch_version: ``torch.__version__``.
+        summary: the backends in words: ``"CUDA 12.4"``, ``"ROCm 6.2"``, ``"MPS"``, ``"XPU"``,
+            several joined by ``", "``, or ``"CPU only"``.
+        cuda: ``torch.version.cuda``, or ``None`` when not built with CUDA.
+        hip: ``torch.version.hip``, or ``None`` when not built with ROCm.
+        mps: ``torch.backends.mps.is_built()``.
+        xpu: ``torch.version.xpu`` (the SYCL version), or ``None`` when not built with XPU.
+        cudnn: ``torch.backends.cudnn.version()`` where cuDNN (or MIOpen) is usable, else ``None``.
+        accelerator: the accelerator torch uses here (``torch.accelerator``), or ``None``.
+    """
+
+    torch_version: str
+    summary: str
+    cuda: str | None
+    hip: str | None
+    mps: bool
+    xpu: str | None
+    cudnn: int | None
+    accelerator: str | None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device this process can use, with what its backend says about it.
+
+    Every field but ``device`` is ``None`` where the backend does not report it
+    (or fails to: a report never dies on one unreadable property).
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda:0"``, ...
+        name: the product name (``"NVIDIA H100 80GB HBM3"``); the machine type for the CPU.
+        memory: total memory in bytes; for MPS the recommended maximum working set
+            (``torch.mps.recommended_max_memory()``); ``None`` for the CPU.
+        capability: CUDA compute capability (``"9.0"``), ROCm architecture
+            (``"gfx90a"``), or the CPU's vector extension (``"AVX2"``).
+    """
+
+    device: str
+    name: str | None
+    memory: int | None
+    capability: str | None
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """Where ``resolve_device("auto")`` goes here, and why (see ``explain_device``)."""
+
+    device: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the set-up is broken: our exception's type name and its full text."""
+
+    error: str
+    message: str
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """This process's place in a distributed job (torchrun), where it is in one.
+
+    Attributes:
+        rank: the global rank (``RANK``, or the initialised process group's).
+        world_size: the number of processes (``WORLD_SIZE``, or the process group's).
+        local_rank: the rank on this machine (``LOCAL_RANK``).
+        local_world_size: the processes on this machine (``LOCAL_WORLD_SIZE``).
+        backend: the process group's backend (``"nccl"``, ``"gloo"``) where one is
+            initialised in this process, else ``None``.
+        prefix: what starts every line of the text report: ``"[rank 1] "`` where the
+            world is larger than one, so that the ranks' reports can be told apart.
+    """
+
+    rank: int | None
+    world_size: int | None
+    local_rank: int | None
+    local_world_size: int | None
+    backend: str | None
+    prefix: str
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """Everything ``python -m devicectx`` prints.
+
+    Attributes:
+        devicectx: the installed devicectx version.
+        build: how torch was built (:class:`BuildInfo`).
+        devices: every device this process can use, the CPU first.
+        auto: where ``"auto"`` resolves, and why; ``None`` when it cannot resolve.
+        default_device: where factory functions called without ``device=`` allocate: what
+            ``torch.get_default_device()`` reports on torch >= 2.8 (2.6 and 2.7 report
+            only ``set_default_device``'s device, not a ``with torch.device`` scope's).
+        environment: the variables that steer the choice (``DEVICECTX_DEVICE``,
+            ``LOCAL_RANK``, ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES``), ``None`` if unset.
+        problem: what is wrong with the set-up, or ``None`` when nothing is.
+        job: the ranks and sizes of a distributed job and its process group's backend
+            (:class:`JobInfo`); ``None`` outside one (no torchrun variable set, no
+            process group initialised).
+    """
+
+    devicectx: str
+    build: BuildInfo
+    devices: list[DeviceInfo]
+    auto: AutoChoice | None
+    default_device: str
+    environment: dict[str, str | None]
+    problem: Problem | None
+    job: JobInfo | None = None
+
+
+def gather_report() -> DeviceReport:
+    """Collect the device report of this process.
+
+    A broken set-up (``DEVICECTX_DEVICE`` naming a device this machine lacks, a
+    malformed ``LOCAL_RANK``) does not raise: it comes back as ``problem``, with
+    ``auto`` set to ``None``, so the rest of the report still says what is there.
+
+    Example:
+        >>> report = gather_report()
+        >>> report.devices[0].device
+        'cpu'
+
+    Returns:
+        The report. ``default_device`` is read at call time, so inside
+        ``on_device("meta")`` it says ``"meta"``.
+    """
+    auto: AutoChoice | None = None
+    problem: Problem | None = None
+    try:
+        device, reason = _resolve("auto")
+    except DeviceError as error:
+        problem = Problem(error=type(error).__name__, message=str(error))
+    else:
+        auto = AutoChoice(device=str(device), reason=reason)
+    return DeviceReport(
+        devicectx=_version("devicectx"),
+        build=_build_info(),
+        devices=[_device_info(device) for device in available_devices()],
+        auto=auto,
+        default_device=str(current_device()),
+        environment={name: os.environ.get(name) for name in ENV_VARS},
+        problem=problem,
+        job=_job_info(),
+    )
+
+
+def _job_info() -> JobInfo | None:
+    found = _guarded(job)
+    if found is None or all(value is None for value in found):
+        return None
+    return JobInfo(*found, prefix=found.prefix)
+
+
+def _build_info() -> BuildInfo:
+    cuda = torch.version.cuda
+    hip = torch.version.hip
+    mps = torch.backends.mps.is_built()
+    # torch.version.xpu appeared after torch 2.6, the floor; older builds have no XPU version.
+    xpu: str | None = getattr(torch.version, "xpu", None)
+    rocm: str | None = getattr(torch.version, "rocm", None) or hip
+    backends = [
+        *([f"CUDA {cuda}"] if cuda else []),
+        *([f"ROCm {rocm}"] if hip else []),
+        *(["MPS"] if mps else []),
+        *([f"XPU {xpu}"] if xpu else []),
+    ]
+    return BuildInfo(
+        torch_version=torch.__version__,
+        summary=", ".join(backends) or "CPU only",
+        cuda=cuda,
+        hip=hip,
+        mps=mps,
+        xpu=xpu,
+        cudnn=_guarded(_cudnn_version),
+        accelerator=accelerator_type(),
+    )
+
+
+def _cudnn_version() -> int | None:
+    cudnn: Any = torch.backends.cudnn  # its functions carry no annotations
+    return _int_or_none(cudnn.version()) if cudnn.is_available() else None
+
+
+def _device_info(device: torch.device) -> DeviceInfo:
+    if device.type == "cpu":
+        return DeviceInfo(
+            device="cpu",
+            name=platform.machine() or None,
+            memory=None,
+            capability=_guarded(torch.backends.cpu.get_cpu_capability),
+        )
+    if device.type == "mps":
+        # MPS has no per-device properties (not even a name); its memory limit is the
+        # recommended working set of the whole GPU.
+        return DeviceInfo(
+            device=str(device),
+            name=None,
+            memory=_guarded(torch.mps.recommended_max_memory),
+            capability=None,
+        )
+    backend = getattr(torch, device.type, None)
+    get_properties = getattr(backend, "get_device_properties", None)
+    properties = _guarded(lambda: get_properties(device.index)) if get_properties else None
+    return DeviceInfo(
+        device=str(device),
+        name=_str_or_none(getattr(properties, "name", None)),
+        memory=_int_or_none(getattr(properties, "total_memory", None)),
+        capability=_capability(device, properties),
+    )
+
+
+def _capability(device: torch.device, properties: object) -> str | None:
+    if device.type != "cuda" or properties is None:
+        return None
+    if torch.version.hip:
+        # On ROCm, major/minor are a CUDA-compatibility fiction; the real one is the gfx name.
+        return _str_or_none(getattr(properties, "gcnArchName", None))
+    major, minor = getattr(properties, "major", None), getattr(properties, "minor", None)
+    return None if major is None or minor is None else f"{major}.{minor}"
+
+
+def _guarded(query: Callable[[], _T]) -> _T | None:
+    """``query()``, or ``None`` when it fails.
+
+    A backend that is compiled in but broken (no driver, a device lost mid-run) raises
+    from its property calls with whatever it likes; the report should still print.
+    """
+    try:
+        return query()
+    except Exception:
+        return None
+
+
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) else None

@@ -1,0 +1,14 @@
+"""The move engine: ``to_device``, ``find_devices`` and what they are built from.
+
+- ``_move``: ``to_device`` and the entry points the decorator calls;
+- ``_walk``: reading walks (``find_devices``, ``find_layouts``, ``iter_tensors``);
+- ``_rebuild``: the moving walk, rebuilding each container with its moved contents;
+- ``_containers``: how each kind of container is opened and rebuilt (``register_container``);
+- ``_alias``: tensors moved once however often they appear, views kept as views;
+- ``_paths``: the nested paths errors and reports name (``batch['x'][0]``);
+- ``_skip``: ``skip=``, what a move leaves where it is;
+- ``_staging`` and ``_pinned``: small tensors moved in one copy through pinned buffers;
+- ``_transfers``: ``track_transfers`` and the repeated-move warning;
+- ``_prefetch``: ``prefetch``, batches moved ahead of the step on a copy stream;
+- ``_distributed``: DTensor and FSDP2 parameters (``Layout``).
+"""

@@ -1,0 +1,298 @@
+"""Moving tensors so that what shared memory before the move shares it after.
+
+One :class:`TensorMover` serves one move call. It copies each tensor once, however many
+places hold it (by identity), and keeps views views: a tensor whose memory lies inside
+another tensor of the same structure (a view and its base, a slice and a larger slice of
+the same base) arrives as a view of that tensor's copy, via ``as_strided``, which autograd
+differentiates. Tensors are grouped by their base (``tensor._base``, or the tensor itself
+for one that is no view); within a group the *anchor* of a member is the largest dense
+tensor that covers its memory (the base, when it is there). A tensor covered by none is
+copied alone, as ``.to`` copies it: only its own elements, never the rest of its base.
+Tensors that share memory without being views (``x.data``, ``x.detach()``) are copied
+apart, as ``.to`` would copy them.
+
+The walk meets tensors in structure order, so it cannot know whether a larger tensor will
+come later. It links each member to the first member of its group when that one covers it
+(a base before its views: the common case, settled at once) and copies it alone
+otherwise; :meth:`TensorMover.finish` then settles the groups where that guess may be
+wrong and returns the few results to replace.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Any
+
+import torch
+from torch import nn
+
+_Tensor = torch.Tensor
+# Copies to these are read by the host as soon as they return (CPU), or have been seen to
+# arrive late under non_blocking (MPS: pytorch/pytorch#83015), so they are always blocking.
+_BLOCKING_TARGETS = frozenset({"cpu", "mps", "meta"})
+
+
+class TensorMover:
+    """Moves the tensors of one call to ``device``; see the module docstring."""
+
+    __slots__ = ("device", "groups", "moved", "non_blocking", "sent", "unsettled")
+
+    def __init__(self, device: torch.device, non_blocking: bool) -> None:
+        self.device = device
+        self.non_blocking = non_blocking and device.type not in _BLOCKING_TARGETS
+        # id(original) -> its result. The caller keeps every original alive until the call
+        # ends, so no id here can be reused by a new object meanwhile.
+        self.moved: dict[int, _Tensor] = {}
+        self.groups: dict[int, _Group] = {}  # id(base) -> the tensors met on it
+        self.unsettled: list[_Group] = []
+        # Every tensor copied to the device, once each, for devicectx.move._transfers: a view
+        # re-made as a view of another tensor's copy is no copy and is not listed.
+        self.sent: list[_Tensor] = []
+
+    def move(self, tensor: _Tensor) -> _Tensor:
+        """``tensor`` (not on the target) on the target: the same copy every time."""
+        moved = self.moved.get(id(tensor))
+        if moved is not None:
+            return moved
+        if tensor.device == self.device:
+            return tensor
+        base = tensor._base
+        if base is None:
+            group = self.groups.get(id(tensor)) if self.groups else None
+            if group is not None:  # views of it came first
+                moved = group.add(self, tensor)
+            elif type(tensor) is _Tensor and not self.non_blocking:
+                moved = tensor.to(self.device)  # the common case
+                self.sent.append(tensor)
+            else:
+                moved = self.copy(tensor)
+        else:
+            group = self.groups.get(id(base))
+            if group is None:
+                first = self.moved.get(id(base))
+                if first is None:  # the first of this base's tensors met: copied alone
+                    moved = self.moved[id(tensor)] = self.copy(tensor)
+                    self.groups[id(base)] = _Group(tensor, moved)
+                    return moved
+                group = self.groups[id(base)] = _Group(base, first)
+            moved = group.add(self, tensor)
+        self.moved[id(tensor)] = moved
+        return moved
+
+    def finish(self) -> dict[int, _Tensor]:
+        """Settle the groups the walk could not: ``{id(result given): result to use}``."""
+        replace: dict[int, _Tensor] = {}
+        for group in self.unsettled:
+            group.settle(self, replace)
+        return replace
+
+    def copy(self, tensor: _Tensor) -> _Tensor:
+        """A copy of ``tensor`` alone on the target, as ``.to`` makes it.
+
+        An ``nn.Parameter`` comes back as a new parameter (a leaf, as ``module.to`` makes
+        them); any other tensor through ``.to``, so the copy is differentiable.
+        """
+        non_blocking = self.non_blocking and tensor.is_cpu
+        self.sent.append(tensor)
+        # Parameter's isinstance goes through a Python-level metaclass hook: test the
+        # exact type first.
+        if type(tensor) is not _Tensor and isinstance(tensor, nn.Parameter):
+            data = tensor.detach().to(self.device, non_blocking=non_blocking)
+            try:
+                return _parameter(tensor, data)
+            except Exception as error:
+                raise EngineBug(error) from error
+        return tensor.to(self.device, non_blocking=non_blocking)
+
+
+class EngineBug(Exception):
+    """A move that failed in devicectx's own code, not in torch's or the user's: the
+    ``MoveError`` then says so, instead of telling the user to work around it."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+
+
+def _parameter(tensor: _Tensor, data: _Tensor) -> _Tensor:
+    """``data``, the moved copy of the parameter ``tensor``, made a parameter as it was.
+
+    A subclass of ``nn.Parameter`` is rebuilt by its own type. A parameter of a tensor
+    subclass (``nn.Parameter(dtensor)``: every FSDP2 and tensor-parallel parameter) is no
+    instance of ``nn.Parameter`` but the subclass flagged ``_is_param`` (torch 2.6-2.15):
+    ``nn.Parameter(data)`` makes it so again, keeping the subclass (a DTensor keeps its
+    mesh and placements, which ``.to`` kept). Attributes set on the parameter are carried
+    over where the new one has none of its own (a subclass's inner tensors are its own).
+    """
+    tp = type(tensor)
+    param = tp(data, tensor.requires_grad) if issubclass(tp, nn.Parameter) else None
+    if param is None:
+        param = nn.Parameter(data, tensor.requires_grad)
+    state = param.__dict__
+    for key, value in tensor.__dict__.items():
+        state.setdefault(key, value)
+    return param
+
+
+class _Span:
+    """Where a tensor's elements lie in its storage, in bytes, and whether it can anchor."""
+
+    __slots__ = ("anchor", "hi", "index", "linkable", "lo", "sort_key", "tensor", "what")
+
+    def __init__(self, tensor: _Tensor, index: int) -> None:
+        self.tensor = tensor
+        self.index = index
+        # Only plain tensors are re-made as views: a view of a subclass would lose its type.
+        self.linkable = type(tensor) is _Tensor
+        self.what: tuple[Any, ...] | None = None
+        self.anchor = False
+        self.lo = self.hi = 0
+        self.sort_key: tuple[int, int, bool, bool, int] = (0, 0, self.linkable, False, index)
+        if tensor.layout != torch.strided or tensor.numel() == 0:
+            return
+        size, stride, itemsize = tensor.size(), tensor.stride(), tensor.element_size()
+        start = int(tensor.storage_offset())
+        self.lo = start * itemsize
+        extent = sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        self.hi = (start + int(extent) + 1) * itemsize
+        self.what = (tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg())
+        self.anchor = (self.linkable or isinstance(tensor, nn.Parameter)) and dense(size, stride)
+        # Among anchors of equal memory: a parameter first (it must stay one), then the base
+        # itself (so views stay views of it), then the first met.
+        self.sort_key = (self.lo, -self.hi, self.linkable, tensor._base is not None, index)
+
+    def covers(self, other: _Span) -> bool:
+        return (
+            self.anchor
+            and self.what is not None
+            and self.what == other.what
+            and self.lo <= other.lo
+            and other.hi <= self.hi
+        )
+
+
+class _Group:
+    """Tensors of one call on one base, with the results the walk gave them."""
+
+    __slots__ = ("links", "queued", "results", "spans")
+
+    def __init__(self, tensor: _Tensor, moved: _Tensor) -> None:
+        self.spans = [_Span(tensor, 0)]
+        self.results = [moved]
+        self.links: list[int | None] = [None]  # the member whose copy each result views
+        self.queued = False
+
+    def add(self, mover: TensorMover, tensor: _Tensor) -> _Tensor:
+        span = _Span(tensor, len(self.spans))
+        first = self.spans[0]
+        moved: _Tensor | None = None
+        # Linked to the first member when that one covers it, unless it would be the better
+        # anchor of the two (the same memory, and it is the base while the first is a view).
+        better = span.covers(first) and span.sort_key < first.sort_key
+        if span.linkable and first.covers(span) and not better:
+            moved = _view_of(first.tensor, self.results[0], tensor)
+        link: int | None = 0
+        if moved is None:
+            moved, link = mover.copy(tensor), None
+            # Copied alone: a later (or an earlier, non-first) member may cover it, or it
+            # may cover others. A member linked to the first is never a better anchor.
+            if not self.queued:
+                self.queued = True
+                mover.unsettled.append(self)
+        self.spans.append(span)
+        self.results.append(moved)
+        self.links.append(link)
+        return moved
+
+    def settle(self, mover: TensorMover, replace: dict[int, _Tensor]) -> None:
+        """Make each member a view of its best anchor's copy; record the results that change."""
+        best = _best_anchors(self.spans)
+        alone: dict[int, _Tensor] = {}
+
+        def copy_of(index: int) -> _Tensor:
+            # The walk's result for a member it copied alone; else a new copy of its own.
+            if self.links[index] is None:
+                return self.results[index]
+            if index not in alone:
+                alone[index] = mover.copy(self.spans[index].tensor)
+            return alone[index]
+
+        for span in self.spans:
+            index, anchor = span.index, best[span.index]
+            if anchor is None or anchor == index:
+                final = copy_of(index)
+            elif self.links[index] == anchor and self.links[anchor] is None:
+                continue  # the walk already made it a view of that anchor's copy
+            else:
+                view = _view_of(self.spans[anchor].tensor, copy_of(anchor), span.tensor)
+                final = copy_of(index) if view is None else view
+            if final is not self.results[index]:
+                replace[id(self.results[index])] = final
+
+
+def _best_anchors(spans: list[_Span]) -> list[int | None]:
+    """For each member, the index of the largest anchor of like kind covering it."""
+    best: list[int | None] = [None] * len(spans)
+    kinds: dict[tuple[Any, ...], list[_Span]] = {}
+    for span in spans:
+        if span.what is not None:
+            kinds.setdefault(span.what, []).append(span)
+    for members in kinds.values():
+        # Keep only the anchors no other anchor covers: sorted by start, their ends rise.
+        maximal: list[_Span] = []
+        reach = -1
+        for span in sorted((s for s in members if s.anchor), key=lambda s: s.sort_key):
+            if span.hi > reach:
+                maximal.append(span)
+                reach = span.hi
+        starts = [s.lo for s in maximal]
+        for span in members:
+            if not span.linkable and not span.anchor:
+                continue
+            chosen: _Span | None = None
+            at = bisect_right(starts, span.lo) - 1
+            while at >= 0 and maximal[at].hi >= span.hi:
+                candidate = maximal[at]
+                if chosen is None or candidate.hi - candidate.lo > chosen.hi - chosen.lo:
+                    chosen = candidate
+                at -= 1
+            if chosen is not None and (span.linkable or chosen is span):
+                best[span.index] = chosen.index
+    return best
+
+
+def _view_of(anchor: _Tensor, moved_anchor: _Tensor, tensor: _Tensor) -> _Tensor | None:
+    """``tensor`` re-made as a view into ``moved_anchor``, or None where that cannot be."""
+    if not _same_layout(anchor, moved_anchor):
+        return None
+    offset = tensor.storage_offset() - anchor.storage_offset() + moved_anchor.storage_offset()
+    source = moved_anchor
+    if moved_anchor.requires_grad and not tensor.requires_grad:
+        source = moved_anchor.detach()  # shares memory, but adds no autograd history
+    try:
+        view = source.as_strided(tensor.size(), tensor.stride(), offset)
+        if tensor.requires_grad and not view.requires_grad:
+            view.requires_grad_(True)
+    except RuntimeError:
+        return None
+    return view
+
+
+def _same_layout(tensor: _Tensor, moved: _Tensor) -> bool:
+    """Whether ``moved`` lays its elements out in memory as ``tensor`` does."""
+    if tensor.size() != moved.size():
+        return False
+    layouts = zip(tensor.size(), tensor.stride(), moved.stride(), strict=True)
+    return all(a == b or n <= 1 for n, a, b in layouts)
+
+
+def dense(size: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Whether the elements fill a block of memory with no gap and no overlap."""
+    expected = 1
+    for n, s in sorted(zip(size, stride, strict=True), key=lambda pair: pair[1]):
+        if n == 1:
+            continue
+        if s != expected:
+            return False
+        expected *= n
+    return True

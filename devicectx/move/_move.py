@@ -1,0 +1,371 @@
+"""The move engine: :func:`to_device` and :func:`find_devices`, and what the decorator uses.
+
+Public: :func:`to_device`; also :func:`find_devices` (written in :mod:`devicectx.move._walk`,
+with the other reading walks) and :func:`register_container` (in
+:mod:`devicectx.move._containers`), re-exported here.
+
+Internal, for ``@device_agnostic`` (each takes an already-resolved device, so a call pays
+no resolution):
+
+- :func:`move_to`: :func:`to_device` for a resolved device;
+- :func:`move_call`: a call's ``(args, kwargs)`` moved as one structure, errors naming
+  parameters;
+- :func:`all_on`: is every tensor already on the device? The hot path: no paths built;
+  :func:`shared_device`, the same walk, also finds the one device when none is given;
+- :func:`iter_tensors`: every tensor with its path, for messages. It does not look into
+  ``nn.Module`` objects unless asked (``modules=True``): the decorator reports modules
+  on their own.
+
+How the work is split: :mod:`devicectx.move._containers` knows each type (what its children
+are, how to rebuild it), :mod:`devicectx.move._walk` walks structures, :mod:`devicectx.move._alias`
+moves the tensors so that shared memory stays shared, :mod:`devicectx.move._skip` compiles
+``skip=``, and :mod:`devicectx.move._paths` writes paths.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from devicectx.devices._resolve import DeviceLike, resolve_device
+from devicectx.move import _containers, _staging, _transfers
+from devicectx.move._alias import TensorMover
+from devicectx.move._containers import CONTAINER, Kind
+from devicectx.move._containers import register_container as register_container
+from devicectx.move._paths import NAME
+from devicectx.move._rebuild import Fix, Rebuild
+from devicectx.move._skip import Skip, SkipLike, compile_skip
+from devicectx.move._walk import all_on as all_on
+from devicectx.move._walk import find_devices as find_devices
+from devicectx.move._walk import iter_tensors as iter_tensors
+from devicectx.move._walk import shared_device as shared_device
+
+T = TypeVar("T")
+
+__all__ = [
+    "all_on",
+    "find_devices",
+    "iter_tensors",
+    "move_call",
+    "move_to",
+    "register_container",
+    "shared_device",
+    "to_device",
+]
+
+
+def to_device(
+    obj: T,
+    device: DeviceLike,
+    *,
+    non_blocking: bool = False,
+    skip: SkipLike = None,
+    coalesce: bool = True,
+) -> T:
+    """Return ``obj`` with every tensor in it on ``device``, losing nothing.
+
+    Example:
+        >>> import torch
+        >>> from devicectx import to_device
+        >>> x = torch.arange(6.0)
+        >>> batch = {"x": x, "first": x[:3], "also_x": x, "name": "b0"}
+        >>> moved = to_device(batch, "meta")
+        >>> moved["x"].device, moved["also_x"] is moved["x"], moved["first"]._base is moved["x"]
+        (device(type='meta'), True, True)
+        >>> to_device(moved, "meta") is moved  # nothing to move: the same object
+        True
+
+    Args:
+        obj: a tensor, or any structure of them: list, tuple, namedtuple,
+            ``torch.return_types``, dict, ``OrderedDict``, ``defaultdict``, deque, set,
+            frozenset, dataclass (mutable, frozen, ``slots=True``, ``init=False`` fields;
+            one that is also a mapping, such as transformers' ``ModelOutput``, comes back
+            with its fields and its entries agreeing), ``PackedSequence``, other
+            ``Mapping``/``Sequence``/``Set`` types, types taught with
+            :func:`register_container`, objects with their own ``.to(device)``
+            (tensordict, ``BatchEncoding``, torch_geometric's ``Data``), and ``nn.Module``.
+        device: anything :func:`resolve_device` takes: ``"cuda:1"``, ``"auto"``, ...
+        non_blocking: ask for asynchronous copies (see the rule below).
+        skip: what stays where it is, with everything inside it: a type, a path as
+            :func:`find_devices` writes it (``"obj['meta']"``), a key or attribute name
+            (``"labels"``: matched at any depth), a predicate ``(path, value) -> bool``,
+            or a list of these.
+        coalesce: stage moves between the host and an accelerator (see below); False
+            moves every tensor with its own copy.
+
+    Returns:
+        A structure like ``obj``: the same types (a namedtuple stays that namedtuple, a
+        ``defaultdict`` keeps its factory), the same keys and order, every tensor on
+        ``device``. Containers with nothing to move come back as the same objects, and so
+        do tensors already on ``device`` and every non-tensor (``str``, numbers, numpy
+        arrays, ``range``, ``torch.Size``, iterators and generators, which are never
+        iterated).
+
+    Raises:
+        InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here; raised
+            before any tensor is touched.
+        MoveError: a tensor or object could not be moved, or a container could not be
+            rebuilt with every view of it showing the moved tensors (a ``Mapping`` whose
+            type takes neither item assignment nor a dict, say); the message names its
+            path and the fix, and the original error is chained. Also when a ``skip``
+            predicate raises: the message names the predicate and the signature it
+            must have.
+        TypeError: ``skip`` holds something that is no type, path, key or predicate.
+
+    What is kept:
+        - The input is never changed (but see modules below). Each tensor is copied once
+          however many places hold it, and a view of a tensor that is also in ``obj``
+          (or inside a larger tensor of ``obj``) arrives as a view of that tensor's copy,
+          whichever order they come in: writing into one shows in the other. A view whose
+          base is not in ``obj`` is copied alone, as ``.to`` copies it (a staged small one
+          into a region it shares with other small tensors, see below).
+        - dtype, shape, ``requires_grad``, and autograd history: the move is ``.to`` (or
+          ``as_strided`` for views), so gradients flow back to the originals. An
+          ``nn.Parameter`` comes back as a new ``nn.Parameter`` on ``device`` (a leaf,
+          as ``module.to`` makes them).
+        - A cycle does not loop: the inner reference to an enclosing container is kept
+          as the original object. Depth is not limited by Python's recursion limit.
+
+    The ``non_blocking`` rule: asynchronous copies are used only from CPU memory to an
+    accelerator other than MPS, where torch orders every later use of the copy after it
+    lands. Copies to the CPU are always blocking, since the host could read the result
+    before it arrives, and so are copies to MPS, where non-blocking copies have been
+    seen to arrive late (Lightning-AI/pytorch-lightning#11287, pytorch/pytorch#83015).
+    So ``non_blocking=True`` is always safe here; it only helps from pinned memory.
+
+    Staged moves (``coalesce=True``, the default): from the host to an accelerator (CUDA,
+    XPU, ...: the one ``torch.accelerator`` reports; never to ``meta`` or MPS), a move of
+    at least 4 small tensors, or of 1 MiB or more in pageable memory, copies them into a
+    reused pinned buffer and sends it in a few large copies, instead of one copy per
+    tensor (see :mod:`devicectx.move._staging` for the rules and thresholds):
+
+    - Tensors of at most 64 KiB come back as views of one device region of at most
+      1 MiB, which they share: one kept alive keeps that region allocated. Larger
+      tensors get device memory of their own, as with ``.to``.
+    - The sources have been copied when ``to_device`` returns, so they may be changed
+      at once, even with ``non_blocking=True``: safer than ``.to(non_blocking=True)``
+      from pinned memory, whose source must stay unchanged until the copy lands. Larger
+      tensors that are pinned already are sent directly, and follow that rule.
+    - Everything above is kept (strides and memory format included); tensors the
+      staged path cannot copy faithfully (that require grad, subclasses and parameters,
+      expanded or strided views, ...) move one by one in the same call.
+    - Back to the host (a ``"cpu"`` target), 4 or more small accelerator tensors are
+      packed on the device and come back in one blocking copy, into host memory of
+      their own (shared by at most 1 MiB of them).
+    - The pinned memory is bounded (64 MiB) and kept for the next move:
+      :func:`~devicectx.staging_memory` says how much, :func:`~devicectx.release_staging`
+      lets it go. Where memory cannot be pinned, moves go tensor by tensor. A ``skip``
+      with keys, paths or predicates also moves tensor by tensor.
+
+    Caveats:
+        - ``nn.Module`` objects are moved with ``module.to``, which moves them in place;
+          pass ``skip=torch.nn.Module`` to leave them alone.
+        - Objects with their own ``.to`` are moved with it (on a shallow copy, so that a
+          ``.to`` that works in place leaves the input alone): they keep their own
+          rules, so a tensor they share with the rest of ``obj`` is copied twice. What
+          their ``.to`` leaves behind (a ``BatchEncoding`` moves only the tensors it
+          holds directly) is moved as their children, where the type takes item
+          assignment; else ``MoveError``, never a half-moved object.
+        - Dataclasses are rebuilt field by field; other attributes are copied as they
+          are. A dataclass that is also a mapping (or a sequence) is copied, and each
+          view that showed a moved child (field, entry, or any attribute holding it)
+          is made to show the moved one; the copy is then read again to check it.
+        - A ``Mapping``/``Sequence``/``Set`` type is rebuilt with a copy and item
+          assignment, else with its constructor; one that takes neither raises
+          ``MoveError`` (it is never turned into another type, nor left half-moved):
+          teach it with :func:`register_container`, or ``skip`` it.
+    """
+    cacheable = isinstance(device, (str, torch.device))
+    target = _RESOLVED.get(device) if cacheable else None  # type: ignore[arg-type]
+    if target is None:
+        target = resolve_device(device)
+        if cacheable and _stable(device) and len(_RESOLVED) < 64:
+            _RESOLVED[device] = target  # type: ignore[index]
+    if skip is None:
+        if _nothing_to_move(obj, target, ()):
+            return obj
+        fix = _to_device_fix(target, "obj")
+        return _move(obj, target, non_blocking, None, "obj", fix, "to_device()", coalesce)
+    compiled = compile_skip(skip)
+    return move_to(obj, target, non_blocking=non_blocking, skip=compiled, coalesce=coalesce)
+
+
+# Explicit specs whose resolution cannot change: resolving costs more than a small move.
+_RESOLVED: dict[str | torch.device, torch.device] = {}
+
+
+def _stable(spec: DeviceLike) -> bool:
+    """Whether ``spec`` always resolves to the same device: not ``"auto"``, and not an
+    accelerator without an index (``"cuda"`` follows ``torch.cuda.set_device``)."""
+    if isinstance(spec, torch.device):
+        return spec.index is not None or spec.type in ("cpu", "meta")
+    return isinstance(spec, str) and (":" in spec or spec.strip() in ("cpu", "meta"))
+
+
+def move_to(
+    obj: T,
+    device: torch.device,
+    *,
+    non_blocking: bool = False,
+    skip: SkipLike = None,
+    name: str = "obj",
+    coalesce: bool = True,
+    where: str | None = None,
+) -> T:
+    """:func:`to_device` for a device already resolved: no resolution cost per call.
+
+    The decorator's entry point. Everything is as in :func:`to_device`; moreover:
+
+    Args:
+        device: a resolved ``torch.device``, with its index where tensors have one
+            (``cuda:0``, not ``cuda``), or tensors already there would be copied again.
+        skip: as in :func:`to_device`, or a compiled :class:`~devicectx.move._skip.Skip`. A
+            type or tuple of types (``skip=nn.Module``, to never move modules) is
+            compiled once and kept, and costs nothing on the way to the fast check.
+        name: the root of the paths in errors (and of paths given in ``skip``).
+        where: the place that moves, for :mod:`devicectx.move._transfers` (the decorated
+            function); None for the line that called.
+
+    Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
+    passed twice becomes one moved tensor.
+    """
+    if skip is None:
+        if _nothing_to_move(obj, device, ()):
+            return obj
+        fix = _to_device_fix(device, name)
+        return _move(obj, device, non_blocking, None, name, fix, "to_device()", coalesce, where)
+    compiled = compile_skip(skip, name)
+    if compiled is not None and not compiled.slow and _nothing_to_move(obj, device, compiled.types):
+        return obj
+    fix = _to_device_fix(device, name)
+    return _move(obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce, where)
+
+
+def move_call(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device,
+    *,
+    names: Sequence[str] = (),
+    rest: str = "args",
+    non_blocking: bool = False,
+    skip: SkipLike = None,
+    who: str = "@device_agnostic",
+    coalesce: bool = True,
+    where: str | None = None,
+    check_repeats: bool = True,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments moved as one structure, with errors that name the parameters.
+
+    As ``move_to((args, kwargs), device)``, but a path starts at the parameter: the
+    positional argument ``i`` is ``names[i]`` (``args[j]`` past the names, with ``rest``
+    for ``args``), a keyword argument is its keyword. ``(args, kwargs)`` come back as the
+    same objects when nothing moved. ``who`` starts the error message (the decorated
+    function, say: ``"train.loss()"``); ``where`` names the place that moves, as in
+    :func:`move_to`.
+    """
+    compiled = compile_skip(skip, "")
+    if compiled is None:
+        if _nothing_to_move((args, kwargs), device, ()):
+            return args, kwargs
+    elif not compiled.slow and _nothing_to_move((args, kwargs), device, compiled.types):
+        return args, kwargs
+    call = _Call(args, kwargs, names, rest)
+    moved = _move(
+        call, device, non_blocking, compiled, "", _call_fix, who, coalesce, where, check_repeats
+    )
+    if moved is call:
+        return args, kwargs
+    return moved.args, moved.kwargs
+
+
+def _nothing_to_move(obj: object, device: torch.device, skip_types: tuple[type, ...]) -> bool:
+    """The fast check before a move. A container whose own code fails here is left to the
+    move, which names it in its error."""
+    try:
+        return all_on(obj, device, skip_types)
+    except Exception:
+        return False
+
+
+def _move(
+    obj: T,
+    device: torch.device,
+    non_blocking: bool,
+    skip: Skip | None,
+    name: str,
+    fix: Fix,
+    who: str = "to_device()",
+    coalesce: bool = True,
+    where: str | None = None,
+    check_repeats: bool = True,
+) -> T:
+    mover = TensorMover(device, non_blocking)
+    paths = _transfers.paths_if_tracked(obj, name)
+    staged = None
+    if coalesce and device not in _staging.NEVER and (skip is None or not skip.slow):
+        # The staged tensors' results go into mover.moved, where the walk finds them;
+        # `staged` holds what their ids belong to until the walk is done.
+        staged = _staging.stage(obj, device, non_blocking, _types(skip), mover.moved, mover.sent)
+    result = Rebuild(device, mover, skip, name, fix, who=who).run(obj)
+    replace = mover.finish()
+    if replace:  # views met before the tensor they belong to: made views of it now
+        result = Rebuild(None, None, None, name, fix, replace).run(result)
+    _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
+    del staged
+    return result  # type: ignore[no-any-return]
+
+
+def _types(skip: Skip | None) -> tuple[type, ...]:
+    return () if skip is None else skip.types
+
+
+def _to_device_fix(device: torch.device, name: str) -> Fix:
+    def fix(path: str) -> str:
+        return f"leave it where it is: to_device({name}, {str(device)!r}, skip=[{path!r}])"
+
+    return fix
+
+
+def _call_fix(path: str) -> str:
+    match = re.match(r"[A-Za-z_]\w*", path)
+    parameter = match.group(0) if match else path
+    return (
+        f"move it yourself, or leave the argument out of the move: "
+        f"@device_agnostic(exclude=({parameter!r},))"
+    )
+
+
+class _Call:
+    """The arguments of one call, as a container whose children are named by parameter."""
+
+    __slots__ = ("args", "keys", "kwargs")
+
+    def __init__(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], names: Sequence[str], rest: str
+    ) -> None:
+        self.args = args
+        self.kwargs = dict(kwargs)
+        named = len(names)
+        self.keys = [
+            names[i] if i < named else f"{rest}[{i - named}]" for i in range(len(args))
+        ] + list(kwargs)
+
+
+def _split_call(call: _Call) -> tuple[list[str], list[Any]]:
+    return call.keys, [*call.args, *call.kwargs.values()]
+
+
+def _rebuild_call(call: _Call, keys: object, old: object, new: list[Any]) -> _Call:
+    count = len(call.args)
+    moved = _Call.__new__(_Call)
+    moved.args = tuple(new[:count])
+    moved.kwargs = dict(zip(call.kwargs, new[count:], strict=True))
+    moved.keys = call.keys
+    return moved
+
+
+_containers._BUILTIN[_Call] = Kind(CONTAINER, NAME, _split_call, _rebuild_call)

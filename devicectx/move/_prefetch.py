@@ -1,0 +1,442 @@
+"""Batches on the device before the step asks for them: :func:`prefetch`.
+
+A loop that moves each batch when its step asks waits for the copy: the copy of batch
+``i + 1`` starts only then, on the stream the step computes on. :func:`prefetch` moves the
+next ``depth`` batches ahead, on a side *copy stream* of the target device, so that their
+copies run while the device computes the steps queued before them. How, on an accelerator
+with streams (CUDA, ROCm, XPU, the testing kit's emulated device):
+
+- each batch is moved by the move engine (:func:`~devicectx.to_device`: staged through
+  pinned buffers, so sources need not be pinned), with the copy stream made the current
+  stream of the target around the move: the engine queues its copies, and allocates the
+  results, on the current stream;
+- before that, where a source may still be written by the caller's stream (one on a
+  device, or a pinned buffer a device-to-host copy still fills) and that stream is busy,
+  the copy stream waits for the work queued there so far; a batch of pageable host
+  tensors (a ``DataLoader`` without ``pin_memory``) needs no such wait, and its copies
+  start at once, overlapping the steps queued before them;
+- an event is recorded on the copy stream after the move. Handing the batch over, the
+  caller's current stream waits on that event (the device waits, not the host), and every
+  tensor of the batch is recorded as used on that stream (``Tensor.record_stream``): the
+  caching allocator does not give its memory to another tensor until the work queued
+  there on it has run, whichever stream frees it.
+
+Everything runs in the caller's thread, inside ``next()``: reading the loader, packing,
+queuing the copies. No thread is started: the host work of the next batch overlaps the
+device's work on the steps already queued, and a loader's exceptions, warnings and
+context (``on_device``, ``track_transfers``) stay where the caller expects them.
+
+Elsewhere (the CPU, ``meta``, MPS, whose one queue copies in order anyway, a device
+without streams or events), each batch is moved when it is asked for: the same iterator,
+no lookahead, nothing started.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from devicectx.devices._resolve import DeviceLike, accelerator_type, resolve_device
+from devicectx.move import _transfers
+from devicectx.move._move import _move, _nothing_to_move
+from devicectx.move._skip import Skip, SkipLike, compile_skip
+from devicectx.move._staging import regions_used_on
+from devicectx.move._walk import collect
+from devicectx.scope._context import active_device
+
+__all__ = ["Prefetcher", "Streams", "prefetch", "streams_for"]
+
+T = TypeVar("T")
+
+_NO_STREAMS = frozenset({"cpu", "meta", "mps"})
+"""Device types moved in order: no memory of their own (``cpu``, ``meta``), or one queue
+that runs copies in order with the compute (MPS)."""
+
+_NAME = "batch"  # the root of the paths in errors, in track_transfers and in skip=
+
+
+def prefetch(
+    batches: Iterable[T],
+    device: DeviceLike | None = None,
+    *,
+    depth: int = 2,
+    skip: SkipLike = None,
+) -> Prefetcher[T]:
+    """Iterate over ``batches`` moved to ``device``, with the next ``depth`` already on their way.
+
+    Example:
+        >>> import torch
+        >>> from devicectx import prefetch
+        >>> loader = [{"x": torch.ones(2), "id": i} for i in range(3)]
+        >>> batches = prefetch(loader, "meta")
+        >>> [(batch["x"].device.type, batch["id"]) for batch in batches]
+        [('meta', 0), ('meta', 1), ('meta', 2)]
+        >>> len(batches)
+        3
+
+    Args:
+        batches: any iterable of batches: a ``DataLoader`` (``pin_memory`` not needed), a
+            list, a generator. Each batch is anything :func:`~devicectx.to_device` moves.
+        device: where to; anything :func:`~devicectx.resolve_device` takes. None: the
+            device of the enclosing ``on_device`` block, else ``"auto"``. Resolved here,
+            once.
+        depth: on an accelerator with streams, how many batches are moved ahead of the one
+            handed over (each holds its device memory until it is handed over and freed):
+            1 overlaps each copy with one step, 2 (the default) also absorbs a loader or
+            a copy that is slow now and then.
+        skip: what stays where it is, as :func:`~devicectx.to_device` takes it; paths are
+            rooted at ``batch`` (``"batch['meta']"``).
+
+    Returns:
+        A :class:`Prefetcher`: iterable as ``batches`` is (a new pass per ``iter()`` for a
+        ``DataLoader`` or a list; one pass, resumed after a ``break``, for an iterator or
+        a generator), with ``len()``, the wrapped object's attributes (``sampler``,
+        ``batch_size``, ``dataset``, ...), :meth:`~Prefetcher.set_epoch` and
+        :meth:`~Prefetcher.close`.
+
+    Raises:
+        InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here.
+        ValueError: ``depth`` is not an int of at least 1.
+        TypeError: ``skip`` holds something that is no type, path, key or predicate.
+
+    While iterating:
+        - An exception the loader raises for batch ``k`` is raised when batch ``k`` is
+          asked for, never earlier, with the loader's own traceback; the batches before
+          it are handed over first. Iterating again goes on reading the loader.
+        - A batch that cannot be moved raises :class:`~devicectx.MoveError` when it is
+          asked for, naming its index (counting from 0) and the path inside it.
+        - ``track_transfers`` counts the copies under the line that called ``prefetch``
+          (``train.py:12``), in the log open where ``next()`` moves them.
+
+    What you may do, and when:
+        - The batch handed over is ready on your current stream at that moment: use it
+          there with no further wait, write into it, keep it. To use it on another
+          stream, make that stream wait for yours (``other.wait_stream(current)``), as
+          for any tensor.
+        - The source batch: pageable tensors (a ``DataLoader`` without ``pin_memory``)
+          have been copied into staging memory before the loader is read again, so the
+          loader may reuse their memory at once. Pinned tensors larger than 64 KiB are
+          copied to the device directly, later: as with ``.to(non_blocking=True)``, do
+          not write into them until the batch moved from them is in use on your stream
+          and that stream has passed it (``torch.accelerator.synchronize()``). A
+          ``DataLoader(pin_memory=True)`` never writes into a batch it has handed out.
+
+    Caveats:
+        - Batches are moved in the caller's thread, inside ``next()``: the loader's own
+          work (``num_workers=0``) and the packing are host time, which the device's
+          queued work overlaps, not the host's. Use loader workers for slow loading.
+        - ``close()``, or dropping the iterator (a ``break`` out of ``for batch in
+          prefetch(...)``), frees the batches in flight. Staging memory (pinned buffers
+          shared by every move, at most 64 MiB) stays for the next move, as
+          :func:`~devicectx.staging_memory` reports; :func:`~devicectx.release_staging`
+          lets it go.
+        - The streams used are the caller's current stream of the target device at each
+          ``next()``, and a copy stream of the prefetcher's own. Inside a CUDA graph
+          capture, do not prefetch.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        msg = (
+            f"prefetch(depth={depth!r}): depth is how many batches move ahead of the one "
+            f"handed over, an int of at least 1\n"
+            f"fix: prefetch(batches, depth=2), or depth=1 to hold the fewest batches on the "
+            f"device"
+        )
+        raise ValueError(msg)
+    if device is None:
+        device = active_device() or "auto"
+    target = resolve_device(device)
+    compiled = compile_skip(skip, _NAME)
+    return Prefetcher(batches, target, depth, compiled, _transfers._caller_line())
+
+
+class Prefetcher(Generic[T]):
+    """What :func:`prefetch` returns: ``batches`` moved to :attr:`device`, ahead of use.
+
+    Attributes:
+        device: the resolved target device.
+        depth: how many batches are moved ahead, where the device has streams.
+        batches: the wrapped iterable; its other attributes are read through this object.
+        streams: whether batches are moved ahead on a copy stream (an accelerator with
+            streams and events), else in order when asked for.
+    """
+
+    def __init__(
+        self, batches: Iterable[T], device: torch.device, depth: int, skip: Skip | None, where: str
+    ) -> None:
+        self.batches = batches
+        self.device = device
+        self.depth = depth
+        self._skip = skip
+        self._where = where
+        self._streams = streams_for(device)
+        self.streams = self._streams is not None
+        self._passes: weakref.WeakSet[_Pass[T]] = weakref.WeakSet()
+        # An iterator has one pass, resumed by every iter(), as a generator is.
+        self._shared: _Pass[T] | None = None
+        self._one_pass = isinstance(batches, Iterator)
+
+    def __iter__(self) -> Iterator[T]:
+        if self._one_pass:
+            if self._shared is None:
+                self._shared = self._start(iter(self.batches))
+            return self._shared
+        return self._start(iter(self.batches))
+
+    def _start(self, source: Iterator[Any]) -> _Pass[T]:
+        started: _Pass[T] = _Pass(self, source)
+        self._passes.add(started)
+        return started
+
+    def __len__(self) -> int:
+        """``len()`` of the wrapped object: a ``TypeError`` where it has none."""
+        return len(self.batches)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this object lacks: the loader's sampler, dataset, ...
+        if name.startswith("__") or "batches" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.batches, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the wrapped object (or its sampler) which epoch starts.
+
+        The wrapped object's own ``set_epoch`` where it has one (accelerate's loaders),
+        else that of its ``sampler`` and ``batch_sampler`` (a ``DistributedSampler``,
+        which reshuffles per epoch only when told).
+
+        Raises:
+            AttributeError: neither the wrapped object nor its samplers have ``set_epoch``.
+        """
+        own = getattr(self.batches, "set_epoch", None)
+        if own is not None:
+            own(epoch)
+            return
+        told = False
+        for name in ("sampler", "batch_sampler"):
+            sampler = getattr(self.batches, name, None)
+            for candidate in (sampler, getattr(sampler, "sampler", None)):
+                if candidate is not None and hasattr(candidate, "set_epoch"):
+                    candidate.set_epoch(epoch)
+                    told = True
+        if not told:
+            kind = type(self.batches).__name__
+            msg = (
+                f"prefetch(...).set_epoch({epoch}): the wrapped {kind} has no set_epoch, "
+                f"nor has its sampler\n"
+                f"fix: leave set_epoch out for this loader, or give it a sampler that "
+                f"takes one (DistributedSampler)"
+            )
+            raise AttributeError(msg)
+
+    def close(self) -> None:
+        """End every pass under way: their batches in flight are freed (see :meth:`_Pass.close`).
+
+        A ``DataLoader`` or a list can be iterated again afterwards (a new pass); an
+        iterator's one pass is over.
+        """
+        for running in list(self._passes):
+            running.close()
+
+    def __repr__(self) -> str:
+        return f"prefetch({self.batches!r}, {str(self.device)!r}, depth={self.depth})"
+
+    def _move(self, batch: Any, index: int) -> Any:
+        """``batch`` on the device through the move engine, its errors naming ``index``."""
+        skip = self._skip
+        types = () if skip is None else skip.types
+        if (skip is None or not skip.slow) and _nothing_to_move(batch, self.device, types):
+            return batch
+        device = self.device
+        streams = self._streams is not None
+
+        def fix(path: str) -> str:
+            return f"leave it where it is: prefetch(batches, {str(device)!r}, skip=[{path!r}])"
+
+        who = f"prefetch() at batch {index}"
+        return _move(batch, device, streams, skip, _NAME, fix, who, True, self._where)
+
+
+class _InFlight:
+    """A batch moved on the copy stream, and the event after its copies."""
+
+    __slots__ = ("batch", "event")
+
+    def __init__(self, batch: Any, event: Any) -> None:
+        self.batch = batch
+        self.event = event
+
+
+class _Raised:
+    """What the loader (or the move) raised for a batch, kept till that batch is asked for."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _Pass(Iterator[T]):
+    """One pass over the wrapped iterable: what ``iter(prefetcher)`` returns."""
+
+    def __init__(self, owner: Prefetcher[T], source: Iterator[Any]) -> None:
+        self._owner = owner
+        self._source: Iterator[Any] | None = source
+        self._read = 0  # the index of the next batch read from the source
+        self._queue: collections.deque[_InFlight | _Raised] = collections.deque()
+        self._raised = 0  # how many _Raised are in the queue: no reading past one
+
+    def __iter__(self) -> _Pass[T]:
+        return self
+
+    def __next__(self) -> T:
+        streams = self._owner._streams
+        if streams is None:  # in order: read one, move it
+            source = self._source
+            if source is None:
+                raise StopIteration
+            batch = next(source)  # the loader's StopIteration and errors, as they are
+            index = self._read
+            self._read += 1
+            return self._owner._move(batch, index)  # type: ignore[no-any-return]
+        self._fill(streams)
+        if not self._queue:
+            self._source = None
+            raise StopIteration
+        item = self._queue.popleft()
+        if isinstance(item, _Raised):
+            self._raised -= 1
+            error = item.error
+            del item
+            try:
+                raise error  # its traceback still holds the loader's frames
+            finally:
+                del error
+        streams.hand_over(item.batch, item.event)
+        return item.batch  # type: ignore[no-any-return]
+
+    def _fill(self, streams: Streams) -> None:
+        """Read and move batches until ``depth + 1`` are queued (the next one and ``depth``
+        after it), the source ends, or a batch raised."""
+        owner = self._owner
+        queue = self._queue
+        while len(queue) <= owner.depth and not self._raised and self._source is not None:
+            index = self._read
+            try:
+                batch = next(self._source)
+            except StopIteration:
+                self._source = None
+                return
+            except Exception as error:  # raised when batch `index` is asked for
+                self._read += 1
+                self._raised += 1
+                queue.append(_Raised(error))
+                return
+            self._read += 1
+            try:
+                queue.append(_InFlight(*streams.send(owner._move, batch, index)))
+            except Exception as error:  # a MoveError, raised in its turn
+                self._raised += 1
+                queue.append(_Raised(error))
+                return
+
+    def close(self) -> None:
+        """Stop: the source is let go, and the batches in flight are freed, once their
+        copies have landed (so that no copy writes into memory given back)."""
+        self._source = None
+        queue, self._queue = self._queue, collections.deque()
+        self._raised = 0
+        streams = self._owner._streams
+        for item in queue:
+            if isinstance(item, _InFlight) and streams is not None:
+                streams.landed(item.event)
+        queue.clear()
+
+    def __del__(self) -> None:
+        # A `break` out of a for loop drops the pass: free what it holds, as close() does.
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class Streams:
+    """The stream work of one prefetcher: a copy stream of the device, events, hand-over.
+
+    :func:`streams_for` makes one per prefetcher (None: move in order); the tests put a
+    stand-in in its place that records what is asked of it, to check the lookahead on a
+    machine without streams.
+    """
+
+    __slots__ = ("copy", "device")
+
+    def __init__(self, device: torch.device, copy: torch.Stream) -> None:
+        self.device = device
+        self.copy = copy
+
+    def send(self, move: Callable[[Any, int], Any], batch: Any, index: int) -> tuple[Any, Any]:
+        """``move(batch, index)`` queued on the copy stream, after the work queued so far on
+        the caller's stream; the result and the event after its copies."""
+        copy = self.copy
+        previous = torch.accelerator.current_stream(self.device)
+        if not previous.query() and _written_by_streams(batch):
+            copy.wait_stream(previous)
+        index_before = torch.accelerator.current_device_index()
+        torch.accelerator.set_stream(copy)  # the engine queues and allocates on the current one
+        try:
+            # A staged result's storage is a slice of a shared region, which record_stream
+            # on the result does not reach: the regions are recorded on the caller's stream
+            # as they are made (the stream the batch is handed to, unless the caller
+            # changes streams between batches, where the results alone are recorded).
+            with regions_used_on(previous):
+                moved = move(batch, index)
+        finally:
+            torch.accelerator.set_stream(previous)
+            torch.accelerator.set_device_index(index_before)  # set_stream changed it
+        return moved, copy.record_event()
+
+    def hand_over(self, batch: Any, event: Any) -> None:
+        """Make ``batch`` safe on the caller's current stream: it waits for the copies
+        (the device waits, not the host), and the batch's memory is recorded as used there."""
+        consumer = torch.accelerator.current_stream(self.device)
+        consumer.wait_event(event)
+        device_type = self.device.type
+        found, inside, _ = collect(batch)
+        for tensors in (found, inside):
+            for tensor in tensors.values():
+                if tensor.device.type == device_type:
+                    tensor.record_stream(consumer)
+
+    def landed(self, event: Any) -> None:
+        """Wait until the copies before ``event`` have landed."""
+        event.synchronize()
+
+
+def _written_by_streams(batch: Any) -> bool:
+    """Whether a stream may still be writing a source of ``batch``: one on a device, or a
+    pinned one (``.to("cpu", non_blocking=True)`` fills pinned memory later). The copies
+    of such a batch wait for the caller's stream; a batch of pageable host tensors (a
+    ``DataLoader`` without ``pin_memory``) is read by the host alone, and its copies need
+    not wait for the steps queued before them: that wait would hold every staging chunk
+    until the device is done with those steps, and the host with them."""
+    found, inside, _ = collect(batch)
+    for tensors in (found, inside):
+        for tensor in tensors.values():
+            if not tensor.is_cpu or tensor.is_pinned():
+                return True
+    return False
+
+
+def streams_for(device: torch.device) -> Streams | None:
+    """The :class:`Streams` of a new prefetcher to ``device``; None where the device has no
+    streams (or no events), and batches move in order."""
+    if device.type in _NO_STREAMS or device.type != accelerator_type():
+        return None
+    try:
+        copy = torch.Stream(device=device)
+        copy.record_event()  # events work on this device too
+    except Exception:  # a backend without streams or events: in order
+        return None
+    return Streams(device, copy)

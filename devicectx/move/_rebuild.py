@@ -1,0 +1,528 @@
+"""The rebuilding walk of the move engine: a structure with its tensors moved.
+
+Containers are rebuilt only where a child changed, and each container met again (shared,
+or a cycle) gives its first result, so a cycle ends and shared containers stay shared.
+Tensors go to a :class:`~devicectx.move._alias.TensorMover`, which copies each once and keeps
+views views.
+
+The walk is recursive, which is the fastest way through a batch in CPython, down to
+``_DEPTH`` containers; below that it goes on with an explicit stack, so depth is not
+limited by Python's recursion limit. The explicit stack also serves a ``skip`` that
+needs each child's key or path checked. A failed move unwinds as :class:`_Failed`, each
+level adding its key, and surfaces as a ``MoveError`` that names the whole path; so does a
+container that cannot be rebuilt faithfully, and an object whose own ``.to`` left tensors
+behind. A ``skip`` predicate that raises is reported as the predicate's error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from devicectx._errors import MoveError
+from devicectx.move import _containers
+from devicectx.move._alias import EngineBug, TensorMover
+from devicectx.move._containers import (
+    CONTAINER,
+    DICT_KIND,
+    LEAF,
+    LIST_KIND,
+    MODULE,
+    TENSOR,
+    TUPLE_KIND,
+    CannotRebuild,
+    Kind,
+    kind_for,
+)
+from devicectx.move._paths import ITEM, MEMBER, build, join
+from devicectx.move._skip import PredicateFailed, Skip
+from devicectx.move._walk import all_on, iter_tensors, module_on
+
+_Tensor = torch.Tensor
+_CACHE = _containers._CACHE
+_DEPTH = 100  # containers deeper than this go on with an explicit stack
+_BUSY = object()  # a container whose rebuild is under way: meeting it again is a cycle
+_PUSHED = object()  # the explicit-stack walk started a container: descend into it
+_NOT_CALLED = object()  # no .to(non_blocking=True) was made: .to(device) must be
+_FAST_KINDS = (DICT_KIND, LIST_KIND, TUPLE_KIND)
+
+Fix = Callable[[str], str]
+"""Given the path of what failed to move, the fix to print, written as code."""
+
+
+class _Failed(Exception):
+    """A move that failed, on its way up: ``parts`` gets each level's key, innermost first."""
+
+    def __init__(self, obj: object, error: Exception) -> None:
+        super().__init__()
+        self.obj = obj
+        self.error = error
+        self.parts: list[tuple[int, Any]] = []
+
+
+def _failed(obj: object, error: Exception, style: int, key: Any) -> _Failed:
+    failed = _Failed(obj, error)
+    failed.parts.append((style, key))
+    return failed
+
+
+class Rebuild:
+    """One walk that rebuilds a structure with its tensors moved (or replaced).
+
+    With a :class:`TensorMover`, tensors not on ``device`` are moved, and so are modules
+    (in place) and objects with their own ``.to``. With ``replace`` instead, it only puts
+    the tensors listed there in place of the ones a first walk gave, by identity.
+    """
+
+    __slots__ = (
+        "device",
+        "fast",
+        "fix",
+        "groups",
+        "keep",
+        "memo",
+        "moved",
+        "mover",
+        "name",
+        "replace",
+        "sent",
+        "skip",
+        "skip_types",
+        "who",
+    )
+
+    def __init__(
+        self,
+        device: torch.device | None,
+        mover: TensorMover | None,
+        skip: Skip | None,
+        name: str,
+        fix: Fix,
+        replace: dict[int, torch.Tensor] | None = None,
+        who: str = "to_device()",
+    ) -> None:
+        self.who = who
+        self.device = device
+        self.mover = mover
+        self.skip = skip
+        self.skip_types = () if skip is None else skip.types
+        self.name = name
+        self.fix = fix
+        self.replace = replace
+        self.memo: dict[int, Any] = {}
+        # Children a container's split made on the fly are kept here till the walk ends,
+        # so that no id in `memo` or in the mover is reused by a new object meanwhile.
+        self.keep: list[Any] = []
+        # A plain tensor met once that is no view is moved right here (while no view has
+        # been met: then all go to the mover, which groups them); else by the mover.
+        self.moved = mover.moved if mover is not None and not mover.non_blocking else None
+        self.groups = mover.groups if mover is not None else {}
+        self.sent: list[torch.Tensor] = mover.sent if mover is not None else []
+        self.fast = (_containers.FAST_DICT, _containers.FAST_LIST, _containers.FAST_TUPLE)
+
+    def run(self, root: Any) -> Any:
+        """The rebuilt ``root``."""
+        try:
+            if self.skip is not None and self.skip.slow:
+                if self._skipped(None, False, self.name, root):
+                    return root
+                return self._iterate(root, self.name)
+            return self._any(root, 0)
+        except _Failed as failed:
+            raise self._error(failed) from failed.error
+        except PredicateFailed as failed:
+            raise MoveError(failed.message(self.who)) from failed.error
+        except Exception as error:  # the root's own split or rebuild
+            raise self._error(_Failed(root, error)) from error
+
+    # The recursive walk.
+
+    def _any(self, obj: Any, depth: int) -> Any:
+        tp = type(obj)
+        if tp is _Tensor:
+            return obj if obj.device == self.device else self._tensor(obj)
+        fast_dict, fast_list, fast_tuple = self.fast
+        if tp is fast_dict:
+            return self._dict(obj, depth)
+        if tp is fast_list or tp is fast_tuple:
+            return self._sequence(obj, depth)
+        kind = _CACHE.get(tp) or kind_for(tp)
+        role = kind.role
+        if role == LEAF or (self.skip_types and isinstance(obj, self.skip_types)):
+            return obj
+        if role == TENSOR:
+            return obj if obj.device == self.device else self._tensor(obj)
+        memo = self.memo
+        done = memo.get(id(obj), memo)
+        if done is not memo:
+            return obj if done is _BUSY else done
+        if role == CONTAINER:
+            if depth > _DEPTH:
+                return self._iterate(obj, "")
+            memo[id(obj)] = _BUSY
+            result = self._container(obj, kind, depth)
+        else:
+            result = self._moved_whole(obj, kind)
+        memo[id(obj)] = result
+        return result
+
+    def _dict(self, obj: dict[Any, Any], depth: int) -> Any:
+        memo = self.memo
+        done = memo.get(id(obj))
+        if done is not None:
+            return obj if done is _BUSY else done
+        if depth > _DEPTH:
+            return self._iterate(obj, "")
+        memo[id(obj)] = _BUSY
+        device, walk = self.device, self._any
+        moved, groups, sent = self.moved, self.groups, self.sent
+        out = {}
+        changed = False
+        key = None
+        try:
+            for key, value in obj.items():
+                if type(value) is _Tensor:
+                    # The hot loop. A plain tensor that is no view (while no view has been
+                    # met) skips the device test: .to returns it as it is when it is on
+                    # the target already, and a walk that moves usually moves them all.
+                    if moved is not None and not groups and value._base is None:
+                        result = moved.get(id(value))
+                        if result is None:
+                            result = moved[id(value)] = value.to(device)
+                            if result is not value:
+                                sent.append(value)
+                    elif value.device == device:
+                        result = value
+                    else:
+                        result = self._tensor(value)
+                    out[key] = result
+                    if result is not value:
+                        changed = True
+                    continue
+                result = walk(value, depth + 1)
+                out[key] = result
+                if result is not value:
+                    changed = True
+        except _Failed as failed:
+            failed.parts.append((ITEM, key))
+            raise
+        except Exception as error:  # from the inlined .to, or a container's own code
+            raise _failed(value, error, ITEM, key) from error
+        rebuilt = out if changed else obj
+        memo[id(obj)] = rebuilt
+        return rebuilt
+
+    def _sequence(self, obj: list[Any] | tuple[Any, ...], depth: int) -> Any:
+        memo = self.memo
+        done = memo.get(id(obj))
+        if done is not None:
+            return obj if done is _BUSY else done
+        if depth > _DEPTH:
+            return self._iterate(obj, "")
+        memo[id(obj)] = _BUSY
+        device, walk = self.device, self._any
+        moved, groups, sent = self.moved, self.groups, self.sent
+        out: list[Any] = []
+        append = out.append
+        changed = False
+        try:
+            for value in obj:
+                if type(value) is _Tensor:
+                    # The hot loop: as in _dict.
+                    if moved is not None and not groups and value._base is None:
+                        result = moved.get(id(value))
+                        if result is None:
+                            result = moved[id(value)] = value.to(device)
+                            if result is not value:
+                                sent.append(value)
+                    elif value.device == device:
+                        result = value
+                    else:
+                        result = self._tensor(value)
+                    append(result)
+                    if result is not value:
+                        changed = True
+                    continue
+                result = walk(value, depth + 1)
+                append(result)
+                if result is not value:
+                    changed = True
+        except _Failed as failed:
+            failed.parts.append((ITEM, len(out)))
+            raise
+        except Exception as error:  # from the inlined .to, or a container's own code
+            raise _failed(value, error, ITEM, len(out)) from error
+        rebuilt = obj if not changed else (out if type(obj) is list else tuple(out))
+        memo[id(obj)] = rebuilt
+        return rebuilt
+
+    def _container(self, obj: Any, kind: Kind, depth: int) -> Any:
+        keys, old = kind.split(obj)  # type: ignore[misc]
+        walk = self._any
+        new: list[Any] = []
+        changed = False
+        try:
+            for value in old:
+                result = walk(value, depth + 1)
+                new.append(result)
+                if result is not value:
+                    changed = True
+        except _Failed as failed:
+            index = len(new)
+            failed.parts.append((kind.style, index if keys is None else keys[index]))
+            raise
+        except Exception as error:  # a child's own split or rebuild
+            index = len(new)
+            key = index if keys is None else keys[index]
+            raise _failed(old[index], error, kind.style, key) from error
+        self.keep.append(old)
+        return kind.rebuild(obj, keys, old, new) if changed else obj  # type: ignore[misc]
+
+    # The explicit-stack walk. A frame is a container whose children are being rebuilt,
+    # kept as a list for speed: [obj, kind, keys, old children, new children, changed,
+    # path]. The child being visited is old[len(new)].
+
+    def _iterate(self, root: Any, path: str) -> Any:
+        frames: list[list[Any]] = []
+        try:
+            return self._iterate_frames(root, path, frames)
+        except PredicateFailed:
+            raise
+        except Exception as error:
+            failed = error
+            if not isinstance(failed, _Failed):  # a split or rebuild: blame what it was for,
+                # the child being visited (a rebuilt frame is popped before it rebuilds).
+                top = frames[-1] if frames else None
+                culprit = root if top is None else top[3][len(top[4])]
+                failed = _Failed(culprit, error)
+            for frame in reversed(frames):
+                index, keys = len(frame[4]), frame[2]
+                failed.parts.append((frame[1].style, index if keys is None else keys[index]))
+            raise failed from failed.error
+
+    def _iterate_frames(self, root: Any, path: str, frames: list[list[Any]]) -> Any:
+        value = self._visit(root, path, frames)
+        if value is not _PUSHED:
+            return value
+        slow = self.skip is not None and self.skip.slow
+        memo, keep = self.memo, self.keep
+        while True:
+            frame = frames[-1]
+            old, new = frame[3], frame[4]
+            changed = frame[5]
+            for index in range(len(new), len(old)):
+                child = old[index]
+                if slow:
+                    result = self._slow(frame, index, child, frames)
+                elif type(child) is _Tensor:
+                    result = child if child.device == self.device else self._tensor(child)
+                else:
+                    result = self._visit(child, "", frames)
+                if result is _PUSHED:
+                    frame[5] = changed
+                    break
+                new.append(result)
+                if result is not child:
+                    changed = True
+            else:
+                frames.pop()
+                obj, kind = frame[0], frame[1]
+                if kind not in _FAST_KINDS:
+                    keep.append(old)
+                result = kind.rebuild(obj, frame[2], old, new) if changed else obj
+                memo[id(obj)] = result
+                if not frames:
+                    return result
+                parent = frames[-1]
+                parent[4].append(result)
+                if result is not obj:
+                    parent[5] = True
+
+    def _visit(self, obj: Any, path: str, frames: list[list[Any]]) -> Any:
+        """``obj`` moved; or ``_PUSHED`` after starting a frame for a container."""
+        tp = type(obj)
+        kind = _CACHE.get(tp) or kind_for(tp)
+        role = kind.role
+        if role == LEAF or (self.skip_types and isinstance(obj, self.skip_types)):
+            return obj
+        if role == TENSOR:
+            return obj if obj.device == self.device else self._tensor(obj)
+        memo = self.memo
+        done = memo.get(id(obj), memo)
+        if done is not memo:
+            return obj if done is _BUSY else done
+        if role == CONTAINER:
+            keys, old = kind.split(obj)  # type: ignore[misc]
+            if not old:
+                return obj
+            memo[id(obj)] = _BUSY
+            frames.append([obj, kind, keys, old, [], False, path])
+            return _PUSHED
+        result = self._moved_whole(obj, kind)
+        memo[id(obj)] = result
+        return result
+
+    def _slow(self, frame: list[Any], index: int, child: Any, frames: list[list[Any]]) -> Any:
+        """Visit a child when ``skip`` needs its key or path checked."""
+        keys, style = frame[2], frame[1].style
+        key = index if keys is None else keys[index]
+        path = join(frame[6], style, key) if self.skip is not None and self.skip.needs_paths else ""
+        if self._skipped(key, style != MEMBER, path, child):
+            return child
+        if type(child) is _Tensor:
+            return child if child.device == self.device else self._tensor(child)
+        return self._visit(child, path, frames)
+
+    def _skipped(self, key: Any, keyed: bool, path: str, value: Any) -> bool:
+        skip = self.skip
+        assert skip is not None
+        if keyed and skip.keys:
+            try:
+                if key in skip.keys:
+                    return True
+            except TypeError:  # an unhashable key
+                pass
+        return skip.skips(path, value)
+
+    # Moving what is not a container.
+
+    def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, not on the target, moved (or replaced)."""
+        if self.replace is not None:
+            return self.replace.get(id(tensor), tensor)
+        moved = self.moved
+        if (
+            moved is not None
+            and not self.groups
+            and type(tensor) is _Tensor
+            and tensor._base is None
+        ):
+            result = moved.get(id(tensor))
+            if result is None:
+                result = moved[id(tensor)] = self._to(tensor)
+                self.sent.append(tensor)
+            return result
+        assert self.mover is not None
+        try:
+            return self.mover.move(tensor)
+        except Exception as error:
+            raise _Failed(tensor, error) from error
+
+    def _to(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A plain tensor met for the first time, that is no view, moved with ``.to``."""
+        try:
+            return tensor.to(self.device)
+        except Exception as error:
+            raise _Failed(tensor, error) from error
+
+    def _moved_whole(self, obj: Any, kind: Kind) -> Any:
+        """A module (in place) or an object with its own ``.to``, moved."""
+        mover, device = self.mover, self.device
+        if mover is None or device is None:  # replacing: only what the engine itself moved
+            if kind.role == MODULE or kind.rebuild is None:
+                return obj
+            return self._container(obj, kind, 0)
+        try:
+            if kind.role == MODULE:
+                if not module_on(obj, device):
+                    self._sending(obj)
+                    obj.to(device, non_blocking=mover.non_blocking)
+                return obj
+            if kind.split is not None and all_on(kind.split(obj)[1], device):
+                return obj
+            self._sending(obj)
+            # A copy first: some .to methods work in place (BatchEncoding's does), and the
+            # input must not change.
+            try:
+                target = copy.copy(obj)
+            except Exception:
+                target = obj
+            result = _NOT_CALLED
+            if mover.non_blocking:
+                with contextlib.suppress(TypeError):  # a .to that takes no non_blocking
+                    result = target.to(device, non_blocking=True)
+            if result is _NOT_CALLED:
+                result = target.to(device)
+            if result is None:  # a .to that moves in place and returns nothing (no `return
+                # self`): the object it moved is the result, checked below like any other.
+                result = target
+            if kind.split is None or not _off(result, device):
+                return result
+        except Exception as error:
+            raise _Failed(obj, error) from error
+        # Its .to left tensors behind (a BatchEncoding moves only the tensors it holds
+        # directly, not a list of them): those are moved as children, where the type's
+        # own protocol can take them back; else the object is refused, not half-moved.
+        if kind.rebuild is not None and type(result) is type(obj):
+            result = self._container(result, kind, 0)
+        try:
+            if _off(result, device):
+                raise _left_behind(result, device)
+        except Exception as error:
+            raise _Failed(obj, error) from error
+        return result
+
+    def _sending(self, obj: Any) -> None:
+        """List the tensors a module's or an object's own ``.to`` is about to copy."""
+        seen: set[int] = set()
+        for _, tensor in iter_tensors(obj, modules=True):
+            if tensor.device != self.device and id(tensor) not in seen:
+                seen.add(id(tensor))
+                self.sent.append(tensor)
+
+    def _error(self, failed: _Failed) -> MoveError:
+        path = build(self.name, reversed(failed.parts))
+        error = failed.error
+        fix = self.fix(path)
+        if isinstance(error, EngineBug):
+            detail = str(error)
+            fix = (
+                "none needed in your code: this is a bug in devicectx; please report it "
+                f"with this message. Meanwhile, {fix}"
+            )
+        elif isinstance(error, CannotRebuild):
+            detail = str(error)
+            if error.left:
+                places = ", ".join(f"{path}{below} ({device})" for below, device in error.left)
+                detail = f"{detail}: {places}"
+            fix = (
+                f"teach it with devicectx.register_container({error.tp.__qualname__}, "
+                f"children=..., rebuild=...); or {fix}"
+            )
+        else:
+            detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
+        msg = (
+            f"{self.who} could not move {path} ({_describe(failed.obj)}) to {self.device}:\n"
+            f"    {detail}\n"
+            f"fix: {fix}"
+        )
+        return MoveError(msg)
+
+
+def _off(result: Any, device: torch.device) -> bool:
+    """Whether a tensor that can be read in ``result`` is not on ``device``. What cannot be
+    read (an object inside with a ``.to`` of its own and no readable children) is trusted:
+    the ``.to`` that moved ``result`` moved it."""
+    return any(tensor.device != device for _, tensor in iter_tensors(result, ""))
+
+
+def _left_behind(result: Any, device: torch.device) -> CannotRebuild:
+    """The error for an object whose own ``.to`` left some of its tensors where they were."""
+    left = [(path, t.device) for path, t in iter_tensors(result, "") if t.device != device]
+    why = f"its own .to({str(device)!r}) left tensors where they were"
+    return CannotRebuild(type(result), why, left)
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        shape = tuple(obj.shape)
+        return f"{_a(type(obj).__name__)} of shape {shape}, {obj.dtype}, on {obj.device}"
+    return _a(type(obj).__qualname__)
+
+
+def _a(name: str) -> str:
+    return f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}"

@@ -1,0 +1,244 @@
+"""torch's tensor constructors, filled in with a scope's device.
+
+Why not torch's own mechanism. ``with torch.device(d)`` and ``set_default_device`` put a
+``DeviceContext`` (a ``TorchFunctionMode``) on the thread's mode stack, and every torch call
+in the thread then makes a trip through Python to reach it, although the mode changes only
+the few dozen constructors (pytorch/pytorch#92701: a 4.5x slower ``mm`` launch). Here the
+constructors themselves are replaced by wrappers that fill in ``device=`` and call the
+original: every other call costs what it costs outside a scope, and a constructor costs a
+Python call instead of a mode dispatch.
+
+When. The wrappers are put in place when the first scope of the process opens that changes
+the device, and stay: entering a later block is a push on a context variable, not 80
+``setattr``s (issue 22). A process that never opens such a block runs torch's own functions.
+Outside every block a wrapper asks one context variable and the thread's list of decorated
+calls, and calls torch's function (about 0.3 µs a call). While they are in place, they ask
+:mod:`devicectx.scope._context` which device the running thread or asyncio task wants (``None``:
+leave torch to decide), and ``torch.get_default_device`` answers for the scopes too.
+
+Where. In every loaded module, torch's or not, a module-level name bound to one of torch's
+constructors (``from torch import zeros``, ``ones = torch.ones``) is replaced, at the first
+block and, for modules loaded since, at the next block entered; a name bound afterwards
+through torch's modules gets the wrapper anyway. What stays torch's own: a reference held
+inside an object, a closure or a default argument before the first block (an attribute
+``self.fn = torch.ones``, a ``functools.partial``, a ``def f(fn=torch.ones)``).
+``on_device(..., exact=True)`` adds torch's mode for such code, and ``audit=True`` names
+each such call.
+
+Private torch API: ``torch.utils._device._device_constructors()`` is the set torch's own
+``DeviceContext`` fills in (the wrappers are added to it, so that torch's mode, traced or
+not, treats a wrapper as the constructor it is); ``torch.jit._builtins._builtin_table``
+maps a function to its aten op (each wrapper is mapped as its original, so
+``torch.jit.script`` compiles code that calls one). Checked on torch 2.6.0 to 2.15.0 (36
+functions, the same set).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from types import CodeType, ModuleType
+from typing import Any
+
+import torch
+import torch.utils._device
+
+from devicectx._torch.dynamo import constant, faking, keep_trace_rules, never_top_level
+
+__all__ = ["TorchPatch", "constructor_patch", "inline_only"]
+
+DeviceQuery = Callable[[], "torch.device | None"]
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_Site = tuple[ModuleType, str, object, object]  # (module, name, torch's function, replacement)
+
+
+class TorchPatch:
+    """Functions of torch replaced in every loaded module that holds them by name.
+
+    Args:
+        make: ``{torch's function: its replacement}``, called once, at the first install.
+    """
+
+    def __init__(self, make: Callable[[], dict[object, Callable[..., Any]]]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._wrappers: dict[int, Callable[..., Any]] | None = None  # by id of the original
+        self._scanned: dict[str, ModuleType] = {}  # the modules looked through, by name
+        self._sites: list[_Site] = []
+        self.installed = False
+        self.seen = -1
+        """``len(sys.modules)`` when the modules were last looked through: a caller compares
+        it with the length now (one comparison) to know whether :meth:`install` has work."""
+
+    def install(self) -> None:
+        """Put the replacements in place, in every loaded module that holds torch's own by
+        name (modules looked through before are not looked through again)."""
+        with self._lock:
+            if self._wrappers is None:
+                self._wrappers = {id(original): fn for original, fn in self._make().items()}
+                _REPLACEMENTS.update(fn.__code__ for fn in self._wrappers.values())
+            new = self._find_sites()
+            # Tables dynamo built since the last look (its first compile loads modules, so
+            # a look follows it) list the replacements: torch's own are put back in them.
+            pairs = [(fn.__wrapped__, fn) for fn in self._wrappers.values()]  # type: ignore[attr-defined]
+            keep_trace_rules(pairs)
+            _keep_builtin_ops(pairs)
+            if "torch._dynamo.eval_frame" in sys.modules:
+                inline_only()
+            for module, name, original, wrapper in new if self.installed else self._sites + new:
+                if module.__dict__.get(name) is original:
+                    setattr(module, name, wrapper)
+            self._sites.extend(new)
+            self.installed = True
+
+    def uninstall(self) -> None:
+        """Give torch its functions back wherever they were replaced."""
+        with self._lock:
+            for module, name, original, wrapper in self._sites:
+                # Someone else may have replaced it since (a test's monkeypatch): theirs stays.
+                if module.__dict__.get(name) is wrapper:
+                    setattr(module, name, original)
+            # dynamo, loaded and first tracing while they were in place, listed them.
+            keep_trace_rules((original, wrapper) for _, _, original, wrapper in self._sites)
+            self.installed = False
+
+    def _find_sites(self) -> list[_Site]:
+        """The names bound to a replaced function in the modules loaded since the last look."""
+        assert self._wrappers is not None
+        wrappers = self._wrappers
+        sites: list[_Site] = []
+        modules = list(sys.modules.items())
+        for module_name, module in modules:
+            if self._scanned.get(module_name) is module or not isinstance(module, ModuleType):
+                continue
+            self._scanned[module_name] = module
+            for name, value in list(vars(module).items()):
+                wrapper = wrappers.get(id(value))
+                if wrapper is not None and not name.startswith("__"):
+                    sites.append((module, name, value, wrapper))
+        self.seen = len(modules)
+        return sites
+
+
+def constructor_patch(
+    active: Callable[[], tuple[object, ...]],
+    calls: Any,
+    scope_device: DeviceQuery,
+    traced_scope_device: DeviceQuery,
+    default_device: Callable[[], torch.device],
+) -> TorchPatch:
+    """The replacement of torch's constructors (and ``torch.get_default_device``).
+
+    Args:
+        active: the running task's blocks (empty outside every block): asked first, on
+            every constructor call, so it must be cheap.
+        calls: a ``threading.local`` whose ``scopes`` lists the scopes of the decorated
+            calls running in this thread (empty outside them): asked next.
+        scope_device: the device a constructor called without ``device=`` gets here, or
+            None to leave torch's own default (and modes) in charge; asked inside blocks.
+        traced_scope_device: the same, for code dynamo traces: a trace-time constant.
+        default_device: what ``torch.get_default_device()`` answers while the patch is
+            in place.
+    """
+
+    def make() -> dict[object, Callable[..., Any]]:
+        originals = torch.utils._device._device_constructors()
+        wrappers: dict[object, Callable[..., Any]] = {
+            original: _fill_device(original, active, calls, scope_device, traced_scope_device)
+            for original in originals
+        }
+        # torch's DeviceContext, traced or not, treats a replacement handed to it (by dynamo,
+        # which puts one in its graph) as the constructor it replaces.
+        originals.update(wrappers.values())
+        getter = torch.get_default_device
+        wrappers[getter] = _answer_default(getter, default_device)
+        return wrappers
+
+    return TorchPatch(make)
+
+
+def _fill_device(
+    original: Callable[..., Any],
+    active: Callable[[], tuple[object, ...]],
+    calls: Any,
+    scope_device: DeviceQuery,
+    traced_scope_device: DeviceQuery,
+) -> Callable[..., Any]:
+    """``original``, with ``device=`` filled in from the scope where the caller gave none."""
+
+    # As in torch's DeviceContext: only a device given by keyword counts (a positional one
+    # is not in any constructor's signature), and device=None means "the default".
+    # is_dynamo_compiling() is False when the function runs, True where dynamo traces it:
+    # then the scope's device is read at trace time, where dynamo keeps its own mode stack.
+    # Outside every scope (the task's tuple of blocks and the thread's list of decorated
+    # calls empty): torch's function at once.
+    @functools.wraps(original)
+    def constructor(*args: Any, **kwargs: Any) -> Any:
+        if _is_dynamo_compiling():
+            inline_only()
+            if kwargs.get("device") is None:
+                device = traced_scope_device()
+                if device is not None:
+                    kwargs["device"] = device
+        elif (active() or calls.scopes) and kwargs.get("device") is None:
+            device = scope_device()
+            if device is not None and not _from_dynamo():
+                kwargs["device"] = device
+        return original(*args, **kwargs)
+
+    return constructor
+
+
+def _keep_builtin_ops(pairs: list[tuple[object, Callable[..., Any]]]) -> None:
+    """Map each replacement to its original's aten op in TorchScript's table of builtins,
+    where it is built already (built later, it looks names up in torch: the replacements)."""
+    builtins = sys.modules.get("torch.jit._builtins")
+    table = getattr(builtins, "_builtin_table", None)
+    if isinstance(table, dict):
+        for original, replacement in pairs:
+            op = table.get(id(original))
+            if op is not None:
+                table.setdefault(id(replacement), op)
+
+
+_REPLACEMENTS: set[CodeType] = set()  # the code of every replacement a patch made
+_INLINED: set[CodeType] = set()  # those dynamo was told to inline only
+
+
+@constant
+def inline_only() -> bool:
+    """Tell dynamo never to compile a replacement as a frame of its own (see
+    ``never_top_level``): when a patch is put in place with dynamo loaded, else where
+    dynamo traces a replacement (too late for one compiled on its own before). A constant
+    where dynamo traces it: it runs once, at trace time."""
+    for code in _REPLACEMENTS - _INLINED:
+        _INLINED.add(code)
+        never_top_level(code)
+    return True
+
+
+def _from_dynamo() -> bool:
+    """Whether the constructor's caller is dynamo's own code (not code it traces).
+
+    dynamo makes probe tensors when it is imported, which a meta op can trigger inside a
+    block (torch 2.6, 2.7: ops with Python meta kernels import it): on the block's device,
+    meta, they fail and leave dynamo half imported.
+    """
+    caller = sys._getframe(2).f_globals.get("__name__", "")  # 0: here, 1: the constructor
+    # (never in code dynamo traces, which cannot read frames). dynamo running a call of its
+    # graph on fake tensors, to learn what it returns, runs traced code: that gets the scope.
+    return isinstance(caller, str) and caller.startswith("torch._dynamo") and not faking()
+
+
+def _answer_default(
+    original: Callable[[], torch.device], default_device: Callable[[], torch.device]
+) -> Callable[[], torch.device]:
+    """``torch.get_default_device``, answering for the scopes."""
+
+    @functools.wraps(original)
+    def get_default_device() -> torch.device:
+        return default_device()
+
+    return get_default_device
