@@ -15,6 +15,7 @@ The optional testing kit lives in :mod:`devicectx.testing` (``pip install device
 
 from importlib.metadata import version as _version
 
+from devicectx import _moved
 from devicectx._errors import (
     BatchTooLargeError,
     DeviceError,
@@ -47,6 +48,7 @@ from devicectx.scope._context import current_device, on_device
 from devicectx.scope._precision import Precision, PrecisionName, choose_precision, precision_scope
 
 __version__ = _version("devicectx")
+_moved.install()  # the module paths before 0.2, for pickles made with them
 
 __all__ = [
     "BatchTooLargeError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import pickle
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
@@ -785,3 +786,15 @@ def test_a_block_on_the_device_torch_gives_leaves_constructors_to_torch() -> Non
             assert torch.device("meta") == torch.zeros(1).device
         finally:
             torch.set_default_device(None)
+
+
+def test_an_on_device_object_pickles_as_what_it_is_made_of() -> None:
+    """An on_device object, entered or not, pickles as its device and options; the copy
+    is a fresh block that works on its own."""
+    block = on_device("meta", exact=True, audit="raise")
+    with block:
+        copy = pickle.loads(pickle.dumps(block))
+    assert repr(copy) == repr(block)
+    with copy:
+        assert torch.zeros(1).device == torch.device("meta")
+    assert torch.zeros(1).device == torch.device("cpu")

@@ -669,6 +669,19 @@ class on_device:
         # for a block with a precision entered from compiled code.
         self._entered: list[_Block | tuple[_Scope, _Amp | None] | DeviceContext | None] = []
 
+    def __reduce__(self) -> tuple[Callable[..., on_device], tuple[Any, ...]]:
+        # What the block is made of; what entering it left to undo stays in this process.
+        return _rebuilt, (self.spec, self.exact, self.precision, self.audit)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Load an object pickled by devicectx 0.1.0, which pickled every attribute."""
+        self.__init__(  # type: ignore[misc]
+            state["spec"],
+            exact=state.get("exact", False),
+            precision=state.get("precision"),
+            audit=state.get("audit", False),
+        )
+
     def __repr__(self) -> str:
         options = ", exact=True" if self.exact else ""
         if self.precision is not None:
@@ -800,3 +813,10 @@ class on_device:
                     step = functools.partial(driver.asend, sent)
 
         return run
+
+
+def _rebuilt(
+    spec: DeviceLike, exact: bool, precision: PrecisionName | None, audit: AuditOption
+) -> on_device:
+    """An ``on_device`` object loaded from a pickle."""
+    return on_device(spec, exact=exact, precision=precision, audit=audit)
