@@ -35,6 +35,7 @@ tensors and on torch's default device, so a change there recompiles):
 from __future__ import annotations
 
 import builtins
+import functools
 from collections.abc import Callable, Iterable
 from types import FunctionType
 from typing import TYPE_CHECKING, Any
@@ -100,8 +101,10 @@ def entry_function(plan: Plan, function: Callable[..., Any]) -> Callable[..., An
     """What dynamo inlines for a call of the function ``plan`` decorates (``function``).
 
     Reached as a method, it gets the instance (or class) as its first argument, as the raw
-    function does. A copy of :func:`_entry` whose globals hold the plan.
+    function does. A copy of :func:`_entry` whose globals hold the plan. Where dynamo traces
+    the plan's own eager call instead, the plan hands the call to :func:`under_compile`.
     """
+    plan.when_traced = functools.partial(under_compile, plan)
     function = getattr(function, "__func__", function)  # classmethod, staticmethod
     names = {
         "_plan": plan,

@@ -3,10 +3,13 @@
 Everything that can be worked out once (names of parameters, positions of excluded ones,
 whether the function is a generator) is worked out at decoration, in :class:`Plan`; a call
 only looks at its arguments. :meth:`Plan.call` is the wrapt wrapper of every decorated
-function. Under ``torch.compile`` dynamo does not trace this module (it reaches
-:mod:`devicectx.decorator._compiled` instead, see :mod:`devicectx.decorator._wrappers`);
-should it trace :meth:`Plan.call` anyway, the call hands over to
-:func:`devicectx.decorator._compiled.under_compile`.
+function, and eager: under ``torch.compile`` the layer above,
+:mod:`devicectx.decorator._compiled`, gives dynamo a call of its own
+(:mod:`devicectx.decorator._wrappers` says how). Where dynamo traces :meth:`Plan.call`
+anyway (a generator's call, the fallback), the call goes to :attr:`Plan.when_traced`, which
+that layer set: this module imports nothing of it. (The question stays here because wrapt's
+C wrapper calls the plan directly: asked a layer above, it would add a Python frame to
+every eager call.)
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from devicectx.decorator import _compiled, _mismatch
+from devicectx.decorator import _mismatch
 from devicectx.decorator._inputs import Held, found_devices, scan
 from devicectx.decorator._params import Params, self_offset
 from devicectx.decorator._target import (
@@ -54,6 +57,11 @@ UNBOUND = object()
 :class:`devicectx.decorator._wrappers.DeviceAgnosticWrapper`), read as None."""
 
 
+def _untraced(*args: Any) -> Any:
+    msg = "a Plan is traced only through the wrapper @device_agnostic gives it"
+    raise RuntimeError(msg)
+
+
 class Plan:
     """What a decorated function does at each call, settled at decoration."""
 
@@ -71,6 +79,7 @@ class Plan:
         "scope",
         "to_input",
         "traceable",
+        "when_traced",
     )
 
     def __init__(
@@ -113,6 +122,9 @@ class Plan:
         self.traceable = self.kind == FUNCTION
         if self.kind == GENERATOR:
             disable_resume_under_compile()
+        # The call dynamo traces, set by the layer above (decorator._compiled), which knows
+        # how; every plan @device_agnostic makes gets one.
+        self.when_traced: Callable[..., Any] = _untraced
 
     def call(
         self,
@@ -125,8 +137,8 @@ class Plan:
         __tracebackhide__ = True
         if instance is UNBOUND:
             instance = None
-        if _is_traced():  # dynamo traces this very call: see the module docstring
-            return _compiled.under_compile(self, wrapped, instance, args, kwargs)
+        if _is_traced():  # dynamo traces this call after all (a generator, the fallback)
+            return self.when_traced(wrapped, instance, args, kwargs)
         # The common case inline: nothing excluded, every tensor already on the target.
         # Anything else (moves, checks, errors, exclude=) takes prepare(), from scratch.
         option = self.device
