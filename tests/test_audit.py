@@ -20,6 +20,8 @@ from torch.overrides import _get_current_function_mode_stack
 from devicectx import StrayTensorError, StrayTensorWarning, on_device
 from devicectx.scope._audit import reset_reports
 
+pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
+
 CPU = torch.device("cpu")
 META = torch.device("meta")
 # torch's own, held in an object: a module-level name bound to one is replaced in audited

@@ -16,6 +16,8 @@ from devicectx import device_agnostic, on_device
 from devicectx._torch.modes import stack_length
 from devicectx.scope import _constructors
 
+pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
+
 CPU = torch.device("cpu")
 META = torch.device("meta")
 # torch's own functions, whatever torch.zeros is now: held in an object (a module-level name

@@ -28,6 +28,8 @@ from devicectx._torch.modes import clear_default_device
 from devicectx.scope._context import active_device
 from devicectx.testing.strategies import devices
 
+pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
+
 CPU = torch.device("cpu")
 META = torch.device("meta")
 T = TypeVar("T")

@@ -25,6 +25,8 @@ from torch import nn
 from devicectx import DeviceMismatchError, InvalidDeviceError, device_agnostic, on_device
 from devicectx.scope._context import active_device
 
+pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
+
 CPU = torch.device("cpu")
 META = torch.device("meta")
 

@@ -27,7 +27,10 @@ from devicectx.decorator import _compiled, _probe, _wrappers
 CPU = torch.device("cpu")
 META = torch.device("meta")
 # Each test moves the same inputs eagerly, then compiled, then again: on purpose.
-pytestmark = pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")
+pytestmark = [
+    pytest.mark.torch_internals,
+    pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning"),
+]
 Unsupported = torch._dynamo.exc.Unsupported
 
 

@@ -36,6 +36,8 @@ from typing import Any
 import pytest
 from helpers import python_output
 
+pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
+
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
 
 # The OpInfos whose function is one of torch's constructors held in the OpInfo itself:

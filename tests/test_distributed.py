@@ -26,7 +26,10 @@ from devicectx.decorator._target import module_device
 from devicectx.move._containers import DTENSOR_KIND, kind_for
 from devicectx.move._distributed import fsdp_compute_device, wrapper_name
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built")
+pytestmark = [
+    pytest.mark.torch_internals,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).with_name("torchrun_worker.py")

@@ -14,8 +14,9 @@ import torch
 import devicectx
 from devicectx._moved import MOVED
 
+pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
+
 PACKAGE = Path(devicectx.__file__).parent
-FOLDERS = ("_torch", "scope", "move", "decorator", "devices")
 PICKLES = Path(__file__).parent / "data" / "pickles-0.1.0.pkl"
 META = torch.device("meta")
 
@@ -87,17 +88,6 @@ def test_each_old_module_path_is_the_moved_module(old: str, new: str) -> None:
     assert (module.__name__, module.__spec__ and module.__spec__.name) == (new, new)
 
 
-def test_the_layout_lists_every_module_that_moved() -> None:
-    """The old-path table covers every module of the folders, and only those."""
-    in_folders = {
-        f"devicectx.{path.parent.name}.{path.stem}"
-        for folder in FOLDERS
-        for path in (PACKAGE / folder).glob("*.py")
-        if path.stem != "__init__"
-    }
-    assert set(MOVED.values()) == in_folders
-
-
 def imports_of(path: Path) -> list[tuple[str, str]]:
     """Every ``(module, name)`` a file imports from devicectx, ``name`` empty for a plain
     ``import`` (the package's imports are all absolute: a relative one fails here)."""
@@ -146,3 +136,93 @@ def test_the_torch_folder_depends_on_nothing_of_devicectx_but_its_errors() -> No
         for module, name in imports_of(path)
     }
     assert imported <= {"devicectx._errors", "devicectx._torch"}
+
+
+def private_torch_uses(source: str, label: str) -> list[str]:
+    """Where ``source`` reaches into torch's private API: an import of a private torch
+    module or name, an attribute path from ``torch`` or ``nn`` through a private name, or a
+    string naming a private torch module (``sys.modules.get("torch._dynamo")``);
+    docstrings aside."""
+
+    def private(dotted: str) -> bool:
+        return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+
+    tree = ast.parse(source)
+    bodies = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))
+    ]
+    docstrings = {
+        id(body[0].value)
+        for body in (node.body for node in bodies)
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    }
+    inner_attributes = {
+        id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+    }
+    found = []
+    for node in ast.walk(tree):
+        where = f"{label}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import):
+            found += [f"{where} import {a.name}" for a in node.names if private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            if any(private(f"{node.module}.{a.name}") for a in node.names):
+                found.append(f"{where} from {node.module} import ...")
+        elif isinstance(node, ast.Attribute) and id(node) not in inner_attributes:
+            chain, inner = [node.attr], node.value
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            dotted = ".".join(reversed(chain))
+            if isinstance(inner, ast.Name) and inner.id in {"torch", "nn"} and private(dotted):
+                found.append(f"{where} {inner.id}.{dotted}")
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and node.value.startswith("torch.")
+            and private(node.value.split()[0])
+        ):
+            found.append(f"{where} {node.value!r}")
+    return sorted(set(found))
+
+
+def test_torch_private_api_is_used_only_in_the_torch_folder() -> None:
+    """Outside ``devicectx/_torch/`` (and the testing kit), no module imports, reaches or
+    names a private part of torch: a new torch release is checked in that folder."""
+    uses = [
+        use
+        for path in package_sources()
+        if path.relative_to(PACKAGE).parts[0] != "_torch"
+        for use in private_torch_uses(path.read_text(), str(path.relative_to(PACKAGE)))
+    ]
+    assert uses == []
+
+
+def test_the_private_api_check_finds_each_kind_of_use() -> None:
+    """The check above finds private imports, attribute paths and module names, once each,
+    and passes public ones and docstrings."""
+    sample = (
+        '"""torch._C in a docstring."""\n'
+        "import torch.utils._device\n"
+        "from torch._C import _len_torch_function_stack\n"
+        "x = torch._C._get_privateuse1_backend_name()\n"
+        "y = nn.Module._apply\n"
+        "z = sys.modules.get('torch.jit._builtins')\n"
+        "public = (torch.__version__, torch.compiler.is_compiling, nn.Module.to, 'torch.fx')\n"
+    )
+    assert [use.split(" ", 1)[0] for use in private_torch_uses(sample, "s")] == [
+        f"s:{line}" for line in (2, 3, 4, 5, 6)
+    ]
+
+
+def test_every_test_file_that_reaches_the_torch_folder_is_run_on_every_torch() -> None:
+    """A test file that imports from ``devicectx._torch`` carries the ``torch_internals``
+    mark, so CI runs it on every minor torch release."""
+    tests = Path(__file__).parent
+    unmarked = [
+        path.name
+        for path in sorted(tests.glob("test_*.py"))
+        if any(module.startswith("devicectx._torch") for module, _ in imports_of(path))
+        and "pytest.mark.torch_internals" not in path.read_text()
+    ]
+    assert unmarked == []

@@ -19,6 +19,8 @@ from torch import nn
 from devicectx import DeviceMismatchError, device_agnostic
 from devicectx.decorator._target import Spread, _devices, module_device
 
+pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
+
 CPU = torch.device("cpu")
 META = torch.device("meta")
 SPREAD = Spread.SPREAD

@@ -1,6 +1,12 @@
 """Every use of torch's private APIs and dynamo's internals, so that a new torch release is
-checked in one folder (CI runs the tests of what uses these on every minor release).
+checked in one folder (``tests/test_layout.py`` keeps them here; CI runs the tests marked
+``torch_internals`` on every minor release).
 
-- ``modes``: torch's per-thread function-mode stack and its ``DeviceContext``;
-- ``dynamo``: dynamo's hooks: inlining, constants, trace rules, fake tensors.
+- ``modes``: torch's per-thread function-mode stack, its ``DeviceContext`` and default slot;
+- ``constructors``: the constructors ``DeviceContext`` fills in, TorchScript's table of them;
+- ``dynamo``: dynamo's hooks: inlining, constants, trace rules, fake tensors, graph breaks;
+- ``module_hooks``: told when a module's tensors may have moved (``Module._apply``);
+- ``pytree``: torch's pytree, which dynamo traces;
+- ``fsdp``: FSDP2's module class;
+- ``backends``: the name of the PrivateUse1 backend.
 """

@@ -125,6 +125,18 @@ def never_top_level(code: types.CodeType) -> bool:
     return False
 
 
+def loaded() -> bool:
+    """Whether dynamo is imported (its frame evaluation, at least)."""
+    return "torch._dynamo.eval_frame" in sys.modules
+
+
+def called_by_dynamo(frame: types.FrameType) -> bool:
+    """Whether ``frame`` runs dynamo's own code (not code it traces). dynamo running a call
+    of its graph on fake tensors, to learn what it returns, runs traced code: not its own."""
+    caller = frame.f_globals.get("__name__", "")
+    return isinstance(caller, str) and caller.startswith("torch._dynamo") and not faking()
+
+
 def disable(fn: _F) -> _F:
     """``torch.compiler.disable``: a call of ``fn`` in traced code is a graph break."""
     disabled: _F = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]

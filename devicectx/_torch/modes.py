@@ -46,7 +46,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext
 
 __all__ = [
+    "DEVICE_MODULE_GLOBALS",
     "EMPTY_SLOT",
+    "GLOBAL_DEVICE_CONTEXT",
     "SLOT_KEY",
     "DeviceContext",
     "clear_default_device",
@@ -59,6 +61,13 @@ __all__ = [
     "stack_length",
     "swap_current_device",
 ]
+
+# dynamo's view of the default device: the global CURRENT_DEVICE of torch.utils._device,
+# which DeviceContext sets (a scope sets it too, read and written as a dict: a function
+# call would cost as much as the read).
+DEVICE_MODULE_GLOBALS: dict[str, object] = vars(torch.utils._device)
+# The per-thread slot where torch keeps the DeviceContext of set_default_device.
+GLOBAL_DEVICE_CONTEXT = torch._GLOBAL_DEVICE_CONTEXT
 
 stack_length = _len_torch_function_stack
 """How many function modes this thread's stack holds (0 outside any mode)."""

@@ -41,11 +41,11 @@ from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from devicectx import _errors
 from devicectx._torch import dynamo as _dynamo_hooks
+from devicectx._torch import pytree
 from devicectx._torch.modes import DeviceContext
 from devicectx.decorator import _mismatch
 from devicectx.decorator._params import self_offset

@@ -48,18 +48,13 @@ call walks. Dynamo never traces a lookup (a decorated call under dynamo takes
 the hooks of a module built or changed in compiled code: there they replace the token without the
 lock, a store dynamo replays after the graph runs.
 
-The one place devicectx wraps a private torch method, ``torch.nn.Module._apply``: no hook
-tells of a move, and every move of a module's tensors goes through it. Checked on torch
-2.6.0, 2.13.0 and 2.15.0 (``_apply(self, fn, recurse=True)``, recursing through
-``module._apply`` of each child, in ``torch/nn/modules/module.py``). The registration hooks
-are public (``torch.nn.modules.module.register_module_*_registration_hook``, torch 2.0 on).
-Nothing is installed until the first module is looked up: importing devicectx changes
-nothing in torch.
+What tells of a move and of a registration is :mod:`devicectx._torch.module_hooks` (it wraps
+``torch.nn.Module._apply``, a private method). Nothing is installed until the first module
+is looked up: importing devicectx changes nothing in torch.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -67,7 +62,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _torch_module
+
+from devicectx._torch.module_hooks import watch_modules
 
 _T = TypeVar("_T")
 
@@ -160,27 +156,8 @@ def _install() -> None:
         if _installed:
             return
         _installed = True
-        original = nn.Module.__dict__.get("_apply")
-        hooks = (
-            "register_module_parameter_registration_hook",
-            "register_module_buffer_registration_hook",
-            "register_module_module_registration_hook",
-        )
-        if not callable(original) or not all(hasattr(_torch_module, h) for h in hooks):
-            return  # a torch we do not know: walk at every call rather than guess
-
-        @functools.wraps(original)
-        def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(self, *args, **kwargs)
-            finally:  # after the change, even a partial one: see the module docstring
-                _bump()
-
-        nn.Module._apply = _apply  # type: ignore[method-assign]
-        _torch_module.register_module_parameter_registration_hook(_on("_parameters"))
-        _torch_module.register_module_buffer_registration_hook(_on("_buffers"))
-        _torch_module.register_module_module_registration_hook(_on("_modules"))
-        _watching = True
+        # False on a torch we do not know: walk at every call rather than guess.
+        _watching = watch_modules(_bump, _on)
 
 
 def _on(table: str) -> Callable[[nn.Module, str, object], None]:

@@ -26,6 +26,7 @@ from typing import TypeAlias
 import torch
 
 from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
+from devicectx._torch.backends import privateuse1_name
 from devicectx._torch.dynamo import constant
 
 DeviceLike: TypeAlias = "torch.device | str | int | None"
@@ -332,8 +333,8 @@ def autocast_dtypes(device_type: str, index: int | None = None) -> tuple[torch.d
             native = torch.xpu.is_bf16_supported()
         return (brain, half) if native else (half,)
     # The renamed privateuseone backend (torch.utils.rename_privateuse1_backend), which
-    # autocast asks for its dtypes; a private function, as autocast itself calls it.
-    if device_type == torch._C._get_privateuse1_backend_name():
+    # autocast asks for its dtypes.
+    if device_type == privateuse1_name():
         listed = getattr(getattr(torch, device_type, None), "get_amp_supported_dtype", None)
         supported = listed() if callable(listed) else []
         return tuple(dtype for dtype in (brain, half) if dtype in supported)

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from devicectx._torch.fsdp import fsdp_module_type
+
 _Tensor = torch.Tensor
 
 
@@ -141,15 +143,6 @@ def split_mixed(
 
 
 # Modules: FSDP2 and the wrappers that must be given a model already on its device.
-
-
-def fsdp_module_type() -> type | None:
-    """FSDP2's ``FSDPModule``, where torch has imported it."""
-    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
-        found = getattr(sys.modules.get(name), "FSDPModule", None)
-        if isinstance(found, type):
-            return found
-    return None
 
 
 def fsdp_compute_device(module: nn.Module) -> torch.device | None:

@@ -25,8 +25,7 @@ their inputs and are not reported: ``@device_agnostic`` reports mixed inputs whe
 meet. Each report names the op, the devices, the user's ``file:line`` and the fix, once
 per line and op for the process (raising, every time).
 
-Private torch API: ``torch.utils._device._device_constructors()``, as in
-:mod:`devicectx.scope._constructors` (checked on torch 2.6.0 to 2.15.0).
+torch's list of constructors comes from :mod:`devicectx._torch.constructors`.
 """
 
 from __future__ import annotations
@@ -41,13 +40,13 @@ from types import BuiltinFunctionType, FrameType, FunctionType
 from typing import Any, Literal, TypeAlias
 
 import torch
-import torch.utils._device
 import wrapt
 from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from devicectx._errors import StrayTensorError, StrayTensorWarning, warn_at
 from devicectx._torch import modes as _torch_modes
+from devicectx._torch.constructors import device_constructors
 from devicectx.scope._constructors import TorchPatch, inline_only
 
 __all__ = ["AuditLevel", "AuditOption", "Auditor", "check_audit", "reset_reports"]
@@ -73,7 +72,7 @@ _NEW = frozenset(
     getattr(torch.Tensor, f"new_{name}")
     for name in ("empty", "empty_strided", "full", "ones", "tensor", "zeros")
 )
-_MADE = frozenset(torch.utils._device._device_constructors()) | _LIKE | _NEW
+_MADE = frozenset(device_constructors()) | _LIKE | _NEW
 # Replaced in the torch module while any block audits: no mode sees them.
 _UNSEEN = ("from_numpy", "frombuffer")
 

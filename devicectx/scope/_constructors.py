@@ -25,12 +25,10 @@ inside an object, a closure or a default argument before the first block (an att
 ``on_device(..., exact=True)`` adds torch's mode for such code, and ``audit=True`` names
 each such call.
 
-Private torch API: ``torch.utils._device._device_constructors()`` is the set torch's own
-``DeviceContext`` fills in (the wrappers are added to it, so that torch's mode, traced or
-not, treats a wrapper as the constructor it is); ``torch.jit._builtins._builtin_table``
-maps a function to its aten op (each wrapper is mapped as its original, so
-``torch.jit.script`` compiles code that calls one). Checked on torch 2.6.0 to 2.15.0 (36
-functions, the same set).
+torch's list of constructors, and TorchScript's table of them, come from
+:mod:`devicectx._torch.constructors`: the wrappers are added to that list, so that torch's
+mode, traced or not, treats a wrapper as the constructor it is, and each is mapped as its
+original in TorchScript's table, so that ``torch.jit.script`` compiles code that calls one.
 """
 
 from __future__ import annotations
@@ -43,9 +41,15 @@ from types import CodeType, ModuleType
 from typing import Any
 
 import torch
-import torch.utils._device
 
-from devicectx._torch.dynamo import constant, faking, keep_trace_rules, never_top_level
+from devicectx._torch.constructors import device_constructors, keep_builtin_ops
+from devicectx._torch.dynamo import (
+    called_by_dynamo,
+    constant,
+    keep_trace_rules,
+    loaded,
+    never_top_level,
+)
 
 __all__ = ["TorchPatch", "constructor_patch", "inline_only"]
 
@@ -84,8 +88,8 @@ class TorchPatch:
             # a look follows it) list the replacements: torch's own are put back in them.
             pairs = [(fn.__wrapped__, fn) for fn in self._wrappers.values()]  # type: ignore[attr-defined]
             keep_trace_rules(pairs)
-            _keep_builtin_ops(pairs)
-            if "torch._dynamo.eval_frame" in sys.modules:
+            keep_builtin_ops(pairs)
+            if loaded():
                 inline_only()
             for module, name, original, wrapper in new if self.installed else self._sites + new:
                 if module.__dict__.get(name) is original:
@@ -144,7 +148,7 @@ def constructor_patch(
     """
 
     def make() -> dict[object, Callable[..., Any]]:
-        originals = torch.utils._device._device_constructors()
+        originals = device_constructors()
         wrappers: dict[object, Callable[..., Any]] = {
             original: _fill_device(original, active, calls, scope_device, traced_scope_device)
             for original in originals
@@ -191,18 +195,6 @@ def _fill_device(
     return constructor
 
 
-def _keep_builtin_ops(pairs: list[tuple[object, Callable[..., Any]]]) -> None:
-    """Map each replacement to its original's aten op in TorchScript's table of builtins,
-    where it is built already (built later, it looks names up in torch: the replacements)."""
-    builtins = sys.modules.get("torch.jit._builtins")
-    table = getattr(builtins, "_builtin_table", None)
-    if isinstance(table, dict):
-        for original, replacement in pairs:
-            op = table.get(id(original))
-            if op is not None:
-                table.setdefault(id(replacement), op)
-
-
 _REPLACEMENTS: set[CodeType] = set()  # the code of every replacement a patch made
 _INLINED: set[CodeType] = set()  # those dynamo was told to inline only
 
@@ -226,10 +218,8 @@ def _from_dynamo() -> bool:
     block (torch 2.6, 2.7: ops with Python meta kernels import it): on the block's device,
     meta, they fail and leave dynamo half imported.
     """
-    caller = sys._getframe(2).f_globals.get("__name__", "")  # 0: here, 1: the constructor
-    # (never in code dynamo traces, which cannot read frames). dynamo running a call of its
-    # graph on fake tensors, to learn what it returns, runs traced code: that gets the scope.
-    return isinstance(caller, str) and caller.startswith("torch._dynamo") and not faking()
+    # 0: here, 1: the constructor (never in code dynamo traces, which cannot read frames).
+    return called_by_dynamo(sys._getframe(2))
 
 
 def _answer_default(

@@ -30,10 +30,10 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.utils._device
 from torch.overrides import TorchFunctionMode
 
 from devicectx._torch import modes as _torch_modes
+from devicectx._torch.constructors import device_constructors
 from devicectx._torch.dynamo import (
     constant,
     disable,
@@ -43,7 +43,9 @@ from devicectx._torch.dynamo import (
     tracing,
 )
 from devicectx._torch.modes import (
+    DEVICE_MODULE_GLOBALS,
     EMPTY_SLOT,
+    GLOBAL_DEVICE_CONTEXT,
     SLOT_KEY,
     DeviceContext,
     default_slot,
@@ -172,7 +174,7 @@ class _ExactMode(TorchFunctionMode):
 
 # The factory functions torch's own DeviceContext fills in ``device=`` for; read once,
 # as a frozenset, so the per-op check is one hash lookup (torch calls an lru_cache each time).
-_CONSTRUCTORS: frozenset[Callable[..., Any]] = frozenset(torch.utils._device._device_constructors())
+_CONSTRUCTORS: frozenset[Callable[..., Any]] = frozenset(device_constructors())
 
 # The scopes entered in this thread or task, innermost last. A tuple, so that tasks
 # (which copy the context) never share a mutable list.
@@ -277,11 +279,10 @@ _PATCH = constructor_patch(_active, _CALLS, scope_device, traced_scope_device, c
 _MODULES = sys.modules
 _stack_length = stack_length
 # torch's state a scope reads and sets at entry, read here directly (a function call costs
-# as much as the read): see :mod:`devicectx._torch.modes`. dynamo's view of the default
-# device is the global CURRENT_DEVICE of torch.utils._device, which DeviceContext sets.
-_DEVICE_GLOBALS: dict[str, object] = vars(torch.utils._device)
+# as much as the read): see :mod:`devicectx._torch.modes`.
+_DEVICE_GLOBALS = DEVICE_MODULE_GLOBALS
 _CURRENT = "CURRENT_DEVICE"
-_SLOT = torch._GLOBAL_DEVICE_CONTEXT
+_SLOT = GLOBAL_DEVICE_CONTEXT
 _SLOT_KEY, _EMPTY_SLOT = SLOT_KEY, EMPTY_SLOT
 
 
