@@ -5,7 +5,8 @@ reStructuredText. griffe reads Google style more strictly, and Markdown has no r
 in each docstring when the site is built (the source is left alone):
 
 - a Sphinx role (:func:`to_device`, :class:`~x.Y`) becomes a link where it names an object
-  of the public API the site documents, and inline code otherwise;
+  the API pages show (an entry ``::: devicectx.to_device``, or a documented member of
+  one), and inline code otherwise;
 - a literal block (a line ending with ``::``, then an indented block) becomes a fenced code
   block after a line ending with ``:``;
 - ``Example:`` before doctests becomes ``Examples:``, the section griffe renders as code
@@ -17,6 +18,7 @@ in each docstring when the site is built (the source is left alone):
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import griffe
@@ -24,16 +26,20 @@ import griffe
 ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|data|exc|obj):`([^`]+)`")
 SECTION_TITLE = re.compile(r"[A-Z][\w ()]*")
 EXCEPTIONS = re.compile(r"[A-Za-z_][\w.]*(\s*,\s*[A-Za-z_][\w.]*)*\s*:")
-# The documented packages: an object is public when it is reached from one of these
-# through names without a leading underscore, or re-exported by one (``__all__``).
-PUBLIC = ("devicectx", "devicectx.testing")
+ENTRY = re.compile(r"^::: ([\w.]+)", re.MULTILINE)
 
 
 class SphinxRoles(griffe.Extension):
-    """Rewrite Sphinx roles and ``::`` in every docstring of the loaded package."""
+    """Rewrite Sphinx roles and ``::`` in every docstring of the loaded package.
 
-    def __init__(self) -> None:
+    ``api_pages``: the pages whose ``:::`` entries the roles may link to.
+    """
+
+    def __init__(self, api_pages: list[str]) -> None:
         super().__init__()
+        self._entries = [
+            entry for page in api_pages for entry in ENTRY.findall(Path(page).read_text())
+        ]
         self._public: dict[str, str] | None = None
 
     def on_object(self, *, obj: griffe.Object, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
@@ -41,7 +47,7 @@ class SphinxRoles(griffe.Extension):
         if obj.is_alias or docstring is None:
             return
         if self._public is None:
-            self._public = public_paths(loader)
+            self._public = public_paths(loader, self._entries)
         public = self._public
         text = ROLE.sub(lambda match: rewrite(match.group(1), obj, loader, public), docstring.value)
         docstring.value = "\n".join(sections(text.split("\n")))
@@ -100,16 +106,14 @@ def _block_end(lines: list[str], start: int, indent: int) -> int:
     return end
 
 
-def public_paths(loader: griffe.GriffeLoader) -> dict[str, str]:
-    """Map the canonical path of each re-exported object to the path the site shows it at."""
+def public_paths(loader: griffe.GriffeLoader, entries: list[str]) -> dict[str, str]:
+    """Map the canonical path of each object the API pages show to the path they show it at."""
     paths: dict[str, str] = {}
-    for package in PUBLIC:
-        module = loader.modules_collection.get_member(package)
-        for name in module.exports or ():
-            try:
-                paths[module.members[name].canonical_path] = f"{package}.{name}"
-            except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
-                continue
+    for entry in entries:
+        try:
+            paths[loader.modules_collection.get_member(entry).canonical_path] = entry
+        except (KeyError, ValueError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+            continue
     return paths
 
 
@@ -145,12 +149,8 @@ def public_path(
         return None
     if canonical in public:
         return public[canonical]
-    # A documented member of a public class or module: shown on its owner's entry.
+    # A documented member of a class or module the pages show: shown in its owner's entry.
     owner, _, member = canonical.rpartition(".")
     if owner in public and not member.startswith("_") and found.docstring is not None:
         return f"{public[owner]}.{member}"
-    if any(canonical.startswith(f"{package}.") for package in PUBLIC) and not any(
-        part.startswith("_") for part in canonical.split(".")
-    ):
-        return canonical
     return None
