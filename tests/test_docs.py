@@ -194,12 +194,19 @@ DEVICECTX_WARNINGS = {name for name in devicectx.__all__ if name.endswith("Warni
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"{rel(b.page)}:{b.line}" for b in RUNNABLE])
 def test_python_example_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Python block of the docs runs as it stands, and warns as the output shown after it."""
+    """A Python block of the docs runs as it stands, and warns as the output shown after it.
+
+    On an accelerator that cannot compute in a precision a block asks for (bfloat16 on a
+    CUDA GPU before Ampere), the block raises as the docs say it does, and is skipped.
+    """
     monkeypatch.chdir(tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         code = compile(block.code, f"{rel(block.page)}:{block.line}", "exec")
-        exec(code, {"__name__": "__main__"})
+        try:
+            exec(code, {"__name__": "__main__"})
+        except devicectx.PrecisionUnsupportedError as error:
+            pytest.skip(f"this machine's accelerator cannot run it: {error}")
     warned = {type(w.message).__name__ for w in caught} & DEVICECTX_WARNINGS
     shown = set(re.findall(r"\b(\w+Warning):", block.shown)) & DEVICECTX_WARNINGS
     assert shown == warned
@@ -241,9 +248,9 @@ def was_printed(number: str, unit: str, runs: dict[str, set[str]]) -> bool:
     candidates = runs.get(unit, set())
     if number in candidates:
         return True
-    quoted = Decimal(number)
-    if len(quoted.normalize().as_tuple().digits) < 3 and "." in number:
+    if len(number.replace(".", "").lstrip("0")) < 3:
         return False
+    quoted = Decimal(number)
     step = Decimal(1).scaleb(quoted.as_tuple().exponent)
     return any(Decimal(value).quantize(step) == quoted for value in candidates)
 
@@ -306,6 +313,7 @@ def test_figure_check_rejects_what_no_run_printed() -> None:
     assert was_printed("82.1", "ms", runs)
     assert was_printed("4.93", "ms", runs)
     assert not was_printed("4.9", "ms", runs)  # two digits: as printed, or not at all
+    assert not was_printed("82", "ms", runs)
     assert not was_printed("82.2", "ms", runs)
     assert not was_printed("0.66", "x", runs)
     assert [("1.40", "x"), ("1.44", "x"), ("2.76", "µs")] == figures(
