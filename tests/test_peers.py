@@ -6,7 +6,7 @@ Read from accelerate's ``tests/test_utils.py`` (``send_to_device``, ``find_devic
 ``tests/tests_fabric/utilities/test_apply_func.py`` (``apply_to_collection``,
 ``move_data_to_device``), and optree's container kinds. Each test says which expectation
 it restates. Where devicectx differs by design, the test pins our behaviour and says why
-(the README's "Where devicectx differs from its peers" says it too).
+(docs/guarantees.md's "Where devicectx differs from its peers" says it too).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_accelerate_send_to_device_keeps_userdict() -> None:
 
 def test_accelerate_send_to_device_moves_one_tensor_once() -> None:
     """Where accelerate copies a tensor held at three places three times, we copy it
-    once: a difference by design (aliasing is kept, README's guarantees)."""
+    once: a difference by design (aliasing is kept, docs/guarantees.md)."""
     tensor = torch.randn(5, 2)
 
     moved = to_device({"a": tensor, "b": [tensor, tensor]}, "meta")
