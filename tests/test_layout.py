@@ -3,6 +3,7 @@
 import ast
 import functools
 import importlib
+import importlib.util
 import pickle
 from pathlib import Path
 from typing import Any
