@@ -49,3 +49,34 @@ def test_without_a_script_it_says_what_to_give() -> None:
     done = subprocess.run([*RUNNER, "--devices", "1"], capture_output=True, text=True, check=False)
     assert 2 == done.returncode
     assert done.stderr.splitlines()[-1].endswith("error: give a script to run, or -m MODULE")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "stderr_end"),
+    [
+        ("pass", 0, None),
+        ("raise SystemExit(3)", 3, None),
+        ("raise SystemExit('stopped: no data')", 1, "stopped: no data"),
+        ("raise ValueError('bad batch')", 1, "ValueError: bad batch"),
+    ],
+)
+def test_the_process_ends_as_python_ends_it(
+    tmp_path: Path, body: str, status: int, stderr_end: str | None
+) -> None:
+    """The exit status is the script's (its SystemExit, or 1 and the traceback for an
+    exception); a non-daemon thread is joined and atexit handlers run, in that order;
+    the output is flushed."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import atexit, sys, threading\n"
+        "atexit.register(lambda: print('atexit', flush=False))\n"
+        # still computing when the script's last line has run: joined, or its line is lost
+        "threading.Thread(target=lambda: (sum(range(10**7)), print('thread'))).start()\n"
+        "sys.stdout.write('unflushed ')\n"
+        f"{body}\n"
+    )
+    done = run("--devices", "1", str(script))
+    assert status == done.returncode, done.stderr
+    assert ["unflushed thread", "atexit"] == done.stdout.splitlines()
+    if stderr_end is not None:
+        assert done.stderr.rstrip().endswith(stderr_end)

@@ -15,14 +15,27 @@ Usage::
 Options before the script: ``--devices N`` (default 2) and ``--delay-ms MS`` (default 2),
 as :func:`~devicectx.testing.emulated.enable` takes them. Where the emulated accelerator
 cannot be built, it exits with status 2 and says why on stderr.
+
+The process ends as Python ends one (the script's exit status, or 1 and the traceback for
+an exception; non-daemon threads joined; ``atexit`` handlers run; output flushed), short of
+the interpreter's finalization: the emulated device's worker threads and torch's autograd
+thread for the device may still be running then, and a process that had printed its
+results was seen to abort in C++'s static destructors ("terminate called without an
+active exception", pytorch/pytorch#38228 for CUDA's kind), under load, about one run in
+ten of ``examples/mixed_precision.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import runpy
 import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 from devicectx.testing import emulated
 
@@ -57,12 +70,42 @@ def main(argv: list[str] | None = None) -> None:
     if target[0] == "-m":
         module, *arguments = target[1:]
         sys.argv = [module, *arguments]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    else:
-        script, *arguments = target
-        sys.argv = [script, *arguments]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
-        runpy.run_path(script, run_name="__main__")
+        _run_then_exit(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+    script, *arguments = target
+    sys.argv = [script, *arguments]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    _run_then_exit(lambda: runpy.run_path(script, run_name="__main__"))
+
+
+def _run_then_exit(run: Callable[[], object]) -> NoReturn:
+    """Run the target, then end the process as Python would, without its finalization
+    (see the module docstring)."""
+    try:
+        run()
+        status = 0
+    except SystemExit as exit_:
+        status = _status(exit_.code)
+    except BaseException:  # what Python does with an uncaught exception: print it, exit 1
+        traceback.print_exc()
+        status = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
+
+
+def _status(code: object) -> int:
+    """The exit status Python gives ``SystemExit(code)``: 0 for None, the int, else 1 with
+    the code printed on stderr."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
