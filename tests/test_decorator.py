@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import accelerator as accelerator_at
 from torch import nn
 
 from devicectx import DeviceMismatchError, InvalidDeviceError, device_agnostic, on_device
@@ -1048,3 +1049,35 @@ def test_accelerator_module_chooses_and_mismatch_names_it() -> None:
     with pytest.raises(DeviceMismatchError) as error:
         step(net, torch.ones(2))
     assert {CPU: ["x"]} == error.value.devices
+
+
+@pytest.mark.requires_device("accelerator")
+def test_accelerator_decorated_call_makes_its_index_current() -> None:
+    """With two devices, a decorated call to the one that is not current makes its index
+    current for the body, a nested call to the other its own; each index comes back after
+    a return and after an exception, at every call."""
+    if torch.accelerator.device_count() < 2:
+        pytest.skip("needs an accelerator with two devices (the emulated one has two)")
+    first, second = accelerator_at(0), accelerator_at(1)
+    seen: list[tuple[int, torch.device]] = []
+
+    def record() -> None:
+        seen.append((torch.accelerator.current_device_index(), allocated()))
+
+    @device_agnostic(device=first)
+    def inner() -> None:
+        record()
+        raise ValueError("inner")
+
+    @device_agnostic(device=second)
+    def outer() -> None:
+        record()
+        with pytest.raises(ValueError, match="inner"):
+            inner()
+        record()
+
+    assert 0 == torch.accelerator.current_device_index()
+    for _ in range(2):  # the second time, with what the first learnt of each device
+        outer()
+        assert 0 == torch.accelerator.current_device_index()
+    assert [(1, second), (0, first), (1, second)] * 2 == seen
