@@ -70,9 +70,9 @@ def test_the_process_ends_as_python_ends_it(
     script.write_text(
         "import atexit, sys, threading\n"
         "atexit.register(lambda: print('atexit', flush=False))\n"
+        "sys.stdout.write('unflushed ')\n"
         # still computing when the script's last line has run: joined, or its line is lost
         "threading.Thread(target=lambda: (sum(range(10**7)), print('thread'))).start()\n"
-        "sys.stdout.write('unflushed ')\n"
         f"{body}\n"
     )
     done = run("--devices", "1", str(script))
