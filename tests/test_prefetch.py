@@ -691,11 +691,13 @@ def test_the_emulator_catches_a_hand_over_that_leaves_a_step_out(
     monkeypatch.setattr(_prefetch, "regions_used_on", lambda *streams: contextlib.nullcontext())
     device = accelerator()
     sources = [detection_like(i) for i in range(3)]
-    running = iter(prefetch(sources, device))
-
-    held = [next(running)]
-    read_now = held[0]["ids"].cpu()
-    copies = late_read(held, device)
+    # Copies that land 300 ms late: a loaded machine takes more than the default 2 ms
+    # between the copy's queueing and the read, which then finds it landed.
+    with emulated.configure(delay_ms=300):
+        running = iter(prefetch(sources, device))
+        held = [next(running)]
+        read_now = held[0]["ids"].cpu()
+        copies = late_read(held, device)
 
     assert any(torch.isnan(copy).any() or (copy == -1).any() for copy in copies)
     if left_out == "wait_event":
