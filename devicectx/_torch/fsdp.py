@@ -1,8 +1,8 @@
 """FSDP2's module class, found where torch has imported it.
 
-``fully_shard`` lives in ``torch.distributed.fsdp`` from torch 2.6 on, and in the private
-``torch.distributed._composable.fsdp`` before (still there, as an alias, up to 2.15); both
-are looked up in ``sys.modules`` only, so that devicectx never imports torch.distributed.
+``FSDPModule`` is looked up in ``torch.distributed.fsdp`` and in the private
+``torch.distributed._composable.fsdp``, where torch releases have kept it; both in
+``sys.modules`` only, so that devicectx never imports torch.distributed.
 
 Example:
     >>> fsdp_module_type() is None or isinstance(fsdp_module_type(), type)

@@ -52,8 +52,6 @@ turned off: torch allows one PrivateUse1 backend per process, under one name.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -339,14 +337,3 @@ def _register(devices: int) -> None:
 
     _context.INDEX_READERS.clear()
     _staging.forget_accelerator()
-    atexit.register(_drain)
-
-
-def _drain() -> None:
-    """At exit, let every stream finish its queue before the interpreter and C++'s static
-    destructors tear torch down under the worker threads (a copy landing late in a freed
-    torch could abort the process after the user's code succeeded). A stream left paused
-    is left as it is."""
-    for device in initialized_devices():
-        with contextlib.suppress(RuntimeError):
-            torch.accelerator.synchronize(device)
