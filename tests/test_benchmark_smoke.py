@@ -235,12 +235,18 @@ def test_markdown_printed_and_written(run: dict[str, Any]) -> None:
 
 def test_prefetch_loop_ran_on_the_host_and_the_accelerator_there_is(run: dict[str, Any]) -> None:
     """The prefetch section timed every loop on cpu and meta, and on the accelerator (real,
-    or the emulated one where it builds, else saying why not); only torchtnt's prefetcher
-    may be missing, off CUDA or uninstalled."""
+    or the emulated one where it builds, else saying why not) from pageable then pinned
+    memory; only torchtnt's prefetcher may be missing, off CUDA or uninstalled."""
     section = run["json"]["prefetch"]
-    kinds = [case["kind"] for case in section["cases"].values()]
-    assert ["cpu", "meta"] == kinds[:2]
-    assert kinds[2:] in (["accelerator"], ["emulated"]) or "emulated" in section["skipped"]
+    kinds = [(case["kind"], case["source"]) for case in section["cases"].values()]
+    assert [("cpu", "pageable"), ("meta", "pageable")] == kinds[:2]
+
+    def accelerator(kind: str) -> list[tuple[str, str]]:
+        return [(kind, "pageable"), (kind, "pinned")]
+
+    assert kinds[2:] in (accelerator("accelerator"), accelerator("emulated")) or (
+        "emulated" in section["skipped"] and not kinds[2:]
+    )
     for key, case in section["cases"].items():
         for name, figures in case["subjects"].items():
             if name == "CudaDataPrefetcher":
