@@ -229,6 +229,40 @@ def test_fsdp2_module_computes_on_its_mesh_device(mesh: object) -> None:
     assert "fully_shard" == wrapper_name(model)  # type: ignore[arg-type]
 
 
+def test_cpu_offloaded_fsdp2_module_with_buffers_targets_its_compute_device(
+    mesh: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under CPU offload, fully_shard keeps the parameters on the CPU and puts the buffers
+    on the compute device: the module is on two devices, and its target is still the
+    compute device; a buffer anywhere else is a module spread for real.
+
+    fully_shard refuses CPUOffloadPolicy on a machine without an accelerator, so the
+    placement is made by hand on a CPU mesh, with ``meta`` standing for the compute device
+    (the mesh's device, which devicectx reads from torch on a real job).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from devicectx.decorator import _target
+    from devicectx.move import _distributed
+
+    model = fully_shard(nn.BatchNorm1d(2), mesh=mesh)  # type: ignore[arg-type]
+    for where in (_target, _distributed):
+        monkeypatch.setattr(where, "fsdp_compute_device", lambda module: torch.device("meta"))
+    for name, buffer in model.named_buffers():
+        model._buffers[name] = buffer.to("meta")  # parameters stay on the CPU
+
+    assert torch.device("meta") == module_device(model)
+    assert _target.module_label(model, "model") == (
+        "the compute device of model (FSDPBatchNorm1d), sharded by fully_shard over mesh "
+        "cpu [0]; its parameters are kept on cpu (CPU offload)"
+    )
+
+    stray = fully_shard(nn.BatchNorm1d(2), mesh=mesh)  # type: ignore[arg-type]
+    stray._buffers["running_mean"] = stray.running_mean.to("meta")
+    stray._buffers["running_var"] = stray.running_var.to(torch.float64)  # on the CPU
+    assert _target.Spread.SPREAD == module_device(stray)
+
+
 def test_fsdp2_fix_moves_before_fully_shard(mesh: object) -> None:
     """An FSDP2 model off the decorator's device: the fix moves it before fully_shard."""
     from torch.distributed.fsdp import fully_shard

@@ -1329,6 +1329,54 @@ def test_cached_property_of_a_frozen_dataclass_is_dropped_too() -> None:
     assert META == to_device(obj, "meta").total.device
 
 
+class CachedDict(dict):  # type: ignore[type-arg]
+    @functools.cached_property
+    def total(self) -> torch.Tensor:
+        return sum(self.values())  # type: ignore[return-value]
+
+
+class CachedList(list):  # type: ignore[type-arg]
+    @functools.cached_property
+    def total(self) -> torch.Tensor:
+        return sum(self)  # type: ignore[return-value]
+
+
+class CachedUserDict(collections.UserDict):  # type: ignore[type-arg]
+    @functools.cached_property
+    def total(self) -> torch.Tensor:
+        return sum(self.values())  # type: ignore[return-value]
+
+
+class CachedSet(set):  # type: ignore[type-arg]
+    @functools.cached_property
+    def total(self) -> torch.Tensor:
+        return sum(self)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CachedDict(a=torch.ones(2), b=torch.ones(2)),
+        lambda: CachedList([torch.ones(2), torch.ones(2)]),
+        lambda: CachedUserDict(a=torch.ones(2), b=torch.ones(2)),
+        lambda: CachedSet([torch.ones(2), torch.ones(2)]),
+    ],
+    ids=["dict", "list", "UserDict", "set"],
+)
+def test_cached_property_of_a_container_subclass_is_dropped_too(make: Any) -> None:
+    """A dict, list, set or UserDict subclass's cached_property is worked out again from
+    the moved entries, as a dataclass's is: no tensor is left on the old device."""
+    obj = make()
+    cached = obj.total
+
+    moved = to_device(obj, "meta")
+
+    assert "total" not in vars(moved)
+    assert {META} == set(find_devices(moved))
+    assert META == moved.total.device
+    assert obj.total is cached
+
+
 class LabelledParameter(nn.Parameter):
     """A subclass of nn.Parameter: rebuilt by its own type."""
 

@@ -197,11 +197,22 @@ def _walk_fsdp(module: nn.Module) -> tuple[torch.device | Spread | None, Sample 
     """:func:`_walk`, but an FSDP2 module's answer is where it computes (its mesh's
     device), which differs from where its parameters sit under CPU offload."""
     found, sample = _walk(module)
-    if found is not None and found is not Spread.SPREAD:
-        compute = fsdp_compute_device(module)
-        if compute is not None:
-            return compute, sample
-    return found, sample
+    if found is None:
+        return found, sample
+    compute = fsdp_compute_device(module)
+    if compute is None or (found is Spread.SPREAD and not _offloaded(module, compute)):
+        return found, sample
+    return compute, sample
+
+
+def _offloaded(module: nn.Module, compute: torch.device) -> bool:
+    """Whether an FSDP2 module on two devices is CPU-offloaded, as ``fully_shard`` places
+    one: its parameters on the CPU (or the compute device), its buffers on the compute
+    device (offload keeps the sharded parameters alone on the CPU)."""
+    cpu = torch.device("cpu")
+    return all(buffer.device == compute for buffer in module.buffers()) and all(
+        param.device in (compute, cpu) for param in module.parameters()
+    )
 
 
 _devices = ModuleCache(_walk_fsdp)

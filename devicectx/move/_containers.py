@@ -481,6 +481,16 @@ def _dataclass_rebuild(tp: type) -> Rebuild:
 
 def _cached_names(tp: type) -> tuple[str, ...]:
     """The names under which ``functools.cached_property``s of ``tp`` keep their values."""
+    names = _CACHED_NAMES.get(tp)
+    if names is None:
+        names = _CACHED_NAMES[tp] = _work_out_cached_names(tp)
+    return names
+
+
+_CACHED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _work_out_cached_names(tp: type) -> tuple[str, ...]:
     return tuple(
         {
             value.attrname or name: None
@@ -489,6 +499,13 @@ def _cached_names(tp: type) -> tuple[str, ...]:
             if isinstance(value, functools.cached_property)
         }
     )
+
+
+def _forget_cached(clone: Any) -> None:
+    """:func:`_drop_cached` for a copy of any container type (a ``dict`` subclass, say);
+    nothing to do, and nothing asked of the type, where the copy has no ``__dict__``."""
+    if getattr(clone, "__dict__", None):
+        _drop_cached(clone, _cached_names(type(clone)))
 
 
 def _drop_cached(clone: Any, cached: tuple[str, ...]) -> None:
@@ -632,6 +649,7 @@ def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) ->
         try:
             clone = copy.copy(obj)
             if clone is not obj and type(clone) is type(obj):
+                _forget_cached(clone)
                 for key, before, after in zip(keys, old, new, strict=True):
                     if after is not before:
                         clone[key] = after
@@ -646,6 +664,7 @@ def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -
         try:
             clone = copy.copy(obj)
             if clone is not obj and type(clone) is type(obj):
+                _forget_cached(clone)
                 for index, (before, after) in enumerate(zip(old, new, strict=True)):
                     if after is not before:
                         clone[index] = after
@@ -660,6 +679,7 @@ def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any
         try:
             clone = copy.copy(obj)
             if clone is not obj and type(clone) is type(obj):
+                _forget_cached(clone)
                 for before, after in zip(old, new, strict=True):
                     if after is not before:
                         clone.discard(before)
