@@ -107,7 +107,13 @@ def _summary(report: dict[str, Any]) -> list[str]:
         f"{env['platform']}, {env['cpus']} CPUs, {env['torch_threads']} torch thread; "
         f"medians of {env['trials']} trials of auto-ranged loops of at least "
         f"{env['min_time_s'] * 1e3:g} ms. A ratio meets its target up to "
-        f"{env['tolerance']:.0%} above it. Targets met: {met.count('yes')} of {len(met)}.",
+        f"{env['tolerance']:.0%} above it. Targets met: {met.count('yes')} of {len(met)}."
+        + (
+            " The accelerator is the testing kit's emulated one, its copies undelayed: its "
+            "figures show the shape of the work, not a device's speed."
+            if env.get("emulated_accelerator")
+            else ""
+        ),
         "",
         *_table(
             ["section", "what", "devicectx", "peers", "ratio", "target", "met"],
