@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 from helpers import accelerator
-from packaging.version import Version
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
@@ -1275,19 +1274,40 @@ def test_structseq_with_hidden_fields_and_no_tensor_comes_back_as_itself() -> No
     assert stat is to_device(stat, "meta")
 
 
-@pytest.mark.skipif(
-    Version(torch.__version__) < Version("2.13"),
-    reason="dynamo cannot trace id() of a dict, which the move engine's memo uses, before "
-    "torch 2.13 (seen on 2.6 and 2.11)",
-)
 def test_to_device_with_a_real_move_traces_with_fullgraph() -> None:
     """to_device moving a batch compiles with fullgraph=True (no graph break), as
-    accelerate's send_to_device does."""
+    accelerate's send_to_device does: on torch 2.6 too, whose dynamo cannot trace id()
+    of a dict."""
     compiled = torch.compile(lambda batch: to_device(batch, "meta"), fullgraph=True)
 
     moved = compiled({"a": torch.zeros(2), "b": [torch.ones(3)]})
 
     assert [META, META] == [moved["a"].device, moved["b"][0].device]
+
+
+def test_traced_move_copies_a_shared_tensor_once_and_compiles_once_per_structure() -> None:
+    """Under torch.compile a tensor held at three places is moved once (one copy at each
+    place), what holds no tensor to move comes back as itself, and a new batch of the
+    same structure runs the same compiled code: no id() guard on its tensors."""
+    compiles = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        compiles.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(lambda batch: to_device(batch, "meta"), backend=backend)
+    to_device({}, "meta")  # the resolution cache filled: it is read, and guarded, when tracing
+    for _ in range(3):
+        tensor = torch.ones(2)
+        done = {"x": torch.zeros(1, device="meta")}
+        batch = {"t": tensor, "again": [tensor, (tensor, 3)], "done": done}
+        moved = compiled(batch)
+
+    assert 1 == len(compiles)
+    assert META == moved["t"].device
+    assert moved["t"] is moved["again"][0] is moved["again"][1][0]
+    assert done is moved["done"]
+    assert CPU == tensor.device
 
 
 @dataclasses.dataclass

@@ -90,12 +90,15 @@ def test_accelerate_send_to_device_moves_one_tensor_once() -> None:
 
 
 def test_accelerate_send_to_device_compiles() -> None:
-    """torch.compile(send_to_device, fullgraph=True) of a bfloat16 tensor to the CPU."""
+    """torch.compile(send_to_device, fullgraph=True) of a bfloat16 tensor to the CPU, and
+    of a batch moved for real (to meta): the walk that moves is traced too."""
     compiled = torch.compile(to_device, fullgraph=True)
 
     moved = compiled(torch.zeros([1], dtype=torch.bfloat16), "cpu")
+    batch = compiled({"x": torch.zeros([1], dtype=torch.bfloat16), "y": [torch.ones(2)]}, "meta")
 
     assert (CPU, torch.bfloat16) == (moved.device, moved.dtype)
+    assert [META, META] == [batch["x"].device, batch["y"][0].device]
 
 
 def test_accelerate_named_tuple_subclass_is_a_namedtuple() -> None:

@@ -19,7 +19,9 @@ no resolution):
 How the work is split: :mod:`devicectx.move._containers` knows each type (what its children
 are, how to rebuild it), :mod:`devicectx.move._walk` walks structures, :mod:`devicectx.move._alias`
 moves the tensors so that shared memory stays shared, :mod:`devicectx.move._skip` compiles
-``skip=``, and :mod:`devicectx.move._paths` writes paths.
+``skip=``, and :mod:`devicectx.move._paths` writes paths. Under ``torch.compile``,
+:mod:`devicectx.move._traced` walks instead of :mod:`devicectx.move._rebuild` (dynamo cannot
+trace the memo's ``id()`` on every release, and recompiles for each batch where it can).
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ from devicectx.move._containers import register_container as register_container
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip, SkipLike, compile_skip
+from devicectx.move._traced import TracedMove
 from devicectx.move._walk import all_on as all_on
 from devicectx.move._walk import find_devices as find_devices
 from devicectx.move._walk import iter_tensors as iter_tensors
 from devicectx.move._walk import shared_device as shared_device
 
 T = TypeVar("T")
+_is_compiling = torch.compiler.is_compiling
 
 __all__ = [
     "all_on",
@@ -303,8 +307,13 @@ def _move(
     where: str | None = None,
     check_repeats: bool = True,
 ) -> T:
+    # The one test of torch.compile on the eager path (the accounting below made it).
+    compiling = _is_compiling()
+    if compiling and (skip is None or not skip.slow):
+        return TracedMove(device, non_blocking, skip, name, fix).run(obj)  # type: ignore[no-any-return]
     mover = TensorMover(device, non_blocking)
-    paths = _transfers.paths_if_tracked(obj, name)
+    # Traced code keeps no state (and dynamo cannot trace ContextVar.get): nothing recorded.
+    paths = None if compiling else _transfers.paths_if_tracked(obj, name)
     staged = None
     if coalesce and device not in _staging.NEVER and (skip is None or not skip.slow):
         # The staged tensors' results go into mover.moved, where the walk finds them;
@@ -314,7 +323,8 @@ def _move(
     replace = mover.finish()
     if replace:  # views met before the tensor they belong to: made views of it now
         result = Rebuild(None, None, None, name, fix, replace).run(result)
-    _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
+    if not compiling:
+        _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
     del staged
     return result  # type: ignore[no-any-return]
 

@@ -46,7 +46,6 @@ __all__ = [
     "track_transfers",
 ]
 
-_is_compiling = torch.compiler.is_compiling
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # not move/
 
 
@@ -298,9 +297,8 @@ def set_repeated_move_warning(enabled: bool) -> bool:
 
 def paths_if_tracked(obj: object, name: str) -> dict[int, str] | None:
     """Before a move: the paths of ``obj``'s tensors where a log is open (a module is moved
-    in place, so its tensors can only be named before), else None, at no cost."""
-    if _is_compiling():  # dynamo cannot trace ContextVar.get; traced code records nothing
-        return None
+    in place, so its tensors can only be named before), else None, at no cost. Eager code
+    only: dynamo cannot trace ``ContextVar.get``, and traced code records nothing."""
     return _paths(obj, name) if _LOGS.get() else None
 
 
@@ -316,8 +314,8 @@ def account(
     """After a move: ``sent`` are the tensors it copied to ``target``, from ``obj`` (whose
     paths start at ``name``, and are ``paths`` where :func:`paths_if_tracked` gave them);
     ``where`` is the place, None for the caller of the move; ``check=False`` leaves the
-    move out of the repeated-move check."""
-    if not sent or _is_compiling():  # traced code keeps no state: nothing is recorded
+    move out of the repeated-move check. Eager code only, as :func:`paths_if_tracked`."""
+    if not sent:
         return
     logs = _LOGS.get()
     check = check and _CHECK[0]
