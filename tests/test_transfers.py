@@ -183,6 +183,17 @@ def test_nothing_is_recorded_outside_the_block_and_nested_blocks_each_record() -
     assert (0, 0, "no transfers") == (outer.total_tensors, outer.total_bytes, outer.table())
 
 
+def test_compiled_code_records_nothing_and_eager_moves_around_it_are_counted() -> None:
+    """A move that torch.compile traces into its graph is not seen (as the docstring
+    says); the eager moves around the compiled call are, as usual."""
+    compiled = torch.compile(lambda batch: to_device(batch, META), fullgraph=True)
+    with track_transfers() as log:
+        moved = compiled({"a": torch.zeros(2)})
+        to_device({"b": torch.zeros(4)}, META)
+    assert META == moved["a"].device
+    assert (1, 16) == (log.total_tensors, log.total_bytes)
+
+
 def test_a_log_sees_its_own_thread_only() -> None:
     """Moves in another thread are not recorded by this thread's log, and vice versa."""
     logs: dict[str, devicectx.TransferLog] = {}
