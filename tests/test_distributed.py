@@ -117,6 +117,11 @@ def test_device_report_in_a_job(verdicts: list[dict[str, str]]) -> None:
     check(verdicts, "device_report_names_rank_and_backend")
 
 
+def test_device_report_json_in_a_job(verdicts: list[dict[str, str]]) -> None:
+    """``--json`` in a job carries the ranks, sizes, backend and the text's prefix."""
+    check(verdicts, "device_report_json_carries_the_job")
+
+
 # One rank, in this process.
 
 

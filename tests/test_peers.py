@@ -334,6 +334,8 @@ def test_optree_structseq_is_a_container() -> None:
     assert torch.return_types.max is type(moved_values)
     assert time.struct_time is type(moved_stamp)
     assert {META} == devices((moved_values, moved_stamp))
+    assert (META, stamp.tm_zone) == (moved_stamp[0].device, moved_stamp.tm_zone)
+    assert {torch.device("cpu")} == set(find_devices(stamp))  # seen where it is, too
 
 
 def test_optree_none_is_an_empty_node() -> None:

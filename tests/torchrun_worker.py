@@ -270,6 +270,26 @@ def device_report_names_rank_and_backend() -> None:
     assert expected == lines[-1], lines[-1]
 
 
+@scenario
+def device_report_json_carries_the_job() -> None:
+    """``--json`` inside a job: the same facts as the text's job line, and its prefix."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = report_main(["--json"])
+    rank = dist.get_rank()
+    expected = {
+        "rank": rank,
+        "world_size": 2,
+        "local_rank": rank,
+        "local_world_size": 2,
+        "backend": "gloo",
+        "prefix": f"[rank {rank}] ",
+    }
+    assert 0 == status
+    job = json.loads(out.getvalue())["job"]
+    assert expected == job, job
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
