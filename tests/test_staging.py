@@ -30,6 +30,7 @@ from devicectx import to_device
 from devicectx.move import _pinned, _staging
 from devicectx.move._move import move_call, move_to
 from devicectx.move._walk import collect
+from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
@@ -71,6 +72,11 @@ def staged_into(
 
 
 Thresholds = _staging.Thresholds
+
+needs_emulated = pytest.mark.skipif(
+    not emulated.enabled(),
+    reason="needs the emulated accelerator's controls: pytest --devicectx-accelerator=emulated",
+)
 
 
 # The whole engine, staged and not: the same results.
@@ -688,6 +694,53 @@ def test_a_full_pool_waits_for_the_oldest_chunk_alone() -> None:
     assert 128 == pool.held_bytes
 
 
+def test_a_pool_backing_off_reuses_its_chunks_instead_of_allocating() -> None:
+    """After a failed allocation, a pool that holds a chunk whose copies are in flight
+    waits for that chunk where it would otherwise grow, allocating nothing, until the
+    back-off is over; then it grows again."""
+    log: list[str] = []
+    allocations: list[int] = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        allocations.append(nbytes)
+        if len(allocations) == 2:
+            raise RuntimeError("out of pinned memory")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    pool = _pinned.Pool(allocate, lambda device: Pending(log), 64, 64 * 4)
+    first = pool.acquire()
+    pool.release(first, META, None)
+    assert pool.acquire() is first  # the second allocation failed: waited for first
+    assert (2, ["record", "synchronize"]) == (len(allocations), log)
+    pool.release(first, META, None)
+    assert pool.acquire() is first  # backing off: no allocation tried
+    assert (2, ["record", "synchronize"] * 2) == (len(allocations), log)
+    while not pool.backoff.ready():
+        pass
+    pool.release(first, META, None)
+    assert pool.acquire() is not first
+    assert 3 == len(allocations)
+
+
+def test_a_pool_with_no_chunk_backing_off_raises_without_allocating() -> None:
+    """A pool whose first allocation failed holds no chunk to wait for: while it backs
+    off, acquire() raises at once, saying why, and allocates nothing."""
+    allocations: list[int] = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        allocations.append(nbytes)
+        if len(allocations) == 1:
+            raise RuntimeError("out of pinned memory")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    pool = _pinned.Pool(allocate, _staging._landed, 64, 64 * 4)
+    with pytest.raises(RuntimeError, match="out of pinned memory"):
+        pool.acquire()
+    with pytest.raises(RuntimeError, match="an allocation failed recently"):
+        pool.acquire()
+    assert 1 == len(allocations)
+
+
 def test_threads_never_share_a_chunk() -> None:
     """A thread asking a full pool whose chunks are all held waits until one is given
     back, then gets it: no two holders at once."""
@@ -820,19 +873,64 @@ def test_staged_move_to_the_accelerator_and_back() -> None:
 
 
 @pytest.mark.requires_device("accelerator")
+@needs_emulated
 def test_a_pinned_source_with_a_copy_in_flight_is_read_after_the_copy() -> None:
-    """``y = x.to("cpu", non_blocking=True)`` hands back pinned memory before the copy
-    lands; moving ``y`` back with other small tensors gives ``x``'s values, as ``.to``
-    does, without waiting for the device."""
-    device = torch.accelerator.current_accelerator()
+    """A pinned tensor whose copy from the device is still queued (as ``y = x.to("cpu",
+    non_blocking=True)`` hands one back) is not packed with the small tensors moved with
+    it: it moves with ``.to``, ordered after that copy, and comes back with ``x``'s values.
+    The copy is held back (``emulated.paused``) while the move runs, which waits for
+    nothing (a wait would raise there); the other small tensors are still staged."""
+    device = torch.device(emulated.DEVICE_TYPE, 0)
     x = torch.arange(8.0, device=device)
-    for _ in range(3):  # compute queued ahead, so that the copy is likely still in flight
-        x = (x * 1.0).contiguous()
-    y = x.to("cpu", non_blocking=True)
+    y = torch.full((8,), -1.0).pin_memory()
     small = [torch.full((1,), float(i)) for i in range(4)]
-    moved = to_device([y, *small], device)
-    assert list(range(8)) == moved[0].tolist()
+    with emulated.paused(device):
+        y.copy_(x, non_blocking=True)  # as .to("cpu", non_blocking=True), into known bytes
+        moved = to_device([y, *small], device, non_blocking=True)
+        assert [-1.0] * 8 == y.tolist()  # the move ran before the copy landed
+    torch.accelerator.synchronize()
+    assert [float(i) for i in range(8)] == moved[0].tolist()
     assert [[float(i)] for i in range(4)] == [t.tolist() for t in moved[1:]]
+    # Staged: packed side by side in one region, where .to would allocate each alone.
+    assert [4, 4, 4] == [b.data_ptr() - a.data_ptr() for a, b in pairwise(moved[1:])]
+
+
+@pytest.mark.requires_device("accelerator")
+@needs_emulated
+def test_a_device_with_pinned_memory_but_no_events_is_not_staged_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pinned memory alone does not make a device one to stage to: without events a
+    chunk could never be known free again, so the probe records one as well. A device
+    with pinned memory but no events (the emulated one with events off, probed afresh)
+    gets its moves tensor by tensor with nothing packed; with events back, staging
+    resumes once the probe's back-off is over."""
+    device = torch.device(emulated.DEVICE_TYPE, 0)
+    monkeypatch.setattr(_pinned, "_HOSTS", {})  # not probed yet, as in a fresh process
+    monkeypatch.setattr(_pinned, "_BACKOFF", {})
+    monkeypatch.setattr(_staging, "NEVER", {META})
+    packed: list[int] = []
+    to_accelerator = _staging.to_accelerator
+
+    def counted(found: dict[int, torch.Tensor], *args: Any) -> dict[int, torch.Tensor]:
+        packed.append(len(found))
+        return to_accelerator(found, *args)
+
+    monkeypatch.setattr(_staging, "to_accelerator", counted)
+
+    def batch() -> list[torch.Tensor]:
+        return [torch.full((3,), float(i)) for i in range(8)]
+
+    expected = [[float(i)] * 3 for i in range(8)]
+    with emulated.configure(events=False):
+        assert torch.ones(1).pin_memory().is_pinned()
+        assert expected == [t.tolist() for t in to_device(batch(), device)]
+    assert [] == packed
+    for _ in range(_pinned.Backoff.FIRST):
+        to_device(batch(), device)
+    assert [] == packed
+    assert expected == [t.tolist() for t in to_device(batch(), device)]
+    assert [8] == packed
 
 
 def test_a_first_staged_move_to_another_device_creates_no_context_on_the_current() -> None:

@@ -5,24 +5,43 @@ Copies to or from pinned memory finish late there (``devicectx.testing.emulated`
 source read too early, a chunk reused too early, a result handed back before it landed.
 Each property compares the staged move with the per-tensor one (``coalesce=False``),
 whose every copy is ``.to``: ordered on the stream, as torch orders it.
+
+The real path, with thresholds lowered: the batches here are a few small tensors, which
+the real thresholds (4 small tensors at least) would seldom stage; every example here
+stages, through the device's own pinned pool, and says how many tensors it staged.
+Copies into pending sources are queued in the test and held (``emulated.paused``) until
+the staged move has read its sources: the race staging must avoid is there every time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from helpers import accelerator, described, tensors_of
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from devicectx import to_device
+from devicectx.move import _pinned, _staging
+from devicectx.move._walk import collect
+from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
 
 pytestmark = pytest.mark.requires_device("accelerator")
+
+SMALL = dataclasses.replace(
+    _staging.THRESHOLDS, min_tensors=2, stage_min_bytes=256, share_max_bytes=64, shared_bytes=256
+)
+"""Thresholds the drawn batches stage under: 2 small tensors (64 bytes at most) are
+enough; larger ones stream through the chunks; regions of 256 bytes, several a batch.
+The chunk and pool sizes are the real ones: the pool is the device's own, kept for the
+process."""
 
 
 def pinned(tensor: torch.Tensor) -> torch.Tensor:
@@ -30,9 +49,11 @@ def pinned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def pending(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as a copy from the device that has not landed yet when returned: pinned
-    memory that the stream writes into later."""
-    return tensor.to(accelerator()).to("cpu", non_blocking=True)
+    """Pinned memory that a copy of ``tensor`` from the device is to land in (queued by
+    :func:`land`, as ``.to("cpu", non_blocking=True)`` queues one): other values till then."""
+    stale = (tensor.logical_not() if tensor.dtype == torch.bool else tensor + 1).pin_memory()
+    stale.landing = tensor.to(accelerator())  # type: ignore[attr-defined]
+    return stale
 
 
 def channels_last(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,7 +81,93 @@ shapes = st.one_of(
 sources = st.tuples(tensors(devices=["cpu"], shapes=shapes), st.sampled_from(SOURCES)).map(
     lambda pair: pair[1](pair[0])
 )
-batches = nested(sources)
+small_shapes = st.sampled_from([(1,), (3,), (2, 2)])
+runs = st.tuples(
+    st.sampled_from([torch.float32, torch.float64, torch.int64, torch.bool]), small_shapes
+).flatmap(
+    lambda kind: st.lists(
+        tensors(devices=["cpu"], dtypes=[kind[0]], shapes=st.just(kind[1])),
+        min_size=SMALL.min_tensors,
+        max_size=4,
+    )
+)
+"""Small pageable tensors of one dtype and shape, as many as staging needs at least: a
+batch's per-sample fields. They make every example stage, and come back from one run."""
+batches = st.tuples(
+    nested(sources), runs, st.lists(tensors(devices=["cpu"], shapes=small_shapes).map(pending))
+)
+"""A nested batch of every kind of source, a run, and small pending sources (in most
+examples: they are what staging must not read too early)."""
+
+
+def land(batch: Any) -> int:
+    """Queue the copy from the device into each pending source of ``batch`` (or base of
+    one of its views) that is not empty, on the current stream: into pinned memory, so it
+    lands when the stream gets to it. Returns how many were queued."""
+    found, inside, _ = collect(batch)
+    targets: dict[int, torch.Tensor] = {}
+    for tensor in [*found.values(), *inside.values()]:
+        for candidate in (tensor, tensor._base):
+            if candidate is not None and candidate.numel() and hasattr(candidate, "landing"):
+                targets[id(candidate)] = candidate
+    for target in targets.values():
+        target.copy_(target.landing, non_blocking=True)  # type: ignore[attr-defined]
+    return len(targets)
+
+
+class Staging:
+    """Moves made under :meth:`watch` stage with :data:`SMALL`, through the device's own
+    pinned pool; ``staged`` counts the tensors the staged path moved, ``busy`` says
+    whether the stream still had work queued when staging looked. :meth:`hold` pauses
+    the (emulated) device till the staged move has packed its sources."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.staged = 0
+        self.busy: bool | None = None
+        self.held = False
+        self._hold = contextlib.ExitStack()
+
+    @classmethod
+    @contextlib.contextmanager
+    def watch(cls, device: torch.device) -> Iterator[Staging]:
+        """A block whose moves stage as the class says, watched; the device resumed at its end."""
+        watch = cls(device)
+        stage, release = _staging.stage, _pinned.Pool.release
+
+        def watched_stage(
+            obj: Any,
+            target: torch.device,
+            non_blocking: bool,
+            skip_types: tuple[type, ...],
+            moved: dict[int, torch.Tensor],
+            sent: list[torch.Tensor],
+        ) -> Any:
+            watch.busy = not torch.accelerator.current_stream(target).query()
+            before = len(moved)
+            try:
+                return stage(obj, target, non_blocking, skip_types, moved, sent)
+            finally:
+                watch.staged += len(moved) - before
+                watch._hold.close()  # declined, or done: the per-tensor move waits
+
+        def packed(pool: _pinned.Pool, *args: Any) -> Any:
+            watch._hold.close()  # the sources are packed: the stream may run
+            return release(pool, *args)
+
+        with watch._hold, pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_staging, "THRESHOLDS", SMALL)
+            patch.setattr(_staging, "stage", watched_stage)
+            patch.setattr(_pinned.Pool, "release", packed)
+            yield watch
+
+    def hold(self) -> None:
+        """Hold back the work queued on the device from now (the emulated device only)
+        until the staged move has read its sources: copies queued into pending sources
+        are still pending while staging looks at them and packs."""
+        if emulated.enabled() and self.device.type == emulated.DEVICE_TYPE:
+            self._hold.enter_context(emulated.paused(self.device))
+            self.held = True
 
 
 def relations(results: list[torch.Tensor]) -> list[tuple[bool, bool, bool]]:
@@ -96,21 +203,28 @@ def test_staged_and_per_tensor_moves_agree(batch: Any, non_blocking: bool) -> No
     """For batches of pageable, pinned and pending-copy sources, views, channels_last and
     tensors that require grad: the staged move gives what ``.to`` gives, tensor by tensor:
     values, dtypes, shapes, strides, aliasing, views, autograd, in-place ops with grad
-    operands, with non_blocking either way. The staged move goes first, while the copies
-    into pending sources may still be in flight."""
+    operands, with non_blocking either way. The staged move goes first, with the copies
+    into pending sources queued and, on the emulated device, not landed while it reads."""
     device = accelerator()
-    staged = to_device(batch, device, non_blocking=non_blocking)
+    with Staging.watch(device) as staging:
+        staging.hold()
+        landing = land(batch)
+        staged = to_device(batch, device, non_blocking=non_blocking)
     alone = to_device(batch, device, non_blocking=non_blocking, coalesce=False)
     torch.accelerator.synchronize()
+    event("pending copies: " + ("0", "1", "2 or more")[min(landing, 2)])
+    assert staging.staged >= SMALL.min_tensors
+    if staging.held:
+        assert (landing > 0) == staging.busy
     expected, actual = tensors_of(alone), tensors_of(staged)
     assert [described(t) for t in expected] == [described(t) for t in actual]
-    assert all(torch.equal(e.cpu(), a.cpu()) for e, a in zip(expected, actual, strict=True))
+    assert [e.cpu().tolist() for e in expected] == [a.cpu().tolist() for a in actual]
     assert relations(expected) == relations(actual)
     assert in_place_with_grad(expected) == in_place_with_grad(actual)
 
 
 @settings(max_examples=25)
-@given(batch=nested(tensors(devices=["cpu"], shapes=shapes), views=False))
+@given(batch=st.tuples(nested(tensors(devices=["cpu"], shapes=shapes), views=False), runs))
 def test_pageable_sources_may_change_once_the_move_returns(batch: Any) -> None:
     """With ``non_blocking=True``, pageable sources may be overwritten as soon as
     ``to_device`` returns (staged ones are in the staging buffer; the rest were copied
@@ -118,9 +232,11 @@ def test_pageable_sources_may_change_once_the_move_returns(batch: Any) -> None:
     values from before."""
     device = accelerator()
     before = [t.clone() for t in tensors_of(batch)]
-    moved = to_device(batch, device, non_blocking=True)
+    with Staging.watch(device) as staging:
+        moved = to_device(batch, device, non_blocking=True)
     for source in tensors_of(batch):
         if source.numel():
             source.fill_(7)
     torch.accelerator.synchronize()
-    assert all(torch.equal(e, a.cpu()) for e, a in zip(before, tensors_of(moved), strict=True))
+    assert staging.staged >= SMALL.min_tensors
+    assert [e.tolist() for e in before] == [a.cpu().tolist() for a in tensors_of(moved)]
