@@ -216,10 +216,10 @@ def stage(
         return None
     if len(found) < thresholds.min_tensors and not _large(found, thresholds):
         return None
-    if kind is not None and _capturing(kind):
-        return None
     try:
         if device.type == "cpu":
+            if kind is not None and _capturing(kind):
+                return None
             source = _on_accelerator if forced is None else _with_data
             results = to_host(found, inside, source, thresholds, host)
         else:
@@ -558,8 +558,8 @@ def to_accelerator(
     read it too early. They then move one by one, with ``.to``, ordered on that stream.
     """
     pinned: dict[int, bool] = {}  # id -> is_pinned(), asked once a move
-    if not _worth(found, thresholds, host, pinned):
-        return {}
+    if not _worth(found, thresholds, host, pinned) or _capturing(device.type):
+        return {}  # the cheaper question first: most declines are for want of tensors
     groups, larger = _sort(found, inside, _on_host, thresholds.share_max_bytes)
     if not host.idle(device):
         groups = _unpinned(groups, host, pinned)
