@@ -29,6 +29,8 @@ FENCE = re.compile(r"^( *)(```+)(\S*)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 NOT_RUN = re.compile(r"^\s*<!-- not run: (.+) -->\s*$")
 NOT_FROM_RUNS = re.compile(r"^<!-- figures not from these runs: (.+) -->$")
+OTHER_SCRIPT = re.compile(r"^`python (?:-m devicectx\.testing\.emulate (?:--devices \d+ )?)?"
+                          r"benchmarks/(\w+\.py)")
 SNIPPET = re.compile(r'^\s*--8<-- "([^":]+)(?::(\d+):(\d+))?"\s*$')
 # A figure: a number, or a range of two, then a unit the benchmark prints (fmt_ns: ns, µs,
 # ms, s; ratios: x). "8x8" and "x128" are shapes, not figures.
@@ -322,9 +324,12 @@ def test_figure_check_rejects_what_no_run_printed() -> None:
 
 
 def test_kept_runs_are_the_benchmarks_reports_and_all_shown() -> None:
-    """Each file in docs/figures/ is a report bench.py wrote, and performance.md shows its table.
+    """Each file in docs/figures/ is a report bench.py wrote, and performance.md shows its table;
+    or the output of another script of benchmarks/, shown whole.
 
-    The page includes lines 3 to N of each: the command line, then the first table, whole.
+    The page includes lines 3 to N of a report: the command line, then the first table,
+    whole; and lines 1 to N of another script's file: its command line, then its output as
+    printed, in a code block.
     """
     page = (DOCS / "performance.md").read_text()
     included = {}
@@ -337,6 +342,11 @@ def test_kept_runs_are_the_benchmarks_reports_and_all_shown() -> None:
     for path in kept:
         lines = path.read_text().split("\n")
         first, last = included[path.name]
+        script = OTHER_SCRIPT.match(lines[0])
+        if script is not None:
+            assert (ROOT / "benchmarks" / script.group(1)).is_file(), path.name
+            assert (1, "```", "") == (first, lines[last - 1], lines[last]), path.name
+            continue
         assert "# devicectx benchmark" == lines[0]
         assert lines[2].startswith("`python benchmarks/bench.py "), path.name
         assert 3 == first
