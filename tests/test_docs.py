@@ -29,8 +29,10 @@ FENCE = re.compile(r"^( *)(```+)(\S*)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 NOT_RUN = re.compile(r"^\s*<!-- not run: (.+) -->\s*$")
 NOT_FROM_RUNS = re.compile(r"^<!-- figures not from these runs: (.+) -->$")
-OTHER_SCRIPT = re.compile(r"^`python (?:-m devicectx\.testing\.emulate (?:--devices \d+ )?)?"
-                          r"benchmarks/(\w+\.py)")
+OTHER_SCRIPT = re.compile(
+    r"^`python (?:-m devicectx\.testing\.emulate (?:--devices \d+ )?)?"
+    r"benchmarks/(\w+\.py)"
+)
 SNIPPET = re.compile(r'^\s*--8<-- "([^":]+)(?::(\d+):(\d+))?"\s*$')
 # A figure: a number, or a range of two, then a unit the benchmark prints (fmt_ns: ns, µs,
 # ms, s; ratios: x). "8x8" and "x128" are shapes, not figures.
