@@ -21,8 +21,8 @@ plain one, with the decorator's scope and with ``scope=False`` (the check alone)
 
 Devices: the CPU (nothing to copy: what the iterator itself costs) and ``meta`` (a real move
 on the host, no streams), always; the accelerator where there is one, else the testing
-kit's emulated accelerator where it builds (its figures show overlap, not speed: its
-copies are late on purpose). On the host, "one batch's copy" is the host's share of a move
+kit's emulated accelerator where it builds (its figures show overlap, not speed; its
+copies are made undelayed). On the host, "one batch's copy" is the host's share of a move
 (``to_device`` to ``meta``), so that what the iterator costs per step shows.
 
 On an accelerator the loop runs twice: with the pageable batch (the issue's shape), and
@@ -54,6 +54,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _devices import accelerator, emulated_copies_undelayed
 from _report import Row, judge
 from _timing import Config, Measurement, Subject, as_json, fmt_ns, measure_group
 from _transfer import _pinned, _threads
@@ -84,12 +85,12 @@ def section_prefetch(config: Config, quick: bool) -> tuple[dict[str, Any], list[
     """(7) the loop above on the CPU, meta, and an accelerator (real or emulated)."""
     tree = transfer_batches(quick)[0]
     devices: list[tuple[torch.device, str]] = [(CPU, "cpu"), (META, "meta")]
-    accelerator = _accelerator()
+    found = accelerator()
     skipped = {}
-    if accelerator is not None:
+    if found is not None:
         # Under `python -m devicectx.testing.emulate`, the accelerator is the emulated one:
         # its rows are judged as such, not against a GPU's targets.
-        devices.append((accelerator, "emulated" if accelerator.type == "emu" else "accelerator"))
+        devices.append((found, "emulated" if found.type == "emu" else "accelerator"))
     else:
         emulated = _emulated()
         if isinstance(emulated, torch.device):
@@ -113,14 +114,6 @@ def section_prefetch(config: Config, quick: bool) -> tuple[dict[str, Any], list[
     return {"cases": cases, "skipped": skipped}, rows
 
 
-def _accelerator() -> torch.device | None:
-    if not torch.accelerator.is_available():
-        return None
-    kind = torch.accelerator.current_accelerator()
-    assert kind is not None
-    return torch.device(kind.type, torch.accelerator.current_device_index())
-
-
 def _emulated() -> torch.device | str:
     """The emulated accelerator's first device, or why there is none."""
     try:
@@ -131,8 +124,9 @@ def _emulated() -> torch.device | str:
         emulated()
     except Exception as error:  # no compiler, no headers: the kit says why
         return f"not available: {type(error).__name__}: {error}"
-    accelerator = _accelerator()
-    return accelerator if accelerator is not None else "not available: enable() gave none"
+    emulated_copies_undelayed()
+    device = accelerator()
+    return device if device is not None else "not available: enable() gave none"
 
 
 class _Repeated(Dataset[Any]):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _devices import accelerator
 from _report import Row, judge, times
 from _timing import Config, Measurement, Subject, as_json, bind, fmt_ns, measure_group
 from _trees import load
@@ -26,12 +27,8 @@ META = torch.device("meta")
 
 def off_default_devices() -> list[torch.device]:
     """The devices that are not the default here: meta, and the accelerator if any."""
-    found = [META]
-    if torch.accelerator.is_available():
-        kind = torch.accelerator.current_accelerator()
-        assert kind is not None
-        found.append(torch.device(kind.type, torch.accelerator.current_device_index()))
-    return found
+    device = accelerator()
+    return [META] if device is None else [META, device]
 
 
 def _loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

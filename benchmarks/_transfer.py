@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from _devices import accelerator
 from _report import Row, judge
 from _timing import Config, Measurement, Subject, as_json, bind, fmt_ns, measure_group
 from _trees import Tree, as_tensordict, detection, load, many_leaves, nested, tensors_in, tiles
@@ -63,12 +64,10 @@ def section_transfer(
     the host-side rows) without one."""
     trees = batches(quick)
     host_cases, rows = _host_side(config, trees)
-    if not torch.accelerator.is_available():
+    device = accelerator()
+    if device is None:
         return {"skipped": "no accelerator"}, rows
     with _threads():
-        kind = torch.accelerator.current_accelerator()
-        assert kind is not None
-        device = torch.device(kind.type, torch.accelerator.current_device_index())
         out: dict[str, Any] = {
             "device": str(device),
             "nominal_gbps": nominal_gbps,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _devices import accelerator, emulated_copies_undelayed
 from _diagnostics import section_diagnostics
 from _imports import section_import
 from _prefetch import section_prefetch
@@ -383,11 +384,9 @@ def section_scope(config: Config) -> tuple[Section, list[Row]]:
     for device in off_default_devices():  # issue 22: a block entered per call
         cases[f"block entry ({device})"], entry_rows = entry(config, device)
         rows.extend(entry_rows)
-    if torch.accelerator.is_available():
-        kind = torch.accelerator.current_accelerator()
-        assert kind is not None
-        device = torch.device(kind.type, torch.accelerator.current_device_index())
-        case, bert_rows = _accelerator_bert(config, device)
+    found = accelerator()
+    if found is not None:
+        case, bert_rows = _accelerator_bert(config, found)
         cases["BERT forward on the accelerator"] = case
         rows.extend(bert_rows)
     return {"default_device": str(torch.get_default_device()), "cases": cases}, rows
@@ -568,24 +567,6 @@ def _environment(args: argparse.Namespace, config: Config) -> dict[str, Any]:
     }
 
 
-def _emulated_copies_undelayed() -> bool:
-    """Whether the accelerator is the testing kit's emulated one (under ``python -m
-    devicectx.testing.emulate``); if so, its non_blocking copies are made undelayed.
-
-    Each such copy waits 2 ms on purpose, to show ordering bugs in tests: a batch of 10,000
-    pinned leaves would take 20 s a move. The emulated figures show the shape of the work
-    (what overlaps, what a declined staging costs beside the copies), not a device's speed.
-    """
-    if not torch.accelerator.is_available():
-        return False
-    kind = torch.accelerator.current_accelerator()
-    if kind is None or kind.type != "emu":
-        return False
-    configure = load("devicectx.testing.emulated", "configure")
-    configure(delay_ms=0)
-    return True
-
-
 _SECTIONS = (
     "decorator", "move", "find_devices", "scope", "import", "transfer", "diagnostics", "prefetch"
 )  # fmt: skip
@@ -607,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     # One intra-op thread: these inputs are far below torch's parallel grain size anyway,
     # and a second thread on a small shared machine only adds noise.
     torch.set_num_threads(1)
-    emulated = _emulated_copies_undelayed()
+    emulated = emulated_copies_undelayed()
     config = Config(min_time=0.002, trials=3) if args.quick else Config(min_time=0.02, trials=25)
     small, large = (100, 1_000) if args.quick else (1_000, 10_000)
     trees = [flat3(), nested(), many_leaves(small), many_leaves(large)]

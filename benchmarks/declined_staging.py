@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 import torch
+from _devices import accelerator, emulated_copies_undelayed
 from _timing import fmt_ns
 from _transfer import _pinned
 from _trees import nested
@@ -34,16 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=600, help="calls of each, alternating")
     args = parser.parse_args(argv)
-    if not torch.accelerator.is_available():
+    device = accelerator()
+    if device is None:
         print("no accelerator: run it under python -m devicectx.testing.emulate")
         return 1
-    kind = torch.accelerator.current_accelerator()
-    assert kind is not None
-    device = torch.device(kind.type, torch.accelerator.current_device_index())
-    if device.type == "emu":  # as the benchmark takes it: undelayed copies
-        from devicectx.testing import emulated
-
-        emulated.configure(delay_ms=0)
+    emulated_copies_undelayed()  # as the benchmark takes the emulated accelerator
     torch.set_num_threads(1)
     set_repeated_move_warning(False)  # the same batch every call, on purpose
     warnings.simplefilter("ignore")

@@ -1349,28 +1349,29 @@ def test_cached_property_of_a_frozen_dataclass_is_dropped_too() -> None:
     assert META == to_device(obj, "meta").total.device
 
 
-class CachedDict(dict):  # type: ignore[type-arg]
+class CachedTotal:
+    """A container's sum of its tensors, cached as a cached_property caches it."""
+
     @functools.cached_property
     def total(self) -> torch.Tensor:
-        return sum(self.values())  # type: ignore[return-value]
+        values = self.values() if isinstance(self, Mapping) else self
+        return sum(values)  # type: ignore[call-overload, no-any-return]
 
 
-class CachedList(list):  # type: ignore[type-arg]
-    @functools.cached_property
-    def total(self) -> torch.Tensor:
-        return sum(self)  # type: ignore[return-value]
+class CachedDict(CachedTotal, dict):  # type: ignore[type-arg]
+    pass
 
 
-class CachedUserDict(collections.UserDict):  # type: ignore[type-arg]
-    @functools.cached_property
-    def total(self) -> torch.Tensor:
-        return sum(self.values())  # type: ignore[return-value]
+class CachedList(CachedTotal, list):  # type: ignore[type-arg]
+    pass
 
 
-class CachedSet(set):  # type: ignore[type-arg]
-    @functools.cached_property
-    def total(self) -> torch.Tensor:
-        return sum(self)  # type: ignore[return-value]
+class CachedUserDict(CachedTotal, collections.UserDict):  # type: ignore[type-arg]
+    pass
+
+
+class CachedSet(CachedTotal, set):  # type: ignore[type-arg]
+    pass
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import dataclasses
 import threading
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -531,18 +532,25 @@ def test_devices_that_cannot_stage_are_remembered(monkeypatch: pytest.MonkeyPatc
     assert {META, cuda, mps} == _staging.NEVER
 
 
+def failing_allocator(failing: int, calls: list[int]) -> Callable[[int], torch.Tensor]:
+    """An allocator of host buffers whose ``failing``-th call raises as pinned memory
+    running out does; each call's size is appended to ``calls``."""
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        calls.append(nbytes)
+        if len(calls) == failing:
+            raise RuntimeError("out of pinned memory")
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    return allocate
+
+
 def test_a_failed_probe_is_tried_again_after_a_back_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the probe of pinned memory fails (pinned memory exhausted, a graph being
     captured), the device is not given up: the probe is skipped for the next 64 moves,
     then tried again, and a host is made once it succeeds."""
     probes: list[int] = []
-
-    def probe(nbytes: int) -> torch.Tensor:
-        probes.append(nbytes)
-        if len(probes) == 1:
-            raise RuntimeError("out of pinned memory")
-        return torch.empty(nbytes, dtype=torch.uint8)
-
+    probe = failing_allocator(1, probes)
     monkeypatch.setattr(_staging, "NEVER", {META})
     monkeypatch.setattr(_pinned, "_HOSTS", {})
     monkeypatch.setattr(_pinned, "_BACKOFF", {})
@@ -565,13 +573,7 @@ def test_a_failed_chunk_allocation_backs_off_then_tries_again() -> None:
     then the next 64 staged moves decline at once, before any packing; the 65th tries
     again. A pool that holds chunks already waits for one of them instead of failing."""
     allocations: list[int] = []
-
-    def allocate(nbytes: int) -> torch.Tensor:
-        allocations.append(nbytes)
-        if len(allocations) == 1:
-            raise RuntimeError("out of pinned memory")
-        return torch.empty(nbytes, dtype=torch.uint8)
-
+    allocate = failing_allocator(1, allocations)
     pool = _pinned.Pool(allocate, _staging._landed, 1024, 4096)
     host = _pinned.Host(pool, _staging._no_stream, _staging._never_pinned)
     batch = [torch.full((2,), float(i)) for i in range(4)]
@@ -700,13 +702,7 @@ def test_a_pool_backing_off_reuses_its_chunks_instead_of_allocating() -> None:
     back-off is over; then it grows again."""
     log: list[str] = []
     allocations: list[int] = []
-
-    def allocate(nbytes: int) -> torch.Tensor:
-        allocations.append(nbytes)
-        if len(allocations) == 2:
-            raise RuntimeError("out of pinned memory")
-        return torch.empty(nbytes, dtype=torch.uint8)
-
+    allocate = failing_allocator(2, allocations)
     pool = _pinned.Pool(allocate, lambda device: Pending(log), 64, 64 * 4)
     first = pool.acquire()
     pool.release(first, META, None)
@@ -715,7 +711,7 @@ def test_a_pool_backing_off_reuses_its_chunks_instead_of_allocating() -> None:
     pool.release(first, META, None)
     assert pool.acquire() is first  # backing off: no allocation tried
     assert (2, ["record", "synchronize"] * 2) == (len(allocations), log)
-    while not pool.backoff.ready():
+    while not pool.backoff.ready():  # each False counts as a try skipped: 64 of them
         pass
     pool.release(first, META, None)
     assert pool.acquire() is not first
@@ -726,13 +722,7 @@ def test_a_pool_with_no_chunk_backing_off_raises_without_allocating() -> None:
     """A pool whose first allocation failed holds no chunk to wait for: while it backs
     off, acquire() raises at once, saying why, and allocates nothing."""
     allocations: list[int] = []
-
-    def allocate(nbytes: int) -> torch.Tensor:
-        allocations.append(nbytes)
-        if len(allocations) == 1:
-            raise RuntimeError("out of pinned memory")
-        return torch.empty(nbytes, dtype=torch.uint8)
-
+    allocate = failing_allocator(1, allocations)
     pool = _pinned.Pool(allocate, _staging._landed, 64, 64 * 4)
     with pytest.raises(RuntimeError, match="out of pinned memory"):
         pool.acquire()

@@ -14,23 +14,24 @@ release it supports:
 
 ``is`` between two tensors is answered from dynamo's fake tensors, with no guard, on every
 release: this walk finds a tensor met before with it. It keeps what the eager engine keeps
-but for three things, none of which dynamo can be asked on 2.6: a container held at two
+but for two things, neither of which dynamo can be asked on 2.6: a container held at two
 places is rebuilt at each (the tensors in it are still moved once, and the copies are
 the same objects at both places); a view arrives as ``.to`` copies it, not as a view of
-its base's copy; a cycle (or a structure deeper than :data:`_DEPTH`) raises
-``MoveError``. Modules and objects with their own ``.to`` are moved by the eager engine's
-own code, as dynamo traces it. Nothing is staged, and nothing recorded for
-:mod:`devicectx.move._transfers`: traced code keeps no state. The scan for a tensor met
-before costs a comparison per tensor moved so far, at trace time only.
+its base's copy. dynamo inlines each level of the walk, so a cycle, or a structure some
+50 containers deep, exceeds its own recursion limit. Modules and objects with their own
+``.to`` are moved by the eager engine's own code, as dynamo traces it. Nothing is staged,
+and nothing recorded for :mod:`devicectx.move._transfers`: traced code keeps no state. The
+scan for a tensor met before costs a comparison per tensor moved so far, at trace time
+only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from devicectx._errors import MoveError
 from devicectx.move import _containers
 from devicectx.move._alias import TensorMover
 from devicectx.move._containers import CONTAINER, LEAF, TENSOR, kind_for
@@ -39,8 +40,6 @@ from devicectx.move._skip import Skip
 
 _Tensor = torch.Tensor
 _CACHE = _containers._CACHE
-_DEPTH = 100
-"""How deep a traced move goes: dynamo inlines each level, and a cycle never ends."""
 
 
 class TracedMove:
@@ -63,34 +62,24 @@ class TracedMove:
 
     def run(self, obj: Any) -> Any:
         """``obj`` with its tensors on the device: itself where nothing in it moved."""
-        return self._walk(obj, 0)[0]
+        return self._walk(obj)[0]
 
-    def _walk(self, obj: Any, depth: int) -> tuple[Any, bool]:
+    def _walk(self, obj: Any) -> tuple[Any, bool]:
         """``obj`` moved, and whether that changed it: dynamo on 2.6 cannot tell whether
         two dicts (or lists) are one, so a rebuilt child cannot be told by ``is``."""
         tp = type(obj)
         if tp is _Tensor:
             return (obj, False) if obj.device == self.device else (self._tensor(obj), True)
-        if depth > _DEPTH:
-            msg = (
-                f"to_device() under torch.compile moves structures at most {_DEPTH} "
-                "containers deep, and no cycles; fix: move it before the compiled code"
-            )
-            raise MoveError(msg)
         fast_dict, fast_list, fast_tuple = self.fast
-        changed = False
         if tp is fast_dict:
             out = {}
+            changed = False
             for key, value in obj.items():
-                out[key], moved = self._walk(value, depth + 1)
+                out[key], moved = self._walk(value)
                 changed = changed or moved
             return (out, True) if changed else (obj, False)
         if tp is fast_list or tp is fast_tuple:
-            items = []
-            for value in obj:
-                result, moved = self._walk(value, depth + 1)
-                items.append(result)
-                changed = changed or moved
+            items, changed = self._each(obj)
             if not changed:
                 return obj, False
             return (items if tp is fast_list else tuple(items)), True
@@ -105,14 +94,20 @@ class TracedMove:
             result = self.eager._moved_whole(obj, kind)
             return result, result is not obj
         keys, old = kind.split(obj)  # type: ignore[misc]
-        new = []
-        for value in old:
-            result, moved = self._walk(value, depth + 1)
-            new.append(result)
-            changed = changed or moved
+        new, changed = self._each(old)
         if not changed:
             return obj, False
         return kind.rebuild(obj, keys, old, new), True  # type: ignore[misc]
+
+    def _each(self, values: Iterable[Any]) -> tuple[list[Any], bool]:
+        """Each of ``values`` moved, and whether any changed."""
+        moved_values = []
+        changed = False
+        for value in values:
+            result, moved = self._walk(value)
+            moved_values.append(result)
+            changed = changed or moved
+        return moved_values, changed
 
     def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, not on the device, moved: the same copy at every place it is."""
