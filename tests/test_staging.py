@@ -471,7 +471,7 @@ def test_the_event_of_a_move_is_its_own(monkeypatch: pytest.MonkeyPatch) -> None
         return event
 
     monkeypatch.setattr(pool, "release", release_then_reused)
-    sender = _staging._Sender(host, META)
+    sender = _staging._Sender(host, META, None)
     sender.space(8, whole=True)
     event = sender.done()
     assert isinstance(event, Pending)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from devicectx.devices._resolve import accelerator_type
+from devicectx.move._streams import copy_stream
 
 __all__ = ["Host", "Pool", "host_for", "release_staging", "staging_memory"]
 
@@ -177,15 +178,17 @@ class Pool:
 class Host:
     """What a staged move needs for one accelerator type: its pool, streams, pinning.
 
-    ``stream(device)`` is the device's current stream, where the copies are queued;
-    ``pinned(tensor)`` whether a host tensor is pinned; ``idle(device)`` whether the
-    current stream has finished all the work queued on it (a query, not a wait): where it
-    has not, a pinned source may still be the target of a copy from the device queued
-    there (``.to("cpu", non_blocking=True)`` hands back pinned memory), which the host
-    must not read before the stream gets there.
+    ``stream(device)`` is the device's current stream, where blocking moves queue their
+    copies; ``side(device)`` the device's copy stream, where non-blocking moves queue
+    theirs (None: none, and they queue on the current stream too); ``pinned(tensor)``
+    whether a host tensor is pinned; ``idle(device)`` whether the current stream has
+    finished all the work queued on it (a query, not a wait): where it has not, a pinned
+    source may still be the target of a copy from the device queued there
+    (``.to("cpu", non_blocking=True)`` hands back pinned memory), which the host must not
+    read before the stream gets there.
     """
 
-    __slots__ = ("idle", "pinned", "pool", "stream")
+    __slots__ = ("idle", "pinned", "pool", "side", "stream")
 
     def __init__(
         self,
@@ -193,15 +196,21 @@ class Host:
         stream: Callable[[torch.device], Any],
         pinned: Callable[[torch.Tensor], bool],
         idle: Callable[[torch.device], bool] | None = None,
+        side: Callable[[torch.device], Any] | None = None,
     ) -> None:
         self.pool = pool
         self.stream = stream
         self.pinned = pinned
         self.idle = idle or _always_idle
+        self.side = side or _no_side
 
 
 def _always_idle(device: torch.device) -> bool:
     return True
+
+
+def _no_side(device: torch.device) -> None:
+    return None
 
 
 class Backoff:
@@ -286,7 +295,7 @@ def host_for(
             return None
         del _BACKOFF[device_type]
         pool = Pool(_pinned_buffer, _new_event, chunk_bytes, limit_bytes)
-        _HOSTS[device_type] = host = Host(pool, _current_stream, _is_pinned, _idle)
+        _HOSTS[device_type] = host = Host(pool, _current_stream, _is_pinned, _idle, copy_stream)
         return host
 
 

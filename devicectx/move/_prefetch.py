@@ -7,8 +7,9 @@ copies run while the device computes the steps queued before them. How, on an ac
 with streams (CUDA, ROCm, XPU, the testing kit's emulated device):
 
 - each batch is moved by the move engine (:func:`~devicectx.to_device`: staged through
-  pinned buffers, so sources need not be pinned), with the copy stream made the current
-  stream of the target around the move: the engine queues its copies, and allocates the
+  pinned buffers, so sources need not be pinned), with the device's copy stream (the one
+  non-blocking staged moves use, :mod:`devicectx.move._streams`) made the current stream
+  of the target around the move: the engine queues its copies, and allocates the
   results, on the current stream;
 - before that, where a source may still be written by the caller's stream (one on a
   device, or a pinned buffer a device-to-host copy still fills) and that stream is busy,
@@ -46,6 +47,7 @@ from devicectx.move import _transfers
 from devicectx.move._move import _move, _nothing_to_move
 from devicectx.move._skip import Skip, SkipLike, compile_skip
 from devicectx.move._staging import regions_used_on
+from devicectx.move._streams import copy_stream, queued_on
 from devicectx.move._walk import collect
 from devicectx.scope._context import active_device
 
@@ -136,8 +138,9 @@ def prefetch(
           :func:`~devicectx.staging_memory` reports; :func:`~devicectx.release_staging`
           lets it go.
         - The streams used are the caller's current stream of the target device at each
-          ``next()``, and a copy stream of the prefetcher's own. Inside a CUDA graph
-          capture, do not prefetch.
+          ``next()``, and the device's copy stream, which devicectx makes once per
+          device and shares with ``to_device(..., non_blocking=True)``. Inside a CUDA
+          graph capture, do not prefetch.
     """
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         msg = (
@@ -380,21 +383,16 @@ class Streams:
         """``move(batch, index)`` queued on the copy stream, after the work queued so far on
         the caller's stream; the result and the event after its copies."""
         copy = self.copy
-        previous = torch.accelerator.current_stream(self.device)
-        if not previous.query() and _written_by_streams(batch):
-            copy.wait_stream(previous)
-        index_before = torch.accelerator.current_device_index()
-        torch.accelerator.set_stream(copy)  # the engine queues and allocates on the current one
-        try:
+        # The engine queues its copies, and allocates their results, on the current stream.
+        with queued_on(copy, self.device) as previous:
+            if not previous.query() and _written_by_streams(batch):
+                copy.wait_stream(previous)
             # A staged result's storage is a slice of a shared region, which record_stream
             # on the result does not reach: the regions are recorded on the caller's stream
             # as they are made (the stream the batch is handed to, unless the caller
             # changes streams between batches, where the results alone are recorded).
             with regions_used_on(previous):
                 moved = move(batch, index)
-        finally:
-            torch.accelerator.set_stream(previous)
-            torch.accelerator.set_device_index(index_before)  # set_stream changed it
         return moved, copy.record_event()
 
     def hand_over(self, batch: Any, event: Any) -> None:
@@ -434,9 +432,5 @@ def streams_for(device: torch.device) -> Streams | None:
     streams (or no events), and batches move in order."""
     if device.type in _NO_STREAMS or device.type != accelerator_type():
         return None
-    try:
-        copy = torch.Stream(device=device)
-        copy.record_event()  # events work on this device too
-    except Exception:  # a backend without streams or events: in order
-        return None
-    return Streams(device, copy)
+    copy = copy_stream(device)
+    return None if copy is None else Streams(device, copy)

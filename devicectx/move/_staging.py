@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from devicectx.devices._resolve import accelerator_type
-from devicectx.move import _pinned
+from devicectx.move import _pinned, _streams
 from devicectx.move._alias import dense
 from devicectx.move._walk import collect
 
@@ -569,8 +569,45 @@ def to_accelerator(
         and sum(tensor.nbytes for tensor in streamed) < thresholds.stage_min_bytes
     ):
         return {}
+    side = host.side(device) if non_blocking and COPY_STREAM else None
+    if side is None:
+        return _send(groups, streamed, device, thresholds, host, host.stream(device), non_blocking)
+    with _streams.queued_on(side, device) as consumer:
+        if side == consumer:  # already on it (a prefetcher's move)
+            return _send(groups, streamed, device, thresholds, host, side, non_blocking)
+        with regions_used_on(consumer):
+            results = _send(groups, streamed, device, thresholds, host, side, True, consumer)
+    if results:
+        # The caller's stream runs its later work after the copies, and the results'
+        # memory, allocated on the copy stream, is not reused before that work has run.
+        consumer.wait_event(side.record_event())
+    return results
+
+
+COPY_STREAM = True
+"""Whether a non-blocking staged move queues its copies on the device's copy stream
+(:mod:`devicectx.move._streams`), where they start at once and the staging chunks are free
+again when they land, instead of on the caller's stream, behind the work queued there; the
+caller's stream then waits for them (the device waits, not the host). The benchmark turns
+it off to time both."""
+
+
+def _send(
+    groups: dict[_Key, list[torch.Tensor]],
+    streamed: list[torch.Tensor],
+    device: torch.device,
+    thresholds: Thresholds,
+    host: _pinned.Host,
+    stream: Any,
+    non_blocking: bool,
+    consumer: Any = None,
+) -> dict[int, torch.Tensor]:
+    """Pack ``groups`` into shared regions and stream ``streamed`` through the chunks, the
+    copies queued on ``stream`` (the current one); ``{id(source): result}``. ``consumer``:
+    the stream the results are used on, where that is another (their memory is recorded as
+    used there)."""
     results: dict[int, torch.Tensor] = {}
-    sender = _Sender(host, device)
+    sender = _Sender(host, device, stream)
     try:
         for size, runs in _regions(groups, thresholds.shared_bytes):
             padded = _aligned(size)
@@ -579,13 +616,15 @@ def to_accelerator(
                 _pack(chunk.typed(run[1]), start, run)
             # copy=True: a new tensor even where the target is the host itself (tests).
             region = chunk.buffer[start : start + padded].to(device, non_blocking=True, copy=True)
-            for stream in _USED_ON.streams:
-                region.record_stream(stream)
+            for used_on in _USED_ON.streams:
+                region.record_stream(used_on)
             sender.used(padded)
             for run in runs:
                 _unpack(region, run, results)
         for tensor in streamed:
-            results[id(tensor)] = sender.alone(tensor)
+            result = results[id(tensor)] = sender.alone(tensor)
+            if consumer is not None:
+                result.record_stream(consumer)
     finally:
         event = sender.done()
     if not non_blocking and event is not None:
@@ -669,10 +708,10 @@ class _Sender:
 
     __slots__ = ("chunk", "device", "host", "position", "stream")
 
-    def __init__(self, host: _pinned.Host, device: torch.device) -> None:
+    def __init__(self, host: _pinned.Host, device: torch.device, stream: Any) -> None:
         self.host = host
         self.device = device
-        self.stream = host.stream(device)
+        self.stream = stream
         self.chunk: _pinned.Chunk | None = None
         self.position = 0
 
