@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,13 +28,17 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from devicectx import to_device
-from devicectx.move import _pinned, _staging
+from devicectx import MoveError, to_device
+from devicectx.move import _pinned, _staging, _streams
 from devicectx.move._walk import collect
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
 
 pytestmark = pytest.mark.requires_device("accelerator")
+needs_emulated = pytest.mark.skipif(
+    not emulated.enabled(),
+    reason="needs the emulated accelerator's controls: pytest --devicectx-accelerator=emulated",
+)
 
 SMALL = dataclasses.replace(
     _staging.THRESHOLDS, min_tensors=2, stage_min_bytes=256, share_max_bytes=64, shared_bytes=256
@@ -240,3 +245,124 @@ def test_pageable_sources_may_change_once_the_move_returns(batch: Any) -> None:
     torch.accelerator.synchronize()
     assert staging.staged >= SMALL.min_tensors
     assert [e.tolist() for e in before] == [a.cpu().tolist() for a in tensors_of(moved)]
+
+
+# Non-blocking moves on the copy stream. The caller's stream is held back (work queued ahead
+# of the move, as a training step's kernels are), and the pool holds two chunks of 1 KiB:
+# a sequence of batches reuses every chunk several times. Each move must return without the
+# host waiting for the caller's stream (a wait on a held stream raises on the emulated
+# device), the batch must be read on that stream only after its copies land, and its memory
+# must not be reused while reads queued there are pending.
+
+TINY_POOL = dataclasses.replace(SMALL, chunk_bytes=1024, pool_bytes=2048)
+
+stageable = st.lists(
+    st.one_of(
+        runs,  # small tensors, packed into shared regions
+        tensors(devices=["cpu"], shapes=st.sampled_from([(260,), (16, 40)])).map(
+            lambda tensor: [tensor]
+        ),  # larger ones (256 bytes or more: staged alone), streamed through the chunks
+    ),
+    min_size=1,
+    max_size=3,
+).map(lambda parts: [tensor for part in parts for tensor in part])
+"""A batch every tensor of which the staged path moves: pageable, not empty, dense, no
+grad, and enough of them (a tensor it declined would be moved by ``.to``, which waits for
+the held stream)."""
+
+
+class TinyPool:
+    """The device's staged moves, in :meth:`block`, through a pool of two 1 KiB chunks;
+    ``staged`` counts the tensors they staged."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pool = _pinned.Pool(_pinned._pinned_buffer, _pinned._new_event, 1024, 2048)
+        self.staged = 0
+        real = _pinned.host_for(device.type, 1024, 2048, device)
+        assert real is not None
+        self.host = _pinned.Host(self.pool, real.stream, real.pinned, real.idle, real.side)
+
+    @contextlib.contextmanager
+    def block(self) -> Iterator[TinyPool]:
+        to_accelerator = _staging.to_accelerator
+
+        def counted(*args: Any) -> dict[int, torch.Tensor]:
+            results = to_accelerator(*args)
+            self.staged += len(results)
+            return results
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_staging, "THRESHOLDS", TINY_POOL)
+            patch.setitem(_pinned._HOSTS, accelerator().type, self.host)
+            patch.setattr(_staging, "to_accelerator", counted)
+            yield self
+
+
+def tiny_pool(device: torch.device) -> contextlib.AbstractContextManager[TinyPool]:
+    """A block whose staged moves to ``device`` go through a :class:`TinyPool`."""
+    return TinyPool(device).block()
+
+
+def held_reads(batches: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
+    """Move each batch with ``non_blocking=True`` while the caller's stream is held back,
+    queue a copy of each result to the host on that stream, then drop the results; the
+    copies' values once the stream runs."""
+    stream = torch.accelerator.current_stream(device)
+    with emulated.paused(device, stream=stream):
+        reads = []
+        for batch in batches:
+            moved = to_device(batch, device, non_blocking=True)
+            reads.extend(t.to("cpu", non_blocking=True) for t in moved)
+            del moved
+        gc.collect()
+    torch.accelerator.synchronize()
+    return reads
+
+
+@needs_emulated
+@settings(max_examples=30)
+@given(batches=st.lists(stageable, min_size=1, max_size=4))
+def test_non_blocking_moves_do_not_wait_for_the_callers_stream(
+    batches: list[list[torch.Tensor]],
+) -> None:
+    """With the caller's stream held back, non-blocking staged moves return at once (their
+    copies, and the chunks' reuse, wait for the copy stream alone), however often the
+    chunks are reused; read on the caller's stream, every result has its source's values,
+    even once dropped before those reads ran."""
+    device = accelerator()
+    with tiny_pool(device) as tiny:
+        reads = held_reads(batches, device)
+    sources = [tensor for batch in batches for tensor in batch]
+    event(f"chunks reused: {sum(t.nbytes for t in sources) > tiny.pool.limit_bytes}")
+    assert len(sources) == len(reads) == tiny.staged
+    for source, read in zip(sources, reads, strict=True):
+        assert torch.equal(source, read)
+
+
+@needs_emulated
+def test_the_copy_stream_test_fails_on_the_callers_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The property above can fail: with the copies on the caller's stream, a held stream
+    holds the chunks, and the move cannot go on."""
+    monkeypatch.setattr(_staging, "COPY_STREAM", False)
+    device = accelerator()
+    batch = [torch.randn(16, 40) for _ in range(3)]  # 7.5 KiB: the two chunks, reused
+    with tiny_pool(device), pytest.raises(MoveError):
+        held_reads([batch], device)
+    torch.accelerator.synchronize()
+
+
+@needs_emulated
+def test_a_non_blocking_move_is_read_on_the_callers_stream_after_its_copies_land() -> None:
+    """With the copy stream held back, a non-blocking staged move still returns (the host
+    does not wait for its copies), and the caller's stream waits for them: it has work it
+    cannot finish till they land, and a read queued there sees the sources' values."""
+    device = accelerator()
+    batch = [torch.randn(3) for _ in range(4)] + [torch.randn(200)]  # 1 KiB: no chunk reused
+    side, caller = _streams.copy_stream(device), torch.accelerator.current_stream(device)
+    with tiny_pool(device) as tiny, emulated.paused(device, stream=side):
+        moved = to_device(batch, device, non_blocking=True)
+        assert not caller.query()
+        reads = [t.to("cpu", non_blocking=True) for t in moved]
+    torch.accelerator.synchronize()
+    assert len(batch) == tiny.staged
+    assert all(torch.equal(a, b) for a, b in zip(batch, reads, strict=True))

@@ -8,6 +8,7 @@
 - ``_paths``: the nested paths errors and reports name (``batch['x'][0]``);
 - ``_skip``: ``skip=``, what a move leaves where it is;
 - ``_staging`` and ``_pinned``: small tensors moved in one copy through pinned buffers;
+- ``_streams``: the copy stream of each accelerator device (non-blocking moves, ``prefetch``);
 - ``_transfers``: ``track_transfers`` and the repeated-move warning;
 - ``_prefetch``: ``prefetch``, batches moved ahead of the step on a copy stream;
 - ``_distributed``: DTensor and FSDP2 parameters (``Layout``).

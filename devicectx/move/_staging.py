@@ -31,10 +31,14 @@ views' ``_base`` is the moved tensor itself. Views of one absent base are staged
 where they do not overlap (then ``.to`` copies each alone too).
 
 Safe: the sources have been copied into the staging buffer when the move returns, so the
-caller may change them at once, even with ``non_blocking=True``; copies to the device from
-the buffer are queued on the device's current stream (where torch orders every later use
-of the results after them), and with ``non_blocking=False`` the move waits for them, as
-``.to`` does. The buffers come from :mod:`devicectx.move._pinned`.
+caller may change them at once, even with ``non_blocking=True``. With ``non_blocking=False``
+the copies to the device are queued on the device's current stream and waited for, as
+``.to`` does. With ``non_blocking=True`` they are queued on the device's copy stream
+(:mod:`devicectx.move._streams`), results allocated there: they start at once instead of
+behind the work queued on the current stream, and their chunks are free again when they
+land; the current stream then waits on an event after them (the device waits, not the
+host), and the results' memory is recorded as used on it, so the caller uses them there
+as it would ``.to``'s. The buffers come from :mod:`devicectx.move._pinned`.
 
 :func:`stage` is the move engine's entry; :func:`forced` the seam through which tests take
 this path on any device (packing into ordinary host memory), and check it without one.
