@@ -303,12 +303,23 @@ def tiny_pool(device: torch.device) -> contextlib.AbstractContextManager[TinyPoo
     return TinyPool(device).block()
 
 
+@contextlib.contextmanager
+def step_ahead(stream: torch.Stream) -> Iterator[torch.Stream]:
+    """``stream`` (a device's) with work queued in the block, as a step queued ahead of a
+    move: a wait for a blocker stream, held back (:func:`emulated.paused`) till the end."""
+    blocker = torch.Stream(device=stream.device)
+    with emulated.paused(stream=blocker):
+        stream.wait_event(blocker.record_event())
+        yield blocker
+
+
 def held_reads(batches: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
-    """Move each batch with ``non_blocking=True`` while the caller's stream is held back,
-    queue a copy of each result to the host on that stream, then drop the results; the
-    copies' values once the stream runs."""
+    """Move each batch with ``non_blocking=True`` while the caller's stream is held back
+    with work queued, queue a copy of each result to the host on that stream, then drop
+    the results; the copies' values once the stream runs."""
     stream = torch.accelerator.current_stream(device)
     with emulated.paused(device, stream=stream):
+        stream.wait_event(torch.Stream(device=device).record_event())  # a step queued ahead
         reads = []
         for batch in batches:
             moved = to_device(batch, device, non_blocking=True)
@@ -325,10 +336,10 @@ def held_reads(batches: list[list[torch.Tensor]], device: torch.device) -> list[
 def test_non_blocking_moves_do_not_wait_for_the_callers_stream(
     batches: list[list[torch.Tensor]],
 ) -> None:
-    """With the caller's stream held back, non-blocking staged moves return at once (their
-    copies, and the chunks' reuse, wait for the copy stream alone), however often the
-    chunks are reused; read on the caller's stream, every result has its source's values,
-    even once dropped before those reads ran."""
+    """With the caller's stream held back behind a step, non-blocking staged moves return
+    at once (their copies, and the chunks' reuse, wait for the copy stream alone),
+    however often the chunks are reused; read on the caller's stream, every result has
+    its source's values, even once dropped before those reads ran."""
     device = accelerator()
     with tiny_pool(device) as tiny:
         reads = held_reads(batches, device)
@@ -351,18 +362,39 @@ def test_the_copy_stream_test_fails_on_the_callers_stream(monkeypatch: pytest.Mo
     torch.accelerator.synchronize()
 
 
+BATCH = [torch.randn(3) for _ in range(4)] + [torch.randn(200)]
+"""Four small tensors and one larger: 1 KiB staged, no chunk reused in the tiny pool."""
+
+
 @needs_emulated
-def test_a_non_blocking_move_is_read_on_the_callers_stream_after_its_copies_land() -> None:
-    """With the copy stream held back, a non-blocking staged move still returns (the host
-    does not wait for its copies), and the caller's stream waits for them: it has work it
-    cannot finish till they land, and a read queued there sees the sources' values."""
+def test_behind_queued_work_the_callers_stream_waits_for_the_copy_stream() -> None:
+    """Behind a step queued on the caller's stream, a non-blocking staged move returns
+    with its copies held back on the copy stream (the host does not wait for them), and
+    the caller's stream waits for them: once the step has run, waiting for the caller's
+    stream waits for the held copies (which the emulator refuses, as it would hang)."""
     device = accelerator()
-    batch = [torch.randn(3) for _ in range(4)] + [torch.randn(200)]  # 1 KiB: no chunk reused
     side, caller = _streams.copy_stream(device), torch.accelerator.current_stream(device)
     with tiny_pool(device) as tiny, emulated.paused(device, stream=side):
-        moved = to_device(batch, device, non_blocking=True)
-        assert not caller.query()
-        reads = [t.to("cpu", non_blocking=True) for t in moved]
+        with step_ahead(caller) as blocker:
+            moved = to_device(BATCH, device, non_blocking=True)
+        blocker.synchronize()
+        with pytest.raises(RuntimeError, match="paused"):
+            caller.synchronize()
     torch.accelerator.synchronize()
-    assert len(batch) == tiny.staged
-    assert all(torch.equal(a, b) for a, b in zip(batch, reads, strict=True))
+    assert len(BATCH) == tiny.staged
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(BATCH, moved, strict=True))
+
+
+@needs_emulated
+def test_on_an_idle_callers_stream_the_copies_stay_there() -> None:
+    """On a caller's stream with nothing queued, a non-blocking staged move queues its
+    copies there, where they start at once: the copy stream, held back, is not waited for."""
+    device = accelerator()
+    side, caller = _streams.copy_stream(device), torch.accelerator.current_stream(device)
+    caller.synchronize()
+    with tiny_pool(device) as tiny, emulated.paused(device, stream=side):
+        moved = to_device(BATCH, device, non_blocking=True)
+        caller.synchronize()
+        reads = [t.cpu() for t in moved]
+    assert len(BATCH) == tiny.staged
+    assert all(torch.equal(a, b) for a, b in zip(BATCH, reads, strict=True))

@@ -153,11 +153,12 @@ def to_device(
       at once, even with ``non_blocking=True``: safer than ``.to(non_blocking=True)``
       from pinned memory, whose source must stay unchanged until the copy lands. Larger
       tensors that are pinned already are sent directly, and follow that rule.
-    - With ``non_blocking=True``, the staged copies run on a copy stream of the target
-      (one per device), beside the work already queued on the current stream instead
-      of after it; the current stream waits for them (the device waits, not the host)
-      and their memory is recorded as used there: use the results on the current
-      stream, as ``.to``'s (on another stream, make it wait for the current one first).
+    - With ``non_blocking=True``, while the current stream has work queued (steps not
+      yet run), the staged copies run on a copy stream of the target (one per device),
+      beside that work instead of after it; the current stream waits for them (the
+      device waits, not the host) and their memory is recorded as used there: use the
+      results on the current stream, as ``.to``'s (on another stream, make it wait for
+      the current one first).
     - Everything above is kept (strides and memory format included); tensors the
       staged path cannot copy faithfully (that require grad, subclasses and parameters,
       expanded or strided views, ...) move one by one in the same call.

@@ -31,14 +31,15 @@ views' ``_base`` is the moved tensor itself. Views of one absent base are staged
 where they do not overlap (then ``.to`` copies each alone too).
 
 Safe: the sources have been copied into the staging buffer when the move returns, so the
-caller may change them at once, even with ``non_blocking=True``. With ``non_blocking=False``
-the copies to the device are queued on the device's current stream and waited for, as
-``.to`` does. With ``non_blocking=True`` they are queued on the device's copy stream
+caller may change them at once, even with ``non_blocking=True``. The copies to the device
+are queued on the device's current stream, and with ``non_blocking=False`` waited for, as
+``.to`` does; but a ``non_blocking=True`` move made while the current stream has work
+queued (a query) queues them on the device's copy stream instead
 (:mod:`devicectx.move._streams`), results allocated there: they start at once instead of
-behind the work queued on the current stream, and their chunks are free again when they
-land; the current stream then waits on an event after them (the device waits, not the
-host), and the results' memory is recorded as used on it, so the caller uses them there
-as it would ``.to``'s. The buffers come from :mod:`devicectx.move._pinned`.
+behind that work, and their chunks are free again when they land; the current stream
+then waits on an event after them (the device waits, not the host), and the results'
+memory is recorded as used on it, so the caller uses them there as it would ``.to``'s.
+The buffers come from :mod:`devicectx.move._pinned`.
 
 :func:`stage` is the move engine's entry; :func:`forced` the seam through which tests take
 this path on any device (packing into ordinary host memory), and check it without one.
@@ -565,7 +566,8 @@ def to_accelerator(
     if not _worth(found, thresholds, host, pinned) or _capturing(device.type):
         return {}  # the cheaper question first: most declines are for want of tensors
     groups, larger = _sort(found, inside, _on_host, thresholds.share_max_bytes)
-    if not host.idle(device):
+    idle = host.idle(device)
+    if not idle:
         groups = _unpinned(groups, host, pinned)
     streamed = [tensor for tensor in larger if not _is_pinned(tensor, host, pinned)]
     if (
@@ -573,7 +575,10 @@ def to_accelerator(
         and sum(tensor.nbytes for tensor in streamed) < thresholds.stage_min_bytes
     ):
         return {}
-    side = host.side(device) if non_blocking and COPY_STREAM else None
+    # Behind work queued on the current stream, the copies would wait for it, and the
+    # chunks with them: a non-blocking move sends them on the copy stream. On an idle
+    # stream they start at once anyway, and the copy stream's hand-over would cost more.
+    side = host.side(device) if non_blocking and not idle and COPY_STREAM else None
     if side is None:
         return _send(groups, streamed, device, thresholds, host, host.stream(device), non_blocking)
     with _streams.queued_on(side, device) as consumer:
@@ -589,11 +594,11 @@ def to_accelerator(
 
 
 COPY_STREAM = True
-"""Whether a non-blocking staged move queues its copies on the device's copy stream
-(:mod:`devicectx.move._streams`), where they start at once and the staging chunks are free
-again when they land, instead of on the caller's stream, behind the work queued there; the
-caller's stream then waits for them (the device waits, not the host). The benchmark turns
-it off to time both."""
+"""Whether a non-blocking staged move made while the caller's stream has work queued
+queues its copies on the device's copy stream (:mod:`devicectx.move._streams`), where they
+start at once and the staging chunks are free again when they land, instead of on the
+caller's stream, behind that work; the caller's stream then waits for them (the device
+waits, not the host). The benchmark turns it off to time both."""
 
 
 def _send(
