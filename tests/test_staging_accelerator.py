@@ -398,3 +398,21 @@ def test_on_an_idle_callers_stream_the_copies_stay_there() -> None:
         reads = [t.cpu() for t in moved]
     assert len(BATCH) == tiny.staged
     assert all(torch.equal(a, b) for a, b in zip(BATCH, reads, strict=True))
+
+
+@needs_emulated
+def test_a_move_to_another_device_leaves_the_current_device_and_streams() -> None:
+    """Behind work queued on device 1, a non-blocking staged move there goes through device
+    1's copy stream and leaves device 0 current, and each device's current stream as it was."""
+    if torch.accelerator.device_count() < 2:
+        pytest.skip("needs two devices")
+    first, second = accelerator(0), accelerator(1)
+    before = [torch.accelerator.current_stream(d) for d in (first, second)]
+    index = torch.accelerator.current_device_index()
+    with tiny_pool(second) as tiny, step_ahead(before[1]):
+        moved = to_device(BATCH, second, non_blocking=True)
+    torch.accelerator.synchronize(second)
+    assert len(BATCH) == tiny.staged
+    assert index == torch.accelerator.current_device_index()
+    assert before == [torch.accelerator.current_stream(d) for d in (first, second)]
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(BATCH, moved, strict=True))
