@@ -11,6 +11,10 @@ Per step, each subject timing whole epochs:
 - ``copy only``: ``to_device`` of each batch, no step;
 - the bound: ``max(compute only, copy only)``, what perfect overlap gives;
 - ``to_device in the step``, ``send_to_device in the step``: the move when the step asks;
+- ``to_device in the step, caller's stream``, on a GPU (not the emulated accelerator): the
+  same with ``devicectx.move._staging.COPY_STREAM = False``, the staged copies queued on
+  the caller's stream instead of the device's copy stream (shown beside the others, with
+  no target of its own; ``benchmarks/copy_stream.py`` times the two alone);
 - ``prefetch``: ``for batch in prefetch(loader, device)`` (depth 2), made once;
 - ``CudaDataPrefetcher``: torchtnt's, where it is installed and the device is CUDA.
 
@@ -50,7 +54,7 @@ import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -63,18 +67,21 @@ from _trees import Tree, load
 from torch.utils.data import DataLoader, Dataset
 
 from devicectx import device_agnostic, prefetch, set_repeated_move_warning, to_device
+from devicectx.move import _staging
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
 SECTION = "7 prefetch"
 PREFETCH = "prefetch"
 IN_STEP = "to_device in the step"
+CALLERS_STREAM = "to_device in the step, caller's stream"
 DECORATED = "@device_agnostic(device=d)"
 UNSCOPED = "@device_agnostic(device=d, scope=False)"
 SUBJECTS = (
     "compute only",
     "copy only",
     IN_STEP,
+    CALLERS_STREAM,
     "send_to_device in the step",
     PREFETCH,
     "CudaDataPrefetcher",
@@ -162,7 +169,12 @@ def _case(
         PREFETCH: lambda: _epoch(prefetched, step, sync),
         "CudaDataPrefetcher": lambda: _torchtnt(loader, device, step, sync),
     }
-    measured = measure_group({name: Subject(make) for name, make in epochs.items()}, config)
+    subjects = {}
+    for name, make in epochs.items():
+        subjects[name] = Subject(make)
+        if name == IN_STEP and kind == "accelerator":  # the emulated one: copy_stream.py
+            subjects[CALLERS_STREAM] = Subject(make, _on_callers_stream)
+    measured = measure_group(subjects, config)
     per_step = {name: _per_step(m, steps) for name, m in measured.items()}
     added = _decorator_adds(config, resident, device)
     bound = None
@@ -198,7 +210,7 @@ def _rows(
     peers = "; ".join(
         f"{name} {fmt_ns(per_step[name]) if per_step[name] is not None else 'not available'}"
         for name in SUBJECTS
-        if name != PREFETCH
+        if name != PREFETCH and name in per_step
     )
     peers += f"; bound {fmt_ns(bound)}"
     gpu = kind == "accelerator"
@@ -240,6 +252,17 @@ def _rows(
 
 def _nothing() -> None:
     pass
+
+
+@contextlib.contextmanager
+def _on_callers_stream() -> Iterator[None]:
+    """Staged copies queued on the caller's stream, not the device's copy stream."""
+    saved = _staging.COPY_STREAM
+    _staging.COPY_STREAM = False
+    try:
+        yield
+    finally:
+        _staging.COPY_STREAM = saved
 
 
 def _moved(batch: Any, device: torch.device) -> Any:
