@@ -1,10 +1,11 @@
 """What the copy stream gives a training loop that moves each batch in the step.
 
 ``python -m devicectx.testing.emulate --devices 1 benchmarks/copy_stream.py`` (or on a GPU
-machine, without the runner). A non-blocking staged move to an accelerator queues its
-copies on the device's copy stream (``devicectx.move._streams``), and the caller's stream
-waits on an event after them; ``devicectx.move._staging.COPY_STREAM = False`` queues them
-on the caller's stream, as before. In ``for b in loader: step(to_device(b, d,
+machine, without the runner). A non-blocking staged move to an accelerator whose current
+stream has work queued queues its copies on the device's copy stream
+(``devicectx.move._streams``), and the caller's stream waits on an event after them;
+``devicectx.move._staging.COPY_STREAM = False`` queues them on the caller's stream, as
+before (as a move to an idle stream still does). In ``for b in loader: step(to_device(b, d,
 non_blocking=True))``, with the host ahead of the device, the copies then start at once,
 beside the device work queued before them, and the staging chunks (at most 64 MiB of
 pinned memory, in 4 MiB chunks) are free again when the copies land, not when the caller's
