@@ -34,7 +34,7 @@ from devicectx import (
     to_device,
     track_transfers,
 )
-from devicectx.move import _prefetch, _staging, _transfers
+from devicectx.move import _prefetch, _staging, _streams, _transfers
 from devicectx.move._walk import iter_tensors
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
@@ -683,12 +683,11 @@ def test_the_emulator_catches_a_hand_over_that_leaves_a_step_out(
     staged regions their storages are slices of) the late reads see poison; without the
     wait, the batch is read before its copies land."""
 
-    def hand_over(self: _prefetch.Streams, batch: Any, event: Any) -> None:
+    def hand_over(self: _prefetch.Streams, batch: Any, sent: Any) -> None:
         if left_out == "record_stream":
-            torch.accelerator.current_stream(self.device).wait_event(event)
+            torch.accelerator.current_stream(self.device).wait_event(sent.event)
 
     monkeypatch.setattr(_prefetch.Streams, "hand_over", hand_over)
-    monkeypatch.setattr(_prefetch, "regions_used_on", lambda *streams: contextlib.nullcontext())
     device = accelerator()
     sources = [detection_like(i) for i in range(3)]
     # Copies that land 300 ms late: a loaded machine takes more than the default 2 ms
@@ -741,6 +740,129 @@ def test_close_and_break_free_the_batches_in_flight(how: str) -> None:
     )
 
 
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """The cyclic garbage collector off for the block: what is freed is freed by counts."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@needs_emulated
+@pytest.mark.parametrize("how", ["dropped", "closed"])
+def test_a_prefetcher_over_a_generator_frees_its_batches_without_the_collector(how: str) -> None:
+    """Over a generator (whose one pass the prefetcher holds), dropping the prefetcher
+    and its pass frees the batches in flight at once, without the cyclic collector."""
+    device = accelerator()
+    sources = [detection_like(i, large=True) for i in range(5)]
+    torch.accelerator.synchronize()
+    with collector_off():
+        base = emulated.memory_allocated(device)
+        batches = prefetch((batch for batch in sources), device, depth=3)
+        running = iter(batches)
+        kept = next(running)
+        in_flight = emulated.memory_allocated(device) - base
+        if how == "closed":
+            batches.close()
+        del batches, running, kept
+        torch.accelerator.synchronize()
+        after = emulated.memory_allocated(device) - base
+
+    assert in_flight > 0
+    assert 0 == after
+
+
+@needs_emulated
+def test_close_frees_the_batches_ahead_of_a_loader_error_without_the_collector() -> None:
+    """With a loader error read ahead (its traceback holds the frames that read it, and
+    so the pass), close() frees the batches in flight at once, without the collector."""
+    device = accelerator()
+    sources = [detection_like(i, large=True) for i in range(5)]
+    torch.accelerator.synchronize()
+    with collector_off():
+        base = emulated.memory_allocated(device)
+        batches = prefetch(Reads(sources, [], frozenset({3})), device, depth=3)
+        next(iter(batches))
+        in_flight = emulated.memory_allocated(device) - base
+        batches.close()
+        torch.accelerator.synchronize()
+        after = emulated.memory_allocated(device) - base
+
+    assert in_flight > 0
+    assert 0 == after
+
+
+@needs_emulated
+def test_the_callers_stream_waits_for_a_batch_whose_copies_are_held() -> None:
+    """A batch is handed over while its copies are held back on the copy stream: the
+    host does not wait for them, the caller's stream does (waiting for it then waits for
+    the held copies, which the emulator refuses, as it would hang)."""
+    device = accelerator()
+    sources = [detection_like(i) for i in range(3)]
+    batches = prefetch(sources, device, depth=2)
+    caller = torch.accelerator.current_stream(device)
+    caller.synchronize()
+    with emulated.paused(device, stream=_streams.copy_stream(device)):
+        first = next(iter(batches))
+        with pytest.raises(RuntimeError, match="paused"):
+            caller.synchronize()
+    torch.accelerator.synchronize()
+    assert_same(to_device(sources[0], device), first)
+
+
+@needs_emulated
+def test_a_batch_handed_to_another_stream_is_safe_there() -> None:
+    """A batch sent while one stream was current and handed over while another is: its
+    memory, the staged regions of its small tensors included, is recorded as used on the
+    stream it is handed to, so reads queued there and the batch dropped still read it."""
+    device = accelerator()
+    sources = [detection_like(i) for i in range(3)]
+    running = iter(prefetch(sources, device, depth=1))
+    next(running)  # batches 0 and 1 sent while the default stream was current
+    other = torch.Stream(device=device)
+    default = torch.accelerator.current_stream(device)
+    torch.accelerator.set_stream(other)
+    try:
+        copies = late_read([next(running)], device)
+    finally:
+        torch.accelerator.set_stream(default)
+
+    expected = nonempty(sources[1])
+    assert len(expected) == len(copies)
+    assert all(torch.equal(a, b) for a, b in zip(expected, copies, strict=True))
+
+
+@needs_emulated
+def test_pinned_small_tensors_are_staged_while_the_callers_stream_is_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Small pinned tensors are packed by the staged move whenever the caller's stream is
+    idle (nothing queued there can still be writing them), however busy the copy stream
+    is: here held back with the copies of the batches sent before."""
+    device = accelerator()
+    staged: list[int] = []
+    to_accelerator = _staging.to_accelerator
+
+    def counted(*args: Any) -> dict[int, torch.Tensor]:
+        results = to_accelerator(*args)
+        staged.append(len(results))
+        return results
+
+    monkeypatch.setattr(_staging, "to_accelerator", counted)
+    sources = [{"labels": [torch.full((5,), i).pin_memory() for _ in range(16)]} for i in range(4)]
+    torch.accelerator.synchronize()
+    batches = prefetch(sources, device, depth=3)
+    with emulated.paused(device, stream=_streams.copy_stream(device)):
+        first = next(iter(batches))  # sends all four, then hands the first over
+    torch.accelerator.synchronize()
+
+    assert [16] * 4 == staged
+    assert_same(to_device(sources[0], device), first)
+
+
 @needs_accelerator
 def test_staging_memory_stays_bounded_and_reported() -> None:
     """Many large batches ahead use at most the staging pool's bound of pinned memory,
@@ -783,9 +905,11 @@ def test_stream_path_raises_in_turn() -> None:
     with pytest.raises(MoveError, match=r"prefetch\(\) at batch 1 could not move"):
         next(running)
     third = next(running)
-    with pytest.raises(KeyError, match="sample 3"):
+    with pytest.raises(KeyError, match="sample 3") as raised:
         next(running)
 
+    last = raised.traceback[-1]  # the loader's own frame, where it raised
+    assert ("__next__", __file__) == (last.name, str(last.path))
     assert_same(to_device(sources[0], device), first)
     assert_same(to_device(sources[2], device), third)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
@@ -46,7 +47,7 @@ from devicectx.devices._resolve import DeviceLike, accelerator_type, resolve_dev
 from devicectx.move import _transfers
 from devicectx.move._move import _move, _nothing_to_move
 from devicectx.move._skip import Skip, SkipLike, compile_skip
-from devicectx.move._staging import regions_used_on
+from devicectx.move._staging import handed_to
 from devicectx.move._streams import copy_stream, queued_on
 from devicectx.move._walk import collect
 from devicectx.scope._context import active_device
@@ -248,30 +249,16 @@ class Prefetcher(Generic[T]):
     def __repr__(self) -> str:
         return f"prefetch({self.batches!r}, {str(self.device)!r}, depth={self.depth})"
 
-    def _move(self, batch: Any, index: int) -> Any:
-        """``batch`` on the device through the move engine, its errors naming ``index``."""
-        skip = self._skip
-        types = () if skip is None else skip.types
-        if (skip is None or not skip.slow) and _nothing_to_move(batch, self.device, types):
-            return batch
-        device = self.device
-        streams = self._streams is not None
-
-        def fix(path: str) -> str:
-            return f"leave it where it is: prefetch(batches, {str(device)!r}, skip=[{path!r}])"
-
-        who = f"prefetch() at batch {index}"
-        return _move(batch, device, streams, skip, _NAME, fix, who, True, self._where)
-
 
 class _InFlight:
-    """A batch moved on the copy stream, and the event after its copies."""
+    """A batch moved on the copy stream, and what its hand-over needs (``Streams.send``'s
+    token: the event after its copies, the regions made)."""
 
-    __slots__ = ("batch", "event")
+    __slots__ = ("batch", "sent")
 
-    def __init__(self, batch: Any, event: Any) -> None:
+    def __init__(self, batch: Any, sent: Any) -> None:
         self.batch = batch
-        self.event = event
+        self.sent = sent
 
 
 class _Raised:
@@ -283,11 +270,31 @@ class _Raised:
         self.error = error
 
 
+def _attempt(call: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
+    """``call(*args)`` and None, or None and what it raised (``StopIteration`` included).
+
+    Kept, the error's traceback starts in this frame, whose locals are ``call`` and its
+    arguments: not the pass, which holds the error (a cycle the garbage collector alone
+    would free, with the batches in flight)."""
+    try:
+        return call(*args), None
+    except Exception as error:
+        return None, error
+
+
 class _Pass(Iterator[T]):
-    """One pass over the wrapped iterable: what ``iter(prefetcher)`` returns."""
+    """One pass over the wrapped iterable: what ``iter(prefetcher)`` returns.
+
+    It holds what it needs of its prefetcher, not the prefetcher itself, which holds an
+    iterator's one pass: no reference cycle keeps the batches in flight alive once both
+    are dropped."""
 
     def __init__(self, owner: Prefetcher[T], source: Iterator[Any]) -> None:
-        self._owner = owner
+        self._streams = owner._streams
+        self._move = functools.partial(
+            _move_batch, owner.device, owner._skip, owner._where, self._streams is not None
+        )
+        self._depth = owner.depth
         self._source: Iterator[Any] | None = source
         self._read = 0  # the index of the next batch read from the source
         self._queue: collections.deque[_InFlight | _Raised] = collections.deque()
@@ -297,7 +304,7 @@ class _Pass(Iterator[T]):
         return self
 
     def __next__(self) -> T:
-        streams = self._owner._streams
+        streams = self._streams
         if streams is None:  # in order: read one, move it
             source = self._source
             if source is None:
@@ -305,47 +312,46 @@ class _Pass(Iterator[T]):
             batch = next(source)  # the loader's StopIteration and errors, as they are
             index = self._read
             self._read += 1
-            return self._owner._move(batch, index)  # type: ignore[no-any-return]
+            return self._move(batch, index)  # type: ignore[no-any-return]
         self._fill(streams)
         if not self._queue:
             self._source = None
             raise StopIteration
-        item = self._queue.popleft()
-        if isinstance(item, _Raised):
+        queue = self._queue
+        if isinstance(queue[0], _Raised):
             self._raised -= 1
-            error = item.error
-            del item
+            error = queue.popleft().error  # type: ignore[union-attr]
             try:
                 raise error  # its traceback still holds the loader's frames
             finally:
                 del error
-        streams.hand_over(item.batch, item.event)
-        return item.batch  # type: ignore[no-any-return]
+        # No local holds the batch: a loader error read ahead holds this frame (its
+        # traceback reaches it), which would keep the batch until the collector runs.
+        streams.hand_over(queue[0].batch, queue[0].sent)
+        return queue.popleft().batch  # type: ignore[no-any-return, union-attr]
 
     def _fill(self, streams: Streams) -> None:
         """Read and move batches until ``depth + 1`` are queued (the next one and ``depth``
         after it), the source ends, or a batch raised."""
-        owner = self._owner
         queue = self._queue
-        while len(queue) <= owner.depth and not self._raised and self._source is not None:
+        while len(queue) <= self._depth and not self._raised and self._source is not None:
             index = self._read
-            try:
-                batch = next(self._source)
-            except StopIteration:
+            batch, error = _attempt(next, self._source)
+            if isinstance(error, StopIteration):
                 self._source = None
                 return
-            except Exception as error:  # raised when batch `index` is asked for
-                self._read += 1
-                self._raised += 1
-                queue.append(_Raised(error))
-                return
             self._read += 1
-            try:
-                queue.append(_InFlight(*streams.send(owner._move, batch, index)))
-            except Exception as error:  # a MoveError, raised in its turn
+            if error is None:
+                moved, error = _attempt(streams.send, self._move, batch, index)
+            del batch
+            if error is not None:  # the loader's, or a MoveError: raised in its turn
                 self._raised += 1
                 queue.append(_Raised(error))
                 return
+            queue.append(_InFlight(*moved))
+            # Not kept in this frame: a loader error raised next holds it (its traceback
+            # reaches this frame), and with it this batch, until the collector runs.
+            moved = None
 
     def close(self) -> None:
         """Stop: the source is let go, and the batches in flight are freed, once their
@@ -353,10 +359,10 @@ class _Pass(Iterator[T]):
         self._source = None
         queue, self._queue = self._queue, collections.deque()
         self._raised = 0
-        streams = self._owner._streams
+        streams = self._streams
         for item in queue:
             if isinstance(item, _InFlight) and streams is not None:
-                streams.landed(item.event)
+                streams.landed(item.sent)
         queue.clear()
 
     def __del__(self) -> None:
@@ -365,12 +371,41 @@ class _Pass(Iterator[T]):
             self.close()
 
 
+def _move_batch(
+    device: torch.device, skip: Skip | None, where: str, non_blocking: bool, batch: Any, index: int
+) -> Any:
+    """``batch`` on ``device`` through the move engine, its errors naming ``index``;
+    ``non_blocking`` where it is moved on a copy stream."""
+    types = () if skip is None else skip.types
+    if (skip is None or not skip.slow) and _nothing_to_move(batch, device, types):
+        return batch
+
+    def fix(path: str) -> str:
+        return f"leave it where it is: prefetch(batches, {str(device)!r}, skip=[{path!r}])"
+
+    who = f"prefetch() at batch {index}"
+    return _move(batch, device, non_blocking, skip, _NAME, fix, who, True, where)
+
+
+class _Sent:
+    """What a batch's move left on the copy stream: the event after its copies, and the
+    staged regions its small tensors' storages are slices of (``record_stream`` on such a
+    tensor does not reach its region, which must be recorded itself)."""
+
+    __slots__ = ("event", "regions")
+
+    def __init__(self, event: Any, regions: list[torch.Tensor]) -> None:
+        self.event = event
+        self.regions = regions
+
+
 class Streams:
     """The stream work of one prefetcher: a copy stream of the device, events, hand-over.
 
     :func:`streams_for` makes one per prefetcher (None: move in order); the tests put a
     stand-in in its place that records what is asked of it, to check the lookahead on a
-    machine without streams.
+    machine without streams. ``send`` returns the moved batch and a token, which the pass
+    hands back to ``hand_over`` and ``landed``.
     """
 
     __slots__ = ("copy", "device")
@@ -379,27 +414,26 @@ class Streams:
         self.device = device
         self.copy = copy
 
-    def send(self, move: Callable[[Any, int], Any], batch: Any, index: int) -> tuple[Any, Any]:
+    def send(self, move: Callable[[Any, int], Any], batch: Any, index: int) -> tuple[Any, _Sent]:
         """``move(batch, index)`` queued on the copy stream, after the work queued so far on
-        the caller's stream; the result and the event after its copies."""
+        the caller's stream where the batch needs it; the result and its token."""
         copy = self.copy
         # The engine queues its copies, and allocates their results, on the current stream.
         with queued_on(copy, self.device) as previous:
             if not previous.query() and _written_by_streams(batch):
                 copy.wait_stream(previous)
-            # A staged result's storage is a slice of a shared region, which record_stream
-            # on the result does not reach: the regions are recorded on the caller's stream
-            # as they are made (the stream the batch is handed to, unless the caller
-            # changes streams between batches, where the results alone are recorded).
-            with regions_used_on(previous):
+            with handed_to(previous) as regions:
                 moved = move(batch, index)
-        return moved, copy.record_event()
+        return moved, _Sent(copy.record_event(), regions)
 
-    def hand_over(self, batch: Any, event: Any) -> None:
+    def hand_over(self, batch: Any, sent: _Sent) -> None:
         """Make ``batch`` safe on the caller's current stream: it waits for the copies
-        (the device waits, not the host), and the batch's memory is recorded as used there."""
+        (the device waits, not the host), and the batch's memory, with the staged regions
+        it lies in, is recorded as used there."""
         consumer = torch.accelerator.current_stream(self.device)
-        consumer.wait_event(event)
+        consumer.wait_event(sent.event)
+        for region in sent.regions:
+            region.record_stream(consumer)
         device_type = self.device.type
         found, inside, _ = collect(batch)
         for tensors in (found, inside):
@@ -407,9 +441,9 @@ class Streams:
                 if tensor.device.type == device_type:
                     tensor.record_stream(consumer)
 
-    def landed(self, event: Any) -> None:
-        """Wait until the copies before ``event`` have landed."""
-        event.synchronize()
+    def landed(self, sent: _Sent) -> None:
+        """Wait until the copies of a batch sent have landed."""
+        sent.event.synchronize()
 
 
 def _written_by_streams(batch: Any) -> bool:

@@ -68,7 +68,7 @@ __all__ = [
     "Thresholds",
     "forced",
     "forget_accelerator",
-    "regions_used_on",
+    "handed_to",
     "stage",
     "to_accelerator",
     "to_host",
@@ -566,7 +566,8 @@ def to_accelerator(
     if not _worth(found, thresholds, host, pinned) or _capturing(device.type):
         return {}  # the cheaper question first: most declines are for want of tensors
     groups, larger = _sort(found, inside, _on_host, thresholds.share_max_bytes)
-    idle = host.idle(device)
+    caller = _HANDED_TO.caller
+    idle = host.idle(device) if caller is None else bool(caller.query())
     if not idle:
         groups = _unpinned(groups, host, pinned)
     streamed = [tensor for tensor in larger if not _is_pinned(tensor, host, pinned)]
@@ -584,8 +585,7 @@ def to_accelerator(
     with _streams.queued_on(side, device) as consumer:
         if side == consumer:  # already on it (a prefetcher's move)
             return _send(groups, streamed, device, thresholds, host, side, non_blocking)
-        with regions_used_on(consumer):
-            results = _send(groups, streamed, device, thresholds, host, side, True, consumer)
+        results = _send(groups, streamed, device, thresholds, host, side, True, consumer)
     if results:
         # The caller's stream runs its later work after the copies, and the results'
         # memory, allocated on the copy stream, is not reused before that work has run.
@@ -614,7 +614,7 @@ def _send(
     """Pack ``groups`` into shared regions and stream ``streamed`` through the chunks, the
     copies queued on ``stream`` (the current one); ``{id(source): result}``. ``consumer``:
     the stream the results are used on, where that is another (their memory is recorded as
-    used there)."""
+    used there). The regions go into the list of an enclosing :func:`handed_to`."""
     results: dict[int, torch.Tensor] = {}
     sender = _Sender(host, device, stream)
     try:
@@ -625,8 +625,11 @@ def _send(
                 _pack(chunk.typed(run[1]), start, run)
             # copy=True: a new tensor even where the target is the host itself (tests).
             region = chunk.buffer[start : start + padded].to(device, non_blocking=True, copy=True)
-            for used_on in _USED_ON.streams:
-                region.record_stream(used_on)
+            if consumer is not None:
+                region.record_stream(consumer)
+            made = _HANDED_TO.regions
+            if made is not None:
+                made.append(region)
             sender.used(padded)
             for run in runs:
                 _unpack(region, run, results)
@@ -686,30 +689,38 @@ def _unpinned(
     return kept
 
 
-class _UsedOn(threading.local):
-    streams: tuple[Any, ...] = ()
+class _HandedTo(threading.local):
+    """What :func:`handed_to` set for this thread: the stream the moves are made for, and
+    the list the regions they make go into (None: outside such a block)."""
+
+    caller: Any = None
+    regions: list[torch.Tensor] | None = None
 
 
-_USED_ON = _UsedOn()
+_HANDED_TO = _HandedTo()
 
 
 @contextlib.contextmanager
-def regions_used_on(*streams: Any) -> Iterator[None]:
-    """Record the device regions of the staged moves made in this block (this thread) as
-    used on ``streams`` (``Tensor.record_stream``).
+def handed_to(caller: Any) -> Iterator[list[torch.Tensor]]:
+    """The staged moves of this block (this thread) are made on another current stream (a
+    copy stream) for ``caller``, a stream of the target that gets the results later
+    (:func:`devicectx.prefetch`); yields the list of the device regions they make.
 
-    For a caller that hands the results to another stream (:func:`devicectx.prefetch`):
+    Pinned sources are then packed only while ``caller`` is idle, not the current stream:
+    a copy from the device into one may still be queued on ``caller``. And the regions are
+    for the caller to record as used on the stream the results are handed to:
     ``record_stream`` on a result itself does not reach its region, since a result's
     storage is a slice of the region's (see :func:`_unpack`), which the allocator does not
-    know; recorded here, the region's memory is not reused before those streams are done
-    with it, whenever its last result is freed.
+    know; recorded, the region's memory is not reused before that stream is done with it,
+    whenever its last result is freed.
     """
-    saved = _USED_ON.streams
-    _USED_ON.streams = saved + streams
+    saved = _HANDED_TO.caller, _HANDED_TO.regions
+    regions: list[torch.Tensor] = []
+    _HANDED_TO.caller, _HANDED_TO.regions = caller, regions
     try:
-        yield
+        yield regions
     finally:
-        _USED_ON.streams = saved
+        _HANDED_TO.caller, _HANDED_TO.regions = saved
 
 
 class _Sender:
