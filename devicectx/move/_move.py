@@ -148,7 +148,10 @@ def to_device(
 
     - Tensors of at most 64 KiB come back as views of one device region of at most
       1 MiB, which they share: one kept alive keeps that region allocated. Larger
-      tensors get device memory of their own, as with ``.to``.
+      tensors get device memory of their own, as with ``.to``. ``record_stream`` on a
+      small one does not reach its region (the caching allocator knows the region
+      alone): to use it on another stream, keep it alive until that stream is done
+      with it, or move with ``coalesce=False``.
     - The sources have been copied when ``to_device`` returns, so they may be changed
       at once, even with ``non_blocking=True``: safer than ``.to(non_blocking=True)``
       from pinned memory, whose source must stay unchanged until the copy lands. Larger

@@ -118,9 +118,13 @@ def prefetch(
 
     What you may do, and when:
         - The batch handed over is ready on your current stream at that moment: use it
-          there with no further wait, write into it, keep it. To use it on another
-          stream, make that stream wait for yours (``other.wait_stream(current)``), as
-          for any tensor.
+          there with no further wait, write into it, keep it; the batch is safe on the
+          stream current at ``next()``, whichever was current when it was sent. To use
+          it on another stream, make that stream wait for yours
+          (``other.wait_stream(current)``), as for any tensor, and keep the batch alive
+          until that stream is done with it: ``record_stream`` on one of its small
+          tensors does not reach the staged region it lies in (see
+          :func:`~devicectx.to_device`).
         - The source batch: pageable tensors (a ``DataLoader`` without ``pin_memory``)
           have been copied into staging memory before the loader is read again, so the
           loader may reuse their memory at once. Pinned tensors larger than 64 KiB are
@@ -133,11 +137,15 @@ def prefetch(
         - Batches are moved in the caller's thread, inside ``next()``: the loader's own
           work (``num_workers=0``) and the packing are host time, which the device's
           queued work overlaps, not the host's. Use loader workers for slow loading.
-        - ``close()``, or dropping the iterator (a ``break`` out of ``for batch in
-          prefetch(...)``), frees the batches in flight. Staging memory (pinned buffers
-          shared by every move, at most 64 MiB) stays for the next move, as
-          :func:`~devicectx.staging_memory` reports; :func:`~devicectx.release_staging`
-          lets it go.
+        - ``close()`` frees the batches in flight at once, and so does dropping the
+          pass: a ``break`` out of ``for batch in prefetch(loader)`` over a
+          ``DataLoader`` or a list. Over an iterator or a generator, whose one pass the
+          prefetcher keeps for the next loop, they are freed with the prefetcher, or by
+          ``close()``. A loader error read ahead and never asked for holds its pass
+          (through its traceback's frames) until the garbage collector runs, or until
+          ``close()``. Staging memory (pinned buffers shared by every move, at most
+          64 MiB) stays for the next move, as :func:`~devicectx.staging_memory` reports;
+          :func:`~devicectx.release_staging` lets it go.
         - The streams used are the caller's current stream of the target device at each
           ``next()``, and the device's copy stream, which devicectx makes once per
           device and shares with ``to_device(..., non_blocking=True)``. Inside a CUDA
