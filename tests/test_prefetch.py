@@ -34,7 +34,7 @@ from devicectx import (
     to_device,
     track_transfers,
 )
-from devicectx.move import _prefetch, _staging, _streams, _transfers
+from devicectx.move import _pinned, _prefetch, _staging, _streams, _transfers
 from devicectx.move._walk import iter_tensors
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
@@ -863,12 +863,44 @@ def test_pinned_small_tensors_are_staged_while_the_callers_stream_is_idle(
     assert_same(to_device(sources[0], device), first)
 
 
+@needs_emulated
+def test_copies_of_pageable_batches_run_beside_the_callers_queued_work() -> None:
+    """With the caller's stream held back behind queued work, the batches of pageable
+    tensors are moved ahead all the same: their copies on the copy stream do not wait
+    for the caller's stream (waiting for the copy stream does not wait for it)."""
+    device = accelerator()
+    sources = [detection_like(i, large=True) for i in range(3)]
+    caller = torch.accelerator.current_stream(device)
+    batches = prefetch(sources, device, depth=2)
+    with emulated.paused(device, stream=caller):
+        caller.wait_event(torch.Stream(device=device).record_event())  # a step queued ahead
+        first = next(iter(batches))
+        _streams.copy_stream(device).synchronize()  # all three batches' copies landed
+    torch.accelerator.synchronize()
+    assert_same(to_device(sources[0], device), first)
+
+
+@needs_emulated
+def test_a_device_without_events_moves_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device whose events fail gets no copy stream: batches move in order, as asked.
+    (Its copy stream, and its staging, which events fail too, are worked out afresh.)"""
+    device = accelerator()
+    monkeypatch.setattr(_streams, "_STREAMS", {})
+    monkeypatch.setattr(_pinned, "_HOSTS", {})
+    monkeypatch.setattr(_pinned, "_BACKOFF", {})
+    with emulated.configure(events=False):
+        batches = prefetch([detection_like(i) for i in range(3)], device)
+        moved = list(batches)
+    assert not batches.streams
+    assert_same(to_device(detection_like(2), device), moved[2])
+
+
 @needs_accelerator
 def test_staging_memory_stays_bounded_and_reported() -> None:
-    """Many large batches ahead use at most the staging pool's bound of pinned memory,
-    and staging_memory() reports what is held."""
+    """Large batches ahead, more than the staging pool holds, use at most the pool's
+    bound of pinned memory, and staging_memory() reports what is held."""
     device = accelerator()
-    sources = [{"x": torch.randn(1024, 1024), "i": i} for i in range(12)]  # 4 MiB each
+    sources = [{"x": torch.randn(4096, 1024), "i": i} for i in range(8)]  # 16 MiB each
 
     for batch in prefetch(sources, device, depth=4):
         held = staging_memory()

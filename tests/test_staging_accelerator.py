@@ -416,3 +416,18 @@ def test_a_move_to_another_device_leaves_the_current_device_and_streams() -> Non
     assert index == torch.accelerator.current_device_index()
     assert before == [torch.accelerator.current_stream(d) for d in (first, second)]
     assert all(torch.equal(a, b.cpu()) for a, b in zip(BATCH, moved, strict=True))
+
+
+@needs_emulated
+def test_the_copy_stream_block_restores_device_and_stream_on_an_error() -> None:
+    """An error inside a block on device 1's copy stream leaves device 0 current and
+    device 1's current stream as they were."""
+    if torch.accelerator.device_count() < 2:
+        pytest.skip("needs two devices")
+    second = accelerator(1)
+    index = torch.accelerator.current_device_index()
+    before = torch.accelerator.current_stream(second)
+    with pytest.raises(ZeroDivisionError), _streams.queued_on(_streams.copy_stream(second), second):
+        1 / 0  # noqa: B018
+    assert index == torch.accelerator.current_device_index()
+    assert before == torch.accelerator.current_stream(second)
