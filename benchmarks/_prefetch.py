@@ -173,7 +173,7 @@ def _case(
     for name, make in epochs.items():
         subjects[name] = Subject(make)
         if name == IN_STEP and kind == "accelerator":  # the emulated one: copy_stream.py
-            subjects[CALLERS_STREAM] = Subject(make, _on_callers_stream)
+            subjects[CALLERS_STREAM] = Subject(make, functools.partial(copy_stream_set, False))
     measured = measure_group(subjects, config)
     per_step = {name: _per_step(m, steps) for name, m in measured.items()}
     added = _decorator_adds(config, resident, device)
@@ -255,10 +255,11 @@ def _nothing() -> None:
 
 
 @contextlib.contextmanager
-def _on_callers_stream() -> Iterator[None]:
-    """Staged copies queued on the caller's stream, not the device's copy stream."""
+def copy_stream_set(on: bool) -> Iterator[None]:
+    """Staged copies behind queued work on the device's copy stream (``on``), or on the
+    caller's stream, for the block."""
     saved = _staging.COPY_STREAM
-    _staging.COPY_STREAM = False
+    _staging.COPY_STREAM = on
     try:
         yield
     finally:

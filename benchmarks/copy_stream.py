@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from _devices import accelerator
+from _prefetch import _median_ns, copy_stream_set
 from _timing import fmt_ns
 from _transfer import _pinned, _threads
 from _trees import Tree, detection, load, tensors_in
@@ -211,24 +212,10 @@ def _loop(run: Callable[[], Any], count: int, sync: Callable[[], None]) -> None:
 
 def _epoch(run: Callable[[], Any], steps: int, sync: Callable[[], None], copy_stream: bool) -> int:
     """The epoch's time in ns, with ``COPY_STREAM`` set to ``copy_stream`` in it."""
-    saved = _staging.COPY_STREAM
-    _staging.COPY_STREAM = copy_stream
-    try:
+    with copy_stream_set(copy_stream):
         start = time.perf_counter_ns()
         _loop(run, steps, sync)
         return time.perf_counter_ns() - start
-    finally:
-        _staging.COPY_STREAM = saved
-
-
-def _median_ns(fn: Callable[[], None], runs: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - start)
-    return float(statistics.median(times))
 
 
 @contextlib.contextmanager

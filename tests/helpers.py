@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import subprocess
 import sys
@@ -83,3 +84,24 @@ def described(tensor: torch.Tensor) -> tuple[Any, ...]:
         tensor.grad_fn is None,
         tensor.is_leaf,
     )
+
+
+@contextlib.contextmanager
+def staged_counts() -> Iterator[list[int]]:
+    """A list, filled in the block with how many tensors each staged move to the
+    accelerator staged (the results of ``_staging.to_accelerator``), in order."""
+    import pytest
+
+    from devicectx.move import _staging
+
+    counts: list[int] = []
+    to_accelerator = _staging.to_accelerator
+
+    def counted(*args: Any) -> dict[int, torch.Tensor]:
+        results = to_accelerator(*args)
+        counts.append(len(results))
+        return results
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_staging, "to_accelerator", counted)
+        yield counts

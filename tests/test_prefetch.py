@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import staged_counts
 from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -836,26 +837,15 @@ def test_a_batch_handed_to_another_stream_is_safe_there() -> None:
 
 
 @needs_emulated
-def test_pinned_small_tensors_are_staged_while_the_callers_stream_is_idle(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_pinned_small_tensors_are_staged_while_the_callers_stream_is_idle() -> None:
     """Small pinned tensors are packed by the staged move whenever the caller's stream is
     idle (nothing queued there can still be writing them), however busy the copy stream
     is: here held back with the copies of the batches sent before."""
     device = accelerator()
-    staged: list[int] = []
-    to_accelerator = _staging.to_accelerator
-
-    def counted(*args: Any) -> dict[int, torch.Tensor]:
-        results = to_accelerator(*args)
-        staged.append(len(results))
-        return results
-
-    monkeypatch.setattr(_staging, "to_accelerator", counted)
     sources = [{"labels": [torch.full((5,), i).pin_memory() for _ in range(16)]} for i in range(4)]
     torch.accelerator.synchronize()
     batches = prefetch(sources, device, depth=3)
-    with emulated.paused(device, stream=_streams.copy_stream(device)):
+    with staged_counts() as staged, emulated.paused(device, stream=_streams.copy_stream(device)):
         first = next(iter(batches))  # sends all four, then hands the first over
     torch.accelerator.synchronize()
 

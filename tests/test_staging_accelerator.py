@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import accelerator, described, tensors_of
+from helpers import accelerator, described, staged_counts, tensors_of
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -277,24 +277,20 @@ class TinyPool:
 
     def __init__(self, device: torch.device) -> None:
         self.pool = _pinned.Pool(_pinned._pinned_buffer, _pinned._new_event, 1024, 2048)
-        self.staged = 0
+        self.counts: list[int] = []
         real = _pinned.host_for(device.type, 1024, 2048, device)
         assert real is not None
         self.host = _pinned.Host(self.pool, real.stream, real.pinned, real.idle, real.side)
 
+    @property
+    def staged(self) -> int:
+        return sum(self.counts)
+
     @contextlib.contextmanager
     def block(self) -> Iterator[TinyPool]:
-        to_accelerator = _staging.to_accelerator
-
-        def counted(*args: Any) -> dict[int, torch.Tensor]:
-            results = to_accelerator(*args)
-            self.staged += len(results)
-            return results
-
-        with pytest.MonkeyPatch.context() as patch:
+        with pytest.MonkeyPatch.context() as patch, staged_counts() as self.counts:
             patch.setattr(_staging, "THRESHOLDS", TINY_POOL)
             patch.setitem(_pinned._HOSTS, accelerator().type, self.host)
-            patch.setattr(_staging, "to_accelerator", counted)
             yield self
 
 

@@ -578,13 +578,14 @@ def to_accelerator(
         return {}
     # Behind work queued on the current stream, the copies would wait for it, and the
     # chunks with them: a non-blocking move sends them on the copy stream. On an idle
-    # stream they start at once anyway, and the copy stream's hand-over would cost more.
-    side = host.side(device) if non_blocking and not idle and COPY_STREAM else None
+    # stream they start at once anyway, and the copy stream's hand-over would cost more;
+    # a move handed to a caller (prefetch's) is on the copy stream already.
+    side = None
+    if non_blocking and not idle and caller is None and COPY_STREAM:
+        side = host.side(device)
     if side is None:
         return _send(groups, streamed, device, thresholds, host, host.stream(device), non_blocking)
     with _streams.queued_on(side, device) as consumer:
-        if side == consumer:  # already on it (a prefetcher's move)
-            return _send(groups, streamed, device, thresholds, host, side, non_blocking)
         results = _send(groups, streamed, device, thresholds, host, side, True, consumer)
     if results:
         # The caller's stream runs its later work after the copies, and the results'
