@@ -127,8 +127,10 @@ def spread_strays(
     found: dict[torch.device, list[str]] = {}
     for part in parts:
         path = path_of(module, part.path)
-        if on_purpose and part.expected is not None:
+        if on_purpose and part.expected is not None and part.hooked:
             path = f"{path} (its hook runs it on {part.expected})"
+        elif on_purpose and part.expected is not None:
+            path = f"{path} (off where {module} starts, {part.expected})"
         elif part.device != part.runs_on:
             path = f"{path} (offloaded, runs on {part.runs_on})"
         found.setdefault(part.device, []).append(path)
@@ -147,7 +149,12 @@ def spread_strays(
     if on_purpose:
         off = len(strays)
         what = f"{module} ({kind}) spread over {n} devices, {off} part{'s' if off != 1 else ''} off"
-        fix = f"{moves} before calling {function}(): each part on the device its hook runs it on"
+        where = (
+            "on the device its hook runs it on"
+            if all(p.hooked for p in strays)
+            else "where it runs"
+        )
+        fix = f"{moves} before calling {function}(): each part {where}"
     else:
         what = f"{module} ({kind}) with parameters on {n} devices"
         fix = (

@@ -28,12 +28,13 @@ and ``.offload``; a ``SequentialHook``'s ``.hooks``), as in accelerate 0.20 to 1
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import torch
 from torch import nn
 
 from devicectx._errors import DeviceError
+from devicectx._torch.module_tree import submodules, tensors
 from devicectx.decorator._module_watch import note_change
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.move._paths import module_path
@@ -101,6 +102,8 @@ class Part(NamedTuple):
         device: where its weights are kept (``cpu`` for weights accelerate offloaded).
         runs_on: where it computes (its hook's execution device), else ``device``.
         expected: for a stray, the device it should be on; else ``None``.
+        hooked: for a stray, whether a hook of accelerate says where it runs (else the
+            device the model starts on does).
         owner: the module whose ``.to()`` moves it (``path`` itself for a submodule).
     """
 
@@ -108,6 +111,7 @@ class Part(NamedTuple):
     device: torch.device
     runs_on: torch.device
     expected: torch.device | None
+    hooked: bool
     owner: str
 
 
@@ -172,9 +176,9 @@ class SpreadModel:
         """Every part, in registration order: the largest submodules whose tensors share
         one placement, and the tensors of a module whose own tensors do not."""
         home = self.home(requested)
-        signature: dict[str, set[tuple[torch.device, torch.device, torch.device | None]]] = {}
+        signature: dict[str, set[_Signature]] = {}
         direct: dict[str, list[str]] = {}
-        tensors: dict[str, tuple[torch.device, torch.device, torch.device | None]] = {}
+        tensors: dict[str, _Signature] = {}
         for seen in self.seen:
             sign = _signature(seen, home)
             for place in seen.places:  # listed at each place it is held, as find_devices does
@@ -201,11 +205,12 @@ class SpreadModel:
         return found
 
     def placement(self, name: str) -> dict[torch.device, list[str]]:
-        """Each device weights are kept on, with the parts there (as ``hf_device_map``)."""
-        found: dict[torch.device, list[str]] = {}
+        """Each device weights are kept on, with the parts there (as ``hf_device_map``);
+        the device the model starts on first."""
+        found: dict[torch.device, list[str]] = {} if self.entry is None else {self.entry: []}
         for part in self.parts():
             found.setdefault(part.device, []).append(path_of(name, part.path))
-        return found
+        return {device: paths for device, paths in found.items() if paths}
 
     def devices(self) -> list[torch.device]:
         """The devices weights are kept on, in the order met."""
@@ -239,19 +244,21 @@ class Unmaterialised(NamedTuple):
     compute: torch.device  # where it will compute: its mesh's device
 
 
-def _signature(
-    seen: _Seen, home: torch.device
-) -> tuple[torch.device, torch.device, torch.device | None]:
-    """``(kept on, runs on, expected)``: what a part shares; ``expected`` is None where
-    the tensor is in place."""
+_Signature: TypeAlias = "tuple[torch.device, torch.device, torch.device | None, bool]"
+
+
+def _signature(seen: _Seen, home: torch.device) -> _Signature:
+    """``(kept on, runs on, expected, hooked)``: what a part shares; ``expected`` is None
+    where the tensor is in place."""
     cover = seen.cover
     if cover is not None and seen.accepted:
         runs = cover.runs_on if not cover.declared and cover.runs_on is not None else seen.device
-        return _kept(seen), runs, None
-    expected = cover.runs_on if cover is not None and cover.runs_on is not None else home
+        return _kept(seen), runs, None, False
+    hooked = cover is not None and not cover.declared and cover.runs_on is not None
+    expected = cover.runs_on if hooked and cover is not None else home
     if seen.device == expected:
-        return seen.device, seen.device, None
-    return seen.device, seen.device, expected
+        return seen.device, seen.device, None, False
+    return seen.device, seen.device, expected, hooked
 
 
 def _kept(seen: _Seen) -> torch.device:
@@ -317,7 +324,7 @@ def _covers(module: nn.Module) -> dict[str, Cover]:
     """Every module under ``module`` (itself included) that a hook or a declaration
     covers, by qualified name, in registration order."""
     found: dict[str, Cover] = {}
-    for path, child in module.named_modules():
+    for path, child in submodules(module):
         attributes = child.__dict__
         if DECLARED in attributes:
             found[path] = Cover(path, attributes[DECLARED], False, True)
@@ -334,7 +341,7 @@ def analyse(module: nn.Module) -> SpreadModel | None:
     """
     covers = _covers(module)
     named: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for path, tensor in _tensors(module):
+    for path, tensor in tensors(module):
         named.setdefault(id(tensor), []).append((path, tensor))
     seen: list[_Seen] = []
     for places in named.values():
@@ -344,12 +351,6 @@ def analyse(module: nn.Module) -> SpreadModel | None:
         return None
     entry, kind, first = _entry(module, covers, seen)
     return SpreadModel(entry, kind, first, type(module).__name__, tuple(seen))
-
-
-def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer at each of its places (a tied weight at each)."""
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
 
 
 def _judge(places: list[tuple[str, torch.Tensor]], covers: dict[str, Cover]) -> _Seen:
@@ -380,11 +381,8 @@ def _entry(
             return top.runs_on, "accelerate", ""
         if top.runs_on is not None:
             return top.runs_on, "declared", ""
-        first = next(iter(module.named_parameters()), None) or next(
-            iter(module.named_buffers()), None
-        )
-        assert first is not None  # a spread module has tensors
-        return first[1].device, "declared", first[0]
+        first = seen[0]  # its first parameter (or buffer), in registration order
+        return first.device, "declared", first.path
     for path, cover in covers.items():  # the first covered part, in registration order
         if cover.runs_on is not None:
             return cover.runs_on, "declared" if cover.declared else "accelerate", path
@@ -461,13 +459,15 @@ def module_placement(module: nn.Module, name: str = "model") -> dict[torch.devic
     Returns:
         ``{device: [path, ...]}``: the largest submodules wholly on each device (a
         tensor's own path where its module's tensors are on several), in registration
-        order. Weights accelerate offloaded are listed under ``cpu``, where it keeps them
-        (``find_devices`` lists them on ``meta``, as the module holds them); a module wholly
-        on one device is listed by ``name`` alone; a module without tensors gives ``{}``.
+        order; for a model spread on purpose, the device it starts on first (where
+        ``@device_agnostic`` sends its inputs). Weights accelerate offloaded are listed
+        under ``cpu``, where it keeps them (``find_devices`` lists them on ``meta``, as the
+        module holds them); a module wholly on one device is listed by ``name`` alone; a
+        module without tensors gives ``{}``.
     """
     analysed = analyse(module)
     if analysed is not None:
         return analysed.placement(name)
-    for _, tensor in _tensors(module):
+    for _, tensor in tensors(module):
         return {tensor.device: [name]}
     return {}
