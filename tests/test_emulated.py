@@ -626,11 +626,15 @@ def same_device_error(one: str, other: str) -> str:
     order: the first tensor met sets the device), as CUDA's operators raise it, in either
     of the wordings torch releases use."""
     pairs = [(one, other), (other, one)]
-    return "Expected all tensors to be on the same device, but (" + "|".join(
-        f"found at least two devices, {first} and {second}!"
-        f"|got \\w+ is on {second}, different from other tensors on {first} "
-        for first, second in pairs
-    ) + ")"
+    return (
+        "Expected all tensors to be on the same device, but ("
+        + "|".join(
+            f"found at least two devices, {first} and {second}!"
+            f"|got \\w+ is on {second}, different from other tensors on {first} "
+            for first, second in pairs
+        )
+        + ")"
+    )
 
 
 def test_an_operator_refuses_a_cpu_tensor(emu: torch.device) -> None:

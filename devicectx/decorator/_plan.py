@@ -304,28 +304,51 @@ class Plan:
         """:meth:`_target` for a module whose answer is not a plain device, or is off
         ``requested``: a spread model's target, or the error that says why there is none."""
         __tracebackhide__ = True
+        offset = self_offset(wrapped, instance)
+        return self.module_verdict(
+            device,
+            module,
+            requested,
+            lambda: self._module_name(module, instance, args, kwargs, offset),
+        )
+
+    def module_verdict(
+        self,
+        device: Placed,
+        module: nn.Module,
+        requested: torch.device | None,
+        name: Callable[[], str],
+    ) -> torch.device:
+        """The target for ``module`` (placed at ``device``, not one plain device, or off
+        ``requested``), or the error that says why there is none; ``name()`` says how the
+        call names the module (asked only for an error). The eager and the traced call
+        (:mod:`devicectx.decorator._compiled`) both ask it."""
+        __tracebackhide__ = True
         option = self.device
         if isinstance(device, SpreadModel):
             strays = device.strays(requested)
             if device.entry is not None and not strays:  # spread on purpose, all in place
                 return requested if requested is not None else device.entry
-        offset = self_offset(wrapped, instance)
-        name = self._module_name(module, instance, args, kwargs, offset)
+        called = name()
         kind = type(module).__name__
         if isinstance(device, SpreadModel):
             target = requested if requested is not None else device.home(None)
-            reason = option.reason() if option is not None else device.rule(name)
+            reason = option.reason() if option is not None else device.rule(called)
             parts = device.parts(requested)
             on_purpose = device.entry is not None
-            raise _mismatch.spread_strays(self.name, name, kind, parts, target, reason, on_purpose)
+            raise _mismatch.spread_strays(
+                self.name, called, kind, parts, target, reason, on_purpose
+            )
         if isinstance(device, Unmaterialised):
             target = requested if requested is not None else device.compute
-            reason = option.reason() if option is not None else module_label(module, name)
-            raise _mismatch.not_materialised(self.name, name, kind, target, reason)
+            reason = option.reason() if option is not None else module_label(module, called)
+            raise _mismatch.not_materialised(self.name, called, kind, target, reason)
         reason = option.reason() if option is not None else "a module must be on one device"
-        found = module_devices(unwrap(module), name)
+        found = module_devices(unwrap(module), called)
         wrapper = wrapper_name(module)
-        raise _mismatch.module_off_target(self.name, name, kind, found, requested, reason, wrapper)
+        raise _mismatch.module_off_target(
+            self.name, called, kind, found, requested, reason, wrapper
+        )
 
     def _module_name(
         self,
