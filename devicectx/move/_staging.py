@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from devicectx._torch.tensors import storage_slice
 from devicectx.devices._resolve import accelerator_type
 from devicectx.move import _pinned, _streams
 from devicectx.move._alias import dense
@@ -516,14 +517,19 @@ def _unpack(region: torch.Tensor, run: _Run, results: dict[int, torch.Tensor]) -
             )
         return
     storage = region.untyped_storage()
+    new = region.view(dtype).new  # an empty tensor of the dtype on the device: the cheapest
+    if shape is not None:
+        nbytes = members[0].nbytes
+        for member in members:
+            results[id(member)] = new().set_(
+                storage_slice(storage, at, at + nbytes), 0, shape, stride
+            )
+            at += nbytes
+        return
     for member in members:
         nbytes = member.nbytes
-        own = torch.empty(0, dtype=dtype, device=device)
-        if shape is None:
-            shape_, stride_ = member.shape, member.stride()
-        else:
-            shape_, stride_ = shape, stride  # type: ignore[assignment]
-        results[id(member)] = own.set_(storage[at : at + nbytes], 0, shape_, stride_)
+        part = storage_slice(storage, at, at + nbytes)
+        results[id(member)] = new().set_(part, 0, member.shape, member.stride())
         at += nbytes
 
 
