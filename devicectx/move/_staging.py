@@ -52,7 +52,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -418,9 +418,17 @@ def _disjoint(members: list[torch.Tensor]) -> bool:
 # one dtype, shape and strides go in one stack (and come out of one unbind); the others of
 # a dtype, each alone of its kind (boxes of varying lengths), in one cat.
 
-_Run = tuple[int, torch.dtype, torch.Size | None, tuple[int, ...] | None, list[torch.Tensor]]
-"""``(byte offset in its region, dtype, shape, strides, tensors)``; shape and strides are
-None for a run of tensors of varying shapes."""
+
+class _Run(NamedTuple):
+    """Tensors packed side by side in a region: where they start, and their kind."""
+
+    start: int
+    """The byte offset of the first in its region."""
+    dtype: torch.dtype
+    shape: torch.Size | None
+    """The shape every member has; None for a run of tensors of varying shapes."""
+    stride: tuple[int, ...] | None
+    members: list[torch.Tensor]
 
 
 def _regions(groups: dict[_Key, list[torch.Tensor]], capacity: int) -> list[tuple[int, list[_Run]]]:
@@ -443,7 +451,7 @@ def _regions(groups: dict[_Key, list[torch.Tensor]], capacity: int) -> list[tupl
                 runs, used = [], 0
                 continue
             count = min(fit, len(members) - taken)
-            runs.append((start, dtype, shape, stride, members[taken : taken + count]))
+            runs.append(_Run(start, dtype, shape, stride, members[taken : taken + count]))
             used = start + count * size
             taken += count
     for dtype, members in lone.items():
@@ -452,13 +460,13 @@ def _regions(groups: dict[_Key, list[torch.Tensor]], capacity: int) -> list[tupl
         for tensor in members:
             if end + tensor.nbytes > capacity:
                 if run:
-                    runs.append((start, dtype, None, None, run))
+                    runs.append(_Run(start, dtype, None, None, run))
                     used = end
                 regions.append((used, runs))
                 runs, run, used, start, end = [], [], 0, 0, 0
             run.append(tensor)
             end += tensor.nbytes
-        runs.append((start, dtype, None, None, run))
+        runs.append(_Run(start, dtype, None, None, run))
         used = end
     if runs:
         regions.append((used, runs))
@@ -482,9 +490,9 @@ def _slots(typed: torch.Tensor, offset: int, run: _Run) -> torch.Tensor:
 
 
 def _pack(typed: torch.Tensor, offset: int, run: _Run) -> None:
-    members = run[4]
-    if run[2] is None:  # shapes vary
-        at = (offset + run[0]) // typed.element_size()
+    members = run.members
+    if run.shape is None:  # shapes vary
+        at = (offset + run.start) // typed.element_size()
         if len(members) == 1:
             member = members[0]
             typed.as_strided(member.shape, member.stride(), at).copy_(member)
@@ -518,7 +526,7 @@ def _unpack(region: torch.Tensor, run: _Run, results: dict[int, torch.Tensor]) -
         return
     storage = region.untyped_storage()
     new = region.view(dtype).new  # an empty tensor of the dtype on the device: the cheapest
-    if shape is not None:
+    if shape is not None and stride is not None:
         nbytes = members[0].nbytes
         for member in members:
             results[id(member)] = new().set_(
@@ -629,7 +637,7 @@ def _send(
             padded = _aligned(size)
             chunk, start = sender.space(padded, whole=True)
             for run in runs:
-                _pack(chunk.typed(run[1]), start, run)
+                _pack(chunk.typed(run.dtype), start, run)
             # copy=True: a new tensor even where the target is the host itself (tests).
             region = chunk.buffer[start : start + padded].to(device, non_blocking=True, copy=True)
             if consumer is not None:
@@ -831,7 +839,7 @@ def to_host(
             packed = _Typed(torch.empty(used, dtype=torch.uint8, device=device))
             for start, _, runs in batch:
                 for run in runs:
-                    _pack(packed(run[1]), start, run)
+                    _pack(packed(run.dtype), start, run)
             chunk = host.pool.acquire()
             try:
                 staging = chunk.buffer[:used]
