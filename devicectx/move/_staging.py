@@ -66,6 +66,7 @@ __all__ = [
     "FORCED_THRESHOLDS",
     "NEVER",
     "THRESHOLDS",
+    "Staged",
     "Thresholds",
     "forced",
     "forget_accelerator",
@@ -175,22 +176,26 @@ _FORCED: _Forced | None = None
 _FORCED_NAME = "forced (tests)"
 
 
-def stage(
-    obj: object,
-    device: torch.device,
-    non_blocking: bool,
-    skip_types: tuple[type, ...],
-    moved: dict[int, torch.Tensor],
-    sent: list[torch.Tensor],
-) -> list[Any] | None:
-    """Stage what can be staged of a move of ``obj`` to ``device``: the results go into
-    ``moved`` (``id(source) -> result``), where the move engine finds them, and the
-    sources into ``sent``.
+class Staged(NamedTuple):
+    """What a staged move made: :func:`stage`'s result."""
 
-    Returns what must be kept alive until the move ends (the ids in ``moved`` are those of
-    its tensors), or None where nothing was staged. Never raises where the per-tensor move
-    would not: any failure here leaves ``moved`` as it was, and the move goes on tensor by
-    tensor (under :func:`forced`, failures are raised, for the tests to see).
+    results: dict[int, torch.Tensor]
+    """``id(source) -> result`` on the target, where the move engine finds them."""
+    sources: list[torch.Tensor]
+    """The sources staged, in the order of ``results`` (for transfer accounting)."""
+    keep: list[Any]
+    """What must be kept alive until the move ends: the ids in ``results`` are those of
+    its tensors."""
+
+
+def stage(
+    obj: object, device: torch.device, non_blocking: bool, skip_types: tuple[type, ...]
+) -> Staged | None:
+    """Stage what can be staged of a move of ``obj`` to ``device``.
+
+    Returns the results, or None where nothing was staged. Never raises where the
+    per-tensor move would not: any failure here stages nothing, and the move goes on
+    tensor by tensor (under :func:`forced`, failures are raised, for the tests to see).
     """
     if torch.compiler.is_compiling():
         return None
@@ -234,10 +239,10 @@ def stage(
         if forced is not None:
             raise
         return None
-    moved.update(results)
-    sent.extend(found[source] for source in results)
+    if not results:
+        return None
     keep.append(found)
-    return keep
+    return Staged(results, [found[source] for source in results], keep)
 
 
 def _index_of(device: torch.device, kind: str) -> torch.device | None:
