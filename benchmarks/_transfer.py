@@ -160,7 +160,7 @@ def _per_leaf(config: Config, tree: Tree, device: torch.device) -> tuple[dict[st
     per_leaf = {
         name: None if m.median_ns is None else m.median_ns / count for name, m in measured.items()
     }
-    shown = {name: "n/a" if ns is None else f"{ns / 1e3:.2f} us" for name, ns in per_leaf.items()}
+    shown = {name: "n/a" if ns is None else fmt_ns(ns) for name, ns in per_leaf.items()}
     row = judge(
         "5 transfer",
         f"{tree.label} cpu->{device}: a staged move's host side per leaf, against the C++ floor",
