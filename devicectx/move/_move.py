@@ -32,11 +32,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from devicectx.devices._capabilities import CAPABILITIES
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.move import _containers, _staging, _transfers
 from devicectx.move._alias import TensorMover
 from devicectx.move._containers import CONTAINER, Kind
 from devicectx.move._containers import register_container as register_container
+from devicectx.move._dtypes import DtypesLike, Suggest, policy_for
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip, SkipLike, compile_skip
@@ -68,6 +70,7 @@ def to_device(
     non_blocking: bool = False,
     skip: SkipLike = None,
     coalesce: bool = True,
+    dtypes: DtypesLike = None,
 ) -> T:
     """Return ``obj`` with every tensor in it on ``device``, losing nothing.
 
@@ -197,14 +200,19 @@ def to_device(
         target = resolve_device(device)
         if cacheable and _stable(device) and len(_RESOLVED) < 64:
             _RESOLVED[device] = target  # type: ignore[index]
-    if skip is None:
+    if skip is None and dtypes is None and not _MISSING(target):
         if _nothing_to_move(obj, target, ()):
             return obj
         fix = _to_device_fix(target, "obj")
         return _move(obj, target, non_blocking, None, "obj", fix, "to_device()", coalesce)
     compiled = compile_skip(skip)
-    return move_to(obj, target, non_blocking=non_blocking, skip=compiled, coalesce=coalesce)
+    return move_to(
+        obj, target, non_blocking=non_blocking, skip=compiled, coalesce=coalesce, dtypes=dtypes
+    )
 
+
+# The dtypes a device cannot hold (empty for most): a move to one of those checks dtypes.
+_MISSING = CAPABILITIES.missing
 
 # Explicit specs whose resolution cannot change: resolving costs more than a small move.
 _RESOLVED: dict[str | torch.device, torch.device] = {}
@@ -227,6 +235,8 @@ def move_to(
     name: str = "obj",
     coalesce: bool = True,
     where: str | None = None,
+    dtypes: DtypesLike = None,
+    suggest: Suggest | None = None,
 ) -> T:
     """:func:`to_device` for a device already resolved: no resolution cost per call.
 
@@ -241,17 +251,25 @@ def move_to(
         name: the root of the paths in errors (and of paths given in ``skip``).
         where: the place that moves, for :mod:`devicectx.move._transfers` (the decorated
             function); None for the line that called.
+        suggest: the fix line of a :class:`~devicectx.DtypeUnsupportedError`, given the
+            ``dtypes=`` to write; None: ``to_device(name, device, dtypes=...)``.
 
     Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
     passed twice becomes one moved tensor.
     """
-    if skip is None:
+    if skip is None and dtypes is None and not _MISSING(device):
         if _nothing_to_move(obj, device, ()):
             return obj
         fix = _to_device_fix(device, name)
         return _move(obj, device, non_blocking, None, name, fix, "to_device()", coalesce, where)
     compiled = compile_skip(skip, name)
-    if compiled is not None and not compiled.slow and _nothing_to_move(obj, device, compiled.types):
+    policy = policy_for(dtypes, device)
+    if policy is not None:  # the dtype policy: casts made (or refused) before the move
+        fix = _to_device_fix(device, name)
+        if suggest is None:
+            suggest = _to_device_suggest(device, name)
+        obj = policy.apply(obj, compiled, name, "to_device()", fix, suggest)
+    if (compiled is None or not compiled.slow) and _nothing_to_move(obj, device, _types(compiled)):
         return obj
     fix = _to_device_fix(device, name)
     return _move(obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce, where)
@@ -270,6 +288,7 @@ def move_call(
     coalesce: bool = True,
     where: str | None = None,
     check_repeats: bool = True,
+    dtypes: DtypesLike = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments moved as one structure, with errors that name the parameters.
 
@@ -278,9 +297,16 @@ def move_call(
     for ``args``), a keyword argument is its keyword. ``(args, kwargs)`` come back as the
     same objects when nothing moved. ``who`` starts the error message (the decorated
     function, say: ``"train.loss()"``); ``where`` names the place that moves, as in
-    :func:`move_to`.
+    :func:`move_to`. ``dtypes`` is the dtype policy; its error's fix is written for
+    ``@device_agnostic``.
     """
     compiled = compile_skip(skip, "")
+    policy = policy_for(dtypes, device)
+    if policy is not None:  # the dtype policy: casts made (or refused) before the move
+        cast = policy.apply(
+            _Call(args, kwargs, names, rest), compiled, "", who, _call_fix, _decorator_suggest
+        )
+        args, kwargs = cast.args, cast.kwargs
     if compiled is None:
         if _nothing_to_move((args, kwargs), device, ()):
             return args, kwargs
@@ -347,6 +373,17 @@ def _to_device_fix(device: torch.device, name: str) -> Fix:
         return f"leave it where it is: to_device({name}, {str(device)!r}, skip=[{path!r}])"
 
     return fix
+
+
+def _to_device_suggest(device: torch.device, name: str) -> Suggest:
+    def suggest(dtypes: str) -> str:
+        return f"to_device({name}, {str(device)!r}, dtypes={dtypes})"
+
+    return suggest
+
+
+def _decorator_suggest(dtypes: str) -> str:
+    return f"@device_agnostic(dtypes={dtypes})"
 
 
 def _call_fix(path: str) -> str:
