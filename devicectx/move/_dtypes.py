@@ -36,7 +36,7 @@ from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip
 from devicectx.move._walk import iter_tensors
 
-__all__ = ["DtypesLike", "Policy", "check_dtypes", "policy_for"]
+__all__ = ["DtypesLike", "Policy", "cast_batch", "check_dtypes", "policy_for"]
 
 T = TypeVar("T")
 
@@ -152,7 +152,24 @@ def _named(spec: str | None, device: torch.device) -> Policy | None:
             nearest = nearest_dtype(device, dtype)
             if nearest is not None:
                 cast[dtype] = nearest
-    return Policy(spec, cast, missing - cast.keys(), device)
+    return Policy(spec, cast, missing - cast.keys(), device)  # type: ignore[arg-type]
+
+
+def cast_batch(
+    batch: T, device: torch.device, dtypes: DtypesLike, skip: Skip | None, index: int
+) -> T:
+    """:func:`~devicectx.prefetch`'s batch ``index`` with the policy's casts made."""
+    policy = policy_for(dtypes, device)
+    if policy is None:
+        return batch
+
+    def fix(path: str) -> str:
+        return f"leave it where it is: prefetch(batches, {str(device)!r}, skip=[{path!r}])"
+
+    def suggest(argument: str) -> str:
+        return f"prefetch(batches, {str(device)!r}, dtypes={argument})"
+
+    return policy.apply(batch, skip, "batch", f"prefetch() at batch {index}", fix, suggest)
 
 
 def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
@@ -168,7 +185,7 @@ def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
         if dtypes == "device":
             return {}
         msg = (
-            f"dtypes={dtypes!r} is no dtype policy: it takes None, \"device\" or a mapping\n"
+            f'dtypes={dtypes!r} is no dtype policy: it takes None, "device" or a mapping\n'
             f'fix: dtypes="device" (what the target cannot hold becomes the nearest dtype it '
             f"holds), or dtypes={{torch.float64: torch.float32}}"
         )
@@ -185,7 +202,7 @@ def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
     else:
         shown = repr(dtypes)
     msg = (
-        f"dtypes= takes None, \"device\" or a mapping of torch.dtype to torch.dtype, "
+        f'dtypes= takes None, "device" or a mapping of torch.dtype to torch.dtype, '
         f"got {shown}\n"
         f"fix: dtypes={{torch.float64: torch.float32}}"
     )
@@ -210,7 +227,7 @@ def _refused(
     count = len(refused)
     held_not = " or ".join(str(d) for d in paths)
     width = max(len(str(d)) for d in paths)
-    lines = [f"    {str(d):<{width}} <- {', '.join(p)}" for d, p in paths.items()]
+    lines = [f"    {d!s:<{width}} <- {', '.join(p)}" for d, p in paths.items()]
     what = "a tensor" if count == 1 else f"{count} tensors"
     msg = "\n".join(
         [
