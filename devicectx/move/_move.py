@@ -102,6 +102,18 @@ def to_device(
             or a list of these.
         coalesce: stage moves between the host and an accelerator (see below); False
             moves every tensor with its own copy.
+        dtypes: what happens to a tensor of a dtype ``device`` cannot hold (float64 and
+            complex128 on MPS; see :func:`~devicectx.supports_dtype`). ``None`` (the
+            default) changes no dtype: such tensors raise ``DtypeUnsupportedError``
+            before anything is copied, naming every path. ``"device"`` casts each to the
+            nearest dtype the device holds (float64 -> float32, complex128 -> complex64,
+            bfloat16 -> float32, float8 -> float16) and leaves every other tensor alone:
+            on a device that holds every dtype, nothing changes. A mapping
+            (``{torch.float64: torch.float32}``) casts every tensor of a key's dtype,
+            wherever it is (already on ``device`` too), so a program gets the same
+            dtypes on every device. Casts are made before the move, where each tensor
+            is (a batch on the host is cast there and sends fewer bytes); skipped
+            tensors, modules and objects with their own ``.to`` are not cast.
 
     Returns:
         A structure like ``obj``: the same types (a namedtuple stays that namedtuple, a
@@ -114,6 +126,9 @@ def to_device(
     Raises:
         InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here; raised
             before any tensor is touched.
+        DtypeUnsupportedError: with ``dtypes=None``, tensors of a dtype ``device``
+            cannot hold; its ``paths`` lists every one, by dtype. Nothing was copied.
+        ValueError, TypeError: ``dtypes`` is no dtype policy.
         MoveError: a tensor or object could not be moved, or a container could not be
             rebuilt with every view of it showing the moved tensors (a ``Mapping`` whose
             type takes neither item assignment nor a dict, say); the message names its
@@ -129,8 +144,10 @@ def to_device(
           whichever order they come in: writing into one shows in the other. A view whose
           base is not in ``obj`` is copied alone, as ``.to`` copies it (a staged small one
           into a region it shares with other small tensors, see below).
-        - dtype, shape, ``requires_grad``, and autograd history: the move is ``.to`` (or
-          ``as_strided`` for views), so gradients flow back to the originals. An
+        - dtype (unless ``dtypes=`` casts it), shape, ``requires_grad``, and autograd
+          history: the move is ``.to`` (or ``as_strided`` for views), so gradients flow
+          back to the originals; a cast keeps all of it too, views of a cast tensor
+          included, as ``.to(dtype)`` does. An
           ``nn.Parameter`` comes back as a new ``nn.Parameter`` on ``device`` (a leaf,
           as ``module.to`` makes them).
         - A cycle does not loop: the inner reference to an enclosing container is kept
