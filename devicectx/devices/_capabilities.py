@@ -100,6 +100,9 @@ class Capabilities:
         self._held: dict[tuple[torch.device, torch.dtype], bool] = {}
         self._missing: dict[torch.device, frozenset[torch.dtype]] = {}
         self._pins: dict[str, bool] = {}
+        self.derived: dict[object, object] = {}
+        """What other parts work out from these answers and keep (the dtype policies of
+        moves, per device): forgotten with them."""
         self.probes = 0
         """How many tensors were made to ask a device (tests check that it asks once)."""
 
@@ -136,12 +139,21 @@ class Capabilities:
             self._pins[device_type] = pins
         return pins
 
+    def tell(self, device: torch.device, dtype: torch.dtype, held: bool) -> None:
+        """Record what ``device`` holds instead of asking it: for a backend whose answer
+        changes at run time (the emulated accelerator's switches), or a test."""
+        with self._lock:
+            self._held[(device, dtype)] = held
+            self._missing.pop(device, None)
+            self.derived.clear()
+
     def clear(self) -> None:
-        """Forget every answer (a test's fresh start)."""
+        """Forget every answer (a test's fresh start; after switching a backend's dtypes)."""
         with self._lock:
             self._held.clear()
             self._missing.clear()
             self._pins.clear()
+            self.derived.clear()
             self.probes = 0
 
     def _find_out(self, device: torch.device, dtype: torch.dtype) -> bool:

@@ -125,10 +125,11 @@ def policy_for(dtypes: DtypesLike, device: torch.device) -> Policy | None:
         ValueError, TypeError: ``dtypes`` is no policy (said with the fix).
     """
     if dtypes is None or (isinstance(dtypes, str) and dtypes == "device"):
-        key = (dtypes, device)
-        policy = _POLICIES.get(key, _POLICIES)
-        if policy is _POLICIES:
-            policy = _POLICIES[key] = _named(dtypes, device)
+        key = (_KEY, dtypes, device)
+        derived = CAPABILITIES.derived
+        policy = derived.get(key, _KEY)
+        if policy is _KEY:
+            policy = derived[key] = _named(dtypes, device)
         return policy  # type: ignore[return-value]
     cast = check_dtypes(dtypes)
     missing = CAPABILITIES.missing(device)
@@ -137,9 +138,10 @@ def policy_for(dtypes: DtypesLike, device: torch.device) -> Policy | None:
     return Policy(dtypes, cast, missing - cast.keys(), device)
 
 
-# The policies of None and "device", per device: worked out once (a device's dtypes do not
-# change), so that a call on a device that holds everything pays one dict lookup.
-_POLICIES: dict[tuple[str | None, torch.device], Policy | None] = {}
+# The policies of None and "device" are worked out once per device and kept with the
+# answers they come from (CAPABILITIES.derived), so that a call on a device that holds
+# everything pays one dict lookup.
+_KEY = object()
 
 
 def _named(spec: str | None, device: torch.device) -> Policy | None:
