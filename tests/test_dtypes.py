@@ -294,7 +294,7 @@ def test_a_partial_mapping_is_refused_with_the_whole_mapping_as_fix() -> None:
 
 def test_dtypes_takes_only_a_policy() -> None:
     """A string other than "device", or a mapping of anything but dtypes, is refused."""
-    with pytest.raises(ValueError, match="^dtypes='float32'") as raised:
+    with pytest.raises(ValueError, match=r"^dtypes='float32'") as raised:
         to_device(torch.ones(1), "cpu", dtypes="float32")  # type: ignore[arg-type]
     assert str(raised.value) == (
         "dtypes='float32' is no dtype policy: it takes None, \"device\" or a mapping\n"
