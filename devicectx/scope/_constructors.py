@@ -236,10 +236,9 @@ def _dtype_refused(
 
 
 def _torch_name(function: Callable[..., Any]) -> str:
-    """``torch.tensor``, ``torch.nn.init.xxx``: how the user wrote the constructor."""
-    module = getattr(function, "__module__", None) or "torch"
-    module = "torch" if module.startswith("torch._") or module == "torch" else module
-    return f"{module}.{getattr(function, '__name__', 'constructor')}"
+    """``torch.tensor``: how the user wrote the constructor (torch's own are in ``torch``)."""
+    name = getattr(function, "__name__", "constructor")
+    return f"torch.{name}" if hasattr(torch, name) else name
 
 
 _REPLACEMENTS: set[CodeType] = set()  # the code of every replacement a patch made
