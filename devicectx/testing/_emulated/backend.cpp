@@ -532,6 +532,13 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_local_scalar_dense", local_scalar_dense);
   m.impl("record_stream", record_stream);
+  // Ops whose meta function resizes the output after sizing it as the inputs: for a backend
+  // without a kernel, torch's composite kernel allocates that output and calls the out=
+  // variant, whose CPU kernel (through the fallback) sizes a one-element output again and
+  // warns "An output with one or more elements was resized". A GPU runs the functional
+  // kernel, which warns nothing: so does the emulated device, through the fallback.
+  m.impl("mse_loss", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("smooth_l1_loss", torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
