@@ -45,11 +45,8 @@ def mps_like() -> Iterator[torch.device]:
         pytest.skip("the device without float64 is the emulated one (--devicectx-accelerator)")
     from devicectx.testing import emulated
 
-    emulated.configure(float64=False)
-    try:
+    with emulated.profile("mps"):
         yield device
-    finally:
-        emulated.configure(float64=True)
 
 
 @pytest.fixture(autouse=True)
@@ -174,7 +171,8 @@ def test_default_policy_refuses_naming_every_path(batch: Any) -> None:
     batch without them moves as always."""
     with mps_like() as device:
         snapshot = _snapshot(batch)
-        refused = {t for t in (t for _, t in placed(batch)) if t.dtype in (F64, C128)}
+        listed = dict(iter_tensors(batch, "obj"))  # every path the engine writes, sets too
+        refused = {t for t in listed.values() if t.dtype in (F64, C128)}
         if not refused:
             moved = to_device(batch, device)
             assert all(t.device == device for _, t in placed(moved))
@@ -183,7 +181,6 @@ def test_default_policy_refuses_naming_every_path(batch: Any) -> None:
             to_device(batch, device)
         error = raised.value
         named = {path for paths in error.paths.values() for path in paths}
-        listed = dict(iter_tensors(batch, "obj"))  # every path the engine writes
         assert {id(t) for t in refused} == {id(listed[path]) for path in named}
         for dtype, paths in error.paths.items():
             assert {dtype} == {listed[path].dtype for path in paths}
