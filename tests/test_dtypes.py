@@ -452,3 +452,16 @@ def test_precision_auto_skips_a_dtype_the_device_cannot_hold() -> None:
     assert "bf16-mixed" == choose_precision(device, "auto").name
     CAPABILITIES.tell(device, torch.bfloat16, False)
     assert "16-mixed" == choose_precision(device, "auto").name
+
+
+def test_decorator_casts_under_torch_compile() -> None:
+    """Under torch.compile a call with dtypes= casts as the eager call does."""
+
+    @device_agnostic(device="cpu", dtypes={F64: F32})
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    compiled = torch.compile(lambda x: double(x) + 1, backend="eager")
+    result = compiled(torch.ones(2, dtype=F64))
+    assert F32 == result.dtype
+    assert [3.0, 3.0] == result.tolist()

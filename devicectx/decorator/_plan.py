@@ -137,6 +137,8 @@ class Plan:
         )
         # Whether dynamo may trace a call (a plain function), or must run it eagerly.
         self.traceable = self.kind == FUNCTION
+        if dtypes is not None:  # the traced move casts nothing: such a call runs eagerly
+            self.traceable = False
         if self.kind == GENERATOR:
             disable_resume_under_compile()
         # The call dynamo traces, set by the layer above (decorator._compiled), which knows
