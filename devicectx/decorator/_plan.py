@@ -37,7 +37,7 @@ from devicectx.decorator._target import (
 from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move
 from devicectx.move._distributed import wrapper_name
-from devicectx.move._dtypes import DtypesLike, check_dtypes
+from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
 from devicectx.scope._context import (
     active_device,
     call_scoped,
@@ -287,14 +287,11 @@ class Plan:
         return args, kwargs, target, home if self.to_input else None
 
     def _cast_free(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether the arguments are plain tensors, none of a dtype ``dtypes=`` casts
-        (else the call takes prepare(), whose move casts what it must)."""
+        """Whether no argument holds a tensor of a dtype ``dtypes=`` casts (else the call
+        takes prepare(), whose move casts what it must)."""
         casts = self.casts
         assert casts is not None
-        for value in (*args, *kwargs.values()) if kwargs else args:
-            if type(value) is not _Tensor or value.dtype in casts:
-                return False
-        return True
+        return not holds_any((*args, *kwargs.values()) if kwargs else args, casts)
 
     def _target(
         self,

@@ -24,7 +24,7 @@ Modules and objects with their own ``.to`` are not looked into (their ``.to`` mo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeAlias, TypeVar
 
 import torch
@@ -32,13 +32,15 @@ import torch
 from devicectx._errors import DtypeUnsupportedError
 from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 from devicectx.move._alias import TensorMover
+from devicectx.move._containers import _CACHE, LEAF_KIND
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip
 from devicectx.move._walk import iter_tensors
 
-__all__ = ["DtypesLike", "Policy", "cast_batch", "check_dtypes", "policy_for"]
+__all__ = ["DtypesLike", "Policy", "cast_batch", "check_dtypes", "holds_any", "policy_for"]
 
 T = TypeVar("T")
+_Tensor = torch.Tensor
 
 DtypesLike: TypeAlias = "Literal['device'] | Mapping[torch.dtype, torch.dtype] | None"
 """What ``dtypes=`` takes: ``None``, ``"device"``, or ``{from dtype: to dtype}``."""
@@ -58,7 +60,7 @@ class Policy:
         device: the target.
     """
 
-    __slots__ = ("cast", "device", "missing", "spec")
+    __slots__ = ("cast", "device", "missing", "spec", "wanted")
 
     def __init__(
         self,
@@ -71,16 +73,30 @@ class Policy:
         self.cast = cast
         self.missing = missing
         self.device = device
+        self.wanted = frozenset(cast) | missing  # the dtypes that make a walk worth it
 
     def apply(
-        self, obj: T, skip: Skip | None, name: str, who: str, fix: Fix, suggest: Suggest
+        self,
+        obj: T,
+        skip: Skip | None,
+        name: str,
+        who: str,
+        fix: Fix,
+        suggest: Suggest,
+        values: Iterable[Any] | None = None,
     ) -> T:
         """``obj`` with the casts made, or ``obj`` itself where none applies.
 
         Raises:
             DtypeUnsupportedError: a tensor that would move is of a dtype the target
                 cannot hold (after the casts); every such path is named.
+
+        ``values``: what ``obj`` holds, for the quick look (default: ``obj`` itself).
         """
+        # A quick look first (a batch with nothing to cast is the common case): the walk
+        # that rebuilds costs several times more than one that only reads.
+        if not holds_any((obj,) if values is None else values, self.wanted):
+            return obj
         caster = _Caster(self)
         walk = Rebuild(None, caster, skip, name, fix, who=who)
         # Rebuild's hot loops copy a plain tensor with .to(device) themselves, which is a
@@ -115,6 +131,38 @@ class _Caster(TensorMover):
             self.refused[id(tensor)] = dtype
             return tensor
         return tensor if to is dtype else super().move(tensor)
+
+
+def holds_any(values: Iterable[Any], wanted: frozenset[torch.dtype]) -> bool:
+    """Whether a tensor of a ``wanted`` dtype is in ``values``: plain dicts, lists and
+    tuples read recursively, without paths; anything else read by the full walk."""
+    try:
+        return _plain_holds(values, wanted, _PLAIN_DEPTH)
+    except _NotPlain:
+        return any(tensor.dtype in wanted for v in values for _, tensor in iter_tensors(v, ""))
+
+
+class _NotPlain(Exception):
+    pass
+
+
+_PLAIN_DEPTH = 8
+
+
+def _plain_holds(items: Iterable[Any], wanted: frozenset[torch.dtype], depth: int) -> bool:
+    for item in items:
+        tp = type(item)
+        if tp is _Tensor:
+            if item.dtype in wanted:
+                return True
+        elif tp is dict or tp is list or tp is tuple:
+            if not depth:
+                raise _NotPlain
+            if _plain_holds(item.values() if tp is dict else item, wanted, depth - 1):
+                return True
+        elif _CACHE.get(tp) is not LEAF_KIND:
+            raise _NotPlain
+    return False
 
 
 def policy_for(dtypes: DtypesLike, device: torch.device) -> Policy | None:

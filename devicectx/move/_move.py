@@ -320,9 +320,9 @@ def move_call(
     compiled = compile_skip(skip, "")
     policy = policy_for(dtypes, device)
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
-        cast = policy.apply(
-            _Call(args, kwargs, names, rest), compiled, "", who, _call_fix, _decorator_suggest
-        )
+        values = (*args, *kwargs.values())
+        call = _Call(args, kwargs, names, rest)
+        cast = policy.apply(call, compiled, "", who, _call_fix, _decorator_suggest, values)
         args, kwargs = cast.args, cast.kwargs
     if compiled is None:
         if _nothing_to_move((args, kwargs), device, ()):
