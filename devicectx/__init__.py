@@ -34,6 +34,7 @@ from devicectx._errors import (
     StrayTensorWarning,
 )
 from devicectx.decorator._decorator import device_agnostic
+from devicectx.decorator._spread import declare_spread, module_placement
 from devicectx.devices._capabilities import (
     DeviceCapabilities,
     device_capabilities,
@@ -83,11 +84,13 @@ __all__ = [
     "available_devices",
     "choose_precision",
     "current_device",
+    "declare_spread",
     "device_agnostic",
     "device_capabilities",
     "explain_device",
     "find_devices",
     "find_layouts",
+    "module_placement",
     "on_device",
     "precision_scope",
     "prefetch",
