@@ -7,6 +7,8 @@
 - :func:`precision_scope` and :func:`choose_precision`: mixed precision named as Lightning
   names it (``"bf16-mixed"``, ``"16-mixed"``, ``"32"``, ``"auto"``), on any device;
 - :func:`prefetch`: batches moved to the device ahead of the step, on a copy stream;
+- :func:`supports_dtype` and :func:`device_capabilities`: what a device can hold (MPS: no
+  float64), for the ``dtypes=`` policy of moves;
 - :func:`track_transfers`: every copy between devices, by place; a
   :class:`RepeatedMoveWarning` for an unchanged tensor copied again and again.
 
@@ -22,6 +24,7 @@ from devicectx._errors import (
     DeviceMismatchError,
     DeviceUnavailableError,
     DeviceWarning,
+    DtypeUnsupportedError,
     InvalidDeviceError,
     InvalidPrecisionError,
     MoveError,
@@ -32,6 +35,11 @@ from devicectx._errors import (
 )
 from devicectx.decorator._decorator import device_agnostic
 from devicectx.decorator._spread import declare_spread, module_placement
+from devicectx.devices._capabilities import (
+    DeviceCapabilities,
+    device_capabilities,
+    supports_dtype,
+)
 from devicectx.devices._oom import shrink_batch_on_oom
 from devicectx.devices._resolve import DeviceLike, available_devices, explain_device, resolve_device
 from devicectx.move._distributed import Layout
@@ -53,11 +61,13 @@ _moved.install()  # the module paths before 0.2, for pickles made with them
 
 __all__ = [
     "BatchTooLargeError",
+    "DeviceCapabilities",
     "DeviceError",
     "DeviceLike",
     "DeviceMismatchError",
     "DeviceUnavailableError",
     "DeviceWarning",
+    "DtypeUnsupportedError",
     "InvalidDeviceError",
     "InvalidPrecisionError",
     "Layout",
@@ -76,6 +86,7 @@ __all__ = [
     "current_device",
     "declare_spread",
     "device_agnostic",
+    "device_capabilities",
     "explain_device",
     "find_devices",
     "find_layouts",
@@ -89,6 +100,7 @@ __all__ = [
     "set_repeated_move_warning",
     "shrink_batch_on_oom",
     "staging_memory",
+    "supports_dtype",
     "to_device",
     "track_transfers",
 ]

@@ -43,6 +43,30 @@ class MoveError(DeviceError, RuntimeError):
     """An object inside a structure could not be moved; the message names its path."""
 
 
+class DtypeUnsupportedError(DeviceError, TypeError):
+    """Tensors of a dtype the target device cannot hold (float64 on MPS); the message
+    names every path, by dtype.
+
+    A ``TypeError``, like torch's own error for float64 on MPS, so code that catches that
+    keeps working.
+
+    Attributes:
+        device: the device that cannot hold them.
+        paths: each dtype it cannot hold, with the paths of the tensors of that dtype.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        device: torch.device,
+        paths: Mapping[torch.dtype, Sequence[str]],
+    ) -> None:
+        super().__init__(message)
+        self.device = device
+        self.paths: dict[torch.dtype, list[str]] = {d: list(p) for d, p in paths.items()}
+
+
 class DeviceMismatchError(DeviceError, RuntimeError):
     """Tensors (or a module) on other devices than a call needs.
 

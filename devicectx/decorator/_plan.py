@@ -39,6 +39,7 @@ from devicectx.decorator._target import (
 from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move
 from devicectx.move._distributed import wrapper_name
+from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
 from devicectx.scope._context import (
     active_device,
     call_scoped,
@@ -69,8 +70,10 @@ class Plan:
     """What a decorated function does at each call, settled at decoration."""
 
     __slots__ = (
+        "casts",
         "coalesce",
         "device",
+        "dtypes",
         "exclude",
         "kind",
         "move",
@@ -96,6 +99,7 @@ class Plan:
         scope: bool = True,
         coalesce: bool = True,
         precision: str | None = None,
+        dtypes: DtypesLike = None,
     ) -> None:
         function = getattr(wrapped, "__func__", wrapped)  # classmethod, staticmethod
         self.name: str = getattr(function, "__qualname__", repr(function))
@@ -110,6 +114,19 @@ class Plan:
         self.coalesce = coalesce
         self.precision = None if precision is None else check_precision_name(precision)
         self.params = Params.of(function, self.name)
+        mapping = check_dtypes(dtypes)
+        if dtypes is not None and not move:
+            msg = (
+                f"@device_agnostic(dtypes={dtypes!r}, move=False) on {self.name}(): dtypes= "
+                f"says what a move does with dtypes, and move=False moves nothing\n"
+                f"fix: @device_agnostic(move=False) and cast the inputs yourself, or "
+                f"@device_agnostic(dtypes={dtypes!r})"
+            )
+            raise ValueError(msg)
+        self.dtypes = dtypes
+        # The dtypes an explicit mapping casts wherever the tensors are (on the target too):
+        # a call with tensors of these is no fast call.
+        self.casts = frozenset(mapping) or None
         names = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         self.exclude = self.params.exclusion(names) if names else None
         self.kind = (
@@ -123,6 +140,8 @@ class Plan:
         )
         # Whether dynamo may trace a call (a plain function), or must run it eagerly.
         self.traceable = self.kind == FUNCTION
+        if dtypes is not None:  # the traced move casts nothing: such a call runs eagerly
+            self.traceable = False
         if self.kind == GENERATOR:
             disable_resume_under_compile()
         # The call dynamo traces, set by the layer above (decorator._compiled), which knows
@@ -164,7 +183,11 @@ class Plan:
         if module is not None and uniform:
             requested = target if option is not None else None
             target = self._target(module, requested, wrapped, instance, args, kwargs)
-        if uniform and (first is target or first is None or target is None or first == target):
+        if (
+            uniform
+            and (first is target or first is None or target is None or first == target)
+            and (self.casts is None or self._cast_free(args, kwargs))
+        ):
             if target is None:
                 target = first
             back = self.output.resolve() if self.output is not None else None
@@ -241,7 +264,7 @@ class Plan:
                 raise _mismatch.no_common_device(self.name, found)
         if target is None:
             target = home
-        elif not (uniform and (first is None or first == target)):
+        elif self.casts is not None or not (uniform and (first is None or first == target)):
             if self.move:
                 moved = _move.move_call(
                     seen_args,
@@ -253,6 +276,7 @@ class Plan:
                     skip=_Module,
                     coalesce=self.coalesce,
                     where=f"{self.name}()",
+                    dtypes=self.dtypes,
                 )
                 args, kwargs = moved if held is None else held.merge(*moved)
             else:
@@ -264,6 +288,13 @@ class Plan:
         if self.output is not None:
             return args, kwargs, target, self.output.resolve()
         return args, kwargs, target, home if self.to_input else None
+
+    def _cast_free(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether no argument holds a tensor of a dtype ``dtypes=`` casts (else the call
+        takes prepare(), whose move casts what it must)."""
+        casts = self.casts
+        assert casts is not None
+        return not holds_any((*args, *kwargs.values()) if kwargs else args, casts)
 
     def _target(
         self,

@@ -336,6 +336,11 @@ def _apply(settings: dict[str, Any]) -> None:
         extension.set_record_stream_enabled(bool(settings["record_stream"]))
     if settings["memory_limit"] is not None:
         extension.set_memory_limit(int(settings["memory_limit"]))
+    if settings["float64"] is not None:
+        # devicectx asked once which dtypes the device holds: ask again.
+        from devicectx.devices._capabilities import CAPABILITIES
+
+        CAPABILITIES.clear()
     if settings["events"] is not None or settings["record_stream"] is not None:
         # devicectx asked once whether the device has a copy stream: ask again.
         from devicectx.move import _streams
