@@ -130,6 +130,17 @@ def test_a_round_trip_keeps_structure_values_and_aliasing(batch: Any) -> None:
             assert (a is b) == (a_moved is b_moved)
 
 
+def test_views_moved_from_xla_hold_their_own_elements() -> None:
+    """A slice and a transpose on xla, moved with their base, come back with their own
+    values (XLA reports no offset or strides for a view: each is copied alone)."""
+    host = torch.arange(6.0)
+    base = host.to(XLA)
+    back = to_device([base, base[2:4], base.view(2, 3).t()], "cpu")
+    assert torch.equal(host, back[0])
+    assert torch.equal(host[2:4], back[1])
+    assert torch.equal(host.view(2, 3).t(), back[2])
+
+
 def test_a_move_copies_at_the_call() -> None:
     """No staging, no stream: a tensor written after its move (non-blocking or not) does
     not change the copy, and a copy back to the host holds what the device computed."""
