@@ -83,8 +83,12 @@ def pjrt_device() -> str | None:
 
 
 def in_use() -> bool:
-    """Whether XLA is this process's device: ``torch_xla`` installed, ``PJRT_DEVICE`` set."""
-    return pjrt_device() is not None and installed()
+    """Whether XLA is this process's device: ``torch_xla`` installed, ``PJRT_DEVICE`` set.
+
+    Asked at every ``"auto"``: where torch_xla is absent, one attribute read (the found
+    answer), not a look at the environment.
+    """
+    return installed() and pjrt_device() is not None
 
 
 def version() -> str | None:
