@@ -327,7 +327,10 @@ def _move(
     if coalesce and device not in _staging.NEVER and (skip is None or not skip.slow):
         # The staged tensors' results go into mover.moved, where the walk finds them;
         # `staged` holds what their ids belong to until the walk is done.
-        staged = _staging.stage(obj, device, non_blocking, _types(skip), mover.moved, mover.sent)
+        staged = _staging.stage(obj, device, non_blocking, _types(skip))
+        if staged is not None:
+            mover.moved.update(staged.results)
+            mover.sent.extend(staged.sources)
     result = Rebuild(device, mover, skip, name, fix, who=who).run(obj)
     replace = mover.finish()
     if replace:  # views met before the tensor they belong to: made views of it now
