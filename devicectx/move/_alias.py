@@ -9,7 +9,8 @@ for one that is no view); within a group the *anchor* of a member is the largest
 tensor that covers its memory (the base, when it is there). A tensor covered by none is
 copied alone, as ``.to`` copies it: only its own elements, never the rest of its base.
 Tensors that share memory without being views (``x.data``, ``x.detach()``) are copied
-apart, as ``.to`` would copy them.
+apart, as ``.to`` would copy them. A view on XLA is copied alone too: XLA tensors report
+their base but not where in it they lie (every one says offset 0, contiguous strides).
 
 The walk meets tensors in structure order, so it cannot know whether a larger tensor will
 come later. It links each member to the first member of its group when that one covers it
@@ -31,6 +32,9 @@ _Tensor = torch.Tensor
 # Copies to these are read by the host as soon as they return (CPU), or have been seen to
 # arrive late under non_blocking (MPS: pytorch/pytorch#83015), so they are always blocking.
 _BLOCKING_TARGETS = frozenset({"cpu", "mps", "meta"})
+# XLA: a view's storage_offset and strides are not its place in its base (torch_xla 2.9
+# reports 0 and contiguous strides for every tensor), so no view of it can be re-made.
+_NO_GEOMETRY = frozenset({"xla"})
 
 
 class TensorMover:
@@ -68,6 +72,8 @@ class TensorMover:
         if tensor.device == self.device:
             return tensor
         base = tensor._base
+        if base is not None and tensor.device.type in _NO_GEOMETRY:  # copied alone (XLA)
+            base = None
         if base is None:
             group = self.groups.get(id(tensor)) if self.groups else None
             if group is not None:  # views of it came first
