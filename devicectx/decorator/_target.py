@@ -4,7 +4,7 @@ The rules, the first that applies:
 
 1. the decorator's ``device=`` (:class:`DeviceOption`, resolved at call time);
 2. the device of the ``nn.Module`` involved (:func:`involved_module`, :func:`module_devices`);
-3. the innermost active ``on_device`` (asked of :mod:`devicectx.scope._context`);
+3. the innermost active ``on_device`` (asked of :mod:`devicectx.scope._stack`);
 4. the device the argument tensors agree on (found by the caller, in
    :mod:`devicectx.decorator._plan`).
 """

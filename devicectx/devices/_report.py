@@ -18,7 +18,7 @@ import torch
 from devicectx._errors import DeviceError
 from devicectx.devices._resolve import ENV_VAR, _resolve, accelerator_type, available_devices
 from devicectx.move._distributed import job
-from devicectx.scope._context import current_device
+from devicectx.scope._stack import current_device
 
 # The variables that decide which device a process gets, in the order they matter.
 ENV_VARS = (ENV_VAR, "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
