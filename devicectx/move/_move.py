@@ -328,10 +328,10 @@ def _move(
         # The staged tensors' results go into mover.moved, where the walk finds them;
         # `staged` holds what their ids belong to until the walk is done.
         staged = _staging.stage(obj, device, non_blocking, _types(skip), mover.moved, mover.sent)
-    result = Rebuild(device, mover, skip, name, fix, who=who).run(obj)
+    result = Rebuild.moving(device, mover, skip, name, fix, who).run(obj)
     replace = mover.finish()
     if replace:  # views met before the tensor they belong to: made views of it now
-        result = Rebuild(None, None, None, name, fix, replace).run(result)
+        result = Rebuild.replacing(replace, name, fix, who).run(result)
     if not compiling:
         _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
     del staged
