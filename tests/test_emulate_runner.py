@@ -24,17 +24,20 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
 
 def test_a_script_runs_as_main_with_its_own_arguments(tmp_path: Path) -> None:
     """The script runs as ``__main__``, sees its own arguments (options included) and its
-    folder on ``sys.path``, and ``"auto"`` is the emulated accelerator."""
+    folder on ``sys.path``, and ``"auto"`` is the emulated accelerator, with the runner's
+    device count and profile."""
     (tmp_path / "sibling.py").write_text("VALUE = 'sibling'\n")
     script = tmp_path / "train.py"
     script.write_text(
         "import sys, torch, devicectx, sibling\n"
         "print(__name__, sys.argv[1:], sibling.VALUE)\n"
-        "print(devicectx.resolve_device('auto'), torch.accelerator.device_count())\n"
+        "from devicectx.testing import emulated\n"
+        "print(devicectx.resolve_device('auto'), torch.accelerator.device_count(),\n"
+        "      emulated.settings()['float64'])\n"
     )
-    done = run("--devices", "1", str(script), "--epochs", "1")
+    done = run("--devices", "1", "--profile", "mps", str(script), "--epochs", "1")
     assert 0 == done.returncode, done.stderr
-    assert ["__main__ ['--epochs', '1'] sibling", "emu:0 1"] == done.stdout.splitlines()
+    assert ["__main__ ['--epochs', '1'] sibling", "emu:0 1 False"] == done.stdout.splitlines()
 
 
 def test_a_module_runs_as_python_m_runs_it() -> None:

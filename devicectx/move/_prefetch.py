@@ -28,8 +28,8 @@ device's work on the steps already queued, and a loader's exceptions, warnings a
 context (``on_device``, ``track_transfers``) stay where the caller expects them.
 
 Elsewhere (the CPU, ``meta``, MPS, whose one queue copies in order anyway, a device
-without streams or events), each batch is moved when it is asked for: the same iterator,
-no lookahead, nothing started.
+without streams, events or ``record_stream``), each batch is moved when it is asked for:
+the same iterator, no lookahead, nothing started.
 """
 
 from __future__ import annotations
@@ -471,7 +471,7 @@ def _written_by_streams(batch: Any) -> bool:
 
 def streams_for(device: torch.device) -> Streams | None:
     """The :class:`Streams` of a new prefetcher to ``device``; None where the device has no
-    streams (or no events), and batches move in order."""
+    streams (or no events, or no ``record_stream``), and batches move in order."""
     if device.type in _NO_STREAMS or device.type != accelerator_type():
         return None
     copy = copy_stream(device)

@@ -5,7 +5,8 @@ One stream per device, made at first use and shared by every move to that device
 :func:`devicectx.prefetch` (copies from the host go through one copy engine anyway), from
 every thread: a stream takes work from any thread, and the *current* stream is per thread.
 
-:func:`copy_stream` is the stream (None where the device has no streams or events);
+:func:`copy_stream` is the stream (None where the device has no streams, no events, or no
+``Tensor.record_stream``: moves there stay on the caller's stream, in order);
 :func:`queued_on` makes it the current stream of its device for a block, so that the move
 engine, which queues its copies and allocates its results on the current stream, does both
 there; the caller then makes its own stream wait on an event recorded after the block.
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["copy_stream", "queued_on"]
+__all__ = ["copy_stream", "forget", "queued_on"]
 
 _STREAMS: dict[torch.device, Any] = {}  # device (with its index) -> stream, or None: none
 _LOCK = threading.Lock()
@@ -29,7 +30,9 @@ _LOCK = threading.Lock()
 
 def copy_stream(device: torch.device) -> Any:
     """The copy stream of accelerator ``device`` (an indexed device: ``cuda:0``); None where
-    the device has no streams, or no events to hand work over with."""
+    the device has no streams, no events to hand work over with, or no ``record_stream``
+    (without it, memory allocated on the copy stream and used on another could be reused
+    while that stream still reads it)."""
     try:
         return _STREAMS[device]
     except KeyError:
@@ -41,6 +44,7 @@ def copy_stream(device: torch.device) -> Any:
             try:
                 stream = torch.Stream(device=device)
                 stream.record_event()  # events work on this device too
+                torch.empty(1, device=device).record_stream(stream)  # and record_stream
             except Exception:  # a backend without streams or events
                 stream = None
             _STREAMS[device] = stream
@@ -60,6 +64,13 @@ def queued_on(stream: Any, device: torch.device) -> Iterator[Any]:
     finally:
         torch.accelerator.set_stream(previous)
         torch.accelerator.set_device_index(index_before)
+
+
+def forget() -> None:
+    """Ask each device again for its copy stream: what a device can do has changed (the
+    testing kit's emulated device plays another device). Streams handed out stay valid."""
+    with _LOCK:
+        _STREAMS.clear()
 
 
 def _forget_in_child() -> None:

@@ -4,7 +4,8 @@
 - :mod:`devicectx.testing.strategies`: hypothesis strategies for devices, tensors and nested
   batches (needs hypothesis);
 - :mod:`devicectx.testing.emulated`: an emulated accelerator (``emu``) for machines without a
-  GPU: memory of its own, streams, events, pinned memory, copies that finish later;
+  GPU: memory of its own, streams, events, pinned memory, copies that finish later; it
+  plays other devices too (``profile("mps")``: no float64; a memory limit);
 - a pytest plugin, active wherever devicectx is installed: the ``device`` fixture, the
   ``--devices=cpu,meta`` and ``--devicectx-accelerator=emulated`` options and the
   ``@pytest.mark.requires_device("cuda")`` marker.

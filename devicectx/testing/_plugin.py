@@ -25,7 +25,9 @@ Example (a test module)::
 Run it on chosen devices with ``pytest --devices=cpu,meta``; on a machine without a GPU, add
 an accelerator with ``pytest --devicectx-accelerator=emulated`` (``emu:0`` and ``emu:1``,
 see :mod:`devicectx.testing.emulated`), enabled before collection so that the ``device``
-fixture includes its devices.
+fixture includes its devices; ``--devicectx-accelerator=emulated:mps`` plays an MPS-like
+device (a profile of ``emulated.PROFILES``) and ``--devicectx-emulated-devices=4`` gives more
+devices.
 """
 
 from __future__ import annotations
@@ -45,10 +47,9 @@ _FIXTURE = "device"
 _MARKER = "requires_device"
 _OPTION_DEST = "devicectx_devices"
 _ACCELERATOR_DEST = "devicectx_accelerator"
+_EMULATED_DEVICES_DEST = "devicectx_emulated_devices"
 _ANY_ACCELERATOR = "accelerator"
 _EMULATED = "emulated"
-# The emulated device's ids when its build failed: the same ids as when it works, skipped.
-_EMULATED_IDS = ("emu:0", "emu:1")
 
 
 @dataclass(frozen=True)
@@ -90,13 +91,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--devicectx-accelerator",
         dest=_ACCELERATOR_DEST,
         default=None,
-        choices=[_EMULATED],
+        metavar="emulated[:PROFILE]",
         help=(
             "emulated: enable devicectx's emulated accelerator 'emu' (devices emu:0 and "
             "emu:1; built with a C++ compiler at first use, then cached) before collection, "
             "so that the `device` fixture and requires_device('accelerator') tests run on "
-            "it. If it cannot be built, the tests that need it are skipped with the reason."
+            "it; emulated:mps plays a device without float64 and record_stream (the profiles "
+            "of devicectx.testing.emulated.PROFILES). If it cannot be built, the tests that "
+            "need it are skipped with the reason."
         ),
+    )
+    group.addoption(
+        "--devicectx-emulated-devices",
+        dest=_EMULATED_DEVICES_DEST,
+        default=2,
+        type=int,
+        metavar="N",
+        help="how many devices --devicectx-accelerator=emulated gives (1 to 16, default 2)",
     )
 
 
@@ -107,11 +118,20 @@ def pytest_configure(config: pytest.Config) -> None:
         "device: a kind ('cuda', 'mps', 'xpu'), one device ('cuda:1'), or 'accelerator' "
         "for any accelerator torch.accelerator reports (devicectx)",
     )
-    if config.getoption(_ACCELERATOR_DEST, default=None) == _EMULATED:
+    accelerator = config.getoption(_ACCELERATOR_DEST, default=None)
+    if accelerator is not None:
         # Before --devices is parsed (it may name emu:1) and before collection (the
         # fixture's parameters). With xdist, the controller builds first, under a file
         # lock; the workers then load the cached build.
-        config.stash[_EMULATED_STATE] = _enable_emulated()
+        kind, colon, profile = accelerator.partition(":")
+        if kind != _EMULATED or (colon and not profile):
+            msg = (
+                f"--devicectx-accelerator={accelerator}: the choices are emulated and "
+                f"emulated:PROFILE\nfix: --devicectx-accelerator=emulated:mps"
+            )
+            raise pytest.UsageError(msg)
+        devices = config.getoption(_EMULATED_DEVICES_DEST, default=2)
+        config.stash[_EMULATED_STATE] = _enable_emulated(devices, profile or None)
     text = config.getoption(_OPTION_DEST, default=None)
     if text is not None:
         # Parsed here, not at first use, so a bad spec stops the run before any test.
@@ -202,17 +222,21 @@ def _choices(config: pytest.Config) -> list[_Choice]:
         failure = _emulated_failure(config)
         if failure is not None:
             reason = f"the emulated accelerator is unavailable: {_first_line(failure)}"
-            choices += [_Choice(id, None, reason) for id in _EMULATED_IDS]
+            # The ids the devices would have, skipped.
+            count = config.getoption(_EMULATED_DEVICES_DEST, default=2)
+            choices += [_Choice(f"emu:{index}", None, reason) for index in range(count)]
         config.stash[_CHOICES] = choices
     return choices
 
 
-def _enable_emulated() -> _Emulated:
+def _enable_emulated(devices: int, profile: str | None) -> _Emulated:
     from devicectx.testing import emulated
 
     started = time.perf_counter()
     try:
-        emulated.enable()
+        emulated.enable(devices, profile=profile)
+    except ValueError as error:  # a bad profile or device count: the command line's
+        raise pytest.UsageError(f"--devicectx-accelerator: {error}") from None
     except emulated.EmulatedUnavailable as error:
         return _Emulated(time.perf_counter() - started, str(error))
     return _Emulated(time.perf_counter() - started)

@@ -12,8 +12,10 @@ Usage::
     python -m devicectx.testing.emulate -m devicectx           # the device report
     torchrun --nproc_per_node 2 -m devicectx.testing.emulate train.py
 
-Options before the script: ``--devices N`` (default 2) and ``--delay-ms MS`` (default 2),
-as :func:`~devicectx.testing.emulated.enable` takes them. Where the emulated accelerator
+Options before the script: ``--devices N`` (default 2), ``--delay-ms MS`` (default 2) and
+``--profile NAME`` (``mps``: a device without float64; see
+:data:`~devicectx.testing.emulated.PROFILES`), as :func:`~devicectx.testing.emulated.enable`
+takes them. Where the emulated accelerator
 cannot be built, it exits with status 2 and says why on stderr.
 
 The process ends as Python ends one (the script's exit status, or 1 and the traceback for
@@ -39,7 +41,7 @@ from typing import NoReturn
 
 from devicectx.testing import emulated
 
-_TAKE_A_VALUE = ("--devices", "--delay-ms")
+_TAKE_A_VALUE = ("--devices", "--delay-ms", "--profile")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,18 +54,24 @@ def main(argv: list[str] | None = None) -> None:
     ours, target = args[:split], args[split:]
     parser = argparse.ArgumentParser(
         prog="python -m devicectx.testing.emulate",
-        usage="%(prog)s [--devices N] [--delay-ms MS] (SCRIPT | -m MODULE) [ARGS ...]",
+        usage=(
+            "%(prog)s [--devices N] [--delay-ms MS] [--profile NAME] (SCRIPT | -m MODULE) "
+            "[ARGS ...]"
+        ),
         description="Run a script or module with devicectx's emulated accelerator enabled.",
     )
     parser.add_argument("--devices", type=int, default=2, help="emulated devices (default 2)")
     parser.add_argument(
         "--delay-ms", type=float, default=2.0, help="delay of a non_blocking pinned copy"
     )
+    parser.add_argument(
+        "--profile", choices=sorted(emulated.PROFILES), help="the device to play (default cuda)"
+    )
     options = parser.parse_args(ours)
     if not target or target == ["-m"]:
         parser.error("give a script to run, or -m MODULE")
     try:
-        emulated.enable(options.devices, delay_ms=options.delay_ms)
+        emulated.enable(options.devices, delay_ms=options.delay_ms, profile=options.profile)
     except emulated.EmulatedUnavailable as error:
         print(f"devicectx.testing.emulate: {error}", file=sys.stderr)
         raise SystemExit(2) from None

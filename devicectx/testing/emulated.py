@@ -1,8 +1,8 @@
 """An emulated accelerator: a device that is not the CPU, for machines without a GPU.
 
 ``enable()`` builds (at first use, then cached) and registers a small torch backend named
-``"emu"``, with two devices by default. Device-agnostic code then runs on a device that
-is not the CPU and has an accelerator's semantics:
+``"emu"``, with two devices by default (up to 16). Device-agnostic code then runs on a
+device that is not the CPU and has an accelerator's semantics:
 
 - device memory of its own (``x.to("emu").data_ptr()`` is a new block), counted by
   :func:`memory_allocated`; freed memory is filled with 0xFF bytes (NaN in floating
@@ -38,10 +38,27 @@ Example::
     torch.accelerator.synchronize()
     assert y.tolist() == [0.0, 1.0, 2.0, 3.0]
 
+It plays the devices users have, by :data:`PROFILES` (``enable(profile="mps")``, or
+``with profile("mps"):`` for a block) or by single switches of :func:`configure`:
+
+- ``"cuda"`` (the default): every dtype, ``record_stream``, pinned memory, events;
+- ``"mps"``: no float64 and no complex128, as Apple's MPS: making such a tensor on the
+  device (a factory, ``.to()``, an op's result) raises ``TypeError`` with MPS's words;
+  and no ``Tensor.record_stream`` (``NotImplementedError``), as MPS and some other
+  backends;
+- ``configure(memory_limit=bytes)``: each device holds that many bytes of live tensors;
+  an allocation past it raises ``torch.OutOfMemoryError`` worded as CUDA's.
+
+The rule: torch allows one PrivateUse1 backend per process, so the backend and its device
+count are fixed at the first :func:`enable`; everything a profile or :func:`configure`
+sets can change at run time, so one process (one test session) tests several profiles.
+
 What it does not emulate: timings (a kernel costs what the CPU takes, a copy's delay is
 fixed), CUDA graphs, the sync-debug mode, real GPU kernels and their numerics (TF32,
-reduction orders), device-side asserts, memory limits, peer access, IPC, ``torch.compile``
-for the device. Ops queue no work on streams: only copies and events do.
+reduction orders), device-side asserts, a caching allocator's fragmentation (the memory
+limit counts live tensors' bytes), peer access, IPC, ``torch.compile`` for the device, an
+MPS device's single queue (the "mps" profile keeps the streams). Ops queue no work on
+streams: only copies and events do.
 
 Build cost: about 40-60 s of a C++ compiler the first time per torch and Python (cached
 under ``~/.cache/devicectx/emulated``), then a fraction of a second to load. It needs a
@@ -53,9 +70,9 @@ turned off: torch allows one PrivateUse1 backend per process, under one name.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from types import ModuleType, TracebackType
+from types import MappingProxyType, ModuleType, TracebackType
 from typing import Any
 
 import torch
@@ -64,6 +81,7 @@ from devicectx._errors import DeviceUnavailableError
 
 __all__ = [
     "DEVICE_TYPE",
+    "PROFILES",
     "EmulatedUnavailable",
     "configure",
     "enable",
@@ -72,6 +90,7 @@ __all__ = [
     "memory_allocated",
     "paused",
     "pinned_memory_allocated",
+    "profile",
     "settings",
 ]
 
@@ -81,25 +100,54 @@ _DEFAULT_NAME = "privateuseone"  # PrivateUse1's name until a backend renames it
 _lock = threading.Lock()
 _extension: Any = None
 
+PROFILES: Mapping[str, Mapping[str, bool | int]] = MappingProxyType(
+    {
+        "cuda": MappingProxyType(
+            {
+                "pinned": True,
+                "events": True,
+                "float64": True,
+                "record_stream": True,
+                "memory_limit": 0,
+            }
+        ),
+        "mps": MappingProxyType(
+            {
+                "pinned": True,
+                "events": True,
+                "float64": False,
+                "record_stream": False,
+                "memory_limit": 0,
+            }
+        ),
+    }
+)
+"""The devices the emulated accelerator plays, by name: the :func:`configure` switches
+each sets. Every profile sets every switch it names, so a profile undoes another's."""
+
 
 class EmulatedUnavailable(DeviceUnavailableError):
     """The emulated accelerator cannot be built or registered here; says why and the fix."""
 
 
-def enable(devices: int = 2, *, delay_ms: float = 2.0) -> torch.device:
+def enable(devices: int = 2, *, delay_ms: float = 2.0, profile: str | None = None) -> torch.device:
     """Build (at first use), load and register the emulated accelerator; return ``emu:0``.
 
-    Idempotent: a later call returns the same device, and sets ``delay_ms``.
+    Idempotent: a later call returns the same device, and sets ``delay_ms`` (and
+    ``profile`` where given).
 
     Example::
 
         device = enable()
         torch.ones(2, device=device) + 1           # computed on the CPU, stored on emu:0
+        enable(profile="mps")                      # from now on, a device without float64
 
     Args:
         devices: how many ``emu`` devices (1 to 16); fixed for the process.
         delay_ms: how long a non_blocking copy to or from pinned memory takes, from the
             moment its stream reaches it (see :func:`configure`).
+        profile: a name of :data:`PROFILES` to play (``"cuda"``, ``"mps"``); None leaves
+            the switches as they are (at the first call: ``"cuda"``'s).
 
     Returns:
         ``torch.device("emu", 0)``.
@@ -107,8 +155,11 @@ def enable(devices: int = 2, *, delay_ms: float = 2.0) -> torch.device:
     Raises:
         EmulatedUnavailable: the build failed (the compiler's last lines are in the
             message), or another PrivateUse1 backend is registered in this process.
-        ValueError: ``devices`` is out of range, or differs from an earlier call's.
+        ValueError: ``devices`` is out of range, or differs from an earlier call's;
+            ``profile`` is no name of :data:`PROFILES`.
     """
+    if profile is not None:
+        _profile_switches(profile)  # a bad name fails before the build
     if not 1 <= devices <= 16:
         raise ValueError(f"enable(devices={devices}): between 1 and 16 emulated devices")
     with _lock:
@@ -122,6 +173,8 @@ def enable(devices: int = 2, *, delay_ms: float = 2.0) -> torch.device:
             )
             raise ValueError(msg)
     configure(delay_ms=delay_ms)
+    if profile is not None:
+        configure(**_profile_switches(profile))
     return torch.device(DEVICE_TYPE, 0)
 
 
@@ -154,6 +207,9 @@ def configure(
     pinned: bool | None = None,
     events: bool | None = None,
     poison: bool | None = None,
+    float64: bool | None = None,
+    record_stream: bool | None = None,
+    memory_limit: int | None = None,
 ) -> _Settings:
     """Change the emulated device's behaviour at run time; as a context, only in the block.
 
@@ -161,6 +217,8 @@ def configure(
 
         with configure(pinned=False):              # a device without pinned memory
             torch.ones(2).pin_memory()             # raises RuntimeError
+        with configure(memory_limit=2**20):        # 1 MiB per device
+            torch.empty(2**21, dtype=torch.uint8, device="emu")  # torch.OutOfMemoryError
         configure(delay_ms=0)                      # for the rest of the process
 
     Args:
@@ -171,6 +229,13 @@ def configure(
             ``is_pinned()`` is False, non_blocking copies are blocking.
         events: False emulates a device without events: recording one raises.
         poison: False leaves freed memory as it was (it is still kept a while).
+        float64: False emulates a device without float64 and complex128 (MPS): making such
+            a tensor on the device raises ``TypeError``, as MPS does.
+        record_stream: False emulates a backend without ``Tensor.record_stream``: it
+            raises ``NotImplementedError``, as torch's CPU fallback does there.
+        memory_limit: bytes of live tensors each device holds (0: no limit); an
+            allocation past it raises ``torch.OutOfMemoryError``, worded as CUDA's.
+            Lowering it below what is allocated frees nothing: the next allocation fails.
 
     Returns:
         An object whose ``with`` block restores the previous settings on exit.
@@ -178,9 +243,47 @@ def configure(
     Raises:
         EmulatedUnavailable: the emulated accelerator is not enabled.
     """
+    asked = {
+        "delay_ms": delay_ms,
+        "pinned": pinned,
+        "events": events,
+        "poison": poison,
+        "float64": float64,
+        "record_stream": record_stream,
+        "memory_limit": memory_limit,
+    }
+    _check(asked)
     previous: dict[str, Any] = settings()
-    _apply({"delay_ms": delay_ms, "pinned": pinned, "events": events, "poison": poison})
+    _apply(asked)
     return _Settings(previous)
+
+
+def profile(name: str) -> _Settings:
+    """Play the device :data:`PROFILES` names; as a context, only in the block.
+
+    Example::
+
+        with profile("mps"):
+            torch.zeros(2, dtype=torch.float64, device="emu")   # raises TypeError
+        torch.zeros(2, dtype=torch.float64, device="emu")       # works again
+
+    Raises:
+        ValueError: ``name`` is no profile.
+        EmulatedUnavailable: the emulated accelerator is not enabled.
+    """
+    return configure(**_profile_switches(name))
+
+
+def _profile_switches(name: str) -> dict[str, Any]:
+    try:
+        return dict(PROFILES[name])
+    except KeyError:
+        names = ", ".join(map(repr, PROFILES))
+        msg = (
+            f"emulated profile {name!r} does not exist: the profiles are {names}\n"
+            f'fix: profile("mps"), or configure() for single switches'
+        )
+        raise ValueError(msg) from None
 
 
 def settings() -> dict[str, float | bool]:
@@ -188,7 +291,9 @@ def settings() -> dict[str, float | bool]:
 
     Example::
 
-        settings()  # {'delay_ms': 2.0, 'pinned': True, 'events': True, 'poison': True}
+        settings()["float64"]  # True, False in the "mps" profile
+        # {'delay_ms': 2.0, 'pinned': True, 'events': True, 'poison': True,
+        #  'float64': True, 'record_stream': True, 'memory_limit': 0}
     """
     extension = _require()
     return {
@@ -196,14 +301,28 @@ def settings() -> dict[str, float | bool]:
         "pinned": bool(extension.pinned_enabled()),
         "events": bool(extension.events_enabled()),
         "poison": bool(extension.poison_enabled()),
+        "float64": bool(extension.float64_enabled()),
+        "record_stream": bool(extension.record_stream_enabled()),
+        "memory_limit": int(extension.memory_limit()),
     }
+
+
+def _check(settings: dict[str, Any]) -> None:
+    """Refuse a bad value before any switch changes."""
+    delay, limit = settings["delay_ms"], settings["memory_limit"]
+    if delay is not None and delay < 0:
+        raise ValueError(f"configure(delay_ms={delay}): must be >= 0")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        msg = (
+            f"configure(memory_limit={limit!r}): bytes per device, an int >= 0 (0: no limit)\n"
+            f"fix: configure(memory_limit=64 * 2**20)"
+        )
+        raise ValueError(msg)
 
 
 def _apply(settings: dict[str, Any]) -> None:
     extension = _require()
     if settings["delay_ms"] is not None:
-        if settings["delay_ms"] < 0:
-            raise ValueError(f"configure(delay_ms={settings['delay_ms']}): must be >= 0")
         extension.set_delay_ms(float(settings["delay_ms"]))
     if settings["pinned"] is not None:
         extension.set_pinned_enabled(bool(settings["pinned"]))
@@ -211,6 +330,17 @@ def _apply(settings: dict[str, Any]) -> None:
         extension.set_events_enabled(bool(settings["events"]))
     if settings["poison"] is not None:
         extension.set_poison_enabled(bool(settings["poison"]))
+    if settings["float64"] is not None:
+        extension.set_float64_enabled(bool(settings["float64"]))
+    if settings["record_stream"] is not None:
+        extension.set_record_stream_enabled(bool(settings["record_stream"]))
+    if settings["memory_limit"] is not None:
+        extension.set_memory_limit(int(settings["memory_limit"]))
+    if settings["events"] is not None or settings["record_stream"] is not None:
+        # devicectx asked once whether the device has a copy stream: ask again.
+        from devicectx.move import _streams
+
+        _streams.forget()
 
 
 @contextmanager

@@ -1,14 +1,18 @@
-"""Build the emulated accelerator at first use, once per torch version, Python and source.
+"""Build the emulated accelerator at first use, once per set of build inputs.
 
 The C++ sources next to this file are copied into ``$XDG_CACHE_HOME/devicectx/emulated/
-torch-<version>-py<XY>/<hash of the sources>/`` (``~/.cache`` without ``XDG_CACHE_HOME``)
-and compiled there with ``torch.utils.cpp_extension.load`` (ninja and a C++17 compiler);
-later processes load what is there. The hash keeps checkouts apart: two checkouts (or
-versions) of devicectx with different sources would otherwise rebuild each other's build
-in turn, since ninja rebuilds when a source path changes. A file lock serialises processes
-that build at once (pytest-xdist workers): torch's own lock in the build folder is a plain
-file that a build killed midway leaves behind, and every later build then waits for it
-forever; under our lock no other build can be running, so a leftover one is removed.
+torch-<version>-py<XY>/<hash>/`` (``~/.cache`` without ``XDG_CACHE_HOME``) and compiled
+there with ``torch.utils.cpp_extension.load`` (ninja and a C++17 compiler); later processes
+load what is there. The hash is of everything the build reads (:func:`build_inputs`): the
+sources, the compiler, the flags, the include and library paths (torch's and Python's, so
+each environment's own), and torch's build. Two environments with the same torch install
+share one build; two with their own installs get one each, and alternating between them
+rebuilds nothing: ninja rebuilds a folder whenever a compile command changes, so a folder
+shared by environments with different paths would be rebuilt by each in turn. A file lock
+serialises processes that build at once (pytest-xdist workers): torch's own lock in the
+build folder is a plain file that a build killed midway leaves behind, and every later
+build then waits for it forever; under our lock no other build can be running, so a
+leftover one is removed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import io
 import os
 import shutil
 import sys
+import sysconfig
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -29,20 +35,47 @@ SOURCES = ("runtime.cpp", "backend.cpp", "autocast.cpp", "bindings.cpp")
 FILES = (*SOURCES, "runtime.h")
 EXTENSION = "devicectx_emulated"
 FLOOR = Version("2.6")  # pyproject.toml's torch floor: older headers differ
+CFLAGS = ("-O2",)
 
 
 class BuildFailed(Exception):
     """The extension could not be built or loaded; the message says why and the fix."""
 
 
-def cache_dir() -> Path:
-    """Where this torch, Python and source's build lives."""
+def build_inputs() -> dict[str, str]:
+    """What the build reads besides the sources, by name: a change in any gives another
+    build folder. The compiler is named by its resolved path and its file's time (an
+    upgrade in place changes the time)."""
+    cpp_extension = _cpp_extension()
+    compiler = os.environ.get("CXX", "c++")
+    found = shutil.which(compiler)
+    if found is not None:
+        resolved = os.path.realpath(found)
+        compiler = f"{resolved} {os.stat(resolved).st_mtime_ns}"
+    return {
+        "compiler": compiler,
+        "flags": " ".join(CFLAGS),
+        "torch": f"{torch.__version__} {torch.version.git_version}",
+        "torch include": os.pathsep.join(cpp_extension.include_paths()),
+        "torch lib": os.pathsep.join(cpp_extension.library_paths()),
+        "python": f"{sys.implementation.cache_tag} {sysconfig.get_config_var('SOABI')}",
+        "python include": sysconfig.get_paths()["include"],
+    }
+
+
+def cache_dir(inputs: Mapping[str, str] | None = None) -> Path:
+    """Where the build of these sources with ``inputs`` (default: :func:`build_inputs`)
+    lives."""
+    if inputs is None:
+        inputs = build_inputs()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     torch_version = torch.__version__.replace("+", "-")
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     digest = hashlib.sha256()
     for source in FILES:
         digest.update(source.encode() + b"\0" + _source(source).read_bytes() + b"\0")
+    for name, value in sorted(inputs.items()):
+        digest.update(f"{name}={value}".encode() + b"\0")
     folder = f"torch-{torch_version}-{python}"
     return Path(base) / "devicectx" / "emulated" / folder / digest.hexdigest()[:16]
 
@@ -76,7 +109,7 @@ def load() -> ModuleType:
                 name=EXTENSION,
                 sources=[str(build / source) for source in SOURCES],
                 build_directory=str(build),
-                extra_cflags=["-O2"],
+                extra_cflags=list(CFLAGS),
                 verbose=False,
             )
         except (RuntimeError, OSError, ImportError) as error:

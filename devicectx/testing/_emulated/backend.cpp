@@ -368,6 +368,26 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 
 // ---- factories, views, metadata ----
 
+// Playing a device without float64 and complex128 (configure(float64=False), the "mps"
+// profile): every tensor of the device is made here, so refusing the dtype here refuses
+// it everywhere (a factory, .to(), an op's result), with MPS's error type and words.
+void check_dtype(c10::ScalarType dtype) {
+  if (float64_enabled() || (dtype != at::kDouble && dtype != at::kComplexDouble)) {
+    return;
+  }
+  bool complex = dtype == at::kComplexDouble;
+  TORCH_CHECK_TYPE(
+      false,
+      "Cannot convert a emu Tensor to ",
+      complex ? "complex128" : "float64",
+      " dtype as the emulated device, playing MPS, doesn't support ",
+      complex ? "complex128" : "float64",
+      ". Please use ",
+      complex ? "complex64" : "float32",
+      " instead. (devicectx.testing.emulated.configure(float64=False), or the 'mps' "
+      "profile)");
+}
+
 at::Tensor empty_memory_format(
     c10::IntArrayRef size,
     std::optional<c10::ScalarType> dtype,
@@ -378,6 +398,7 @@ at::Tensor empty_memory_format(
   TORCH_CHECK(!pin_memory.value_or(false), "emu: only CPU tensors can be pinned");
   TORCH_CHECK(
       layout.value_or(c10::kStrided) == c10::kStrided, "emu: only strided tensors are supported");
+  check_dtype(c10::dtype_or_default(dtype));
   int index = device.has_value() ? index_of(*device) : checked_index(-1);
   return at::detail::empty_generic(
       size,
@@ -397,6 +418,7 @@ at::Tensor empty_strided(
   TORCH_CHECK(!pin_memory.value_or(false), "emu: only CPU tensors can be pinned");
   TORCH_CHECK(
       layout.value_or(c10::kStrided) == c10::kStrided, "emu: only strided tensors are supported");
+  check_dtype(c10::dtype_or_default(dtype));
   int index = device.has_value() ? index_of(*device) : checked_index(-1);
   return at::detail::empty_strided_generic(
       size,
@@ -451,6 +473,11 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
 }
 
 void record_stream(at::Tensor& self, c10::Stream stream) {
+  // NotImplementedError, as torch raises on a backend that has no record_stream.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      record_stream_enabled(),
+      "emu: record_stream is switched off (devicectx.testing.emulated.configure("
+      "record_stream=False)), as on a backend without it");
   TORCH_CHECK(stream.device_type() == kEmu, "emu: record_stream needs an emu stream");
   record_data_ptr(self.storage().data_ptr(), stream.device_index(), stream.id());
 }
@@ -505,6 +532,13 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_local_scalar_dense", local_scalar_dense);
   m.impl("record_stream", record_stream);
+  // Ops whose meta function resizes the output after sizing it as the inputs: for a backend
+  // without a kernel, torch's composite kernel allocates that output and calls the out=
+  // variant, whose CPU kernel (through the fallback) sizes a one-element output again and
+  // warns "An output with one or more elements was resized". A GPU runs the functional
+  // kernel, which warns nothing: so does the emulated device, through the fallback.
+  m.impl("mse_loss", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("smooth_l1_loss", torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

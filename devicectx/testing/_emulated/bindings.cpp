@@ -39,6 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_events_enabled", &emu::set_events_enabled);
   m.def("poison_enabled", &emu::poison_enabled);
   m.def("set_poison_enabled", &emu::set_poison_enabled);
+  m.def("float64_enabled", &emu::float64_enabled);
+  m.def("set_float64_enabled", &emu::set_float64_enabled);
+  m.def("record_stream_enabled", &emu::record_stream_enabled);
+  m.def("set_record_stream_enabled", &emu::set_record_stream_enabled);
+  m.def("memory_limit", &emu::memory_limit);
+  m.def("set_memory_limit", &emu::set_memory_limit);
   m.def("set_paused", &emu::set_paused);
   m.def("is_paused", &emu::is_paused);
   m.def("memory_allocated", &emu::memory_allocated);

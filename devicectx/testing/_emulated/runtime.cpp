@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -41,6 +42,9 @@ std::atomic<double> g_delay_ms{2.0};
 std::atomic<bool> g_pinned{true};
 std::atomic<bool> g_events{true};
 std::atomic<bool> g_poison{true};
+std::atomic<bool> g_float64{true};
+std::atomic<bool> g_record_stream{true};
+std::atomic<int64_t> g_memory_limit{0};
 std::atomic<int> g_device_count{0};
 std::atomic<uint32_t> g_initialized{0};
 
@@ -315,27 +319,67 @@ void delete_block(void* context) {
   }
 }
 
+// Bytes as CUDA's out-of-memory message writes them.
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[64];
+  std::snprintf(text, sizeof(text), unit == 0 ? "%.0f %s" : "%.2f %s", value, units[unit]);
+  return text;
+}
+
 c10::DataPtr allocate_block(size_t size, int device, Worker* owner) {
   c10::Device where = device < 0 ? c10::Device(c10::DeviceType::CPU)
                                  : c10::Device(c10::DeviceType::PrivateUse1, device);
   if (size == 0) {
     return c10::DataPtr(nullptr, where);
   }
-  size_t bytes = (size + kAlignment - 1) / kAlignment * kAlignment;
+  Memory& state = memory();
+  auto bytes_asked = static_cast<int64_t>(size);
+  int64_t limit = device < 0 ? 0 : g_memory_limit.load();
+  {
+    // Counted before the allocation, under the lock: two threads cannot both pass the limit.
+    std::lock_guard<std::mutex> lock(state.mu);
+    int64_t before = state.allocated[slot(device)].load();
+    if (limit > 0 && before + bytes_asked > limit) {
+      // torch.OutOfMemoryError, worded as CUDA's caching allocator words it.
+      TORCH_CHECK_WITH(
+          OutOfMemoryError,
+          false,
+          "emu out of memory. Tried to allocate ",
+          format_bytes(bytes_asked),
+          ". emu:",
+          device,
+          " has a total capacity of ",
+          format_bytes(limit),
+          " of which ",
+          format_bytes(std::max<int64_t>(limit - before, 0)),
+          " is free. Of the allocated memory ",
+          format_bytes(before),
+          " is allocated by PyTorch. (The limit is the emulated device's: "
+          "devicectx.testing.emulated.configure(memory_limit=...).)");
+    }
+    int64_t now = state.allocated[slot(device)] += bytes_asked;
+    if (now > state.peak[slot(device)].load()) {
+      state.peak[slot(device)].store(now);  // under state.mu: no lost update
+    }
+  }
+  size_t rounded = (size + kAlignment - 1) / kAlignment * kAlignment;
   void* ptr = nullptr;
-  if (posix_memalign(&ptr, kAlignment, bytes) != 0) {
+  if (posix_memalign(&ptr, kAlignment, rounded) != 0) {
+    state.allocated[slot(device)] -= bytes_asked;
     TORCH_CHECK_WITH(
         OutOfMemoryError, false, "emu: out of memory allocating ", size, " bytes on ", where);
   }
   auto* block = new Block{ptr, size, device, owner, {}};
-  Memory& state = memory();
   {
     std::lock_guard<std::mutex> lock(state.mu);
     state.live[reinterpret_cast<uintptr_t>(ptr)] = block;
-    int64_t now = state.allocated[slot(device)] += static_cast<int64_t>(size);
-    if (now > state.peak[slot(device)].load()) {
-      state.peak[slot(device)].store(now);  // under state.mu: no lost update
-    }
   }
   return c10::DataPtr(ptr, block, &delete_block, where);
 }
@@ -475,6 +519,25 @@ bool poison_enabled() {
 }
 void set_poison_enabled(bool value) {
   g_poison.store(value);
+}
+bool float64_enabled() {
+  return g_float64.load();
+}
+void set_float64_enabled(bool value) {
+  g_float64.store(value);
+}
+bool record_stream_enabled() {
+  return g_record_stream.load();
+}
+void set_record_stream_enabled(bool value) {
+  g_record_stream.store(value);
+}
+int64_t memory_limit() {
+  return g_memory_limit.load();
+}
+void set_memory_limit(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "emu: the memory limit must be >= 0 bytes (0: none), got ", bytes);
+  g_memory_limit.store(bytes);
 }
 
 // ---- devices ----

@@ -37,6 +37,15 @@ bool events_enabled();
 void set_events_enabled(bool value);
 bool poison_enabled();
 void set_poison_enabled(bool value);
+// What the device holds and does, for playing other devices (profiles): float64 and
+// complex128 (MPS has neither), record_stream (some backends lack it), and how many bytes
+// of memory each device has (0: as many as the host gives).
+bool float64_enabled();
+void set_float64_enabled(bool value);
+bool record_stream_enabled();
+void set_record_stream_enabled(bool value);
+int64_t memory_limit();
+void set_memory_limit(int64_t bytes);
 
 // Devices. The count is fixed once, before the backend is registered.
 int device_count();
