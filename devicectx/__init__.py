@@ -53,8 +53,9 @@ from devicectx.move._transfers import (
     track_transfers,
 )
 from devicectx.move._walk import find_layouts
-from devicectx.scope._context import current_device, on_device
+from devicectx.scope._context import on_device
 from devicectx.scope._precision import Precision, PrecisionName, choose_precision, precision_scope
+from devicectx.scope._stack import current_device
 
 __version__ = _version("devicectx")
 _moved.install()  # the module paths before 0.2, for pickles made with them

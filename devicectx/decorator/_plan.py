@@ -40,15 +40,15 @@ from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move
 from devicectx.move._distributed import wrapper_name
 from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
-from devicectx.scope._context import (
+from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
+from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
+from devicectx.scope._stack import (
     active_device,
     call_scoped,
     current_device,
     pop_nested,
     push_nested,
 )
-from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
-from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
 
 _Module = nn.Module
 _Tensor = torch.Tensor

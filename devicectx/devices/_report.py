@@ -19,7 +19,7 @@ from devicectx._errors import DeviceError
 from devicectx.devices import _xla
 from devicectx.devices._resolve import ENV_VAR, _resolve, accelerator_type, available_devices
 from devicectx.move._distributed import job
-from devicectx.scope._context import current_device
+from devicectx.scope._stack import current_device
 
 # The variables that decide which device a process gets, in the order they matter
 # (torch_xla's PJRT_DEVICE only where torch_xla is installed: it decides nothing elsewhere).

@@ -98,14 +98,14 @@ class Policy:
         if not holds_any((obj,) if values is None else values, self.wanted):
             return obj
         caster = _Caster(self)
-        walk = Rebuild(None, caster, skip, name, fix, who=who)
+        walk = Rebuild.moving(None, caster, skip, name, fix, who)
         # Rebuild's hot loops copy a plain tensor with .to(device) themselves, which is a
         # move's work: here every tensor goes to the caster, which picks the ones to cast.
         walk.moved = None
         result = walk.run(obj)
         replace = caster.finish()
         if replace:  # views met before the tensor they belong to: made views of its cast
-            result = Rebuild(None, None, None, name, fix, replace).run(result)
+            result = Rebuild.replacing(replace, name, fix, who).run(result)
         if caster.refused:
             raise _refused(self, obj, name, who, caster.refused, suggest)
         return result  # type: ignore[no-any-return]

@@ -374,10 +374,10 @@ def _move(
         if staged is not None:
             mover.moved.update(staged.results)
             mover.sent.extend(staged.sources)
-    result = Rebuild(device, mover, skip, name, fix, who=who).run(obj)
+    result = Rebuild.moving(device, mover, skip, name, fix, who).run(obj)
     replace = mover.finish()
     if replace:  # views met before the tensor they belong to: made views of it now
-        result = Rebuild(None, None, None, name, fix, replace).run(result)
+        result = Rebuild.replacing(replace, name, fix, who).run(result)
     if not compiling:
         _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
     del staged

@@ -13,7 +13,7 @@ the device, and stay: entering a later block is a push on a context variable, no
 ``setattr``s (issue 22). A process that never opens such a block runs torch's own functions.
 Outside every block a wrapper asks one context variable and the thread's list of decorated
 calls, and calls torch's function (about 0.3 µs a call). While they are in place, they ask
-:mod:`devicectx.scope._context` which device the running thread or asyncio task wants (``None``:
+:mod:`devicectx.scope._stack` which device the running thread or asyncio task wants (``None``:
 leave torch to decide), and ``torch.get_default_device`` answers for the scopes too.
 
 Where. In every loaded module, torch's or not, a module-level name bound to one of torch's

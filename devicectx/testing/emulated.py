@@ -468,7 +468,7 @@ def _register(devices: int) -> None:
     _extension = extension
     # torch's accelerator is now this one: forget what devicectx worked out before.
     from devicectx.move import _staging
-    from devicectx.scope import _context
+    from devicectx.scope import _stack
 
-    _context.INDEX_READERS.clear()
+    _stack.INDEX_READERS.clear()
     _staging.forget_accelerator()
