@@ -295,6 +295,9 @@ def register_container(
         values: list[Any] = []
         for pair in children(obj):
             try:
+                # A tensor of two elements would unpack, as its two halves.
+                if isinstance(pair, torch.Tensor):
+                    raise TypeError
                 key, value = pair
             except (TypeError, ValueError):
                 raise RegistrationError(_not_a_pair(cls, pair)) from None
