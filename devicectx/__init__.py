@@ -34,8 +34,8 @@ from devicectx._errors import (
 from devicectx.decorator._decorator import device_agnostic
 from devicectx.devices._oom import shrink_batch_on_oom
 from devicectx.devices._resolve import DeviceLike, available_devices, explain_device, resolve_device
-from devicectx.move._distributed import Layout
 from devicectx.move._containers import unregister_container
+from devicectx.move._distributed import Layout
 from devicectx.move._move import find_devices, register_container, to_device
 from devicectx.move._pinned import release_staging, staging_memory
 from devicectx.move._prefetch import prefetch

@@ -334,7 +334,7 @@ def unregister_container(cls: type) -> None:
         ...     def __init__(self, left, right):
         ...         self.left, self.right = left, right
         >>> devicectx.register_container(
-        ...     Pair, children=lambda p: [("left", p.left)], rebuild=lambda p, new: Pair(*new, p.right)
+        ...     Pair, children=lambda p: [("left", p.left)], rebuild=lambda p, new: p
         ... )
         >>> devicectx.unregister_container(Pair)
         >>> devicectx.find_devices(Pair(torch.zeros(1), None))
@@ -711,6 +711,7 @@ def slot_names(tp: type) -> tuple[str, ...]:
 
 
 def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    failed: Exception | None = None
     if isinstance(obj, MutableMapping):
         try:
             clone = copy.copy(obj)
@@ -720,12 +721,13 @@ def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) ->
                     if after is not before:
                         clone[key] = after
                 return clone
-        except Exception:
-            pass
-    return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)")
+        except Exception as error:  # the constructor may still work; if not, both are told
+            failed = error
+    return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)", failed)
 
 
 def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    failed: Exception | None = None
     if isinstance(obj, MutableSequence):
         try:
             clone = copy.copy(obj)
@@ -735,12 +737,13 @@ def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -
                     if after is not before:
                         clone[index] = after
                 return clone
-        except Exception:
-            pass
-    return _construct(obj, new, len(new), "new_items")
+        except Exception as error:  # the constructor may still work; if not, both are told
+            failed = error
+    return _construct(obj, new, len(new), "new_items", failed)
 
 
 def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    failed: Exception | None = None
     if isinstance(obj, MutableSet):
         try:
             clone = copy.copy(obj)
@@ -751,21 +754,28 @@ def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any
                         clone.discard(before)
                         clone.add(after)
                 return clone
-        except Exception:
-            pass
-    return _construct(obj, new, len(new), "new_members")
+        except Exception as error:  # the constructor may still work; if not, both are told
+            failed = error
+    return _construct(obj, new, len(new), "new_members", failed)
 
 
-def _construct(obj: Any, contents: Any, size: int, argument: str) -> Any:
+def _construct(
+    obj: Any, contents: Any, size: int, argument: str, failed: Exception | None = None
+) -> Any:
+    """``type(obj)(contents)``, checked; ``failed``: why a copy could not be updated."""
     tp = type(obj)
     call = f"{tp.__qualname__}({argument})"
-    if isinstance(obj, (MutableMapping, MutableSequence, MutableSet)):
+    if failed is not None:
+        how = f"updating a copy of it raised {type(failed).__name__}: {failed}, and"
+    elif isinstance(obj, (MutableMapping, MutableSequence, MutableSet)):
         how = "a copy of it cannot be updated, and"
     else:
         how = "it is immutable, and"
     try:
         made = tp(contents)
     except Exception as error:
+        if failed is not None:  # chained through it, so the traceback shows both
+            error.__context__ = failed
         raise CannotRebuild(tp, f"{how} {call} raised {type(error).__name__}: {error}") from error
     if type(made) is not tp or len(made) != size:
         got = f"a {type(made).__qualname__} of length {len(made)}, not {size}"

@@ -110,8 +110,8 @@ def assert_device_agnostic(
             if not outputs and unseen is None:
                 raise
             reference = outputs[0][0] if outputs else None
-            message = _raised_message(name, device, reference, error, unseen)
-            raise AssertionError(message) from error
+            raised = _raised_message(name, device, reference, error, unseen)
+            raise AssertionError(raised) from error
     message = _compare(name, outputs, tolerances)
     if message is not None:
         raise AssertionError(message)
@@ -396,7 +396,9 @@ def _raised_message(
     unseen: list[Unseen] | None = None,
 ) -> str:
     detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
-    where = f"on {device}" if reference_device is None else f"on {device}, not on {reference_device}"
+    where = (
+        f"on {device}" if reference_device is None else f"on {device}, not on {reference_device}"
+    )
     lines = [f"{name} is not device-agnostic: it raised {where}:", f"    {detail}"]
     if unseen is None:
         lines.append(f"fix: make {name} work on {device}, or leave {device} out of devices=")
