@@ -10,7 +10,8 @@
 - :func:`track_transfers`: every copy between devices, by place; a
   :class:`RepeatedMoveWarning` for an unchanged tensor copied again and again.
 
-The optional testing kit lives in :mod:`devicectx.testing` (``pip install devicectx[testing]``).
+The optional testing kit lives in :mod:`devicectx.testing` (from a clone:
+``pip install -e '.[testing]'``).
 """
 
 from importlib.metadata import version as _version

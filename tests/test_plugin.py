@@ -438,7 +438,7 @@ def test_plugin_works_without_hypothesis(tmp_path: Path) -> None:
     expected = [
         "2 passed",
         "devicectx.testing.strategies needs hypothesis, which is not installed",
-        "fix: pip install 'devicectx[testing]'",
+        "fix: pip install -e '.[testing]' (from a clone of devicectx)",
     ]
     assert expected == [line.partition(" in ")[0] for line in result.stdout.splitlines()[-3:]]
 
