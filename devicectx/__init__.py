@@ -33,6 +33,7 @@ from devicectx._errors import (
     StrayTensorWarning,
 )
 from devicectx.decorator._decorator import device_agnostic
+from devicectx.decorator._spread import declare_spread, module_placement
 from devicectx.devices._oom import shrink_batch_on_oom
 from devicectx.devices._resolve import DeviceLike, available_devices, explain_device, resolve_device
 from devicectx.move._containers import unregister_container
@@ -77,10 +78,12 @@ __all__ = [
     "available_devices",
     "choose_precision",
     "current_device",
+    "declare_spread",
     "device_agnostic",
     "explain_device",
     "find_devices",
     "find_layouts",
+    "module_placement",
     "on_device",
     "precision_scope",
     "prefetch",

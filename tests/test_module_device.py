@@ -470,5 +470,71 @@ def test_decorated_forward_refuses_a_model_moved_in_part() -> None:
     net = Net()
     net(torch.ones(2))
     net.body[1].to("meta")
-    with pytest.raises(DeviceMismatchError, match=r"self\.body\[1\]\.weight"):
+    with pytest.raises(DeviceMismatchError, match=r'fix: self\.body\[1\]\.to\("cpu"\)'):
         net(torch.ones(2))
+
+
+def test_a_spread_modules_verdict_is_cached_and_dropped_by_a_move() -> None:
+    """A module spread by mistake is analysed once per change: the cached verdict stands
+    until torch reports a move, which a fix (moving the stray) is."""
+    net = model()
+    net[1].to("meta")
+    assert SPREAD == module_device(net)
+    Counted.walks = 0
+    net[0]._parameters = Counted(net[0]._parameters)
+    assert [SPREAD, SPREAD] == [module_device(net), module_device(net)]
+    assert 0 == Counted.walks
+    net[1].to_empty(device="cpu")
+    assert CPU == module_device(net)
+
+
+# --- FSDP2 sharded on meta ----------------------------------------------------------------
+
+
+@pytest.fixture
+def mesh() -> Iterator[object]:
+    """A one-process gloo group and its CPU mesh, for the length of one test."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_fsdp2_model_sharded_on_meta_is_not_materialised(mesh: object) -> None:
+    """Built under on_device("meta") and sharded: its device is meta (not its mesh's), and
+    a decorated call stops before the body with to_empty as the fix; once materialised,
+    it runs on its mesh's device."""
+    from torch.distributed.fsdp import fully_shard
+
+    from devicectx import on_device
+
+    with on_device("meta"):
+        layer = nn.Linear(2, 2)
+    sharded = fully_shard(layer, mesh=mesh)  # type: ignore[arg-type]
+
+    @device_agnostic
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    assert META == module_device(sharded)  # type: ignore[arg-type]
+    with pytest.raises(DeviceMismatchError) as error:
+        step(sharded, torch.ones(2))  # type: ignore[arg-type]
+    name = "test_an_fsdp2_model_sharded_on_meta_is_not_materialised.<locals>.step"
+    assert [
+        f"{name}() got model (FSDPLinear) not materialised, its shards on meta:",
+        "    meta <- model",
+        "target cpu (from the compute device of model (FSDPLinear), sharded by fully_shard "
+        "over mesh cpu [0])",
+        'fix: model.to_empty(device="cpu"), then initialise it (model.reset_parameters(), '
+        f"or load a state dict), before calling {name}()",
+    ] == str(error.value).splitlines()
+    sharded.to_empty(device="cpu")  # type: ignore[operator]
+    sharded.reset_parameters()  # type: ignore[operator]
+    assert CPU == module_device(sharded)  # type: ignore[arg-type]
+    assert CPU == step(sharded, torch.ones(2)).device  # type: ignore[arg-type]

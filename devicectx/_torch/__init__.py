@@ -6,6 +6,7 @@ checked in one folder (``tests/test_layout.py`` keeps them here; CI runs the tes
 - ``constructors``: the constructors ``DeviceContext`` fills in, TorchScript's table of them;
 - ``dynamo``: dynamo's hooks: inlining, constants, trace rules, fake tensors, graph breaks;
 - ``module_hooks``: told when a module's tensors may have moved (``Module._apply``);
+- ``module_tree``: a module's submodules and tensors, walked without hashing modules;
 - ``pytree``: torch's pytree, which dynamo traces;
 - ``fsdp``: FSDP2's module class;
 - ``backends``: the name of the PrivateUse1 backend.

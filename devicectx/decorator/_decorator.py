@@ -72,7 +72,9 @@ def device_agnostic(
 
     1. ``device=``;
     2. the ``nn.Module`` involved: the instance of a decorated method, else the first
-       module argument (``DataParallel`` and ``DistributedDataParallel`` looked through);
+       module argument (``DataParallel`` and ``DistributedDataParallel`` looked through;
+       a model spread over devices on purpose, by accelerate or
+       :func:`~devicectx.declare_spread`, where it starts);
     3. the innermost active :func:`~devicectx.on_device` (a decorated call's own scope
        counts: a decorated function called from another one's body follows it);
     4. the device the argument tensors agree on (0-dim CPU tensors, which PyTorch mixes
@@ -111,7 +113,7 @@ def device_agnostic(
         DeviceMismatchError: before the body runs, when ``move=False`` and a tensor is
             off the target; when nothing chooses a target and the inputs disagree; when
             the module involved is not on the target or is spread over several devices
-            (modules are never moved implicitly).
+            by mistake (modules are never moved implicitly).
         InvalidDeviceError: at decoration, for a malformed ``device=`` or ``output=``.
         InvalidPrecisionError: at decoration, for an unknown ``precision=``.
         PrecisionUnsupportedError: at a call, for a precision the target cannot run.

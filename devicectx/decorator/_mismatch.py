@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from devicectx._errors import DeviceMismatchError
+from devicectx.decorator._spread import Part, path_of
 
 # Paths shown per device before "and N more": enough to find the culprit, short enough to read.
 _MAX_PATHS = 6
@@ -103,6 +104,81 @@ def module_off_target(
         )
     shown = _target_first(found, target) if target is not None else found
     return _error(function, what, shown, target, reason, fix, count=False)
+
+
+def spread_strays(
+    function: str,
+    module: str,
+    kind: str,
+    parts: Sequence[Part],
+    target: torch.device,
+    reason: str,
+    on_purpose: bool,
+) -> DeviceMismatchError:
+    """A module on several devices with parts off where they should be: a split nothing
+    declares (``on_purpose`` False), or a part moved off the device its hook runs it on.
+
+    Args:
+        function: the qualname of the decorated function.
+        module: how the call names the module (``"model"``, ``"self"``).
+        kind: the module's class name.
+        parts: every part of the module (:meth:`SpreadModel.parts`), strays marked.
+        target: the device the call runs on.
+        reason: the rule that chose ``target``, in words.
+        on_purpose: accelerate's hooks or a declaration place the parts.
+    """
+    found: dict[torch.device, list[str]] = {}
+    for part in parts:
+        path = path_of(module, part.path)
+        if on_purpose and part.expected is not None and part.hooked:
+            path = f"{path} (its hook runs it on {part.expected})"
+        elif on_purpose and part.expected is not None:
+            path = f"{path} (off where {module} starts, {part.expected})"
+        elif part.device != part.runs_on:
+            path = f"{path} (offloaded, runs on {part.runs_on})"
+        found.setdefault(part.device, []).append(path)
+    strays = [part for part in parts if part.expected is not None]
+    if not on_purpose and (len(strays) == len(parts) or len(strays) > _MAX_FIXES):
+        moves = f"{module}.to({_quote(target)})"  # (nearly) every part is off: the module
+    else:
+        calls = list(
+            dict.fromkeys(
+                f"{path_of(module, p.owner)}.to({_quote(p.expected)})"  # type: ignore[arg-type]
+                for p in strays
+            )
+        )
+        moves = ", ".join(calls[:_MAX_FIXES]) + (", ..." if len(calls) > _MAX_FIXES else "")
+    n = len({part.device for part in parts})
+    if on_purpose:
+        off = len(strays)
+        what = f"{module} ({kind}) spread over {n} devices, {off} part{'s' if off != 1 else ''} off"
+        where = (
+            "on the device its hook runs it on"
+            if all(p.hooked for p in strays)
+            else "where it runs"
+        )
+        fix = f"{moves} before calling {function}(): each part {where}"
+    else:
+        what = f"{module} ({kind}) with parameters on {n} devices"
+        fix = (
+            f"{moves} before calling {function}() (modules are never moved implicitly), "
+            f"or declare_spread({module}) if the split is on purpose"
+        )
+    shown = _target_first(found, target)
+    return _error(function, what, shown, target, reason, fix, count=False)
+
+
+def not_materialised(
+    function: str, module: str, kind: str, target: torch.device, reason: str
+) -> DeviceMismatchError:
+    """An FSDP2 module sharded while its tensors were on ``meta``: nothing to compute with."""
+    what = f"{module} ({kind}) not materialised, its shards on meta"
+    fix = (
+        f"{module}.to_empty(device={_quote(target)}), then initialise it "
+        f"({module}.reset_parameters(), or load a state dict), before calling {function}()"
+    )
+    found = {torch.device("meta"): [module]}
+    return _error(function, what, found, target, reason, fix, count=False)
 
 
 def _error(

@@ -150,6 +150,12 @@ def _bump(write: _Write | None = None) -> None:
         _current[0] = _Token((*pending, write) if write is not None else pending)
 
 
+def note_change() -> None:
+    """Tell the caches that some module changed in a way torch does not report (an
+    attribute devicectx reads, such as :func:`~devicectx.declare_spread`'s)."""
+    _bump()
+
+
 def _install() -> None:
     global _installed, _watching
     with _lock:

@@ -27,12 +27,14 @@ from devicectx._errors import DeviceMismatchError
 from devicectx.decorator import _mismatch, _unseen
 from devicectx.decorator._inputs import Held, found_devices, scan
 from devicectx.decorator._params import Params, self_offset
+from devicectx.decorator._spread import SpreadModel, Unmaterialised
 from devicectx.decorator._target import (
     DeviceOption,
-    Spread,
+    Placed,
     module_device,
     module_devices,
     module_label,
+    placed,
     unwrap,
 )
 from devicectx.devices._resolve import DeviceLike
@@ -50,6 +52,7 @@ from devicectx.scope._resumed import async_resumed, awaited, disable_resume_unde
 
 _Module = nn.Module
 _Tensor = torch.Tensor
+_Device = torch.device
 # True only where dynamo traces the code that calls it (not for code run during a compile).
 _is_traced = torch.compiler.is_dynamo_compiling
 FUNCTION, GENERATOR, COROUTINE, ASYNC_GENERATOR = range(4)
@@ -303,21 +306,52 @@ class Plan:
         arguments' names are worked out only for an error (this runs on every forward).
         """
         __tracebackhide__ = True
-        option, target = self.device, requested
-        device = module_device(unwrap(module))
-        if device is Spread.SPREAD or (
-            device is not None and target is not None and device != target
+        target = requested
+        device = placed(unwrap(module))
+        if device is not None and (
+            type(device) is not _Device or (target is not None and device != target)
         ):
-            offset = self_offset(wrapped, instance)
-            name = self._module_name(module, instance, args, kwargs, offset)
-            reason = option.reason() if option is not None else "a module must be on one device"
-            found = module_devices(unwrap(module), name)
-            kind = type(module).__name__
-            wrapper = wrapper_name(module)
-            raise _mismatch.module_off_target(self.name, name, kind, found, target, reason, wrapper)
+            # Not one device's answer (a spread model, an FSDP2 one on meta), or off target.
+            return self._not_plain(device, module, target, wrapped, instance, args, kwargs)
         if target is None:
             target = device if device is not None else active_device()
         return target
+
+    def _not_plain(
+        self,
+        device: Placed,
+        module: nn.Module,
+        requested: torch.device | None,
+        wrapped: Callable[..., Any],
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> torch.device:
+        """:meth:`_target` for a module whose answer is not a plain device, or is off
+        ``requested``: a spread model's target, or the error that says why there is none."""
+        __tracebackhide__ = True
+        option = self.device
+        if isinstance(device, SpreadModel):
+            strays = device.strays(requested)
+            if device.entry is not None and not strays:  # spread on purpose, all in place
+                return requested if requested is not None else device.entry
+        offset = self_offset(wrapped, instance)
+        name = self._module_name(module, instance, args, kwargs, offset)
+        kind = type(module).__name__
+        if isinstance(device, SpreadModel):
+            target = requested if requested is not None else device.home(None)
+            reason = option.reason() if option is not None else device.rule(name)
+            parts = device.parts(requested)
+            on_purpose = device.entry is not None
+            raise _mismatch.spread_strays(self.name, name, kind, parts, target, reason, on_purpose)
+        if isinstance(device, Unmaterialised):
+            target = requested if requested is not None else device.compute
+            reason = option.reason() if option is not None else module_label(module, name)
+            raise _mismatch.not_materialised(self.name, name, kind, target, reason)
+        reason = option.reason() if option is not None else "a module must be on one device"
+        found = module_devices(unwrap(module), name)
+        wrapper = wrapper_name(module)
+        raise _mismatch.module_off_target(self.name, name, kind, found, requested, reason, wrapper)
 
     def _module_name(
         self,

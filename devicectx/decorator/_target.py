@@ -3,7 +3,9 @@
 The rules, the first that applies:
 
 1. the decorator's ``device=`` (:class:`DeviceOption`, resolved at call time);
-2. the device of the ``nn.Module`` involved (:func:`involved_module`, :func:`module_devices`);
+2. the device of the ``nn.Module`` involved (:func:`involved_module`, :func:`module_device`):
+   for a model spread over devices on purpose, where it starts
+   (:mod:`devicectx.decorator._spread`);
 3. the innermost active ``on_device`` (asked of :mod:`devicectx.scope._context`);
 4. the device the argument tensors agree on (found by the caller, in
    :mod:`devicectx.decorator._plan`).
@@ -15,13 +17,14 @@ import contextlib
 import enum
 from collections.abc import Mapping
 from itertools import chain
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
 
 from devicectx._errors import DeviceUnavailableError
 from devicectx.decorator._module_watch import ModuleCache, Sample
+from devicectx.decorator._spread import SpreadModel, Unmaterialised, analyse
 from devicectx.devices._resolve import DeviceLike, explain_device, resolve_device
 from devicectx.move._distributed import fsdp_compute_device, fsdp_label
 from devicectx.move._paths import module_path
@@ -118,13 +121,17 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 class Spread(enum.Enum):
-    """What :func:`module_device` returns for a module on several devices."""
+    """What :func:`module_device` returns for a module on several devices by mistake."""
 
     SPREAD = "spread"
 
 
+Placed: TypeAlias = "torch.device | Spread | SpreadModel | Unmaterialised | None"
+
+
 def module_device(module: nn.Module) -> torch.device | Spread | None:
-    """The one device all of ``module``'s parameters and buffers are on.
+    """The device ``module`` runs on: the one all its parameters and buffers are on, or,
+    for a model spread over devices on purpose, where it starts.
 
     Example:
         >>> from torch import nn
@@ -137,8 +144,11 @@ def module_device(module: nn.Module) -> torch.device | Spread | None:
         <Spread.SPREAD: 'spread'>
 
     Returns:
-        That device; ``None`` for a module without any; ``Spread.SPREAD`` when they are
-        on several devices (then :func:`module_devices` names them).
+        That device; ``None`` for a module without any; for a model spread on purpose
+        (accelerate's hooks, :func:`~devicectx.declare_spread`) the device its inputs go
+        to (:mod:`devicectx.decorator._spread` says how it is chosen); ``meta`` for an
+        FSDP2 module whose shards are not made yet; ``Spread.SPREAD`` when the tensors are
+        on several devices and nothing says why (then :func:`module_devices` names them).
 
     Cached per module: a call costs the same for any size of module (about 0.6 us) until
     torch reports a change to some module's tensors (a move, a registration), and the
@@ -149,7 +159,14 @@ def module_device(module: nn.Module) -> torch.device | Spread | None:
     checked, ``functional_call`` given only some of the parameters) and deletions
     (``del module.weight``); :mod:`devicectx.decorator._module_watch` has the details.
     """
-    return _devices(module)
+    found = placed(module)
+    if found is None or type(found) is torch.device:
+        return found
+    if isinstance(found, SpreadModel):
+        return found.entry if found.entry is not None else Spread.SPREAD
+    if isinstance(found, Unmaterialised):
+        return torch.device("meta")
+    return found
 
 
 def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | None]:
@@ -193,16 +210,29 @@ def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | Non
     return found, sample
 
 
-def _walk_fsdp(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | None]:
-    """:func:`_walk`, but an FSDP2 module's answer is where it computes (its mesh's
-    device), which differs from where its parameters sit under CPU offload."""
+def _walk_placed(module: nn.Module) -> tuple[Placed, Sample | None]:
+    """:func:`_walk`, and what its answer means where it is not one device's.
+
+    An FSDP2 module's answer is where it computes (its mesh's device), which differs from
+    where its parameters sit under CPU offload; one whose shards are all still on ``meta``
+    is :class:`~devicectx.decorator._spread.Unmaterialised`. A module on several devices,
+    or on ``meta`` behind accelerate's offloading hooks, is analysed
+    (:func:`~devicectx.decorator._spread.analyse`): on purpose, or a mistake.
+    """
     found, sample = _walk(module)
     if found is None:
         return found, sample
     compute = fsdp_compute_device(module)
-    if compute is None or (found is Spread.SPREAD and not _offloaded(module, compute)):
-        return found, sample
-    return compute, sample
+    if compute is not None:
+        if found is not Spread.SPREAD and found.type == "meta" and compute.type != "meta":
+            return Unmaterialised(compute), sample
+        if found is not Spread.SPREAD or _offloaded(module, compute):
+            return compute, sample
+    if found is Spread.SPREAD or found.type == "meta":
+        analysed = analyse(module)
+        if analysed is not None:
+            return analysed, sample
+    return found, sample
 
 
 def _offloaded(module: nn.Module, compute: torch.device) -> bool:
@@ -215,7 +245,11 @@ def _offloaded(module: nn.Module, compute: torch.device) -> bool:
     )
 
 
-_devices = ModuleCache(_walk_fsdp)
+placed: ModuleCache[Placed] = ModuleCache(_walk_placed)
+"""What :func:`module_device` reads, cached: a device, ``None``, or, for a module that is
+neither empty nor wholly on one device, the record that says why (the decorator's slow path
+reads it)."""
+_devices = placed
 
 
 def module_devices(module: nn.Module, name: str) -> dict[torch.device, list[str]]:
@@ -237,4 +271,7 @@ def module_label(module: nn.Module, name: str) -> str:
     fsdp = fsdp_label(unwrap(module), name)
     if fsdp is not None:
         return fsdp
+    found = placed(unwrap(module))
+    if isinstance(found, SpreadModel):
+        return found.rule(name)
     return f"the parameters of {name} ({type(module).__name__})"

@@ -174,7 +174,11 @@ def fsdp_label(module: nn.Module, name: str) -> str | None:
     param = next((p for p in module.parameters() if is_dtensor(p)), None)
     mesh = _mesh(param.device_mesh) if param is not None else "its mesh"  # type: ignore[attr-defined]
     kept = param.device if param is not None else compute
-    offload = f"; its parameters are kept on {kept} (CPU offload)" if kept != compute else ""
+    offload = (
+        f"; its parameters are kept on {kept} (CPU offload)"
+        if kept != compute and kept.type != "meta"  # meta: not made yet, not offloaded
+        else ""
+    )
     return (
         f"the compute device of {name} ({type(module).__name__}), sharded by fully_shard "
         f"over {mesh}{offload}"

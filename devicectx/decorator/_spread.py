@@ -1,0 +1,473 @@
+"""Modules spread over several devices: on purpose (accelerate, a declared split) or by mistake.
+
+A module whose tensors sit on several devices is one of three things:
+
+- **dispatched by accelerate** (``dispatch_model``, ``cpu_offload``, ``disk_offload``, and
+  transformers' ``from_pretrained(device_map=...)``, which calls it): each part carries an
+  ``AlignDevicesHook`` that moves the activations to the part's *execution device*, and
+  an offloaded part keeps its weights on ``meta`` until its hook loads them. The model
+  starts where its top-level hook runs; a tensor is in place where the hook of its nearest
+  hooked module (itself or an ancestor) runs, or on ``meta`` behind an offloading hook.
+  Tied weights are in place where any of their modules' hooks accept them (accelerate
+  keeps one copy and moves it per call).
+- **declared** by the user with :func:`declare_spread` (a hand-made pipeline split): any
+  tensor under the declared module is in place; it starts on ``inputs=``, else where its
+  first parameter is.
+- **a mistake**: nothing of the above. Its home is where most of its parameter elements
+  are (or the decorator's ``device=``), and the strays are the largest submodules off it.
+
+:func:`analyse` reads all of that once, into a :class:`SpreadModel` that
+:mod:`devicectx.decorator._target` caches per module (until torch reports a move or a
+registration, as for any module); the call then costs what a module on one device costs.
+
+accelerate is never imported: its hooks are read by duck typing, from the attribute
+``_hf_hook`` accelerate sets on each hooked module (``AlignDevicesHook.execution_device``
+and ``.offload``; a ``SequentialHook``'s ``.hooks``), as in accelerate 0.20 to 1.15.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import NamedTuple, TypeAlias
+
+import torch
+from torch import nn
+
+from devicectx._errors import DeviceError
+from devicectx._torch.module_tree import submodules, tensors
+from devicectx.decorator._module_watch import note_change
+from devicectx.devices._resolve import DeviceLike, resolve_device
+from devicectx.move._paths import module_path
+
+__all__ = [
+    "Cover",
+    "Part",
+    "SpreadModel",
+    "Unmaterialised",
+    "analyse",
+    "declare_spread",
+    "module_placement",
+    "path_of",
+]
+
+# Where declare_spread writes its declaration, in the module's __dict__: an attribute of
+# the module, so it goes wherever the module goes (deepcopy, pickle, a spawned process).
+DECLARED = "_devicectx_spread"
+_HOOK = "_hf_hook"  # accelerate's add_hook_to_module sets it on every hooked module
+_CPU = torch.device("cpu")
+_META = "meta"
+
+
+class Cover(NamedTuple):
+    """What says a module's tensors may be where they are: a hook of accelerate, or a
+    declaration.
+
+    Attributes:
+        path: the module's qualified name inside the analysed module (``""``: itself).
+        runs_on: where an accelerate hook runs the module; a declaration's ``inputs=``
+            (``None`` when it named none).
+        offload: the hook keeps the module's weights off the device (on ``meta``).
+        declared: from :func:`declare_spread`, which allows any device.
+    """
+
+    path: str
+    runs_on: torch.device | None
+    offload: bool
+    declared: bool
+
+    def accepts(self, device: torch.device) -> bool:
+        """Whether a tensor on ``device`` under this cover is where it should be."""
+        if self.declared:
+            return True
+        return device == self.runs_on or (self.offload and device.type == _META)
+
+
+class _Seen(NamedTuple):
+    """One tensor of the analysed module, judged."""
+
+    path: str  # qualified name where it is judged: "body.0.weight"
+    owner: str  # its module's qualified name: "body.0"
+    device: torch.device
+    numel: int
+    cover: Cover | None  # the cover that places it (or, where none accepts it, the nearest)
+    accepted: bool  # the cover accepts it
+    places: tuple[str, ...]  # every qualified name it is held at (a tied weight has several)
+
+
+class Part(NamedTuple):
+    """A submodule (or a lone tensor) wholly on one device, as a message lists it.
+
+    Attributes:
+        path: qualified name inside the analysed module (``""``: the module itself).
+        device: where its weights are kept (``cpu`` for weights accelerate offloaded).
+        runs_on: where it computes (its hook's execution device), else ``device``.
+        expected: for a stray, the device it should be on; else ``None``.
+        hooked: for a stray, whether a hook of accelerate says where it runs (else the
+            device the model starts on does).
+        owner: the module whose ``.to()`` moves it (``path`` itself for a submodule).
+    """
+
+    path: str
+    device: torch.device
+    runs_on: torch.device
+    expected: torch.device | None
+    hooked: bool
+    owner: str
+
+
+class SpreadModel:
+    """A module on several devices (or on ``meta`` behind accelerate's hooks), analysed.
+
+    Attributes:
+        entry: where the inputs go (the device the module starts on); ``None`` for a
+            split nothing declares (a mistake).
+        kind: ``"accelerate"``, ``"declared"`` or ``"mistake"``: what made it.
+        first: the qualified name of what chose ``entry``: the hooked submodule, or the
+            first parameter of a declared module (``""``: the top-level hook, or
+            ``inputs=``).
+    """
+
+    __slots__ = ("_on_purpose_strays", "entry", "first", "kind", "kind_name", "seen")
+
+    def __init__(
+        self,
+        entry: torch.device | None,
+        kind: str,
+        first: str,
+        kind_name: str,
+        seen: tuple[_Seen, ...],
+    ) -> None:
+        self.entry = entry
+        self.kind = kind
+        self.first = first
+        self.kind_name = kind_name  # the class name of the module, for messages
+        self.seen = seen
+        self._on_purpose_strays: tuple[Part, ...] | None = None
+
+    def home(self, requested: torch.device | None) -> torch.device:
+        """The device tensors nothing covers should be on: the entry where the split is
+        on purpose, else ``requested`` (``device=``), else the device with most elements."""
+        if self.entry is not None:
+            return self.entry
+        if requested is not None:
+            return requested
+        return self.majority()[0]
+
+    def majority(self) -> tuple[torch.device, int, int]:
+        """The device holding most parameter and buffer elements (the first met on a tie),
+        with its count and the total."""
+        counts: dict[torch.device, int] = {}
+        for seen in self.seen:
+            counts[seen.device] = counts.get(seen.device, 0) + seen.numel
+        best = max(counts, key=counts.__getitem__)  # max keeps the first of equals
+        return best, counts[best], sum(counts.values())
+
+    def strays(self, requested: torch.device | None) -> tuple[Part, ...]:
+        """The largest submodules (or lone tensors) off the device they should be on."""
+        if self.entry is not None:
+            if self._on_purpose_strays is None:  # the same at every call: kept
+                self._on_purpose_strays = tuple(
+                    part for part in self.parts(requested) if part.expected is not None
+                )
+            return self._on_purpose_strays
+        return tuple(part for part in self.parts(requested) if part.expected is not None)
+
+    def parts(self, requested: torch.device | None = None) -> list[Part]:
+        """Every part, in registration order: the largest submodules whose tensors share
+        one placement, and the tensors of a module whose own tensors do not."""
+        home = self.home(requested)
+        signature: dict[str, set[_Signature]] = {}
+        direct: dict[str, list[str]] = {}
+        tensors: dict[str, _Signature] = {}
+        for seen in self.seen:
+            sign = _signature(seen, home)
+            for place in seen.places:  # listed at each place it is held, as find_devices does
+                owner = _parent(place)
+                tensors[place] = sign
+                direct.setdefault(owner, []).append(place)
+                for ancestor in _ancestors(owner):
+                    signature.setdefault(ancestor, set()).add(sign)
+        children: dict[str, list[str]] = {}
+        for path in signature:
+            if path:
+                children.setdefault(_parent(path), []).append(path)
+        found: list[Part] = []
+        pending = [""]
+        while pending:
+            path = pending.pop()
+            signs = signature[path]
+            if len(signs) == 1:
+                found.append(Part(path, *next(iter(signs)), owner=path))
+                continue
+            for place in direct.get(path, ()):
+                found.append(Part(place, *tensors[place], owner=path))
+            pending.extend(reversed(children.get(path, [])))
+        return found
+
+    def placement(self, name: str) -> dict[torch.device, list[str]]:
+        """Each device weights are kept on, with the parts there (as ``hf_device_map``);
+        the device the model starts on first."""
+        found: dict[torch.device, list[str]] = {} if self.entry is None else {self.entry: []}
+        for part in self.parts():
+            found.setdefault(part.device, []).append(path_of(name, part.path))
+        return {device: paths for device, paths in found.items() if paths}
+
+    def devices(self) -> list[torch.device]:
+        """The devices weights are kept on, in the order met."""
+        return list(dict.fromkeys(_kept(seen) for seen in self.seen))
+
+    def rule(self, name: str) -> str:
+        """Why the inputs go to :attr:`entry`, in words: the rule that chose the target."""
+        what = f"{name} ({self.kind_name}), spread over {_listed(self.devices())}"
+        if self.kind == "accelerate":
+            if not self.first:
+                return f"{what} by accelerate: where its top-level hook runs it"
+            first = path_of(name, self.first)
+            return f"{what} by accelerate: where {first}'s hook, its first hooked part, runs it"
+        if self.kind == "declared":
+            if not self.first:
+                return f'{what} on purpose: declare_spread({name}, inputs="{self.entry}")'
+            first = path_of(name, self.first)
+            return f"{what} on purpose (declare_spread): where its first parameter, {first}, is"
+        _, count, total = self.majority()
+        return (
+            f"the device holding the largest share of {name} ({self.kind_name})'s parameter "
+            f"and buffer elements, {count:,} of {total:,}; nothing says it is spread on "
+            "purpose: no accelerate hook, no declare_spread"
+        )
+
+
+class Unmaterialised(NamedTuple):
+    """An FSDP2 module whose shards are all still on ``meta``: built under
+    ``on_device("meta")`` and sharded before its tensors were made."""
+
+    compute: torch.device  # where it will compute: its mesh's device
+
+
+_Signature: TypeAlias = "tuple[torch.device, torch.device, torch.device | None, bool]"
+
+
+def _signature(seen: _Seen, home: torch.device) -> _Signature:
+    """``(kept on, runs on, expected, hooked)``: what a part shares; ``expected`` is None
+    where the tensor is in place."""
+    cover = seen.cover
+    if cover is not None and seen.accepted:
+        runs = cover.runs_on if not cover.declared and cover.runs_on is not None else seen.device
+        return _kept(seen), runs, None, False
+    hooked = cover is not None and not cover.declared and cover.runs_on is not None
+    expected = cover.runs_on if hooked and cover is not None else home
+    if seen.device == expected:
+        return seen.device, seen.device, None, False
+    return seen.device, seen.device, expected, hooked
+
+
+def _kept(seen: _Seen) -> torch.device:
+    """Where a tensor's weights are: accelerate keeps an offloaded one on the CPU (in
+    memory, or memory-mapped from disk), and leaves ``meta`` in the module."""
+    cover = seen.cover
+    if cover is not None and cover.offload and seen.device.type == _META:
+        return _CPU
+    return seen.device
+
+
+def _ancestors(owner: str) -> Iterator[str]:
+    """``"a.b"``, ``"a"``, ``""``."""
+    path = owner
+    while path:
+        yield path
+        path = _parent(path)
+    yield ""
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _listed(devices: list[torch.device]) -> str:
+    return f"{len(devices)} devices ({', '.join(str(device) for device in devices)})"
+
+
+def path_of(name: str, qualified: str) -> str:
+    """``model.h[0].attn`` for ``h.0.attn`` under ``model``; ``model`` for ``""``."""
+    return module_path(name, qualified) if qualified else name
+
+
+# Reading the module.
+
+
+def _hook_cover(path: str, module: nn.Module) -> Cover | None:
+    """The cover of accelerate's hook on ``module``; None without one (or one that places
+    nothing: no execution device)."""
+    hook = module.__dict__.get(_HOOK)
+    if hook is None:
+        return None
+    for each in getattr(hook, "hooks", None) or (hook,):  # a SequentialHook holds several
+        device = getattr(each, "execution_device", None)
+        if device is not None:
+            return Cover(path, _device(device), bool(getattr(each, "offload", False)), False)
+    return None
+
+
+def _device(spec: object) -> torch.device:
+    """accelerate's execution device (an int is an index of the accelerator, as torch
+    and accelerate read it), as ``tensor.device`` writes it."""
+    if isinstance(spec, torch.device) and (spec.index is not None or spec.type in ("cpu", _META)):
+        return spec
+    try:
+        return resolve_device(spec)  # type: ignore[arg-type]
+    except DeviceError:
+        # Not available here (a device ordinal this process cannot see): as written.
+        return spec if isinstance(spec, torch.device) else torch.device(str(spec))
+
+
+def _covers(module: nn.Module) -> dict[str, Cover]:
+    """Every module under ``module`` (itself included) that a hook or a declaration
+    covers, by qualified name, in registration order."""
+    found: dict[str, Cover] = {}
+    for path, child in submodules(module):
+        attributes = child.__dict__
+        if DECLARED in attributes:
+            found[path] = Cover(path, attributes[DECLARED], False, True)
+            continue
+        cover = _hook_cover(path, child)
+        if cover is not None:
+            found[path] = cover
+    return found
+
+
+def analyse(module: nn.Module) -> SpreadModel | None:
+    """What the spread of ``module`` means; ``None`` where nothing covers any part of it
+    and its tensors are on one device (``meta``, say): nothing to say beyond that device.
+    """
+    covers = _covers(module)
+    named: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for path, tensor in tensors(module):
+        named.setdefault(id(tensor), []).append((path, tensor))
+    seen: list[_Seen] = []
+    for places in named.values():
+        seen.append(_judge(places, covers))
+    devices = {entry.device for entry in seen}
+    if not seen or (not covers and len(devices) <= 1):
+        return None
+    entry, kind, first = _entry(module, covers, seen)
+    return SpreadModel(entry, kind, first, type(module).__name__, tuple(seen))
+
+
+def _judge(places: list[tuple[str, torch.Tensor]], covers: dict[str, Cover]) -> _Seen:
+    """One tensor (at each place it is held): the cover that accepts it, if any."""
+    nearest: tuple[str, str, Cover | None] | None = None
+    tensor = places[0][1]
+    device = tensor.device
+    paths = tuple(path for path, _ in places)
+    for path in paths:
+        owner = _parent(path)
+        cover = next((covers[a] for a in _ancestors(owner) if a in covers), None)
+        if cover is not None and cover.accepts(device):
+            return _Seen(path, owner, device, tensor.numel(), cover, True, paths)
+        if nearest is None:
+            nearest = (path, owner, cover)
+    assert nearest is not None
+    path, owner, cover = nearest
+    return _Seen(path, owner, device, tensor.numel(), cover, False, paths)
+
+
+def _entry(
+    module: nn.Module, covers: dict[str, Cover], seen: list[_Seen]
+) -> tuple[torch.device | None, str, str]:
+    """Where the inputs go, what made the split, and the part that chose it."""
+    top = covers.get("")
+    if top is not None:
+        if not top.declared:
+            return top.runs_on, "accelerate", ""
+        if top.runs_on is not None:
+            return top.runs_on, "declared", ""
+        first = seen[0]  # its first parameter (or buffer), in registration order
+        return first.device, "declared", first.path
+    for path, cover in covers.items():  # the first covered part, in registration order
+        if cover.runs_on is not None:
+            return cover.runs_on, "declared" if cover.declared else "accelerate", path
+        for entry in seen:  # a declared part without inputs=: its first tensor
+            if entry.owner == path or entry.owner.startswith(f"{path}."):
+                return entry.device, "declared", entry.path
+    return None, "mistake", ""
+
+
+# The public face.
+
+
+def declare_spread(module: nn.Module, *, inputs: DeviceLike = None) -> nn.Module:
+    """Declare that ``module`` is spread over several devices on purpose (a hand-made split).
+
+    ``@device_agnostic`` then runs calls involving the module, sending their inputs to
+    where it starts, instead of refusing it as a split made by mistake. Models dispatched
+    by accelerate or loaded by transformers with a ``device_map`` need no declaration:
+    their hooks say it.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from devicectx import declare_spread, device_agnostic
+        >>> class Split(nn.Module):  # a stage on each device; the second one on meta
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.first = nn.Linear(2, 2)
+        ...         self.second = nn.Linear(2, 2, device="meta")
+        ...     def forward(self, x):
+        ...         return self.second(self.first(x).to("meta"))
+        >>> model = declare_spread(Split())
+        >>> @device_agnostic
+        ... def step(model, x):
+        ...     return model(x)
+        >>> step(model, torch.ones(2)).device
+        device(type='meta')
+
+    Args:
+        module: the model (or a submodule: then only its own split is declared).
+        inputs: where its inputs go, any :func:`~devicectx.resolve_device` spec, resolved
+            now; ``None``: the device of its first parameter (in registration order).
+
+    Returns:
+        ``module`` itself, declared (an attribute of the module: deep copies and pickles
+        keep it).
+
+    Caveats:
+        A declared module is trusted: none of its tensors is reported as a stray. Moved
+        wholly onto one device, it is a module on that device like any other.
+    """
+    device = None if inputs is None else resolve_device(inputs)
+    object.__setattr__(module, DECLARED, device)  # a plain attribute, not a registration
+    note_change()  # cached answers about this module are stale
+    return module
+
+
+def module_placement(module: nn.Module, name: str = "model") -> dict[torch.device, list[str]]:
+    """Each device ``module``'s weights are on, with the submodules there (as
+    ``hf_device_map`` groups them): the spread at a glance.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+        >>> module_placement(model)
+        {device(type='cpu'): ['model[0]'], device(type='meta'): ['model[1]']}
+        >>> module_placement(model.to("meta"))
+        {device(type='meta'): ['model']}
+
+    Args:
+        module: any module.
+        name: how the paths start.
+
+    Returns:
+        ``{device: [path, ...]}``: the largest submodules wholly on each device (a
+        tensor's own path where its module's tensors are on several), in registration
+        order; for a model spread on purpose, the device it starts on first (where
+        ``@device_agnostic`` sends its inputs). Weights accelerate offloaded are listed
+        under ``cpu``, where it keeps them (``find_devices`` lists them on ``meta``, as the
+        module holds them); a module wholly on one device is listed by ``name`` alone; a
+        module without tensors gives ``{}``.
+    """
+    analysed = analyse(module)
+    if analysed is not None:
+        return analysed.placement(name)
+    for _, tensor in tensors(module):
+        return {tensor.device: [name]}
+    return {}

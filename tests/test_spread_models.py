@@ -1,0 +1,516 @@
+"""Models spread over several devices: on purpose (accelerate's ``dispatch_model`` and
+offloading, transformers' ``device_map``, ``declare_spread``) a call runs where the model
+starts; by mistake it stops before the body, naming the stray submodules."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import accelerator
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from devicectx import DeviceMismatchError, declare_spread, device_agnostic, module_placement
+from devicectx.decorator._target import Spread, module_device
+from devicectx.move._paths import module_path
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+TWO_DEVICES = (
+    "two devices of the accelerator, for a model spread over them (one here)"  # skip reason
+)
+
+
+class Net(nn.Module):
+    """Three stages, as a device map splits a model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(x)).relu())
+
+
+def plain(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The undecorated helper each decorated one is compared with."""
+    return model(x)
+
+
+step = device_agnostic(plain)
+step_back = device_agnostic(output="input")(plain)
+check = device_agnostic(move=False)(plain)
+
+
+def made() -> tuple[Net, torch.Tensor, torch.Tensor]:
+    """A seeded net, an input on the CPU and the net's output for it, before any dispatch."""
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        return net, x, net(x)
+
+
+def lines(error: pytest.ExceptionInfo[DeviceMismatchError]) -> list[str]:
+    return str(error.value).splitlines()
+
+
+@pytest.fixture
+def two() -> tuple[torch.device, torch.device]:
+    """The first two devices of the accelerator."""
+    if torch.accelerator.device_count() < 2:
+        pytest.skip(TWO_DEVICES)
+    return accelerator(0), accelerator(1)
+
+
+@pytest.fixture
+def accelerate() -> Any:
+    """accelerate, where installed."""
+    return pytest.importorskip("accelerate")
+
+
+# --- accelerate ---------------------------------------------------------------------------
+
+
+@pytest.mark.requires_device("accelerator")
+def test_model_dispatched_over_two_devices_runs_where_its_top_level_hook_runs(
+    accelerate: Any, two: tuple[torch.device, torch.device]
+) -> None:
+    """dispatch_model over two devices: the inputs go where the model starts; the results
+    are the undecorated helper's, on the same devices, and the net's before dispatch."""
+    first, second = two
+    net, x, expected = made()
+    model = accelerate.dispatch_model(net, device_map={"embed": 0, "body": 0, "head": 1})
+
+    assert first == module_device(model)
+    assert {first: ["model.embed", "model.body"], second: ["model.head"]} == module_placement(model)
+    with torch.no_grad():
+        there, back = plain(model, x.to(first)), plain(model, x)
+        decorated, decorated_back = step(model, x), step_back(model, x)
+    assert (first, CPU) == (there.device, back.device)
+    assert (first, CPU) == (decorated.device, decorated_back.device)
+    assert torch.equal(there, decorated)
+    assert torch.equal(back, decorated_back)
+    assert torch.equal(expected, decorated_back)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_move_false_checks_the_inputs_against_where_a_dispatched_model_starts(
+    accelerate: Any, two: tuple[torch.device, torch.device]
+) -> None:
+    """move=False: inputs on the model's first device pass; elsewhere, the error says
+    which rule chose that device."""
+    first, second = two
+    net, x, expected = made()
+    model = accelerate.dispatch_model(net, device_map={"embed": 0, "body": 0, "head": 1})
+
+    with torch.no_grad():
+        assert torch.equal(expected, check(model, x.to(first)).cpu())
+    with pytest.raises(DeviceMismatchError) as error:
+        check(model, x)
+    assert [
+        "plain() got tensors on 1 device:",
+        "    cpu <- x",
+        f"target {first} (from model (Net), spread over 2 devices ({first}, {second}) by "
+        "accelerate: where its top-level hook runs it)",
+        f'fix: pass x.to("{first}"), or use @device_agnostic(move=True) to move inputs',
+    ] == lines(error)
+    assert first == error.value.target
+
+
+@pytest.mark.requires_device("accelerator")
+def test_one_device_plus_cpu_offload(accelerate: Any) -> None:
+    """A head offloaded to the CPU (its weights on meta, loaded by its hook) is part of the
+    model's plan, not a stray: the call runs on the one device, as the undecorated one."""
+    first = accelerator(0)
+    net, x, expected = made()
+    model = accelerate.dispatch_model(net, device_map={"embed": 0, "body": 0, "head": "cpu"})
+
+    assert META == model.head.weight.device  # accelerate's offload, as find_devices sees it
+    assert first == module_device(model)
+    assert {first: ["model.embed", "model.body"], CPU: ["model.head"]} == module_placement(model)
+    with torch.no_grad():
+        there, back = plain(model, x.to(first)), plain(model, x)
+        decorated, decorated_back = step(model, x), step_back(model, x)
+    assert (first, CPU, first, CPU) == tuple(
+        t.device for t in (there, back, decorated, decorated_back)
+    )
+    assert torch.equal(there, decorated)
+    assert torch.equal(expected, decorated_back)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_model_wholly_offloaded_runs_on_its_execution_device(accelerate: Any) -> None:
+    """cpu_offload leaves every weight on meta behind hooks that run on one device: the
+    model's device is that one, not meta."""
+    first = accelerator(0)
+    net, x, expected = made()
+    model = accelerate.cpu_offload(net, execution_device=first)
+
+    assert {META} == {p.device for p in model.parameters()}
+    assert first == module_device(model)
+    with torch.no_grad():
+        assert first == step(model, x).device
+        assert torch.equal(expected, step_back(model, x))
+
+
+def test_offloaded_weights_run_on_the_cpu_without_an_accelerator(
+    accelerate: Any, tmp_path: Path
+) -> None:
+    """A model offloaded to the CPU and to disk, computing on the CPU: every weight is on
+    meta, and the call runs on the CPU as the undecorated one does."""
+    net, x, expected = made()
+    device_map = {"embed": "cpu", "body": "cpu", "head": "disk"}
+    model = accelerate.dispatch_model(net, device_map=device_map, offload_dir=tmp_path)
+
+    assert META == model.head.weight.device
+    assert CPU == module_device(model)
+    with torch.no_grad():
+        assert torch.equal(expected, step(model, x))
+        assert torch.equal(plain(model, x), step_back(model, x))
+    cpu_only = accelerate.cpu_offload(made()[0], execution_device="cpu")
+    assert CPU == module_device(cpu_only)
+    assert {CPU: ["model"]} == module_placement(cpu_only)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_part_moved_off_its_hooks_device_is_named(
+    accelerate: Any, two: tuple[torch.device, torch.device]
+) -> None:
+    """A submodule moved after dispatch, off where its hook runs it: refused before the
+    body, by its path, with the move that puts it back."""
+    first, second = two
+    net, x, _ = made()
+    model = accelerate.dispatch_model(net, device_map={"embed": 0, "body": 0, "head": 1})
+    model.body.to("cpu")
+
+    with pytest.raises(DeviceMismatchError) as error:
+        step(model, x)
+    assert [
+        "plain() got model (Net) spread over 3 devices, 1 part off:",
+        f"    {first} <- model.embed",
+        f"    cpu   <- model.body (its hook runs it on {first})",
+        f"    {second} <- model.head",
+        f"target {first} (from model (Net), spread over 3 devices ({first}, cpu, {second}) by "
+        "accelerate: where its top-level hook runs it)",
+        f'fix: model.body.to("{first}") before calling plain(): each part on the device its '
+        "hook runs it on",
+    ] == lines(error)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_submodule_left_behind_without_hooks_is_named() -> None:
+    """No hooks, nothing declared: a head added on the CPU to a model on the accelerator is
+    a mistake, named with the move of that head alone."""
+    first = accelerator(0)
+    model = Net().to(first)
+    model.head = nn.Linear(8, 2)  # forgotten on the CPU
+
+    with pytest.raises(DeviceMismatchError) as error:
+        step(model, torch.ones(3, 4))
+    assert [
+        "plain() got model (Net) with parameters on 2 devices:",
+        f"    {first} <- model.embed, model.body",
+        "    cpu   <- model.head",
+        f"target {first} (from the device holding the largest share of model (Net)'s "
+        "parameter and buffer elements, 112 of 130; nothing says it is spread on purpose: "
+        "no accelerate hook, no declare_spread)",
+        f'fix: model.head.to("{first}") before calling plain() (modules are never moved '
+        "implicitly), or declare_spread(model) if the split is on purpose",
+    ] == lines(error)
+
+
+# --- transformers -------------------------------------------------------------------------
+
+DEVICE_MAP = {
+    "transformer.wte": 0,
+    "transformer.wpe": 0,
+    "transformer.drop": 0,
+    "transformer.h.0": 0,
+    "transformer.h.1": 1,
+    "transformer.ln_f": 1,
+    "lm_head": 1,
+}
+
+
+@pytest.fixture
+def gpt2() -> tuple[nn.Module, torch.Tensor]:
+    """A tiny GPT-2 made from a config (nothing downloaded), in eval mode, and some ids."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    return model, torch.randint(1, 64, (2, 5))
+
+
+def generate(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Greedy generation: the same tokens for the same weights, on any device."""
+    return model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # type: ignore[no-any-return, operator]
+
+
+def logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits  # type: ignore[no-any-return]
+
+
+def same_as_undecorated(
+    model: nn.Module, ids: torch.Tensor, helper: Callable[[nn.Module, torch.Tensor], Any]
+) -> None:
+    """The decorated helper gives what the undecorated one gives, on the same device: with
+    the ids where the model starts, and (``output="input"``) with ids on the CPU."""
+    first = accelerator(0)
+    with torch.no_grad():
+        there, back = helper(model, ids.to(first)), helper(model, ids)
+        decorated = device_agnostic(helper)(model, ids.to(first))
+        decorated_back = device_agnostic(output="input")(helper)(model, ids)
+    assert (first, CPU) == (there.device, back.device)
+    assert (there.device, back.device) == (decorated.device, decorated_back.device)
+    assert torch.equal(there, decorated)
+    assert torch.equal(back, decorated_back)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_gpt2_spread_by_a_device_map_forwards_and_generates_as_undecorated(
+    accelerate: Any, gpt2: tuple[nn.Module, torch.Tensor], two: tuple[torch.device, torch.device]
+) -> None:
+    """A GPT-2 dispatched over two devices: decorated forward and generate helpers return
+    exactly what the undecorated ones do, on the same devices, and the tokens the model
+    generated before it was spread."""
+    model, ids = gpt2
+    with torch.no_grad():
+        tokens = generate(model, ids)
+    spread = accelerate.dispatch_model(model, device_map=DEVICE_MAP)
+
+    assert two[0] == module_device(spread)
+    same_as_undecorated(spread, ids, logits)
+    same_as_undecorated(spread, ids, generate)
+    with torch.no_grad():
+        assert torch.equal(tokens, device_agnostic(output="input")(generate)(spread, ids))
+
+
+@pytest.mark.requires_device("accelerator")
+def test_gpt2_loaded_with_a_device_map(
+    gpt2: tuple[nn.Module, torch.Tensor], two: tuple[torch.device, torch.device], tmp_path: Path
+) -> None:
+    """transformers' from_pretrained(device_map=...) (from a checkpoint saved here): the
+    model runs where its device map starts it; its placement groups what hf_device_map
+    says (the tied embedding is where the head keeps it)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    first, second = two
+    gpt2[0].save_pretrained(tmp_path)
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, device_map=DEVICE_MAP).eval()
+
+    assert DEVICE_MAP == model.hf_device_map
+    assert first == module_device(model)
+    assert {
+        first: ["model.transformer.wpe", "model.transformer.h[0]"],
+        second: [
+            "model.transformer.wte",  # tied to lm_head, whose hook runs on the second device
+            "model.transformer.h[1]",
+            "model.transformer.ln_f",
+            "model.lm_head",
+        ],
+    } == module_placement(model)
+    same_as_undecorated(model, gpt2[1], generate)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_gpt2_with_a_forgotten_submodule_is_refused_by_its_path(
+    accelerate: Any, gpt2: tuple[nn.Module, torch.Tensor], two: tuple[torch.device, torch.device]
+) -> None:
+    """An MLP moved to the CPU after dispatch: refused before the body, by its path, with
+    the move of that MLP alone."""
+    first, second = two
+    model = accelerate.dispatch_model(gpt2[0], device_map=DEVICE_MAP)
+    model.transformer.h[1].mlp.to("cpu")
+
+    with pytest.raises(DeviceMismatchError) as error:
+        device_agnostic(logits)(model, gpt2[1])
+    assert [
+        "logits() got model (GPT2LMHeadModel) spread over 3 devices, 1 part off:",
+        f"    {first} <- model.transformer.wpe, model.transformer.h[0]",
+        f"    {second} <- model.transformer.wte, model.transformer.h[1].ln_1, "
+        "model.transformer.h[1].attn, model.transformer.h[1].ln_2, model.transformer.ln_f, "
+        "model.lm_head",
+        f"    cpu   <- model.transformer.h[1].mlp (its hook runs it on {second})",
+        f"target {first} (from model (GPT2LMHeadModel), spread over 3 devices ({second}, "
+        f"{first}, cpu) by accelerate: where its top-level hook runs it)",
+        f'fix: model.transformer.h[1].mlp.to("{second}") before calling logits(): each part '
+        "on the device its hook runs it on",
+    ] == lines(error)
+
+
+# --- declared splits ----------------------------------------------------------------------
+
+
+class Split(nn.Module):
+    """A hand-made pipeline: a stage on the CPU, a stage on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(2, 2)
+        self.second = nn.Linear(2, 2, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).to("meta"))
+
+
+def test_a_declared_split_runs_where_its_first_parameter_is() -> None:
+    """declare_spread: the split is trusted, and the inputs go where its first parameter
+    is; the declaration survives a deep copy and a pickle."""
+    model = declare_spread(Split())
+
+    assert CPU == module_device(model)
+    assert META == check(model, torch.ones(2)).device  # move=False: x is where it starts
+    with torch.device("meta"), pytest.raises(DeviceMismatchError):
+        check(model, torch.ones(2))
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert CPU == module_device(twin)
+    assert {CPU: ["model.first"], META: ["model.second"]} == module_placement(model)
+
+
+def test_a_declared_split_with_inputs_says_so_when_move_false_refuses() -> None:
+    """declare_spread(inputs=...) names where the inputs go; move=False checks against it
+    and says which rule chose it."""
+    model = declare_spread(Split(), inputs="meta")
+
+    assert META == module_device(model)
+    with pytest.raises(DeviceMismatchError) as error:
+        check(model, torch.ones(2))
+    assert [
+        "plain() got tensors on 1 device:",
+        "    cpu <- x",
+        "target meta (from model (Split), spread over 2 devices (cpu, meta) on purpose: "
+        'declare_spread(model, inputs="meta"))',
+        'fix: pass x.to("meta"), or use @device_agnostic(move=True) to move inputs',
+    ] == lines(error)
+
+
+def test_declaring_a_refused_model_is_seen_at_the_next_call() -> None:
+    """A split refused as a mistake, then declared: the next call runs (the cached verdict
+    is dropped by the declaration, though no tensor moved)."""
+    model = Split()
+    with pytest.raises(DeviceMismatchError):
+        step(model, torch.ones(2))
+    declare_spread(model)
+    assert META == step(model, torch.ones(2)).device
+
+
+def test_a_declared_part_of_a_model_covers_only_that_part() -> None:
+    """A declared submodule is trusted and chooses where the model starts; the rest of the
+    model must be there, and a stray in it is still named."""
+    model = nn.Sequential(nn.Identity(), declare_spread(Split()), nn.Linear(2, 2))
+    placed = device_agnostic(lambda model, x: x)
+
+    assert CPU == module_device(model)
+    assert CPU == placed(model, torch.ones(2)).device
+    model[2].to("meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        placed(model, torch.ones(2))
+    assert [
+        'fix: model[2].to("cpu") before calling '
+        "test_a_declared_part_of_a_model_covers_only_that_part.<locals>.<lambda>(): each part "
+        "where it runs"
+    ] == lines(error)[-1:]
+    assert "    meta <- model[1].second, model[2] (off where model starts, cpu)" in lines(error)
+
+
+def test_a_mistake_against_device_option_lists_each_stray_or_moves_the_model() -> None:
+    """With device= naming the target, the strays are what is off it: named one by one
+    where they are few, the whole model's move where most of it is off."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].to("meta")
+    on_meta = device_agnostic(device="meta")(plain)
+    with pytest.raises(DeviceMismatchError) as error:
+        on_meta(model, torch.ones(2))
+    assert [
+        "plain() got model (Sequential) with parameters on 2 devices:",
+        "    meta <- model[0]",
+        "    cpu  <- model[1], model[2], model[3]",
+        'target meta (from @device_agnostic(device="meta"))',
+        'fix: model[1].to("meta"), model[2].to("meta"), model[3].to("meta") before calling '
+        "plain() (modules are never moved implicitly), or declare_spread(model) if the split "
+        "is on purpose",
+    ] == lines(error)
+    model.append(nn.Linear(2, 2))
+    with pytest.raises(DeviceMismatchError) as error:
+        on_meta(model, torch.ones(2))
+    assert lines(error)[-1].startswith('fix: model.to("meta") before calling plain()')
+
+
+# --- properties ---------------------------------------------------------------------------
+
+
+@st.composite
+def module_trees(draw: st.DrawFn, depth: int = 2) -> nn.Module:
+    """A module with parameters and buffers on the CPU or meta, and children (some shared)."""
+    module = nn.Module()
+    for i in range(draw(st.integers(0, 2))):
+        device = draw(st.sampled_from(["cpu", "meta"]))
+        size = draw(st.integers(1, 3))
+        module.register_parameter(f"p{i}", nn.Parameter(torch.zeros(size, device=device)))
+    if draw(st.booleans()):
+        module.register_buffer("b", torch.zeros(1, device=draw(st.sampled_from(["cpu", "meta"]))))
+    children: list[nn.Module] = []
+    for i in range(draw(st.integers(0, 2)) if depth else 0):
+        shared = bool(children) and draw(st.booleans())
+        child = children[-1] if shared else draw(module_trees(depth - 1))
+        children.append(child)
+        module.add_module(f"c{i}", child)
+    return module
+
+
+def _places(module: nn.Module) -> list[tuple[str, torch.device]]:
+    """Every parameter and buffer at each place it is held, as the messages write it."""
+    named = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+    return [(module_path("model", path), tensor.device) for path, tensor in named]
+
+
+def _under(path: str, part: str) -> bool:
+    return path == part or path.startswith((f"{part}.", f"{part}["))
+
+
+@given(module=module_trees())
+def test_the_placement_puts_each_tensor_under_one_part_on_its_device(module: nn.Module) -> None:
+    """module_placement partitions a module: every tensor, at each place it is held, is
+    under exactly one listed part, and that part is listed on the tensor's device."""
+    placement = module_placement(module)
+    parts = [(part, device) for device, paths in placement.items() for part in paths]
+    for path, device in _places(module):
+        holding = [(part, on) for part, on in parts if _under(path, part)]
+        assert [device] == [on for _, on in holding], (path, placement)
+
+
+@given(module=module_trees())
+def test_a_split_made_by_mistake_names_what_is_off_the_largest_share(module: nn.Module) -> None:
+    """A module spread by mistake is refused; the error's listing is its placement, and
+    the target is the device holding most of its elements."""
+    counts: dict[torch.device, int] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        counts[tensor.device] = counts.get(tensor.device, 0) + tensor.numel()
+    if len(counts) < 2:
+        assert Spread.SPREAD != module_device(module)
+        return
+    assert Spread.SPREAD == module_device(module)
+    with pytest.raises(DeviceMismatchError) as error:
+        step(module, torch.ones(1))
+    home = error.value.target
+    assert max(counts.values()) == counts[home]  # type: ignore[index]
+    assert {d: sorted(p) for d, p in module_placement(module).items()} == {
+        d: sorted(p) for d, p in error.value.devices.items()
+    }
