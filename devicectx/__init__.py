@@ -12,7 +12,8 @@
 - :func:`track_transfers`: every copy between devices, by place; a
   :class:`RepeatedMoveWarning` for an unchanged tensor copied again and again.
 
-The optional testing kit lives in :mod:`devicectx.testing` (``pip install devicectx[testing]``).
+The optional testing kit lives in :mod:`devicectx.testing` (from a clone:
+``pip install -e '.[testing]'``).
 """
 
 from importlib.metadata import version as _version
@@ -29,6 +30,7 @@ from devicectx._errors import (
     InvalidPrecisionError,
     MoveError,
     PrecisionUnsupportedError,
+    RegistrationError,
     RepeatedMoveWarning,
     StrayTensorError,
     StrayTensorWarning,
@@ -42,6 +44,7 @@ from devicectx.devices._capabilities import (
 )
 from devicectx.devices._oom import shrink_batch_on_oom
 from devicectx.devices._resolve import DeviceLike, available_devices, explain_device, resolve_device
+from devicectx.move._containers import unregister_container
 from devicectx.move._distributed import Layout
 from devicectx.move._move import find_devices, register_container, to_device
 from devicectx.move._pinned import release_staging, staging_memory
@@ -76,6 +79,7 @@ __all__ = [
     "Precision",
     "PrecisionName",
     "PrecisionUnsupportedError",
+    "RegistrationError",
     "RepeatedMoveWarning",
     "StrayTensorError",
     "StrayTensorWarning",
@@ -104,4 +108,5 @@ __all__ = [
     "supports_dtype",
     "to_device",
     "track_transfers",
+    "unregister_container",
 ]

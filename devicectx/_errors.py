@@ -111,6 +111,11 @@ class StrayTensorError(DeviceError, RuntimeError):
     """
 
 
+class RegistrationError(DeviceError, TypeError):
+    """A :func:`~devicectx.register_container` registration that cannot work: its
+    ``children=`` gives something other than ``(key, child)`` pairs."""
+
+
 class DeviceWarning(UserWarning):
     """Base class of every devicectx warning: filter it to silence them all."""
 
@@ -121,6 +126,28 @@ class RepeatedMoveWarning(DeviceWarning):
 
 class StrayTensorWarning(DeviceWarning):
     """A tensor made inside an audited ``on_device`` block landed on another device."""
+
+
+# Printed and pickled as devicectx.X, the name users import them by (as torch's public
+# names are): a traceback then shows what to catch. Pickles naming devicectx._errors.X
+# still load, as the classes stay here.
+for _public in (
+    BatchTooLargeError,
+    DeviceError,
+    DeviceMismatchError,
+    DeviceUnavailableError,
+    DeviceWarning,
+    InvalidDeviceError,
+    InvalidPrecisionError,
+    MoveError,
+    PrecisionUnsupportedError,
+    RegistrationError,
+    RepeatedMoveWarning,
+    StrayTensorError,
+    StrayTensorWarning,
+):
+    _public.__module__ = "devicectx"
+del _public
 
 
 def warn_at(frame: FrameType, message: str, category: type[DeviceWarning]) -> None:

@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar, overload
 
+from devicectx.decorator._params import check_switches
 from devicectx.decorator._plan import Plan
 from devicectx.decorator._target import DeviceOption
 from devicectx.decorator._wrappers import wrap
@@ -147,6 +148,7 @@ def device_agnostic(
           not trace decorated calls as devicectx expects (checked once per process, at
           first use), they run eagerly instead: graph breaks.
     """
+    check_switches(move=move, non_blocking=non_blocking, scope=scope, coalesce=coalesce)
     if wrapped is None:
         for spec, argument in ((device, "device"), (output, "output")):
             if spec is not None and not (argument == "output" and spec == "input"):

@@ -23,7 +23,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from devicectx.decorator import _mismatch
+from devicectx._errors import DeviceMismatchError
+from devicectx.decorator import _mismatch, _unseen
 from devicectx.decorator._inputs import Held, found_devices, scan
 from devicectx.decorator._params import Params, self_offset
 from devicectx.decorator._spread import SpreadModel, Unmaterialised
@@ -197,13 +198,38 @@ class Plan:
             args, kwargs, target, back = self.prepare(wrapped, instance, args, kwargs)
         if self.kind != FUNCTION:
             return self._start(wrapped, args, kwargs, target, back)
-        if self.precision is not None:
-            result = self._autocast_call(wrapped, args, kwargs, target)
-        elif self.scope and target is not None:
-            result = call_scoped(target, wrapped, args, kwargs)
-        else:
-            result = wrapped(*args, **kwargs)
+        try:  # costs nothing where the body returns (Python 3.11's zero-cost try)
+            if self.precision is not None:
+                result = self._autocast_call(wrapped, args, kwargs, target)
+            elif self.scope and target is not None:
+                result = call_scoped(target, wrapped, args, kwargs)
+            else:
+                result = wrapped(*args, **kwargs)
+        except RuntimeError as error:
+            unseen = self.unseen(error, module, instance, args, kwargs, target, wrapped)
+            if unseen is None:
+                raise
+            raise unseen from error
         return result if back is None else self.place(result, back)
+
+    def unseen(
+        self,
+        error: RuntimeError,
+        module: nn.Module | None,
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: torch.device | None,
+        wrapped: Callable[..., Any],
+    ) -> DeviceMismatchError | None:
+        """torch's device mismatch in the body, told with the tensors the call could not
+        see (:mod:`devicectx.decorator._unseen`); None: let ``error`` through."""
+        offset = self_offset(wrapped, instance)
+        named = [(name, value) for name, value, _ in self.params.named(args, kwargs, offset)]
+        if instance is not None:
+            named.insert(0, ("self", instance))
+        reason = self._reason(module, instance, args, kwargs, offset)
+        return _unseen.explain(error, self.name, named, target, reason)
 
     def _autocast_call(
         self,

@@ -258,6 +258,8 @@ def _parse(spec: object) -> torch.device:
         problem = "an empty string" if not text else f"unknown device type {kind!r}"
         if text and _is_known_type(kind):
             problem = "the index after ':' must be a whole number >= 0"
+        elif kind != kind.lower() and _is_known_type(kind.lower()):  # torch's types are lower case
+            problem += f", did you mean {text.lower()!r}?"
         raise InvalidDeviceError(f"invalid device {spec!r}: {problem}\n{_VALID_FORMS}") from None
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from devicectx._errors import MoveError
+from devicectx._errors import MoveError, RegistrationError
 from devicectx.move import _containers
 from devicectx.move._alias import EngineBug, TensorMover
 from devicectx.move._containers import (
@@ -530,6 +530,8 @@ class Rebuild:
                 f"teach it with devicectx.register_container({error.tp.__qualname__}, "
                 f"children=..., rebuild=...); or {fix}"
             )
+        elif isinstance(error, RegistrationError):  # the registration's fix, not a skip
+            detail, _, fix = str(error).partition("\nfix: ")
         else:
             detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
         msg = (

@@ -62,7 +62,7 @@ streams: only copies and events do.
 
 Build cost: about 40-60 s of a C++ compiler the first time per torch and Python (cached
 under ``~/.cache/devicectx/emulated``), then a fraction of a second to load. It needs a
-C++17 compiler (g++ or clang), ``ninja`` (in ``devicectx[testing]``), torch's headers
+C++17 compiler (g++ or clang), ``ninja`` (in the ``testing`` extra), torch's headers
 (every wheel ships them), and Linux or macOS. Once enabled in a process, it cannot be
 turned off: torch allows one PrivateUse1 backend per process, under one name.
 """
