@@ -9,6 +9,13 @@ the same bytes. Every move is ``non_blocking=True`` and followed by
 in a unit that fits (GB/s, MB/s or kB/s); ``--nominal-gbps`` adds the fraction of the
 datasheet figure, which torch cannot query.
 
+With an accelerator, for the batch of many small leaves: the host's share of a staged move
+per leaf, beside a floor made of torch's own C++ ops on the same leaves
+(``torch._utils._flatten_dense_tensors``, one copy to the device,
+``_unflatten_dense_tensors``, as torch's coalesced collectives move many tensors), timed in
+the same rounds; the target is at most twice the floor. On the emulated accelerator (its
+copies a memcpy) the whole move is host time.
+
 Everywhere, accelerator or not: the host side of a staged move (collecting, packing into
 the staging buffer, unpacking), measured as a move to ``meta`` through the staging seam
 (:func:`devicectx.move._staging.forced`, with the real thresholds and ordinary host memory),
@@ -76,6 +83,9 @@ def section_transfer(
             "host_side": host_cases,
         }
         for tree in trees:
+            if tree.key.startswith("leaves"):
+                out["per_leaf"], row = _per_leaf(config, tree, device)
+                rows.append(row)
             reference = _reference(config, tree, device)
             for pinned in (False, True):
                 case = _case(config, tree, device, pinned, reference, nominal_gbps)
@@ -122,6 +132,47 @@ def _host_side(config: Config, trees: list[Tree]) -> tuple[dict[str, Any], list[
             )
         )
     return cases, rows
+
+
+FLOOR = "C++ floor (flatten, one copy, unflatten)"
+
+
+def _per_leaf(config: Config, tree: Tree, device: torch.device) -> tuple[dict[str, Any], Row]:
+    """A staged move of many small leaves, per leaf, against the C++ floor on the same leaves."""
+    leaves = list(tensors_in(tree.tree))
+    flatten = load("torch._utils", "_flatten_dense_tensors")
+    unflatten = load("torch._utils", "_unflatten_dense_tensors")
+    sync = torch.accelerator.synchronize
+
+    def floor() -> Callable[[], Any]:
+        return lambda: unflatten(flatten(leaves).to(device, non_blocking=True), leaves)
+
+    makers: dict[str, Callable[[], Callable[[], Any]]] = {
+        FLOOR: floor,
+        STAGED: lambda: bind(to_device, tree.tree, device, non_blocking=True),
+        PER_TENSOR: lambda: bind(to_device, tree.tree, device, non_blocking=True, coalesce=False),
+    }
+    subjects = {
+        name: Subject(functools.partial(_synced, make, sync)) for name, make in makers.items()
+    }
+    measured = measure_group(subjects, config)
+    count = len(leaves)
+    per_leaf = {
+        name: None if m.median_ns is None else m.median_ns / count for name, m in measured.items()
+    }
+    shown = {name: "n/a" if ns is None else fmt_ns(ns) for name, ns in per_leaf.items()}
+    row = judge(
+        "5 transfer",
+        f"{tree.label} cpu->{device}: a staged move's host side per leaf, against the C++ floor",
+        per_leaf[STAGED],
+        f"{FLOOR} {shown[FLOOR]}; per tensor {shown[PER_TENSOR]} (a leaf)",
+        per_leaf[FLOOR],
+        "floor",
+        2.0,
+        ours_text=f"{shown[STAGED]} a leaf",
+        target_text="<= 2x the floor",
+    )
+    return {"leaves": count, "per_leaf_ns": per_leaf, "subjects": as_json(measured)}, row
 
 
 def _to_meta(tree: Any, staged: bool) -> Callable[[], Any]:

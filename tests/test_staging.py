@@ -236,10 +236,9 @@ def test_runs_of_mixed_dtypes_and_shapes_are_aligned() -> None:
 
 def staged_ids(obj: Any, **kwargs: Any) -> set[int]:
     """The ids of the tensors of ``obj`` a staged move to meta copies."""
-    moved: dict[int, torch.Tensor] = {}
     with _staging.forced(**kwargs):
-        _staging.stage(obj, META, False, (), moved, [])
-    return set(moved)
+        staged = _staging.stage(obj, META, False, ())
+    return set() if staged is None else set(staged.results)
 
 
 def test_what_the_staged_path_leaves_to_the_per_tensor_move() -> None:
@@ -318,11 +317,11 @@ def test_skipped_types_are_not_staged() -> None:
         tensor: torch.Tensor
 
     kept = Kept(torch.zeros(2))
-    moved: dict[int, torch.Tensor] = {}
     with _staging.forced():
-        _staging.stage([kept, torch.ones(2)], META, False, (Kept,), moved, [])
-    assert id(kept.tensor) not in moved
-    assert 1 == len(moved)
+        staged = _staging.stage([kept, torch.ones(2)], META, False, (Kept,))
+    assert staged is not None
+    assert id(kept.tensor) not in staged.results
+    assert 1 == len(staged.results)
 
 
 def test_no_staging_with_coalesce_false_or_a_skip_by_key() -> None:
@@ -392,7 +391,7 @@ def test_the_accelerator_is_asked_of_the_resolver(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(_staging, "_ACCELERATOR", [])
     monkeypatch.setattr(_staging, "NEVER", {META})
     assert _pinned.host_for("cuda", 1024, 4096) is None
-    assert _staging.stage([torch.zeros(1)] * 4, CPU, False, (), {}, []) is None
+    assert _staging.stage([torch.zeros(1)] * 4, CPU, False, ()) is None
     assert {META, CPU} == _staging.NEVER
 
 
@@ -512,10 +511,8 @@ def test_a_failure_falls_back_to_the_per_tensor_move(monkeypatch: pytest.MonkeyP
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(_staging, "to_accelerator", fail)
-    moved: dict[int, torch.Tensor] = {}
     batch = [torch.zeros(2) for _ in range(8)]
-    assert _staging.stage(batch, META, False, (), moved, []) is None
-    assert {} == moved
+    assert _staging.stage(batch, META, False, ()) is None
 
 
 def test_devices_that_cannot_stage_are_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -527,8 +524,8 @@ def test_devices_that_cannot_stage_are_remembered(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(_pinned, "accelerator_type", lambda: "xpu")
     batch = [torch.zeros(1)] * 4
     cuda, mps = torch.device("cuda", 0), torch.device("mps", 0)
-    assert _staging.stage(batch, cuda, False, (), {}, []) is None
-    assert _staging.stage(batch, mps, False, (), {}, []) is None
+    assert _staging.stage(batch, cuda, False, ()) is None
+    assert _staging.stage(batch, mps, False, ()) is None
     assert {META, cuda, mps} == _staging.NEVER
 
 
@@ -606,7 +603,7 @@ def test_a_move_declines_at_once_while_its_pool_backs_off(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(_pinned, "host_for", lambda *args: host)
     monkeypatch.setattr(_staging, "collect", refuse)
-    assert _staging.stage([torch.zeros(2)] * 8, torch.device("cuda", 0), False, (), {}, []) is None
+    assert _staging.stage([torch.zeros(2)] * 8, torch.device("cuda", 0), False, ()) is None
     assert _pinned.Backoff.FIRST - 1 == pool.backoff.skip
 
 

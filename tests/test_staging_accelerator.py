@@ -145,15 +145,14 @@ class Staging:
             target: torch.device,
             non_blocking: bool,
             skip_types: tuple[type, ...],
-            moved: dict[int, torch.Tensor],
-            sent: list[torch.Tensor],
         ) -> Any:
             watch.busy = not torch.accelerator.current_stream(target).query()
-            before = len(moved)
+            staged = None
             try:
-                return stage(obj, target, non_blocking, skip_types, moved, sent)
+                staged = stage(obj, target, non_blocking, skip_types)
+                return staged
             finally:
-                watch.staged += len(moved) - before
+                watch.staged += 0 if staged is None else len(staged.results)
                 watch._hold.close()  # declined, or done: the per-tensor move waits
 
         def packed(pool: _pinned.Pool, *args: Any) -> Any:

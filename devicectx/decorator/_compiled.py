@@ -51,7 +51,7 @@ from devicectx.decorator import _mismatch
 from devicectx.decorator._params import self_offset
 from devicectx.decorator._target import involved_module, module_label, placed
 from devicectx.devices._resolve import DeviceLike, resolve_device
-from devicectx.scope._context import active_device
+from devicectx.scope._stack import active_device
 
 if TYPE_CHECKING:
     from devicectx.decorator._plan import Plan

@@ -52,10 +52,11 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from devicectx._torch.tensors import storage_slice
 from devicectx.devices._resolve import accelerator_type
 from devicectx.move import _pinned, _streams
 from devicectx.move._alias import dense
@@ -65,6 +66,7 @@ __all__ = [
     "FORCED_THRESHOLDS",
     "NEVER",
     "THRESHOLDS",
+    "Staged",
     "Thresholds",
     "forced",
     "forget_accelerator",
@@ -174,22 +176,26 @@ _FORCED: _Forced | None = None
 _FORCED_NAME = "forced (tests)"
 
 
-def stage(
-    obj: object,
-    device: torch.device,
-    non_blocking: bool,
-    skip_types: tuple[type, ...],
-    moved: dict[int, torch.Tensor],
-    sent: list[torch.Tensor],
-) -> list[Any] | None:
-    """Stage what can be staged of a move of ``obj`` to ``device``: the results go into
-    ``moved`` (``id(source) -> result``), where the move engine finds them, and the
-    sources into ``sent``.
+class Staged(NamedTuple):
+    """What a staged move made: :func:`stage`'s result."""
 
-    Returns what must be kept alive until the move ends (the ids in ``moved`` are those of
-    its tensors), or None where nothing was staged. Never raises where the per-tensor move
-    would not: any failure here leaves ``moved`` as it was, and the move goes on tensor by
-    tensor (under :func:`forced`, failures are raised, for the tests to see).
+    results: dict[int, torch.Tensor]
+    """``id(source) -> result`` on the target, where the move engine finds them."""
+    sources: list[torch.Tensor]
+    """The sources staged, in the order of ``results`` (for transfer accounting)."""
+    keep: list[Any]
+    """What must be kept alive until the move ends: the ids in ``results`` are those of
+    its tensors."""
+
+
+def stage(
+    obj: object, device: torch.device, non_blocking: bool, skip_types: tuple[type, ...]
+) -> Staged | None:
+    """Stage what can be staged of a move of ``obj`` to ``device``.
+
+    Returns the results, or None where nothing was staged. Never raises where the
+    per-tensor move would not: any failure here stages nothing, and the move goes on
+    tensor by tensor (under :func:`forced`, failures are raised, for the tests to see).
     """
     if torch.compiler.is_compiling():
         return None
@@ -233,10 +239,10 @@ def stage(
         if forced is not None:
             raise
         return None
-    moved.update(results)
-    sent.extend(found[source] for source in results)
+    if not results:
+        return None
     keep.append(found)
-    return keep
+    return Staged(results, [found[source] for source in results], keep)
 
 
 def _index_of(device: torch.device, kind: str) -> torch.device | None:
@@ -417,9 +423,17 @@ def _disjoint(members: list[torch.Tensor]) -> bool:
 # one dtype, shape and strides go in one stack (and come out of one unbind); the others of
 # a dtype, each alone of its kind (boxes of varying lengths), in one cat.
 
-_Run = tuple[int, torch.dtype, torch.Size | None, tuple[int, ...] | None, list[torch.Tensor]]
-"""``(byte offset in its region, dtype, shape, strides, tensors)``; shape and strides are
-None for a run of tensors of varying shapes."""
+
+class _Run(NamedTuple):
+    """Tensors packed side by side in a region: where they start, and their kind."""
+
+    start: int
+    """The byte offset of the first in its region."""
+    dtype: torch.dtype
+    shape: torch.Size | None
+    """The shape every member has; None for a run of tensors of varying shapes."""
+    stride: tuple[int, ...] | None
+    members: list[torch.Tensor]
 
 
 def _regions(groups: dict[_Key, list[torch.Tensor]], capacity: int) -> list[tuple[int, list[_Run]]]:
@@ -442,7 +456,7 @@ def _regions(groups: dict[_Key, list[torch.Tensor]], capacity: int) -> list[tupl
                 runs, used = [], 0
                 continue
             count = min(fit, len(members) - taken)
-            runs.append((start, dtype, shape, stride, members[taken : taken + count]))
+            runs.append(_Run(start, dtype, shape, stride, members[taken : taken + count]))
             used = start + count * size
             taken += count
     for dtype, members in lone.items():
@@ -451,13 +465,13 @@ def _regions(groups: dict[_Key, list[torch.Tensor]], capacity: int) -> list[tupl
         for tensor in members:
             if end + tensor.nbytes > capacity:
                 if run:
-                    runs.append((start, dtype, None, None, run))
+                    runs.append(_Run(start, dtype, None, None, run))
                     used = end
                 regions.append((used, runs))
                 runs, run, used, start, end = [], [], 0, 0, 0
             run.append(tensor)
             end += tensor.nbytes
-        runs.append((start, dtype, None, None, run))
+        runs.append(_Run(start, dtype, None, None, run))
         used = end
     if runs:
         regions.append((used, runs))
@@ -481,9 +495,9 @@ def _slots(typed: torch.Tensor, offset: int, run: _Run) -> torch.Tensor:
 
 
 def _pack(typed: torch.Tensor, offset: int, run: _Run) -> None:
-    members = run[4]
-    if run[2] is None:  # shapes vary
-        at = (offset + run[0]) // typed.element_size()
+    members = run.members
+    if run.shape is None:  # shapes vary
+        at = (offset + run.start) // typed.element_size()
         if len(members) == 1:
             member = members[0]
             typed.as_strided(member.shape, member.stride(), at).copy_(member)
@@ -516,14 +530,19 @@ def _unpack(region: torch.Tensor, run: _Run, results: dict[int, torch.Tensor]) -
             )
         return
     storage = region.untyped_storage()
+    new = region.view(dtype).new  # an empty tensor of the dtype on the device: the cheapest
+    if shape is not None and stride is not None:
+        nbytes = members[0].nbytes
+        for member in members:
+            results[id(member)] = new().set_(
+                storage_slice(storage, at, at + nbytes), 0, shape, stride
+            )
+            at += nbytes
+        return
     for member in members:
         nbytes = member.nbytes
-        own = torch.empty(0, dtype=dtype, device=device)
-        if shape is None:
-            shape_, stride_ = member.shape, member.stride()
-        else:
-            shape_, stride_ = shape, stride  # type: ignore[assignment]
-        results[id(member)] = own.set_(storage[at : at + nbytes], 0, shape_, stride_)
+        part = storage_slice(storage, at, at + nbytes)
+        results[id(member)] = new().set_(part, 0, member.shape, member.stride())
         at += nbytes
 
 
@@ -623,7 +642,7 @@ def _send(
             padded = _aligned(size)
             chunk, start = sender.space(padded, whole=True)
             for run in runs:
-                _pack(chunk.typed(run[1]), start, run)
+                _pack(chunk.typed(run.dtype), start, run)
             # copy=True: a new tensor even where the target is the host itself (tests).
             region = chunk.buffer[start : start + padded].to(device, non_blocking=True, copy=True)
             if consumer is not None:
@@ -825,7 +844,7 @@ def to_host(
             packed = _Typed(torch.empty(used, dtype=torch.uint8, device=device))
             for start, _, runs in batch:
                 for run in runs:
-                    _pack(packed(run[1]), start, run)
+                    _pack(packed(run.dtype), start, run)
             chunk = host.pool.acquire()
             try:
                 staging = chunk.buffer[:used]

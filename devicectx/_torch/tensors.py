@@ -1,0 +1,34 @@
+"""Slices of a storage made at C++ speed: what a staged move's small results stand on.
+
+``UntypedStorage.__getitem__`` is a Python override that checks the device (``meta`` has no
+memory) before calling ``torch._C.StorageBase.__getitem__``, which makes the slice: a
+storage over those bytes that keeps the whole storage's memory alive and cannot be resized.
+The check costs more than the slice; the staged move calls it once per small tensor, never
+on ``meta``, so it calls the C++ method itself. Checked on torch 2.6.0 to 2.15.0; where a
+release lacks it, the public indexing is used.
+
+Example:
+    >>> import torch
+    >>> storage = torch.arange(4, dtype=torch.uint8).untyped_storage()
+    >>> part = storage_slice(storage, 1, 3)
+    >>> part.tolist(), part.resizable()
+    ([1, 2], False)
+"""
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["storage_slice"]
+
+_GETITEM: Callable[[Any, slice], Any] = getattr(
+    getattr(torch._C, "StorageBase", None), "__getitem__", operator.getitem
+)
+
+
+def storage_slice(storage: Any, start: int, stop: int) -> Any:
+    """Bytes ``start`` to ``stop`` of an ``UntypedStorage`` not on ``meta``, as a storage of
+    their own that keeps ``storage``'s memory alive and cannot be resized."""
+    return _GETITEM(storage, slice(start, stop))
