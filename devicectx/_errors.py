@@ -137,6 +137,7 @@ for _public in (
     DeviceMismatchError,
     DeviceUnavailableError,
     DeviceWarning,
+    DtypeUnsupportedError,
     InvalidDeviceError,
     InvalidPrecisionError,
     MoveError,

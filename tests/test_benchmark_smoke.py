@@ -100,15 +100,17 @@ def _off_default() -> list[str]:
 
 def test_sections_cover_the_cases_of_the_issue(run: dict[str, Any]) -> None:
     """Decorator, move and find sections cover the flat, nested and two many-leaf trees;
-    the decorator section also a decorated module forward and three tensors on each device
-    that is not the default; the scope section each op, the BERT forwards and a block's
-    entry on each such device (with an accelerator, also a BERT forward on it)."""
+    the decorator section also each tree under a dtype policy, a decorated module forward
+    and three tensors on each device that is not the default; the scope section each op,
+    the BERT forwards and a block's entry on each such device (with an accelerator, also a
+    BERT forward on it)."""
     report = run["json"]
     decorator = list(report["decorator"]["cases"])
     trees = decorator[:4]
     assert ["flat3", "nested"] == trees[:2]
     off = [f"flat3 on {device}" for device in _off_default()]
-    assert [*trees, "forward", *off] == decorator
+    policies = [f"{tree} dtypes=" for tree in trees]  # each tree with a dtype policy
+    assert [*trees, *policies, "forward", *off] == decorator
     assert [*trees, "aliased_10"] == list(report["move"]["cases"])
     assert trees == list(report["find_devices"]["cases"])
     scope = ["a + b (8x8)", "torch.zeros(8, 8)", "nn.Linear(16, 16) forward", "BERT forward"]
@@ -141,8 +143,10 @@ def test_peers_all_ran(run: dict[str, Any]) -> None:
     """The installed peers are measured on every tree of the decorator and move sections."""
     for section in ("decorator", "move"):
         for key, case in run["json"][section]["cases"].items():
-            if key == "forward" or key.startswith("flat3 on "):  # the model; issue 22's rows,
-                continue  # beside send_to_device alone
+            # the model; the calls on a device not the default, beside send_to_device
+            # alone; the dtype policy, against the same decorated call without it
+            if key == "forward" or key.startswith("flat3 on ") or key.endswith(" dtypes="):
+                continue
             for peer in PEERS:
                 assert "ok" == case["subjects"][peer]["status"], (section, peer)
 

@@ -84,6 +84,29 @@ def test_an_accelerator_is_asked_once_per_dtype() -> None:
     assert 2 == CAPABILITIES.probes
 
 
+@needs_accelerator
+def test_a_device_that_gives_no_answer_is_asked_again() -> None:
+    """A probe that fails for another reason than the dtype (here the device is full) is
+    no refusal: the dtype counts as held and is asked about again, not kept as missing."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the full device is the emulated one (--devicectx-accelerator)")
+    from devicectx.testing import emulated
+
+    held = torch.ones(64, device=device)  # past the limit below: every allocation fails
+    with emulated.configure(memory_limit=16):
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1, device=device)
+        assert supports_dtype(device, F32)
+        assert supports_dtype(device, F32)
+        assert 2 == CAPABILITIES.probes
+    del held
+    asked = CAPABILITIES.probes  # (leaving the block may forget every answer)
+    assert supports_dtype(device, F32)
+    assert supports_dtype(device, F32)
+    assert asked + 1 == CAPABILITIES.probes  # answered now, and kept
+
+
 def test_supports_dtype_takes_only_a_dtype() -> None:
     """Anything but a torch.dtype is refused, with the fix."""
     with pytest.raises(TypeError) as raised:

@@ -4,7 +4,9 @@ MPS (every Apple laptop) and several NPUs hold no float64, and MPS no complex128
 an op that would make one there raises (MPS: ``TypeError``). Where torch itself knows the
 answer it is used (the CPU and ``meta`` hold every dtype; MPS none of float64 and
 complex128); anywhere else the device is asked once per dtype with a one-element tensor,
-and the answer is kept for the process (a device does not learn new dtypes).
+and the answer is kept for the process (a device does not learn new dtypes). A refusal
+names the dtype; an allocation that fails for another reason (a full device) is no answer:
+the dtype counts as held, and is asked about again next time.
 
 The answers live in one :class:`Capabilities` object, ``CAPABILITIES``: a test that
 needs a fresh start calls its ``clear()``.
@@ -114,7 +116,10 @@ class Capabilities:
             with self._lock:
                 held = self._held.get(key)
                 if held is None:
-                    held = self._held[key] = self._find_out(device, dtype)
+                    found = self._find_out(device, dtype)
+                    if found is None:  # no answer (the device was busy or full): ask again
+                        return True
+                    held = self._held[key] = found
         return held
 
     def missing(self, device: torch.device) -> frozenset[torch.dtype]:
@@ -156,7 +161,8 @@ class Capabilities:
             self.derived.clear()
             self.probes = 0
 
-    def _find_out(self, device: torch.device, dtype: torch.dtype) -> bool:
+    def _find_out(self, device: torch.device, dtype: torch.dtype) -> bool | None:
+        """Whether ``device`` holds ``dtype``; None where the device gave no answer."""
         if device.type in _HOLD_EVERYTHING:
             return True
         known = _KNOWN_MISSING.get(device.type)
@@ -164,12 +170,24 @@ class Capabilities:
             return False
         self.probes += 1
         try:
-            # zeros: an allocation and a kernel, the two places a backend refuses a dtype.
-            with torch.no_grad():
-                torch.zeros(1, dtype=dtype, device=device)
-        except Exception:  # TypeError (MPS), RuntimeError, NotImplementedError: refused
-            return False
+            # An allocation alone, where backends refuse a dtype (MPS, the emulated device
+            # playing it): no kernel, so nothing waits for the device's queued work.
+            torch.empty(1, dtype=dtype, device=device)
+        except (TypeError, RuntimeError, NotImplementedError) as error:
+            # A refusal names the dtype; anything else (out of memory, a device that
+            # cannot take work now) says nothing about it, and is not kept.
+            if isinstance(error, TypeError) or _names(error, dtype):
+                return False
+            return None
         return True
+
+
+def _names(error: Exception, dtype: torch.dtype) -> bool:
+    """Whether ``error``'s text names ``dtype`` (``float64``, ``torch.float64``, ``Double``)."""
+    text = str(error).lower()
+    short = str(dtype).removeprefix("torch.")
+    scalar = {torch.float64: "double", torch.complex128: "complexdouble"}.get(dtype, short)
+    return short in text or scalar in text
 
 
 CAPABILITIES = Capabilities()
