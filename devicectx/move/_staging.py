@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator
 from itertools import pairwise
 from typing import Any, NamedTuple
@@ -60,17 +59,17 @@ from devicectx._torch.tensors import storage_slice
 from devicectx.devices._resolve import accelerator_type
 from devicectx.move import _pinned, _streams
 from devicectx.move._alias import dense
+from devicectx.move._staging_state import STATE, swapped
 from devicectx.move._walk import collect
 
 __all__ = [
     "FORCED_THRESHOLDS",
-    "NEVER",
     "THRESHOLDS",
+    "HandedTo",
     "Staged",
     "Thresholds",
     "forced",
     "forget_accelerator",
-    "handed_to",
     "stage",
     "to_accelerator",
     "to_host",
@@ -154,13 +153,6 @@ _NEVER_TYPES = frozenset({"meta", "mps"})
 """Device types never staged to or from: ``meta`` has no memory; MPS shares memory with
 the host (and its non-blocking copies have been seen to arrive late)."""
 
-NEVER: set[torch.device] = {torch.device("meta")}
-"""Target devices a move never stages to, read by the move engine before it calls
-:func:`stage`, which adds each device it finds it cannot stage to (one of
-``_NEVER_TYPES``, one without pinned memory, ``cpu`` without an accelerator): each is
-tested once per process. Devices, not types: hashing a device costs a third of reading
-its ``.type``, and this is read on every move, to meta and the CPU too."""
-
 
 class _Forced:
     """What :func:`forced` set: the host to stage through, and the thresholds."""
@@ -172,7 +164,6 @@ class _Forced:
         self.thresholds = thresholds
 
 
-_FORCED: _Forced | None = None
 _FORCED_NAME = "forced (tests)"
 
 
@@ -189,9 +180,14 @@ class Staged(NamedTuple):
 
 
 def stage(
-    obj: object, device: torch.device, non_blocking: bool, skip_types: tuple[type, ...]
+    obj: object,
+    device: torch.device,
+    non_blocking: bool,
+    skip_types: tuple[type, ...],
+    handed: HandedTo | None = None,
 ) -> Staged | None:
-    """Stage what can be staged of a move of ``obj`` to ``device``.
+    """Stage what can be staged of a move of ``obj`` to ``device``; ``handed``: where the
+    move is made on a copy stream for another (see :class:`HandedTo`).
 
     Returns the results, or None where nothing was staged. Never raises where the
     per-tensor move would not: any failure here stages nothing, and the move goes on
@@ -199,15 +195,16 @@ def stage(
     """
     if torch.compiler.is_compiling():
         return None
-    forced = _FORCED
+    state = STATE
+    forced = state.forced
     host: _pinned.Host | None
     kind: str | None = None  # the accelerator's type
     if forced is not None:
         host, thresholds = forced.host, forced.thresholds
     else:
-        thresholds = THRESHOLDS
+        thresholds = state.thresholds or THRESHOLDS
         if device.type in _NEVER_TYPES:
-            NEVER.add(device)
+            state.never.add(device)
             return None
         kind = _accelerator_type() if device.type == "cpu" else device.type
         host = None
@@ -217,7 +214,7 @@ def stage(
             )
         if host is None:
             if kind is None or kind in _NEVER_TYPES or _pinned.never(kind):
-                NEVER.add(device)  # for good; else a failed probe, tried again later
+                state.never.add(device)  # for good; else a failed probe, tried again later
             return None
     if not host.pool.held_bytes and not host.pool.backoff.ready():
         return None  # no chunk, and a recent allocation failed: per tensor, at no cost
@@ -234,7 +231,10 @@ def stage(
             source = _on_accelerator if forced is None else _with_data
             results = to_host(found, inside, source, thresholds, host)
         else:
-            results = to_accelerator(found, inside, device, non_blocking, thresholds, host)
+            copy_stream = state.copy_stream
+            results = to_accelerator(
+                found, inside, device, non_blocking, thresholds, host, copy_stream, handed
+            )
     except Exception:
         if forced is not None:
             raise
@@ -256,22 +256,21 @@ def _large(found: dict[int, torch.Tensor], thresholds: Thresholds) -> bool:
     return sum(t.nbytes for t in found.values()) >= thresholds.stage_min_bytes
 
 
-_ACCELERATOR: list[str | None] = []  # torch's current accelerator type, once looked up
-
-
 def forget_accelerator() -> None:
     """Ask again which accelerator there is: a PrivateUse1 backend has registered (the
     emulated accelerator), and the devices found unable to stage may now stage."""
-    _ACCELERATOR.clear()
-    NEVER.intersection_update({torch.device("meta")})
+    STATE.accelerator_known = False
+    STATE.never.intersection_update({torch.device("meta")})
 
 
 def _accelerator_type() -> str | None:
     """The accelerator a ``cpu`` target stages back from; asked of the driver once, by
     the resolver, whose answer holds on every torch release of the range (2.6 to 2.15)."""
-    if not _ACCELERATOR:
-        _ACCELERATOR.append(accelerator_type())
-    return _ACCELERATOR[0]
+    state = STATE
+    if not state.accelerator_known:
+        state.accelerator = accelerator_type()
+        state.accelerator_known = True
+    return state.accelerator
 
 
 def _capturing(device_type: str) -> bool:
@@ -287,7 +286,7 @@ def _on_host(tensor: torch.Tensor) -> bool:
 
 
 def _on_accelerator(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == _ACCELERATOR[0]
+    return tensor.device.type == STATE.accelerator
 
 
 def _with_data(tensor: torch.Tensor) -> bool:
@@ -572,9 +571,13 @@ def to_accelerator(
     non_blocking: bool,
     thresholds: Thresholds,
     host: _pinned.Host,
+    copy_stream: bool = True,
+    handed: HandedTo | None = None,
 ) -> dict[int, torch.Tensor]:
     """Host tensors of ``found`` on ``device``, staged: ``{id(source): result}``; empty
-    where staging would not pay (see :class:`Thresholds`).
+    where staging would not pay (see :class:`Thresholds`). ``copy_stream``: as
+    :attr:`~devicectx.move._staging_state.StagingState.copy_stream`; ``handed``: see
+    :class:`HandedTo`.
 
     Pinned sources are packed only while the device's current stream is idle: else a
     copy from the device into one may still be queued there (``.to("cpu",
@@ -585,7 +588,7 @@ def to_accelerator(
     if not _worth(found, thresholds, host, pinned) or _capturing(device.type):
         return {}  # the cheaper question first: most declines are for want of tensors
     groups, larger = _sort(found, inside, _on_host, thresholds.share_max_bytes)
-    caller = _HANDED_TO.caller
+    caller = None if handed is None else handed.caller
     idle = host.idle(device) if caller is None else bool(caller.query())
     if not idle:
         groups = _unpinned(groups, host, pinned)
@@ -600,25 +603,19 @@ def to_accelerator(
     # stream they start at once anyway, and the copy stream's hand-over would cost more;
     # a move handed to a caller (prefetch's) is on the copy stream already.
     side = None
-    if non_blocking and not idle and caller is None and COPY_STREAM:
+    if non_blocking and not idle and caller is None and copy_stream:
         side = host.side(device)
+    made = None if handed is None else handed.regions
     if side is None:
-        return _send(groups, streamed, device, thresholds, host, host.stream(device), non_blocking)
+        stream = host.stream(device)
+        return _send(groups, streamed, device, thresholds, host, stream, non_blocking, None, made)
     with _streams.queued_on(side, device) as consumer:
-        results = _send(groups, streamed, device, thresholds, host, side, True, consumer)
+        results = _send(groups, streamed, device, thresholds, host, side, True, consumer, made)
     if results:
         # The caller's stream runs its later work after the copies, and the results'
         # memory, allocated on the copy stream, is not reused before that work has run.
         consumer.wait_event(side.record_event())
     return results
-
-
-COPY_STREAM = True
-"""Whether a non-blocking staged move made while the caller's stream has work queued
-queues its copies on the device's copy stream (:mod:`devicectx.move._streams`), where they
-start at once and the staging chunks are free again when they land, instead of on the
-caller's stream, behind that work; the caller's stream then waits for them (the device
-waits, not the host). The benchmark turns it off to time both."""
 
 
 def _send(
@@ -630,11 +627,12 @@ def _send(
     stream: Any,
     non_blocking: bool,
     consumer: Any = None,
+    made: list[torch.Tensor] | None = None,
 ) -> dict[int, torch.Tensor]:
     """Pack ``groups`` into shared regions and stream ``streamed`` through the chunks, the
     copies queued on ``stream`` (the current one); ``{id(source): result}``. ``consumer``:
     the stream the results are used on, where that is another (their memory is recorded as
-    used there). The regions go into the list of an enclosing :func:`handed_to`."""
+    used there). The regions go into ``made``, where it is a list (:class:`HandedTo`)."""
     results: dict[int, torch.Tensor] = {}
     sender = _Sender(host, device, stream)
     try:
@@ -647,7 +645,6 @@ def _send(
             region = chunk.buffer[start : start + padded].to(device, non_blocking=True, copy=True)
             if consumer is not None:
                 region.record_stream(consumer)
-            made = _HANDED_TO.regions
             if made is not None:
                 made.append(region)
             sender.used(padded)
@@ -709,22 +706,10 @@ def _unpinned(
     return kept
 
 
-class _HandedTo(threading.local):
-    """What :func:`handed_to` set for this thread: the stream the moves are made for, and
-    the list the regions they make go into (None: outside such a block)."""
-
-    caller: Any = None
-    regions: list[torch.Tensor] | None = None
-
-
-_HANDED_TO = _HandedTo()
-
-
-@contextlib.contextmanager
-def handed_to(caller: Any) -> Iterator[list[torch.Tensor]]:
-    """The staged moves of this block (this thread) are made on another current stream (a
-    copy stream) for ``caller``, a stream of the target that gets the results later
-    (:func:`devicectx.prefetch`); yields the list of the device regions they make.
+class HandedTo:
+    """A move made on another current stream (a copy stream) for ``caller``, a stream of
+    the target that gets the results later (:func:`devicectx.prefetch`), passed down to
+    :func:`stage`; ``regions`` gets the device regions the move makes.
 
     Pinned sources are then packed only while ``caller`` is idle, not the current stream:
     a copy from the device into one may still be queued on ``caller``. And the regions are
@@ -734,13 +719,12 @@ def handed_to(caller: Any) -> Iterator[list[torch.Tensor]]:
     know; recorded, the region's memory is not reused before that stream is done with it,
     whenever its last result is freed.
     """
-    saved = _HANDED_TO.caller, _HANDED_TO.regions
-    regions: list[torch.Tensor] = []
-    _HANDED_TO.caller, _HANDED_TO.regions = caller, regions
-    try:
-        yield regions
-    finally:
-        _HANDED_TO.caller, _HANDED_TO.regions = saved
+
+    __slots__ = ("caller", "regions")
+
+    def __init__(self, caller: Any) -> None:
+        self.caller = caller
+        self.regions: list[torch.Tensor] = []
 
 
 class _Sender:
@@ -893,18 +877,16 @@ def forced(
     Yields:
         The host staged through: its pool can be inspected.
     """
-    global _FORCED, NEVER
     limits = thresholds or FORCED_THRESHOLDS
     pool = _pinned.Pool(_host_buffer, _landed, limits.chunk_bytes, limits.pool_bytes)
     host = _pinned.Host(pool, _no_stream, pinned or _never_pinned)
-    saved = _FORCED, NEVER
-    _FORCED, NEVER = _Forced(host, limits), set()
-    _pinned.register(_FORCED_NAME, host)
-    try:
-        yield host
-    finally:
-        _FORCED, NEVER = saved
-        _pinned.unregister(_FORCED_NAME)
+    # The hosts are shared with the state outside: staging_memory() sees this one too.
+    with swapped(STATE.replace(forced=_Forced(host, limits), never=set())):
+        _pinned.register(_FORCED_NAME, host)
+        try:
+            yield host
+        finally:
+            _pinned.unregister(_FORCED_NAME)
 
 
 def _host_buffer(nbytes: int) -> torch.Tensor:
