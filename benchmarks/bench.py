@@ -167,6 +167,9 @@ def section_decorator(config: Config, trees: list[Tree]) -> tuple[Section, list[
                     missing=_missing(measured["to_device"]),
                 )
             )
+    for tree in trees:
+        cases[f"{tree.key} dtypes="], dtype_rows = _dtype_policy(config, tree)
+        rows.extend(dtype_rows)
     forward_case, forward_row = _decorated_forward(config)
     cases["forward"] = forward_case
     rows.append(forward_row)
@@ -174,6 +177,43 @@ def section_decorator(config: Config, trees: list[Tree]) -> tuple[Section, list[
         cases[f"flat3 on {device}"], off_rows = decorator_off_default(config, device)
         rows.extend(off_rows)
     return {"device": str(CPU), "cases": cases}, rows
+
+
+# The dtype policy, where nothing needs a cast (float32 inputs on a device that holds
+# every dtype): "device" resolves to no policy; a mapping looks at each argument's dtype.
+_POLICIES: dict[str, Callable[[Fn], Fn]] = {
+    'dtypes="device"': lambda fn: device_agnostic(device=CPU, dtypes="device")(fn),
+    "dtypes={float64: float32}": lambda fn: device_agnostic(
+        device=CPU, dtypes={torch.float64: torch.float32}
+    )(fn),
+}
+
+
+def _dtype_policy(config: Config, tree: Tree) -> tuple[dict[str, Any], list[Row]]:
+    """The decorated call with a dtype policy that casts nothing, against the same
+    decorated call without one (target: 1.1x)."""
+    body, _, call = _call_of(tree)
+    subjects = {
+        "@device_agnostic(device=d)": Subject(functools.partial(_decorated, call, _to_cpu, body))
+    }
+    for name, decorate in _POLICIES.items():
+        subjects[name] = Subject(functools.partial(_decorated, call, decorate, body))
+    measured = measure_group(subjects, config)
+    base = measured["@device_agnostic(device=d)"]
+    rows = [
+        judge(
+            "1 decorator",
+            f"{tree.label}, nothing to cast: @device_agnostic(device=d, {name})",
+            measured[name].median_ns,
+            times(measured, ["@device_agnostic(device=d)"]),
+            base.median_ns,
+            "@device_agnostic(device=d)",
+            1.1,
+            missing=_missing(measured[name], base),
+        )
+        for name in _POLICIES
+    ]
+    return {"label": tree.label, "subjects": as_json(measured)}, rows
 
 
 class _Mlp(torch.nn.Module):

@@ -43,6 +43,30 @@ class MoveError(DeviceError, RuntimeError):
     """An object inside a structure could not be moved; the message names its path."""
 
 
+class DtypeUnsupportedError(DeviceError, TypeError):
+    """Tensors of a dtype the target device cannot hold (float64 on MPS); the message
+    names every path, by dtype.
+
+    A ``TypeError``, like torch's own error for float64 on MPS, so code that catches that
+    keeps working.
+
+    Attributes:
+        device: the device that cannot hold them.
+        paths: each dtype it cannot hold, with the paths of the tensors of that dtype.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        device: torch.device,
+        paths: Mapping[torch.dtype, Sequence[str]],
+    ) -> None:
+        super().__init__(message)
+        self.device = device
+        self.paths: dict[torch.dtype, list[str]] = {d: list(p) for d, p in paths.items()}
+
+
 class DeviceMismatchError(DeviceError, RuntimeError):
     """Tensors (or a module) on other devices than a call needs.
 
@@ -87,6 +111,11 @@ class StrayTensorError(DeviceError, RuntimeError):
     """
 
 
+class RegistrationError(DeviceError, TypeError):
+    """A :func:`~devicectx.register_container` registration that cannot work: its
+    ``children=`` gives something other than ``(key, child)`` pairs."""
+
+
 class DeviceWarning(UserWarning):
     """Base class of every devicectx warning: filter it to silence them all."""
 
@@ -97,6 +126,28 @@ class RepeatedMoveWarning(DeviceWarning):
 
 class StrayTensorWarning(DeviceWarning):
     """A tensor made inside an audited ``on_device`` block landed on another device."""
+
+
+# Printed and pickled as devicectx.X, the name users import them by (as torch's public
+# names are): a traceback then shows what to catch. Pickles naming devicectx._errors.X
+# still load, as the classes stay here.
+for _public in (
+    BatchTooLargeError,
+    DeviceError,
+    DeviceMismatchError,
+    DeviceUnavailableError,
+    DeviceWarning,
+    InvalidDeviceError,
+    InvalidPrecisionError,
+    MoveError,
+    PrecisionUnsupportedError,
+    RegistrationError,
+    RepeatedMoveWarning,
+    StrayTensorError,
+    StrayTensorWarning,
+):
+    _public.__module__ = "devicectx"
+del _public
 
 
 def warn_at(frame: FrameType, message: str, category: type[DeviceWarning]) -> None:

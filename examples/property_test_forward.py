@@ -6,7 +6,8 @@ The devicectx pytest plugin is active wherever devicectx is installed, so this r
     pytest examples/property_test_forward.py --devices=cpu,meta # on the ones you name
     python examples/property_test_forward.py --devices=cpu,meta # the same, through pytest
 
-It puts the pieces of ``devicectx.testing`` together (``pip install devicectx[testing]``):
+It puts the pieces of ``devicectx.testing`` together (from a clone,
+``pip install -e '.[testing]'``):
 
 - the plugin's ``device`` fixture: each test runs once per device (``[cpu]``, ``[cuda:0]``,
   ``[meta]``); ``meta`` checks shapes and dtypes on a machine without a GPU;

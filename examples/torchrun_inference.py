@@ -7,10 +7,14 @@ GPUs, process 0 gets ``cuda:0`` and process 1 ``cuda:1`` (index ``LOCAL_RANK % c
 on a machine without one, both get the CPU. The processes share one model (same seed),
 each classifies its own shard of the data, and an ``all_reduce`` over the gloo backend
 adds their counts together.
+
+Run without torchrun (``python examples/torchrun_inference.py``), it is one process of
+one: it says so, with the command that starts two.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -29,8 +33,18 @@ def predict(model: nn.Module, features: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def start() -> None:
+    """Join the processes torchrun started; or, launched without it, be the only one."""
+    if "RANK" in os.environ:  # torchrun provides the rank, world size and address
+        dist.init_process_group("gloo")
+        return
+    launch = f"torchrun --nproc_per_node=2 {sys.argv[0]}"
+    print(f"not started by torchrun: one process (for two: {launch})")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 def main() -> None:
-    dist.init_process_group("gloo")  # torchrun provides the rank, world size and address
+    start()
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         device = resolve_device("auto")

@@ -4,7 +4,8 @@ A training step takes a batch and a class-weight table made once on the CPU. Dec
 with ``@device_agnostic``, the step works, but the table crosses to the device at every
 call: devicectx warns (``RepeatedMoveWarning``) and ``track_transfers`` shows the bytes.
 Moved once before the loop, it no longer appears. Then an audited block finds a tensor
-made off the device (``torch.from_numpy``) where it is made, not where it fails later.
+made off the device (``torch.frombuffer``, as ``torch.from_numpy`` would) where it is
+made, not where it fails later.
 
 Run it: ``python examples/where_the_bytes_go.py``. On a machine without a GPU the
 ``meta`` device plays the GPU (it has shapes and no data).
@@ -12,9 +13,9 @@ Run it: ``python examples/where_the_bytes_go.py``. On a machine without a GPU th
 
 from __future__ import annotations
 
+import array
 import warnings
 
-import numpy as np
 import torch
 
 from devicectx import (
@@ -69,10 +70,10 @@ def main() -> None:
     print(log.table())
 
     print(f"\n3. an audited block on {DEVICE}")
-    table = np.arange(4, dtype=np.float32)
+    table = array.array("f", range(4))  # a buffer read from a file, a NumPy array, ...
     try:
         with on_device(DEVICE, audit="raise"):
-            positions = torch.from_numpy(table)
+            positions = torch.frombuffer(table, dtype=torch.float32)
             print(positions.device)  # not reached
     except StrayTensorError as error:
         print(f"StrayTensorError: {error}")

@@ -357,3 +357,45 @@ def test_catches_values_that_differ_on_the_accelerator() -> None:
         "      max abs diff 1 at index (0,)",
         "      max rel diff 1 at index (0,)",
     ] == message_lines(raised)[:5]
+
+
+class Scales:
+    """A plain object holding a tensor: the move to each device cannot see it."""
+
+    def __init__(self, factor: torch.Tensor) -> None:
+        self.factor = factor
+
+
+def test_a_tensor_the_move_cannot_see_is_named_with_the_fix() -> None:
+    """torch's device mismatch on a later device names the attribute the move left behind,
+    and the fix (register_container, pass it, or a .to()), chained to torch's error."""
+
+    def scaled(x: torch.Tensor, scales: Scales) -> torch.Tensor:
+        return x * scales.factor
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(
+            scaled, torch.ones(2), Scales(torch.ones(2)), devices=["cpu", "meta"]
+        )
+    assert [
+        "scaled is not device-agnostic: it raised on meta, not on cpu:",
+        "    RuntimeError: Tensor on device cpu is not on the expected device meta!",
+        "  tensors the move to meta could not see, left where they were:",
+        "    cpu <- scales.factor (in Scales)",
+        'fix: register_container(Scales, children=lambda obj: [("factor", obj.factor)], '
+        "rebuild=...), pass scales.factor as an argument, or give Scales a .to(device) method",
+    ] == str(raised.value).splitlines()
+    assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+def test_an_unseen_tensor_on_the_first_device_is_named_too() -> None:
+    """The first device's run, which otherwise raises as it is, names unseen tensors too."""
+
+    def scaled(x: torch.Tensor, scales: Scales) -> torch.Tensor:
+        return x * scales.factor
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(scaled, torch.ones(2), Scales(torch.ones(2)), devices=["meta"])
+    lines = str(raised.value).splitlines()
+    assert "scaled is not device-agnostic: it raised on meta:" == lines[0]
+    assert "    cpu <- scales.factor (in Scales)" == lines[3]

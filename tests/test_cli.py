@@ -69,13 +69,17 @@ def test_python_m_devicectx_prints_the_report() -> None:
     devices = [str(device) for device in available_devices()]
     width = max(len(device) for device in devices) + 2
     cpu = f"{platform.machine()}, capability {torch.backends.cpu.get_cpu_capability()}"
-    accelerators = format_report(report).splitlines()[4 : 3 + len(devices)]
+    # torch_xla installed (CI's XLA job runs this without PJRT_DEVICE): its row, no device.
+    unused = "not used: PJRT_DEVICE is unset (set it to use XLA)"
+    xla = [f"xla          torch_xla {report.build.xla}, {unused}"] if report.build.xla else []
+    accelerators = format_report(report).splitlines()[4 + len(xla) : 3 + len(xla) + len(devices)]
     set_here = [f"{name}={os.environ[name]}" for name in ENV_VARS if name in os.environ]
     unset = [name for name in ENV_VARS if name not in os.environ]
     environment = "; ".join([*set_here, *([f"unset: {', '.join(unset)}"] if unset else [])])
     expected = [
         f"devicectx    {devicectx.__version__}",
         f"torch        {torch.__version__}, built for {built_for}",
+        *xla,
         f"accelerator  {accelerator_type() or 'none'}",
         f"devices      {'cpu':<{width}}{cpu}",
         *accelerators,

@@ -25,7 +25,7 @@ from devicectx import (
     on_device,
 )
 from devicectx._torch.modes import clear_default_device
-from devicectx.scope._context import active_device
+from devicectx.scope._stack import active_device
 from devicectx.testing.strategies import devices
 
 pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
@@ -569,6 +569,26 @@ def test_decorated_async_generator_forwards_asend_athrow_and_aclose() -> None:
     assert [("caught", META), ("closed", META)] == events
 
 
+def test_decorated_async_generator_methods_bind_to_their_instance() -> None:
+    """A decorated async generator method gets its instance, from the instance and from the
+    class, and runs on its device."""
+
+    class Source:
+        @on_device("meta")
+        async def items(self, count: int) -> AsyncIterator[tuple[object, torch.device]]:
+            for _ in range(count):
+                yield self, allocated()
+
+    async def main(source: Source) -> list[object]:
+        bound = [item async for item in source.items(2)]
+        unbound = [item async for item in Source.items(source, 1)]
+        return bound + unbound
+
+    source = Source()
+    assert [(source, META)] * 3 == asyncio.run(main(source))
+    assert inspect.isasyncgenfunction(Source.items)
+
+
 def test_decorated_functions_keep_their_kind() -> None:
     """inspect still sees a generator, coroutine or async generator function."""
 
@@ -772,12 +792,12 @@ def test_a_block_on_the_device_torch_gives_leaves_constructors_to_torch() -> Non
     """A block on the CPU with nothing around it (torch gives the CPU already) fills in no
     device: a constructor there gets torch's own default, and a block entered inside
     still gets its own."""
-    from devicectx.scope import _context
+    from devicectx.scope import _stack
 
     with on_device("meta"):
         pass  # the replacements are in place from here on
     with on_device("cpu"):
-        assert _context.scope_device() is None
+        assert _stack.scope_device() is None
         assert torch.device("cpu") == torch.zeros(1).device
         with on_device("meta"):
             assert torch.device("meta") == torch.zeros(1).device

@@ -24,7 +24,7 @@ from helpers import accelerator as accelerator_at
 from torch import nn
 
 from devicectx import DeviceMismatchError, InvalidDeviceError, device_agnostic, on_device
-from devicectx.scope._context import active_device
+from devicectx.scope._stack import active_device
 
 pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
 

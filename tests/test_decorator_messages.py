@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from devicectx import DeviceMismatchError, device_agnostic, explain_device, on_device
+import devicectx
+from devicectx import (
+    DeviceMismatchError,
+    InvalidDeviceError,
+    device_agnostic,
+    explain_device,
+    on_device,
+)
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -89,7 +97,7 @@ def test_off_target_from_on_device() -> None:
     with on_device("meta"), pytest.raises(DeviceMismatchError) as error:
         loss(x, x)
     assert [
-        "test_off_target_from_on_device.<locals>.loss() got tensors on 1 device:",
+        "test_off_target_from_on_device.<locals>.loss() got tensors on cpu, not on its target:",
         "    cpu <- pred, target",
         "target meta (from the innermost on_device block)",
         'fix: pass pred.to("meta"), target.to("meta"), '
@@ -109,7 +117,7 @@ def test_off_target_with_auto_says_why() -> None:
     with pytest.raises(DeviceMismatchError) as error:
         run(on_meta(1))
     assert [
-        "test_off_target_with_auto_says_why.<locals>.run() got tensors on 1 device:",
+        "test_off_target_with_auto_says_why.<locals>.run() got tensors on meta, not on its target:",
         "    meta <- x",
         f'target {auto} (from @device_agnostic(device="auto"): {why})',
         f'fix: pass x.to("{auto}"), or use @device_agnostic(move=True) to move inputs',
@@ -314,3 +322,211 @@ def test_wrapped_module_fix_moves_before_wrapping() -> None:
         "DataParallel(model, ...); a wrapped model is not moved afterwards (and never "
         "implicitly)",
     ] == lines_of(error)
+
+
+# Tensors the decorator cannot see: torch's mismatch in the body, told with their names.
+
+
+class Config:
+    """A plain object holding a tensor: the decorator neither moves nor checks it."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+        self.name = "config"
+
+
+class Slotted:
+    """A ``__slots__`` object holding tensors, one in a list."""
+
+    __slots__ = ("bias", "extra")
+
+    def __init__(self, bias: torch.Tensor, extra: list[torch.Tensor]) -> None:
+        self.bias = bias
+        self.extra = extra
+
+
+@device_agnostic(device="meta")
+def scaled(x: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """Multiplies by what ``cfg`` holds."""
+    if isinstance(cfg, Slotted):
+        return x * cfg.bias + cfg.extra[0]
+    return x * cfg.scale
+
+
+def test_a_tensor_in_a_plain_object_is_named_when_torch_fails() -> None:
+    """torch's device mismatch in the body comes back as a DeviceMismatchError naming the
+    attribute, its device, the target and the fix, chained to torch's error."""
+    with pytest.raises(DeviceMismatchError) as error:
+        scaled(torch.ones(2), Config(torch.ones(2)))
+    assert [
+        "scaled() failed in torch on tensors @device_agnostic cannot see into:",
+        "    cpu <- cfg.scale (in Config)",
+        'target meta (from @device_agnostic(device="meta"))',
+        "torch said: Tensor on device cpu is not on the expected device meta!",
+        'fix: register_container(Config, children=lambda obj: [("scale", obj.scale)], '
+        "rebuild=...), pass cfg.scale as an argument, or give Config a .to(device) method",
+    ] == lines_of(error)
+    assert {CPU: ["cfg.scale"]} == error.value.devices
+    assert META == error.value.target
+    cause = error.value.__cause__
+    assert type(cause) is RuntimeError
+    assert "is not on the expected device" in str(cause)
+
+
+def test_slots_and_lists_inside_them_are_looked_into() -> None:
+    """Slots are read as attributes are; a container inside the object is walked."""
+    with pytest.raises(DeviceMismatchError) as error:
+        scaled(torch.ones(2), Slotted(torch.ones(2), [on_meta(2), torch.ones(2)]))
+    assert "    cpu <- cfg.bias (in Slotted), cfg.extra[1] (in Slotted)" == lines_of(error)[1]
+    assert lines_of(error)[-1].startswith(
+        'fix: register_container(Slotted, children=lambda obj: [("bias", obj.bias), '
+        '("extra", obj.extra)], rebuild=...)'
+    )
+
+
+class Offset(nn.Module):
+    """A module with a tensor set as a plain attribute, not a buffer: .to() leaves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.offset = torch.ones(2)
+
+    @device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.offset
+
+
+def test_a_module_tensor_that_is_no_buffer_is_named_with_the_buffer_fix() -> None:
+    """``self.offset = tensor`` is not moved by ``model.to``: the error says to register it."""
+    model = Offset().to("meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        model(on_meta(2))
+    assert [
+        "Offset.forward() failed in torch on tensors @device_agnostic cannot see into:",
+        "    cpu <- self.offset (a plain attribute of Offset, not a buffer)",
+        "target meta (from the parameters of self (Offset))",
+        "torch said: Tensor on device cpu is not on the expected device meta!",
+        'fix: self.register_buffer("offset", ...) in Offset.__init__, not self.offset = ..., '
+        "so that self.to(...) moves it",
+    ] == lines_of(error)
+
+
+def test_a_mismatch_with_nothing_unseen_is_torchs_own() -> None:
+    """Where every tensor was seen (the body made the stray one), torch's error is raised
+    as it was: the same object."""
+    stray = torch.ones(2)
+
+    @device_agnostic(device="meta")
+    def adds(x: torch.Tensor, cfg: Config) -> torch.Tensor:
+        return x + stray
+
+    with pytest.raises(RuntimeError) as error:
+        adds(torch.ones(2), Config(on_meta(2)))  # cfg's tensor is on the target
+    assert type(error.value) is RuntimeError
+    assert "Tensor on device cpu is not on the expected device meta!" == str(error.value)
+
+
+def test_other_errors_pass_through() -> None:
+    """An error that is not a device mismatch is not touched, even with unseen tensors."""
+
+    @device_agnostic(device="meta")
+    def fails(cfg: Config) -> None:
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError) as error:
+        fails(Config(torch.ones(2)))
+    assert type(error.value) is RuntimeError
+    assert "something else" == str(error.value)
+
+
+class Counted:
+    """Counts reads of its ``__dict__``: how the look into attributes starts."""
+
+    reads = 0
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "__dict__":
+            type(self).reads += 1
+        return object.__getattribute__(self, name)
+
+
+def test_the_look_into_attributes_runs_only_on_failure() -> None:
+    """A call that succeeds never looks into its arguments' attributes; one that fails does."""
+
+    @device_agnostic(device="meta")
+    def uses(x: torch.Tensor, cfg: Counted) -> torch.Tensor:
+        return x * cfg.scale
+
+    Counted.reads = 0
+    for _ in range(3):
+        uses(on_meta(2), Counted(on_meta(2)))
+    assert 0 == Counted.reads
+    with pytest.raises(DeviceMismatchError):
+        uses(on_meta(2), Counted(torch.ones(2)))
+    assert Counted.reads > 0
+
+
+def test_the_look_is_bounded_in_depth_and_ends_on_cycles() -> None:
+    """A cycle of objects ends; a tensor nested deeper than the bound is not looked for
+    (torch's error then comes through as it was)."""
+    a, b = Config(torch.ones(2)), Config(torch.ones(2))
+    a.name, b.name = b, a  # type: ignore[assignment]
+    with pytest.raises(DeviceMismatchError) as error:
+        scaled(torch.ones(2), a)
+    assert "    cpu <- cfg.scale (in Config), cfg.name.scale (in Config)" == lines_of(error)[1]
+
+    @device_agnostic(device="meta")
+    def innermost(x: torch.Tensor, cfg: Any) -> torch.Tensor:
+        while isinstance(cfg.name, Config):
+            cfg = cfg.name
+        return x * cfg.scale
+
+    deep = Config(torch.ones(2))
+    for _ in range(10):  # each level's name holds the next
+        outer = Config(on_meta(2))
+        outer.name = deep  # type: ignore[assignment]
+        deep = outer
+    with pytest.raises(RuntimeError) as raw:
+        innermost(torch.ones(2), deep)
+    assert type(raw.value) is RuntimeError
+
+
+@pytest.mark.parametrize("option", ["move", "non_blocking", "scope", "coalesce"])
+@pytest.mark.parametrize("value", ["yes", "no", 1, None])
+def test_a_switch_that_is_not_a_bool_is_refused_at_decoration(option: str, value: object) -> None:
+    """``move="yes"`` (and the other on/off options) fail at decoration, with the fix."""
+    with pytest.raises(TypeError) as error:
+        device_agnostic(**{option: value})  # type: ignore[arg-type]
+    assert [
+        f"@device_agnostic({option}={value!r}): {option} takes True or False, not a "
+        f"{type(value).__qualname__}",
+        f"fix: @device_agnostic({option}=True) or @device_agnostic({option}=False)",
+    ] == lines_of(error)
+
+
+def test_a_device_type_in_the_wrong_case_suggests_the_right_one() -> None:
+    """``on_device("CPU")`` says did you mean 'cpu'."""
+    with pytest.raises(InvalidDeviceError) as error, on_device("CPU"):
+        pass
+    assert lines_of(error)[0] == (
+        "invalid device 'CPU': unknown device type 'CPU', did you mean 'cpu'?"
+    )
+
+
+def test_public_exceptions_print_under_the_package_name() -> None:
+    """A traceback shows devicectx.DeviceMismatchError, as users import it."""
+    for name in devicectx.__all__:
+        obj = getattr(devicectx, name)
+        if isinstance(obj, type) and issubclass(obj, (Exception, Warning)):
+            assert "devicectx" == obj.__module__, name
+
+    text = "".join(
+        traceback.format_exception_only(
+            DeviceMismatchError("x", devices={}, target=None, reason="")
+        )
+    )
+    assert text.startswith("devicectx.DeviceMismatchError: x")

@@ -621,6 +621,97 @@ def test_losses_warn_nothing(emu: torch.device) -> None:
             torch.testing.assert_close(got.cpu(), expected, msg=f"{loss.__name__} {reduction}")
 
 
+def same_device_error(one: str, other: str) -> str:
+    """torch's error for an operator given tensors on ``one`` and ``other`` (in either
+    order: the first tensor met sets the device), as CUDA's operators raise it, in either
+    of the wordings torch releases use."""
+    pairs = [(one, other), (other, one)]
+    return (
+        "Expected all tensors to be on the same device, but ("
+        + "|".join(
+            f"found at least two devices, {first} and {second}!"
+            f"|got \\w+ is on {second}, different from other tensors on {first} "
+            for first, second in pairs
+        )
+        + ")"
+    )
+
+
+def test_an_operator_refuses_a_cpu_tensor(emu: torch.device) -> None:
+    """F.linear with its weight left on the CPU raises torch's same-device error, as on
+    CUDA (a CPU fallback would compute it)."""
+    x = torch.ones(2, 3, device=emu)
+    with pytest.raises(RuntimeError, match=same_device_error("emu:0", "cpu")):
+        F.linear(x, torch.ones(4, 3))
+    with pytest.raises(RuntimeError, match=same_device_error("emu:0", "cpu")):
+        F.linear(x, torch.ones(4, 3, device=emu), torch.ones(4))
+    with pytest.raises(RuntimeError, match=same_device_error("emu:0", "cpu")):
+        torch.cat([x, torch.ones(2, 3)])
+    with pytest.raises(RuntimeError, match=same_device_error("emu:0", "cpu")):
+        F.embedding(torch.tensor([0, 1]), torch.ones(3, 2, device=emu))
+
+
+def test_an_operator_refuses_two_emulated_devices(emu: torch.device) -> None:
+    """Tensors on emu:0 and emu:1 in one operator raise torch's same-device error."""
+    x = torch.ones(2, 3, device=emu)
+    with pytest.raises(RuntimeError, match=same_device_error("emu:0", "emu:1")):
+        torch.mm(x, torch.ones(3, 2, device=EMU1))
+    with pytest.raises(RuntimeError, match=same_device_error("emu:1", "emu:0")):
+        torch.ones(2, 3, device=EMU1) + x
+
+
+def test_a_cpu_scalar_and_cpu_indices_mix_with_the_device(emu: torch.device) -> None:
+    """What CUDA takes from the host works: a 0-dim CPU tensor as a scalar argument, CPU
+    indices; and a foreach operator over lists that span the devices, tensor by tensor."""
+    x = torch.arange(4.0, device=emu)
+    scalar = torch.tensor(2.0)
+    assert [0.0, 2.0, 4.0, 6.0] == (x * scalar).tolist()
+    assert [2.0, 2.0, 2.0, 3.0] == torch.where(x > 2, x, scalar).tolist()
+    assert [2.0, 1.0, 2.0, 3.0] == x.masked_fill(x == 0, scalar).tolist()
+    assert [0.0, 3.0, 6.0, 9.0] == torch.addcmul(x, x, scalar, value=0.5).add(x).tolist()
+    assert [1.0, 2.0] == x[torch.tensor([1, 2])].tolist()
+    x[torch.tensor([0, 3])] = scalar
+    assert [2.0, 1.0, 2.0, 2.0] == x.tolist()
+    spanning = [torch.ones(2, device=emu), torch.ones(2, device=EMU1)]
+    torch._foreach_mul_(spanning, scalar)
+    assert [[2.0, 2.0], [2.0, 2.0]] == [tensor.tolist() for tensor in spanning]
+    with pytest.raises(RuntimeError, match=same_device_error("emu:0", "cpu")):
+        torch._foreach_add_(spanning, [torch.ones(2), torch.ones(2, device=EMU1)])
+
+
+def test_a_stray_part_fails_as_on_a_gpu(emu: torch.device) -> None:
+    """A model with a part left on the CPU fails in torch's operator, undecorated; decorated,
+    devicectx refuses it before the body, naming the part to move."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].to(emu)
+    x = torch.ones(2, 3, device=emu)
+    with pytest.raises(RuntimeError, match=same_device_error("emu:0", "cpu")):
+        model(x)
+
+    @devicectx.device_agnostic
+    def forward(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    with pytest.raises(devicectx.DeviceMismatchError, match=r"model\[1\]"):
+        forward(model, x)
+
+
+def test_torchs_error_reaches_the_body_of_a_decorated_function(emu: torch.device) -> None:
+    """A CPU tensor the decorator cannot see (held by a closure) fails in the body with
+    torch's own error, unchanged, as on CUDA: the inputs it can see were moved."""
+    weight = torch.ones(4, 3)
+
+    @devicectx.device_agnostic(device=emu)
+    def project(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    with pytest.raises(RuntimeError, match=same_device_error("emu:0", "cpu")) as info:
+        project(torch.ones(2, 3))
+    assert not isinstance(info.value, devicectx.DeviceError)
+    weight = weight.to(emu)
+    assert [[3.0] * 4] * 2 == project(torch.ones(2, 3)).tolist()
+
+
 def test_four_devices() -> None:
     """enable(devices=4) gives four devices, each with memory of its own, that torch and
     devicectx see."""

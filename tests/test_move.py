@@ -29,6 +29,7 @@ from devicectx import (
     find_devices,
     register_container,
     to_device,
+    unregister_container,
 )
 from devicectx.move import _containers
 from devicectx.move._alias import TensorMover
@@ -1153,12 +1154,9 @@ def test_plain_device_hands_over_cycles_and_deep_nesting() -> None:
 
 @pytest.fixture
 def registry_restored() -> Iterator[None]:
-    """Registrations made by the test are taken back afterwards."""
-    before = dict(_containers._REGISTRY)
+    """The test's registration of ``dict`` is taken back afterwards."""
     yield
-    _containers._REGISTRY.clear()
-    _containers._REGISTRY.update(before)
-    _containers._reset_cache()
+    unregister_container(dict)
 
 
 @pytest.mark.usefixtures("registry_restored")

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
 
 from devicectx import find_devices, to_device
-from devicectx.move import _rebuild, _walk
+from devicectx.move import _rebuild
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
@@ -211,51 +211,6 @@ def test_explicit_stack_walk_gives_the_same(batch: Any) -> None:
         for b, b_explicit in pairs[i + 1 :]:
             assert (a is b) == (a_explicit is b_explicit)
             assert (a._base is b) == (a_explicit._base is b_explicit)
-
-
-@given(batch=mixed_batches)
-def test_find_devices_fast_path_agrees_with_the_full_walk(batch: Any) -> None:
-    """find_devices (a recursive fast path for plain dicts, lists and tuples, the full walk
-    for the rest) lists the same devices and paths, in the same order, as iter_tensors."""
-    full: dict[torch.device, list[str]] = {}
-    for path, tensor in _walk.iter_tensors(batch, "batch", modules=True):
-        full.setdefault(tensor.device, []).append(path)
-    assert full == find_devices(batch, name="batch")
-
-
-plain_leaves = tensors(devices=["cpu", "meta"]) | st.integers() | st.none() | st.text(max_size=2)
-plain_batches = st.recursive(
-    plain_leaves,
-    lambda inner: (
-        st.lists(inner, max_size=3)
-        | st.lists(inner, max_size=3).map(tuple)
-        | st.dictionaries(st.text(max_size=2), inner, max_size=3)
-    ),
-    max_leaves=10,
-)
-
-
-@given(batch=plain_batches)
-def test_plain_walk_answers_exactly_when_the_batch_is_on_one_device(batch: Any) -> None:
-    """The decorator's fast walk over plain dicts, lists and tuples gives the one device
-    of the tensors (None for none), and hands over exactly where they disagree."""
-    found = {tensor.device for _, tensor in _walk.iter_tensors(batch)}
-    if len(found) > 1:
-        with pytest.raises(_walk.NotPlain):
-            _walk.plain_device((batch,))
-    else:
-        assert next(iter(found), None) == _walk.plain_device((batch,))
-
-
-@given(batch=mixed_batches)
-def test_plain_walk_agrees_with_the_full_walk(batch: Any) -> None:
-    """Over every container kind, where the fast walk answers it gives the full walk's
-    answer (it hands the rest over)."""
-    try:
-        device = _walk.plain_device((batch,))
-    except _walk.NotPlain:
-        return
-    assert device == _walk.shared_device(batch)
 
 
 # Dataclasses that are also mappings (transformers' ModelOutput is one): two views of the

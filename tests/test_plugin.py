@@ -438,7 +438,7 @@ def test_plugin_works_without_hypothesis(tmp_path: Path) -> None:
     expected = [
         "2 passed",
         "devicectx.testing.strategies needs hypothesis, which is not installed",
-        "fix: pip install 'devicectx[testing]'",
+        "fix: pip install -e '.[testing]' (from a clone of devicectx)",
     ]
     assert expected == [line.partition(" in ")[0] for line in result.stdout.splitlines()[-3:]]
 
@@ -482,6 +482,43 @@ def test_accelerator_marker_follows_torch_accelerator(pytester: pytest.Pytester)
         "(torch.accelerator.is_available() is False)"
     }
     assert expected == skip_reasons(reprec)
+
+
+MARKED_DEVICE_TESTS = """
+    import pytest
+    import torch
+
+    @pytest.mark.requires_device("accelerator")
+    def test_accelerator(device):
+        assert device.type not in ("cpu", "meta")
+
+    @pytest.mark.requires_device("meta")
+    def test_meta(device):
+        assert device.type == "meta"
+"""
+
+
+def test_marker_and_fixture_compose(pytester: pytest.Pytester) -> None:
+    """A test marked requires_device that takes `device` runs only on the devices the
+    marker accepts: an accelerator test never as [cpu]; where none of the devices fits,
+    one skipped test says why."""
+    pytester.makepyfile(test_it=MARKED_DEVICE_TESTS)
+    assert [
+        "test_it.py::test_accelerator[accelerator]",
+        "test_it.py::test_meta[meta]",
+    ] == collected_ids(pytester, "--devices=cpu,meta")
+    reprec = pytester.inline_run("--devices=cpu,meta")
+    reprec.assertoutcome(passed=1, skipped=1)
+    reason = skip_reasons(reprec)["test_it.py::test_accelerator[accelerator]"]
+    assert reason == (
+        "requires_device('accelerator'): none of the devices to test on is one "
+        "(they are: cpu, meta)"
+    )
+    accelerators = [d for d in devicectx.available_devices() if d.type not in ("cpu", "meta")]
+    expected = [f"test_it.py::test_accelerator[{d}]" for d in accelerators] or [
+        "test_it.py::test_accelerator[accelerator]"
+    ]
+    assert expected == collected_ids(pytester, "-k", "test_accelerator")
 
 
 EMULATED_TESTS = """

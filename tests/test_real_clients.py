@@ -556,7 +556,8 @@ def test_mismatch_message_for_a_batch_encoding() -> None:
     with pytest.raises(DeviceMismatchError) as error:
         encode(tiny_bert().to(META), encoding())
     assert [
-        "test_mismatch_message_for_a_batch_encoding.<locals>.encode() got tensors on 1 device:",
+        "test_mismatch_message_for_a_batch_encoding.<locals>.encode() got tensors on cpu, "
+        "not on its target:",
         "    cpu <- batch['input_ids'], batch['token_type_ids']",
         "target meta (from the parameters of model (BertModel))",
         'fix: pass to_device(batch, "meta"), or use @device_agnostic(move=True) to move inputs',

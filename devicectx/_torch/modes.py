@@ -6,7 +6,7 @@ the innermost ``DeviceContext`` (a ``TorchFunctionMode``) fills in ``device=`` o
 calls, and ``torch.get_default_device()`` reads it. The other is a per-thread slot,
 ``torch._GLOBAL_DEVICE_CONTEXT.device_context``: the ``DeviceContext`` that
 ``torch.set_default_device`` entered, whose ``__exit__`` the next ``set_default_device``
-calls. :mod:`devicectx.scope._context` needs three things no public API gives:
+calls. :mod:`devicectx.scope._stack` needs three things no public API gives:
 
 - to read the innermost ``DeviceContext`` (to tell a ``with torch.device`` block entered
   inside a scope, which then wins, from one entered before);

@@ -14,10 +14,12 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar, overload
 
+from devicectx.decorator._params import check_switches
 from devicectx.decorator._plan import Plan
 from devicectx.decorator._target import DeviceOption
 from devicectx.decorator._wrappers import wrap
 from devicectx.devices._resolve import DeviceLike
+from devicectx.move._dtypes import DtypesLike, check_dtypes
 from devicectx.scope._precision import PrecisionName, check_precision_name
 
 _P = ParamSpec("_P")
@@ -41,6 +43,7 @@ def device_agnostic(
     scope: bool = True,
     coalesce: bool = True,
     precision: PrecisionName | None = None,
+    dtypes: DtypesLike = None,
 ) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
 
 
@@ -56,6 +59,7 @@ def device_agnostic(
     scope: bool = True,
     coalesce: bool = True,
     precision: PrecisionName | None = None,
+    dtypes: DtypesLike = None,
 ) -> Any:
     """Run a function on one device: its tensor inputs moved (or checked), its body scoped.
 
@@ -104,6 +108,12 @@ def device_agnostic(
         precision: run the body under ``torch.autocast`` for the target's device type:
             ``"bf16-mixed"``, ``"16-mixed"``, ``"32"`` or ``"auto"`` (see
             :func:`~devicectx.choose_precision`); ``None`` leaves autocast alone.
+        dtypes: what the move does with a dtype the target cannot hold (float64 on
+            MPS), as :func:`~devicectx.to_device` takes it: ``None`` refuses the call
+            before the body, naming every such argument path; ``"device"`` casts each to
+            the nearest dtype the target holds (nothing changes on a device that holds
+            every dtype); a mapping (``{torch.float64: torch.float32}``) casts every
+            tensor argument of a key's dtype, on every device. Results are not cast.
 
     Returns:
         The decorated function, with the same name, docstring, signature and static type.
@@ -116,7 +126,10 @@ def device_agnostic(
         InvalidDeviceError: at decoration, for a malformed ``device=`` or ``output=``.
         InvalidPrecisionError: at decoration, for an unknown ``precision=``.
         PrecisionUnsupportedError: at a call, for a precision the target cannot run.
-        ValueError: at decoration, for an ``exclude`` name the function does not take.
+        ValueError: at decoration, for an ``exclude`` name the function does not take,
+            or ``dtypes=`` with ``move=False``.
+        DtypeUnsupportedError: at a call, for tensor arguments of a dtype the target
+            cannot hold (with ``dtypes=None``).
 
     Caveats:
         - Each call scans its arguments and checks the device of the module involved.
@@ -135,12 +148,14 @@ def device_agnostic(
           not trace decorated calls as devicectx expects (checked once per process, at
           first use), they run eagerly instead: graph breaks.
     """
+    check_switches(move=move, non_blocking=non_blocking, scope=scope, coalesce=coalesce)
     if wrapped is None:
         for spec, argument in ((device, "device"), (output, "output")):
             if spec is not None and not (argument == "output" and spec == "input"):
                 DeviceOption(spec, argument=argument)  # a malformed spec fails here, at once
         if precision is not None:
             check_precision_name(precision)
+        check_dtypes(dtypes)
         return functools.partial(
             device_agnostic,
             device=device,
@@ -151,6 +166,7 @@ def device_agnostic(
             scope=scope,
             coalesce=coalesce,
             precision=precision,
+            dtypes=dtypes,
         )
     if inspect.isclass(wrapped):
         name = wrapped.__name__
@@ -159,5 +175,7 @@ def device_agnostic(
             f"take tensors instead (`@device_agnostic` on `def forward`)"
         )
         raise TypeError(msg)
-    plan = Plan(wrapped, device, move, output, exclude, non_blocking, scope, coalesce, precision)
+    plan = Plan(
+        wrapped, device, move, output, exclude, non_blocking, scope, coalesce, precision, dtypes
+    )
     return wrap(wrapped, plan)

@@ -44,6 +44,9 @@ def tensors_off_target(
     off = [path for device, paths in found.items() if device != target for path in paths]
     calls = _to_calls(off, target)
     fix = f"pass {calls}, or use @device_agnostic(move=True) to move inputs"
+    if len(found) == 1:  # all on one device, the wrong one
+        what = f"tensors on {next(iter(found))}, not on its target"
+        return _error(function, what, found, target, reason, fix, count=False)
     return _error(function, "tensors", _target_first(found, target), target, reason, fix)
 
 

@@ -23,7 +23,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from devicectx.decorator import _mismatch
+from devicectx._errors import DeviceMismatchError
+from devicectx.decorator import _mismatch, _unseen
 from devicectx.decorator._inputs import Held, found_devices, scan
 from devicectx.decorator._params import Params, self_offset
 from devicectx.decorator._spread import SpreadModel, Unmaterialised
@@ -39,15 +40,16 @@ from devicectx.decorator._target import (
 from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move
 from devicectx.move._distributed import wrapper_name
-from devicectx.scope._context import (
+from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
+from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
+from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
+from devicectx.scope._stack import (
     active_device,
     call_scoped,
     current_device,
     pop_nested,
     push_nested,
 )
-from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
-from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
 
 _Module = nn.Module
 _Tensor = torch.Tensor
@@ -69,8 +71,10 @@ class Plan:
     """What a decorated function does at each call, settled at decoration."""
 
     __slots__ = (
+        "casts",
         "coalesce",
         "device",
+        "dtypes",
         "exclude",
         "kind",
         "move",
@@ -96,6 +100,7 @@ class Plan:
         scope: bool = True,
         coalesce: bool = True,
         precision: str | None = None,
+        dtypes: DtypesLike = None,
     ) -> None:
         function = getattr(wrapped, "__func__", wrapped)  # classmethod, staticmethod
         self.name: str = getattr(function, "__qualname__", repr(function))
@@ -110,6 +115,19 @@ class Plan:
         self.coalesce = coalesce
         self.precision = None if precision is None else check_precision_name(precision)
         self.params = Params.of(function, self.name)
+        mapping = check_dtypes(dtypes)
+        if dtypes is not None and not move:
+            msg = (
+                f"@device_agnostic(dtypes={dtypes!r}, move=False) on {self.name}(): dtypes= "
+                f"says what a move does with dtypes, and move=False moves nothing\n"
+                f"fix: @device_agnostic(move=False) and cast the inputs yourself, or "
+                f"@device_agnostic(dtypes={dtypes!r})"
+            )
+            raise ValueError(msg)
+        self.dtypes = dtypes
+        # The dtypes an explicit mapping casts wherever the tensors are (on the target too):
+        # a call with tensors of these is no fast call.
+        self.casts = frozenset(mapping) or None
         names = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         self.exclude = self.params.exclusion(names) if names else None
         self.kind = (
@@ -123,6 +141,8 @@ class Plan:
         )
         # Whether dynamo may trace a call (a plain function), or must run it eagerly.
         self.traceable = self.kind == FUNCTION
+        if dtypes is not None:  # the traced move casts nothing: such a call runs eagerly
+            self.traceable = False
         if self.kind == GENERATOR:
             disable_resume_under_compile()
         # The call dynamo traces, set by the layer above (decorator._compiled), which knows
@@ -164,7 +184,11 @@ class Plan:
         if module is not None and uniform:
             requested = target if option is not None else None
             target = self._target(module, requested, wrapped, instance, args, kwargs)
-        if uniform and (first is target or first is None or target is None or first == target):
+        if (
+            uniform
+            and (first is target or first is None or target is None or first == target)
+            and (self.casts is None or self._cast_free(args, kwargs))
+        ):
             if target is None:
                 target = first
             back = self.output.resolve() if self.output is not None else None
@@ -174,13 +198,38 @@ class Plan:
             args, kwargs, target, back = self.prepare(wrapped, instance, args, kwargs)
         if self.kind != FUNCTION:
             return self._start(wrapped, args, kwargs, target, back)
-        if self.precision is not None:
-            result = self._autocast_call(wrapped, args, kwargs, target)
-        elif self.scope and target is not None:
-            result = call_scoped(target, wrapped, args, kwargs)
-        else:
-            result = wrapped(*args, **kwargs)
+        try:  # costs nothing where the body returns (Python 3.11's zero-cost try)
+            if self.precision is not None:
+                result = self._autocast_call(wrapped, args, kwargs, target)
+            elif self.scope and target is not None:
+                result = call_scoped(target, wrapped, args, kwargs)
+            else:
+                result = wrapped(*args, **kwargs)
+        except RuntimeError as error:
+            unseen = self.unseen(error, module, instance, args, kwargs, target, wrapped)
+            if unseen is None:
+                raise
+            raise unseen from error
         return result if back is None else self.place(result, back)
+
+    def unseen(
+        self,
+        error: RuntimeError,
+        module: nn.Module | None,
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: torch.device | None,
+        wrapped: Callable[..., Any],
+    ) -> DeviceMismatchError | None:
+        """torch's device mismatch in the body, told with the tensors the call could not
+        see (:mod:`devicectx.decorator._unseen`); None: let ``error`` through."""
+        offset = self_offset(wrapped, instance)
+        named = [(name, value) for name, value, _ in self.params.named(args, kwargs, offset)]
+        if instance is not None:
+            named.insert(0, ("self", instance))
+        reason = self._reason(module, instance, args, kwargs, offset)
+        return _unseen.explain(error, self.name, named, target, reason)
 
     def _autocast_call(
         self,
@@ -241,7 +290,7 @@ class Plan:
                 raise _mismatch.no_common_device(self.name, found)
         if target is None:
             target = home
-        elif not (uniform and (first is None or first == target)):
+        elif self.casts is not None or not (uniform and (first is None or first == target)):
             if self.move:
                 moved = _move.move_call(
                     seen_args,
@@ -253,6 +302,7 @@ class Plan:
                     skip=_Module,
                     coalesce=self.coalesce,
                     where=f"{self.name}()",
+                    dtypes=self.dtypes,
                 )
                 args, kwargs = moved if held is None else held.merge(*moved)
             else:
@@ -264,6 +314,13 @@ class Plan:
         if self.output is not None:
             return args, kwargs, target, self.output.resolve()
         return args, kwargs, target, home if self.to_input else None
+
+    def _cast_free(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether no argument holds a tensor of a dtype ``dtypes=`` casts (else the call
+        takes prepare(), whose move casts what it must)."""
+        casts = self.casts
+        assert casts is not None
+        return not holds_any((*args, *kwargs.values()) if kwargs else args, casts)
 
     def _target(
         self,
@@ -304,28 +361,51 @@ class Plan:
         """:meth:`_target` for a module whose answer is not a plain device, or is off
         ``requested``: a spread model's target, or the error that says why there is none."""
         __tracebackhide__ = True
+        offset = self_offset(wrapped, instance)
+        return self.module_verdict(
+            device,
+            module,
+            requested,
+            lambda: self._module_name(module, instance, args, kwargs, offset),
+        )
+
+    def module_verdict(
+        self,
+        device: Placed,
+        module: nn.Module,
+        requested: torch.device | None,
+        name: Callable[[], str],
+    ) -> torch.device:
+        """The target for ``module`` (placed at ``device``, not one plain device, or off
+        ``requested``), or the error that says why there is none; ``name()`` says how the
+        call names the module (asked only for an error). The eager and the traced call
+        (:mod:`devicectx.decorator._compiled`) both ask it."""
+        __tracebackhide__ = True
         option = self.device
         if isinstance(device, SpreadModel):
             strays = device.strays(requested)
             if device.entry is not None and not strays:  # spread on purpose, all in place
                 return requested if requested is not None else device.entry
-        offset = self_offset(wrapped, instance)
-        name = self._module_name(module, instance, args, kwargs, offset)
+        called = name()
         kind = type(module).__name__
         if isinstance(device, SpreadModel):
             target = requested if requested is not None else device.home(None)
-            reason = option.reason() if option is not None else device.rule(name)
+            reason = option.reason() if option is not None else device.rule(called)
             parts = device.parts(requested)
             on_purpose = device.entry is not None
-            raise _mismatch.spread_strays(self.name, name, kind, parts, target, reason, on_purpose)
+            raise _mismatch.spread_strays(
+                self.name, called, kind, parts, target, reason, on_purpose
+            )
         if isinstance(device, Unmaterialised):
             target = requested if requested is not None else device.compute
-            reason = option.reason() if option is not None else module_label(module, name)
-            raise _mismatch.not_materialised(self.name, name, kind, target, reason)
+            reason = option.reason() if option is not None else module_label(module, called)
+            raise _mismatch.not_materialised(self.name, called, kind, target, reason)
         reason = option.reason() if option is not None else "a module must be on one device"
-        found = module_devices(unwrap(module), name)
+        found = module_devices(unwrap(module), called)
         wrapper = wrapper_name(module)
-        raise _mismatch.module_off_target(self.name, name, kind, found, requested, reason, wrapper)
+        raise _mismatch.module_off_target(
+            self.name, called, kind, found, requested, reason, wrapper
+        )
 
     def _module_name(
         self,

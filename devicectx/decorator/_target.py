@@ -6,7 +6,7 @@ The rules, the first that applies:
 2. the device of the ``nn.Module`` involved (:func:`involved_module`, :func:`module_device`):
    for a model spread over devices on purpose, where it starts
    (:mod:`devicectx.decorator._spread`);
-3. the innermost active ``on_device`` (asked of :mod:`devicectx.scope._context`);
+3. the innermost active ``on_device`` (asked of :mod:`devicectx.scope._stack`);
 4. the device the argument tensors agree on (found by the caller, in
    :mod:`devicectx.decorator._plan`).
 """

@@ -75,6 +75,7 @@ def format_report(report: DeviceReport) -> str:
     rows = [
         ("devicectx", report.devicectx),
         ("torch", f"{build.torch_version}, built for {built_for}"),
+        *([("xla", _xla_line(report))] if build.xla is not None else []),
         ("accelerator", build.accelerator or "none"),
         *(("devices" if i == 0 else "", line) for i, line in enumerate(_device_lines(report))),
         ("auto", auto),
@@ -86,6 +87,13 @@ def format_report(report: DeviceReport) -> str:
     width = max(len(key) for key, _ in rows) + 2
     prefix = report.job.prefix if report.job is not None else ""
     return "\n".join(f"{prefix}{key:<{width}}{value}".rstrip() for key, value in rows)
+
+
+def _xla_line(report: DeviceReport) -> str:
+    """``torch_xla 2.9.0, PJRT_DEVICE=TPU``, or why its devices are not listed."""
+    pjrt = report.environment.get("PJRT_DEVICE")
+    used = f"PJRT_DEVICE={pjrt}" if pjrt else "not used: PJRT_DEVICE is unset (set it to use XLA)"
+    return f"torch_xla {report.build.xla}, {used}"
 
 
 def _job_line(job: JobInfo) -> str:

@@ -16,12 +16,20 @@ from typing import Any, TypeVar
 import torch
 
 from devicectx._errors import DeviceError
+from devicectx.devices import _xla
 from devicectx.devices._resolve import ENV_VAR, _resolve, accelerator_type, available_devices
 from devicectx.move._distributed import job
-from devicectx.scope._context import current_device
+from devicectx.scope._stack import current_device
 
-# The variables that decide which device a process gets, in the order they matter.
-ENV_VARS = (ENV_VAR, "LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+# The variables that decide which device a process gets, in the order they matter
+# (torch_xla's PJRT_DEVICE only where torch_xla is installed: it decides nothing elsewhere).
+ENV_VARS = (
+    ENV_VAR,
+    *([_xla.ENV_VAR] if _xla.installed() else []),
+    "LOCAL_RANK",
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+)
 
 _T = TypeVar("_T")
 
@@ -40,6 +48,8 @@ class BuildInfo:
         xpu: ``torch.version.xpu`` (the SYCL version), or ``None`` when not built with XPU.
         cudnn: ``torch.backends.cudnn.version()`` where cuDNN (or MIOpen) is usable, else ``None``.
         accelerator: the accelerator torch uses here (``torch.accelerator``), or ``None``.
+        xla: the ``torch_xla`` release installed beside torch, or ``None``; its devices are
+            listed (``xla:0``, named for their PJRT device) where ``PJRT_DEVICE`` is set.
     """
 
     torch_version: str
@@ -50,6 +60,7 @@ class BuildInfo:
     xpu: str | None
     cudnn: int | None
     accelerator: str | None
+    xla: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,8 @@ class DeviceInfo:
 
     Attributes:
         device: ``"cpu"``, ``"cuda:0"``, ...
-        name: the product name (``"NVIDIA H100 80GB HBM3"``); the machine type for the CPU.
+        name: the product name (``"NVIDIA H100 80GB HBM3"``); the machine type for the CPU;
+            the PJRT device for XLA (``"PJRT TPU"``, ``"PJRT CPU"``).
         memory: total memory in bytes; for MPS the recommended maximum working set
             (``torch.mps.recommended_max_memory()``); ``None`` for the CPU.
         capability: CUDA compute capability (``"9.0"``), ROCm architecture
@@ -208,6 +220,7 @@ def _build_info() -> BuildInfo:
         xpu=xpu,
         cudnn=_guarded(_cudnn_version),
         accelerator=accelerator_type(),
+        xla=_xla.version(),
     )
 
 
@@ -231,6 +244,14 @@ def _device_info(device: torch.device) -> DeviceInfo:
             device=str(device),
             name=None,
             memory=_guarded(torch.mps.recommended_max_memory),
+            capability=None,
+        )
+    if device.type == "xla":
+        hardware = _guarded(lambda: _xla.hardware(device))
+        return DeviceInfo(
+            device=str(device),
+            name=None if hardware is None else f"PJRT {hardware}",
+            memory=_guarded(lambda: _xla.memory(device)),
             capability=None,
         )
     backend = getattr(torch, device.type, None)

@@ -3,9 +3,11 @@
 The rules, in the order ``"auto"`` tries them:
 
 1. the environment variable ``DEVICECTX_DEVICE``, when set and not empty;
-2. under ``torchrun`` (``LOCAL_RANK`` set), the accelerator at ``LOCAL_RANK % device_count``;
-3. the current accelerator (:mod:`torch.accelerator`) at its current index;
-4. the CPU.
+2. XLA, where ``torch_xla`` is installed and ``PJRT_DEVICE`` is set: torch_xla's default
+   device for this process (:mod:`devicectx.devices._xla`);
+3. under ``torchrun`` (``LOCAL_RANK`` set), the accelerator at ``LOCAL_RANK % device_count``;
+4. the current accelerator (:mod:`torch.accelerator`) at its current index;
+5. the CPU.
 
 Every device that comes back carries an index where tensors allocated on it
 do (``"cuda"`` becomes ``cuda:0``), so it compares equal to ``tensor.device``.
@@ -28,6 +30,7 @@ import torch
 from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
 from devicectx._torch.backends import privateuse1_name
 from devicectx._torch.dynamo import constant
+from devicectx.devices import _xla
 
 DeviceLike: TypeAlias = "torch.device | str | int | None"
 """Anything :func:`resolve_device` accepts."""
@@ -89,19 +92,22 @@ def explain_device(spec: DeviceLike = "auto") -> str:
 
 
 def available_devices() -> list[torch.device]:
-    """The CPU and every index of this machine's accelerator, in order.
+    """The CPU, every index of this machine's accelerator, then the XLA devices, in order.
 
-    ``meta`` is not listed, although it is always usable: it holds no data.
+    XLA devices are listed where XLA is in use (``torch_xla`` installed and ``PJRT_DEVICE``
+    set, the rule of ``"auto"``). ``meta`` is not listed, although it is always usable: it
+    holds no data.
 
     Example:
         >>> available_devices()[0]
         device(type='cpu')
     """
     accelerator = accelerator_type()
+    xla = _xla.devices() if _xla.in_use() else []
     if accelerator is None:
-        return [_CPU]
+        return [_CPU, *xla]
     count = _accelerator_count()
-    return [_CPU, *(torch.device(accelerator, i) for i in range(count))]
+    return [_CPU, *(torch.device(accelerator, i) for i in range(count)), *xla]
 
 
 _FIXED: dict[object, torch.device | None] = {}
@@ -163,6 +169,9 @@ def _auto() -> tuple[torch.device, str]:
             raise type(error)(msg) from None
         return device, f"environment variable {ENV_VAR}={env_value!r}"
 
+    if _xla.in_use():
+        return _auto_xla()
+
     accelerator = accelerator_type()
     local_rank = os.environ.get("LOCAL_RANK")
     if local_rank is not None:
@@ -182,6 +191,20 @@ def _auto() -> tuple[torch.device, str]:
             f"accelerator {accelerator!r} found, at its current index {index}"
         )
     return _CPU, f"no accelerator found, so the CPU (set {ENV_VAR} to choose)"
+
+
+def _auto_xla() -> tuple[torch.device, str]:
+    """XLA's default device, where ``PJRT_DEVICE`` asks for XLA and torch_xla is installed."""
+    setting = f"{_xla.ENV_VAR}={_xla.pjrt_device()!r}"
+    problem = _xla.problem() or ("torch_xla finds no device" if _xla.count() == 0 else None)
+    if problem is not None:
+        msg = (
+            f"environment variable {setting} asks for an XLA device, and {problem}\n"
+            f"fix: {_xla.FIX_INSTALL}, or unset {_xla.ENV_VAR} to use torch's own devices"
+        )
+        raise DeviceUnavailableError(msg)
+    device = _xla.default_device()
+    return device, f"environment variable {setting}: torch_xla's default device"
 
 
 def _parse_local_rank(value: str) -> int:
@@ -235,6 +258,8 @@ def _parse(spec: object) -> torch.device:
         problem = "an empty string" if not text else f"unknown device type {kind!r}"
         if text and _is_known_type(kind):
             problem = "the index after ':' must be a whole number >= 0"
+        elif kind != kind.lower() and _is_known_type(kind.lower()):  # torch's types are lower case
+            problem += f", did you mean {text.lower()!r}?"
         raise InvalidDeviceError(f"invalid device {spec!r}: {problem}\n{_VALID_FORMS}") from None
 
 
@@ -248,6 +273,9 @@ def _is_known_type(kind: str) -> bool:
 
 def _check_accelerator(spec: object, device: torch.device) -> torch.device:
     count = _device_count(device.type)
+    if count == 0 and device.type == "xla":  # XLA: the torch_xla package's devices
+        problem = _xla.problem() or "torch_xla finds no device"
+        raise _unavailable(spec, problem, f"{_xla.FIX_INSTALL}, or pass one of those")
     if count == 0:
         build = f"this torch build ({torch.__version__})"
         raise _unavailable(spec, f"{build} has no usable {device.type!r} device")
@@ -263,6 +291,8 @@ def _device_count(device_type: str) -> int:
     """How many devices of this type torch can use here; 0 when none or unknown."""
     if device_type == accelerator_type():
         return _accelerator_count()
+    if device_type == "xla":
+        return _xla.count()
     backend = getattr(torch, device_type, None)
     is_available = getattr(backend, "is_available", None)
     device_count = getattr(backend, "device_count", None)
@@ -279,6 +309,8 @@ def _current_index(device_type: str) -> int:
     """The current index of this device type (what ``"cuda"`` means)."""
     if device_type == accelerator_type():
         return _accelerator_index()
+    if device_type == "xla":
+        return _xla.default_device().index or 0
     backend = getattr(torch, device_type, None)
     current = getattr(backend, "current_device", None)
     return int(current()) if callable(current) else 0
@@ -355,12 +387,12 @@ def device_name(device_type: str, index: int | None = None) -> str:
     return ""
 
 
-def _unavailable(spec: object, problem: str) -> DeviceUnavailableError:
+def _unavailable(spec: object, problem: str, fix: str | None = None) -> DeviceUnavailableError:
     here = ", ".join(str(d) for d in [*available_devices(), _META])
     msg = (
         f"device {_show(spec)} is not available: {problem}\n"
         f"available here: {here}\n"
-        f"fix: pass one of those, or run on the CPU with {ENV_VAR}=cpu"
+        f"fix: {fix or f'pass one of those, or run on the CPU with {ENV_VAR}=cpu'}"
     )
     return DeviceUnavailableError(msg)
 

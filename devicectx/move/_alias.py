@@ -9,7 +9,8 @@ for one that is no view); within a group the *anchor* of a member is the largest
 tensor that covers its memory (the base, when it is there). A tensor covered by none is
 copied alone, as ``.to`` copies it: only its own elements, never the rest of its base.
 Tensors that share memory without being views (``x.data``, ``x.detach()``) are copied
-apart, as ``.to`` would copy them.
+apart, as ``.to`` would copy them. A view on XLA is copied alone too: XLA tensors report
+their base but not where in it they lie (every one says offset 0, contiguous strides).
 
 The walk meets tensors in structure order, so it cannot know whether a larger tensor will
 come later. It links each member to the first member of its group when that one covers it
@@ -21,6 +22,7 @@ wrong and returns the few results to replace.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,16 +32,29 @@ _Tensor = torch.Tensor
 # Copies to these are read by the host as soon as they return (CPU), or have been seen to
 # arrive late under non_blocking (MPS: pytorch/pytorch#83015), so they are always blocking.
 _BLOCKING_TARGETS = frozenset({"cpu", "mps", "meta"})
+# XLA: a view's storage_offset and strides are not its place in its base (torch_xla 2.9
+# reports 0 and contiguous strides for every tensor), so no view of it can be re-made.
+_NO_GEOMETRY = frozenset({"xla"})
 
 
 class TensorMover:
     """Moves the tensors of one call to ``device``; see the module docstring."""
 
-    __slots__ = ("device", "groups", "moved", "non_blocking", "sent", "unsettled")
+    __slots__ = ("device", "dtypes", "groups", "moved", "non_blocking", "sent", "unsettled")
 
-    def __init__(self, device: torch.device, non_blocking: bool) -> None:
+    def __init__(
+        self,
+        device: torch.device | None,
+        non_blocking: bool,
+        dtypes: Mapping[torch.dtype, torch.dtype] | None = None,
+    ) -> None:
+        # device None with dtypes: a cast where each tensor is (the dtype policy's, which
+        # sends only the tensors to cast), views and aliasing kept as in a move.
         self.device = device
-        self.non_blocking = non_blocking and device.type not in _BLOCKING_TARGETS
+        self.dtypes = dtypes
+        self.non_blocking = (
+            non_blocking and device is not None and device.type not in _BLOCKING_TARGETS
+        )
         # id(original) -> its result. The caller keeps every original alive until the call
         # ends, so no id here can be reused by a new object meanwhile.
         self.moved: dict[int, _Tensor] = {}
@@ -57,11 +72,13 @@ class TensorMover:
         if tensor.device == self.device:
             return tensor
         base = tensor._base
+        if base is not None and tensor.device.type in _NO_GEOMETRY:  # copied alone (XLA)
+            base = None
         if base is None:
             group = self.groups.get(id(tensor)) if self.groups else None
             if group is not None:  # views of it came first
                 moved = group.add(self, tensor)
-            elif type(tensor) is _Tensor and not self.non_blocking:
+            elif type(tensor) is _Tensor and not self.non_blocking and self.dtypes is None:
                 moved = tensor.to(self.device)  # the common case
                 self.sent.append(tensor)
             else:
@@ -93,16 +110,26 @@ class TensorMover:
         them); any other tensor through ``.to``, so the copy is differentiable.
         """
         non_blocking = self.non_blocking and tensor.is_cpu
+        dtype = None if self.dtypes is None else self.dtypes.get(tensor.dtype)
         self.sent.append(tensor)
         # Parameter's isinstance goes through a Python-level metaclass hook: test the
         # exact type first.
         if type(tensor) is not _Tensor and isinstance(tensor, nn.Parameter):
-            data = tensor.detach().to(self.device, non_blocking=non_blocking)
+            data = _to(tensor.detach(), self.device, dtype, non_blocking)
             try:
                 return _parameter(tensor, data)
             except Exception as error:
                 raise EngineBug(error) from error
-        return tensor.to(self.device, non_blocking=non_blocking)
+        return _to(tensor, self.device, dtype, non_blocking)
+
+
+def _to(
+    tensor: _Tensor, device: torch.device | None, dtype: torch.dtype | None, non_blocking: bool
+) -> _Tensor:
+    # No dtype argument unless there is one: some subclasses' .to reads its arguments.
+    if dtype is None:
+        return tensor.to(device, non_blocking=non_blocking)
+    return tensor.to(device, dtype, non_blocking=non_blocking)
 
 
 class EngineBug(Exception):

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from devicectx._errors import RegistrationError
 from devicectx.move._distributed import is_dtensor_type
 from devicectx.move._paths import ATTR, DUAL, ITEM, MEMBER, Entry, join
 
@@ -265,6 +266,8 @@ def register_container(
         TypeError: ``cls`` is not a class, or is ``object`` or ``torch.Tensor`` itself,
             or ``children``/``rebuild`` are not callable.
         ValueError: ``keys`` is neither ``"attr"`` nor ``"item"``.
+        devicectx.RegistrationError: at a move or a look, ``children`` gave something
+            other than a ``(key, child)`` pair (a ``TypeError``).
     """
     if not isinstance(cls, type) or cls in (object, torch.Tensor):
         msg = (
@@ -288,8 +291,19 @@ def register_container(
         raise ValueError(msg)
 
     def split(obj: Any) -> tuple[list[Any], list[Any]]:
-        pairs = list(children(obj))
-        return [k for k, _ in pairs], [v for _, v in pairs]
+        keys: list[Any] = []
+        values: list[Any] = []
+        for pair in children(obj):
+            try:
+                # A tensor of two elements would unpack, as its two halves.
+                if isinstance(pair, torch.Tensor):
+                    raise TypeError
+                key, value = pair
+            except (TypeError, ValueError):
+                raise RegistrationError(_not_a_pair(cls, pair)) from None
+            keys.append(key)
+            values.append(value)
+        return keys, values
 
     def rebuilt(obj: Any, _keys: object, _old: object, new: list[Any]) -> Any:
         return rebuild(obj, new)
@@ -298,6 +312,57 @@ def register_container(
     with _LOCK:
         _REGISTRY[cls] = kind
         _reset_cache()
+
+
+def _not_a_pair(cls: type, item: object) -> str:
+    """The message for a ``children=`` that gave ``item`` where a ``(key, child)`` belongs."""
+    name = cls.__qualname__
+    return (
+        f"register_container({name}, children=...) gave a {type(item).__qualname__} for a "
+        f"{name}, not a (key, child) pair\n"
+        f'fix: children=lambda obj: [("left", obj.left), ("right", obj.right)], each child '
+        f"with its key"
+    )
+
+
+def unregister_container(cls: type) -> None:
+    """Undo :func:`register_container`: ``cls`` is handled by the built-in rules again.
+
+    Example:
+        >>> import torch, devicectx
+        >>> class Pair:
+        ...     def __init__(self, left, right):
+        ...         self.left, self.right = left, right
+        >>> devicectx.register_container(
+        ...     Pair, children=lambda p: [("left", p.left)], rebuild=lambda p, new: p
+        ... )
+        >>> devicectx.unregister_container(Pair)
+        >>> devicectx.find_devices(Pair(torch.zeros(1), None))
+        {}
+
+    Args:
+        cls: a type given to :func:`register_container` before.
+
+    Raises:
+        ValueError: ``cls`` is not registered (its subclasses' and bases' registrations
+            are their own).
+    """
+    with _LOCK:
+        if cls not in _REGISTRY:
+            registered = ", ".join(sorted(tp.__qualname__ for tp in _REGISTRY)) or "none"
+            msg = (
+                f"unregister_container({getattr(cls, '__qualname__', cls)!r}): it is not "
+                f"registered (registered: {registered})\n"
+                f"fix: unregister only a class given to register_container()"
+            )
+            raise ValueError(msg)
+        del _REGISTRY[cls]
+        _reset_cache()
+
+
+def is_plain_leaf(tp: type) -> bool:
+    """Whether objects of ``tp`` are leaves that hold no tensor: scalars, strings, types."""
+    return tp in _PLAIN_LEAVES or issubclass(tp, _LEAF_BASES)
 
 
 def _work_out(tp: type) -> Kind:
@@ -449,7 +514,7 @@ def _dataclass_split(tp: type) -> Split:
 
 
 def _dataclass_rebuild(tp: type) -> Rebuild:
-    slots = _slot_names(tp)
+    slots = slot_names(tp)
     cached = _cached_names(tp)
 
     def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
@@ -560,7 +625,7 @@ def _dual_split(tp: type) -> Split:
 
 def _dual_rebuild(tp: type) -> Rebuild:
     split = _dual_split(tp)
-    names = tuple(f.name for f in dataclasses.fields(tp)) + _slot_names(tp)
+    names = tuple(f.name for f in dataclasses.fields(tp)) + slot_names(tp)
     cached = _cached_names(tp)
     mapping = issubclass(tp, Mapping)
     storage = next((k for k in tp.__mro__ if k in (dict, collections.OrderedDict, list)), None)
@@ -626,7 +691,8 @@ def _disagreement(
     return f"{start} lists them in another order"
 
 
-def _slot_names(tp: type) -> tuple[str, ...]:
+def slot_names(tp: type) -> tuple[str, ...]:
+    """The attribute names of ``tp``'s ``__slots__``, through its MRO (mangled as stored)."""
     names: list[str] = []
     for klass in tp.__mro__:
         declared = klass.__dict__.get("__slots__", ())
@@ -645,6 +711,7 @@ def _slot_names(tp: type) -> tuple[str, ...]:
 
 
 def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    failed: Exception | None = None
     if isinstance(obj, MutableMapping):
         try:
             clone = copy.copy(obj)
@@ -654,12 +721,13 @@ def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) ->
                     if after is not before:
                         clone[key] = after
                 return clone
-        except Exception:
-            pass
-    return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)")
+        except Exception as error:  # the constructor may still work; if not, both are told
+            failed = error
+    return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)", failed)
 
 
 def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    failed: Exception | None = None
     if isinstance(obj, MutableSequence):
         try:
             clone = copy.copy(obj)
@@ -669,12 +737,13 @@ def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -
                     if after is not before:
                         clone[index] = after
                 return clone
-        except Exception:
-            pass
-    return _construct(obj, new, len(new), "new_items")
+        except Exception as error:  # the constructor may still work; if not, both are told
+            failed = error
+    return _construct(obj, new, len(new), "new_items", failed)
 
 
 def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    failed: Exception | None = None
     if isinstance(obj, MutableSet):
         try:
             clone = copy.copy(obj)
@@ -685,21 +754,28 @@ def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any
                         clone.discard(before)
                         clone.add(after)
                 return clone
-        except Exception:
-            pass
-    return _construct(obj, new, len(new), "new_members")
+        except Exception as error:  # the constructor may still work; if not, both are told
+            failed = error
+    return _construct(obj, new, len(new), "new_members", failed)
 
 
-def _construct(obj: Any, contents: Any, size: int, argument: str) -> Any:
+def _construct(
+    obj: Any, contents: Any, size: int, argument: str, failed: Exception | None = None
+) -> Any:
+    """``type(obj)(contents)``, checked; ``failed``: why a copy could not be updated."""
     tp = type(obj)
     call = f"{tp.__qualname__}({argument})"
-    if isinstance(obj, (MutableMapping, MutableSequence, MutableSet)):
+    if failed is not None:
+        how = f"updating a copy of it raised {type(failed).__name__}: {failed}, and"
+    elif isinstance(obj, (MutableMapping, MutableSequence, MutableSet)):
         how = "a copy of it cannot be updated, and"
     else:
         how = "it is immutable, and"
     try:
         made = tp(contents)
     except Exception as error:
+        if failed is not None:  # chained through it, so the traceback shows both
+            error.__context__ = failed
         raise CannotRebuild(tp, f"{how} {call} raised {type(error).__name__}: {error}") from error
     if type(made) is not tp or len(made) != size:
         got = f"a {type(made).__qualname__} of length {len(made)}, not {size}"

@@ -32,11 +32,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from devicectx.devices._capabilities import CAPABILITIES
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.move import _containers, _staging, _transfers
 from devicectx.move._alias import TensorMover
 from devicectx.move._containers import CONTAINER, Kind
 from devicectx.move._containers import register_container as register_container
+from devicectx.move._dtypes import DtypesLike, Suggest, policy_for
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip, SkipLike, compile_skip
@@ -69,6 +71,7 @@ def to_device(
     non_blocking: bool = False,
     skip: SkipLike = None,
     coalesce: bool = True,
+    dtypes: DtypesLike = None,
 ) -> T:
     """Return ``obj`` with every tensor in it on ``device``, losing nothing.
 
@@ -100,6 +103,18 @@ def to_device(
             or a list of these.
         coalesce: stage moves between the host and an accelerator (see below); False
             moves every tensor with its own copy.
+        dtypes: what happens to a tensor of a dtype ``device`` cannot hold (float64 and
+            complex128 on MPS; see :func:`~devicectx.supports_dtype`). ``None`` (the
+            default) changes no dtype: such tensors raise ``DtypeUnsupportedError``
+            before anything is copied, naming every path. ``"device"`` casts each to the
+            nearest dtype the device holds (float64 -> float32, complex128 -> complex64,
+            bfloat16 -> float32, float8 -> float16) and leaves every other tensor alone:
+            on a device that holds every dtype, nothing changes. A mapping
+            (``{torch.float64: torch.float32}``) casts every tensor of a key's dtype,
+            wherever it is (already on ``device`` too), so a program gets the same
+            dtypes on every device. Casts are made before the move, where each tensor
+            is (a batch on the host is cast there and sends fewer bytes); skipped
+            tensors, modules and objects with their own ``.to`` are not cast.
 
     Returns:
         A structure like ``obj``: the same types (a namedtuple stays that namedtuple, a
@@ -112,6 +127,9 @@ def to_device(
     Raises:
         InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here; raised
             before any tensor is touched.
+        DtypeUnsupportedError: with ``dtypes=None``, tensors of a dtype ``device``
+            cannot hold; its ``paths`` lists every one, by dtype. Nothing was copied.
+        ValueError, TypeError: ``dtypes`` is no dtype policy.
         MoveError: a tensor or object could not be moved, or a container could not be
             rebuilt with every view of it showing the moved tensors (a ``Mapping`` whose
             type takes neither item assignment nor a dict, say); the message names its
@@ -127,8 +145,10 @@ def to_device(
           whichever order they come in: writing into one shows in the other. A view whose
           base is not in ``obj`` is copied alone, as ``.to`` copies it (a staged small one
           into a region it shares with other small tensors, see below).
-        - dtype, shape, ``requires_grad``, and autograd history: the move is ``.to`` (or
-          ``as_strided`` for views), so gradients flow back to the originals. An
+        - dtype (unless ``dtypes=`` casts it), shape, ``requires_grad``, and autograd
+          history: the move is ``.to`` (or ``as_strided`` for views), so gradients flow
+          back to the originals; a cast keeps all of it too, views of a cast tensor
+          included, as ``.to(dtype)`` does. An
           ``nn.Parameter`` comes back as a new ``nn.Parameter`` on ``device`` (a leaf,
           as ``module.to`` makes them).
         - A cycle does not loop: the inner reference to an enclosing container is kept
@@ -198,14 +218,19 @@ def to_device(
         target = resolve_device(device)
         if cacheable and _stable(device) and len(_RESOLVED) < 64:
             _RESOLVED[device] = target  # type: ignore[index]
-    if skip is None:
+    if skip is None and dtypes is None and not _MISSING(target):
         if _nothing_to_move(obj, target, ()):
             return obj
         fix = _to_device_fix(target, "obj")
         return _move(obj, target, non_blocking, None, "obj", fix, "to_device()", coalesce)
     compiled = compile_skip(skip)
-    return move_to(obj, target, non_blocking=non_blocking, skip=compiled, coalesce=coalesce)
+    return move_to(
+        obj, target, non_blocking=non_blocking, skip=compiled, coalesce=coalesce, dtypes=dtypes
+    )
 
+
+# The dtypes a device cannot hold (empty for most): a move to one of those checks dtypes.
+_MISSING = CAPABILITIES.missing
 
 # Explicit specs whose resolution cannot change: resolving costs more than a small move.
 _RESOLVED: dict[str | torch.device, torch.device] = {}
@@ -228,6 +253,8 @@ def move_to(
     name: str = "obj",
     coalesce: bool = True,
     where: str | None = None,
+    dtypes: DtypesLike = None,
+    suggest: Suggest | None = None,
 ) -> T:
     """:func:`to_device` for a device already resolved: no resolution cost per call.
 
@@ -242,17 +269,25 @@ def move_to(
         name: the root of the paths in errors (and of paths given in ``skip``).
         where: the place that moves, for :mod:`devicectx.move._transfers` (the decorated
             function); None for the line that called.
+        suggest: the fix line of a :class:`~devicectx.DtypeUnsupportedError`, given the
+            ``dtypes=`` to write; None: ``to_device(name, device, dtypes=...)``.
 
     Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
     passed twice becomes one moved tensor.
     """
-    if skip is None:
+    if skip is None and dtypes is None and not _MISSING(device):
         if _nothing_to_move(obj, device, ()):
             return obj
         fix = _to_device_fix(device, name)
         return _move(obj, device, non_blocking, None, name, fix, "to_device()", coalesce, where)
     compiled = compile_skip(skip, name)
-    if compiled is not None and not compiled.slow and _nothing_to_move(obj, device, compiled.types):
+    policy = policy_for(dtypes, device)
+    if policy is not None:  # the dtype policy: casts made (or refused) before the move
+        fix = _to_device_fix(device, name)
+        if suggest is None:
+            suggest = _to_device_suggest(device, name)
+        obj = policy.apply(obj, compiled, name, "to_device()", fix, suggest)
+    if (compiled is None or not compiled.slow) and _nothing_to_move(obj, device, _types(compiled)):
         return obj
     fix = _to_device_fix(device, name)
     return _move(obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce, where)
@@ -271,6 +306,7 @@ def move_call(
     coalesce: bool = True,
     where: str | None = None,
     check_repeats: bool = True,
+    dtypes: DtypesLike = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments moved as one structure, with errors that name the parameters.
 
@@ -279,9 +315,16 @@ def move_call(
     for ``args``), a keyword argument is its keyword. ``(args, kwargs)`` come back as the
     same objects when nothing moved. ``who`` starts the error message (the decorated
     function, say: ``"train.loss()"``); ``where`` names the place that moves, as in
-    :func:`move_to`.
+    :func:`move_to`. ``dtypes`` is the dtype policy; its error's fix is written for
+    ``@device_agnostic``.
     """
     compiled = compile_skip(skip, "")
+    policy = policy_for(dtypes, device)
+    if policy is not None:  # the dtype policy: casts made (or refused) before the move
+        values = (*args, *kwargs.values())
+        call = _Call(args, kwargs, names, rest)
+        cast = policy.apply(call, compiled, "", who, _call_fix, _decorator_suggest, values)
+        args, kwargs = cast.args, cast.kwargs
     if compiled is None:
         if _nothing_to_move((args, kwargs), device, ()):
             return args, kwargs
@@ -333,10 +376,10 @@ def _move(
         if staged is not None:
             mover.moved.update(staged.results)
             mover.sent.extend(staged.sources)
-    result = Rebuild(device, mover, skip, name, fix, who=who).run(obj)
+    result = Rebuild.moving(device, mover, skip, name, fix, who).run(obj)
     replace = mover.finish()
     if replace:  # views met before the tensor they belong to: made views of it now
-        result = Rebuild(None, None, None, name, fix, replace).run(result)
+        result = Rebuild.replacing(replace, name, fix, who).run(result)
     if not compiling:
         _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
     del staged
@@ -352,6 +395,17 @@ def _to_device_fix(device: torch.device, name: str) -> Fix:
         return f"leave it where it is: to_device({name}, {str(device)!r}, skip=[{path!r}])"
 
     return fix
+
+
+def _to_device_suggest(device: torch.device, name: str) -> Suggest:
+    def suggest(dtypes: str) -> str:
+        return f"to_device({name}, {str(device)!r}, dtypes={dtypes})"
+
+    return suggest
+
+
+def _decorator_suggest(dtypes: str) -> str:
+    return f"@device_agnostic(dtypes={dtypes})"
 
 
 def _call_fix(path: str) -> str:

@@ -45,6 +45,7 @@ import torch
 
 from devicectx.devices._resolve import DeviceLike, accelerator_type, resolve_device
 from devicectx.move import _transfers
+from devicectx.move._dtypes import DtypesLike, cast_batch, check_dtypes
 from devicectx.move._move import _move, _nothing_to_move
 from devicectx.move._skip import Skip, SkipLike, compile_skip
 from devicectx.move._staging import HandedTo
@@ -69,6 +70,7 @@ def prefetch(
     *,
     depth: int = 2,
     skip: SkipLike = None,
+    dtypes: DtypesLike = None,
 ) -> Prefetcher[T]:
     """Iterate over ``batches`` moved to ``device``, with the next ``depth`` already on their way.
 
@@ -94,6 +96,9 @@ def prefetch(
             a copy that is slow now and then.
         skip: what stays where it is, as :func:`~devicectx.to_device` takes it; paths are
             rooted at ``batch`` (``"batch['meta']"``).
+        dtypes: what a move does with a dtype the device cannot hold, as
+            :func:`~devicectx.to_device` takes it (``"device"``: float64 -> float32 on
+            MPS, cast on the host before the copy).
 
     Returns:
         A :class:`Prefetcher`: iterable as ``batches`` is (a new pass per ``iter()`` for a
@@ -106,6 +111,7 @@ def prefetch(
         InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here.
         ValueError: ``depth`` is not an int of at least 1.
         TypeError: ``skip`` holds something that is no type, path, key or predicate.
+        ValueError, TypeError: ``dtypes`` is no dtype policy.
 
     While iterating:
         - An exception the loader raises for batch ``k`` is raised when batch ``k`` is
@@ -163,7 +169,10 @@ def prefetch(
         device = active_device() or "auto"
     target = resolve_device(device)
     compiled = compile_skip(skip, _NAME)
-    return Prefetcher(batches, target, depth, compiled, _transfers._caller_line())
+    prefetcher = Prefetcher(batches, target, depth, compiled, _transfers._caller_line())
+    check_dtypes(dtypes)
+    prefetcher._dtypes = dtypes
+    return prefetcher
 
 
 class Prefetcher(Generic[T]):
@@ -185,6 +194,7 @@ class Prefetcher(Generic[T]):
         self.depth = depth
         self._skip = skip
         self._where = where
+        self._dtypes: DtypesLike = None  # the dtype policy (devicectx.move._dtypes)
         self._streams = streams_for(device)
         self.streams = self._streams is not None
         self._passes: weakref.WeakSet[_Pass[T]] = weakref.WeakSet()
@@ -300,7 +310,12 @@ class _Pass(Iterator[T]):
     def __init__(self, owner: Prefetcher[T], source: Iterator[Any]) -> None:
         self._streams = owner._streams
         self._move = functools.partial(
-            _move_batch, owner.device, owner._skip, owner._where, self._streams is not None
+            _move_batch,
+            owner.device,
+            owner._skip,
+            owner._where,
+            self._streams is not None,
+            dtypes=owner._dtypes,
         )
         self._depth = owner.depth
         self._source: Iterator[Any] | None = source
@@ -387,9 +402,12 @@ def _move_batch(
     batch: Any,
     index: int,
     handed: HandedTo | None = None,
+    dtypes: DtypesLike = None,
 ) -> Any:
     """``batch`` on ``device`` through the move engine, its errors naming ``index``;
     ``non_blocking`` and ``handed`` where it is moved on a copy stream."""
+    # The dtype policy: casts made (or refused, naming every path) before the move.
+    batch = cast_batch(batch, device, dtypes, skip, index)
     types = () if skip is None else skip.types
     if (skip is None or not skip.slow) and _nothing_to_move(batch, device, types):
         return batch

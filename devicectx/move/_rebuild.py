@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from devicectx._errors import MoveError
+from devicectx._errors import MoveError, RegistrationError
 from devicectx.move import _containers
 from devicectx.move._alias import EngineBug, TensorMover
 from devicectx.move._containers import (
@@ -70,12 +70,29 @@ def _failed(obj: object, error: Exception, style: int, key: Any) -> _Failed:
     return failed
 
 
+class _Frame:
+    """A container of the explicit-stack walk whose children are being rebuilt; the child
+    being visited is ``old[len(new)]``."""
+
+    __slots__ = ("changed", "keys", "kind", "new", "obj", "old", "path")
+
+    def __init__(self, obj: Any, kind: Kind, keys: Any, old: Sequence[Any], path: str) -> None:
+        self.obj = obj
+        self.kind = kind
+        self.keys = keys  # the children's keys, as the kind's split gave them (None: indices)
+        self.old = old  # the children before the walk
+        self.new: list[Any] = []  # those rebuilt so far
+        self.changed = False  # whether one of ``new`` is not its old child
+        self.path = path  # the container's path, where ``skip`` needs paths
+
+
 class Rebuild:
     """One walk that rebuilds a structure with its tensors moved (or replaced).
 
-    With a :class:`TensorMover`, tensors not on ``device`` are moved, and so are modules
-    (in place) and objects with their own ``.to``. With ``replace`` instead, it only puts
-    the tensors listed there in place of the ones a first walk gave, by identity.
+    Made by one of its two constructors: :meth:`moving` (with a :class:`TensorMover`,
+    tensors not on ``device`` are moved, and so are modules, in place, and objects with
+    their own ``.to``) or :meth:`replacing` (it only puts the tensors listed in ``replace``
+    in place of the ones a first walk gave, by identity).
     """
 
     __slots__ = (
@@ -102,8 +119,8 @@ class Rebuild:
         skip: Skip | None,
         name: str,
         fix: Fix,
-        replace: dict[int, torch.Tensor] | None = None,
-        who: str = "to_device()",
+        replace: dict[int, torch.Tensor] | None,
+        who: str,
     ) -> None:
         self.who = who
         self.device = device
@@ -123,6 +140,29 @@ class Rebuild:
         self.groups = mover.groups if mover is not None else {}
         self.sent: list[torch.Tensor] = mover.sent if mover is not None else []
         self.fast = (_containers.FAST_DICT, _containers.FAST_LIST, _containers.FAST_TUPLE)
+
+    @classmethod
+    def moving(
+        cls,
+        device: torch.device | None,
+        mover: TensorMover,
+        skip: Skip | None,
+        name: str,
+        fix: Fix,
+        who: str = "to_device()",
+    ) -> Rebuild:
+        """The walk that moves: tensors off ``device`` go to ``mover``; modules and objects
+        with their own ``.to`` are moved by it; what ``skip`` names stays. With ``device`` None
+        every tensor goes to ``mover`` (the dtype policy's cast, made where each tensor is)."""
+        return cls(device, mover, skip, name, fix, None, who)
+
+    @classmethod
+    def replacing(
+        cls, replace: dict[int, torch.Tensor], name: str, fix: Fix, who: str = "to_device()"
+    ) -> Rebuild:
+        """The walk that puts ``replace[id(t)]`` in place of each tensor ``t`` listed there,
+        and moves nothing itself (a second walk over what a first one returned)."""
+        return cls(None, None, None, name, fix, replace, who)
 
     def run(self, root: Any) -> Any:
         """The rebuilt ``root``."""
@@ -282,12 +322,8 @@ class Rebuild:
         self.keep.append(old)
         return kind.rebuild(obj, keys, old, new) if changed else obj  # type: ignore[misc]
 
-    # The explicit-stack walk. A frame is a container whose children are being rebuilt,
-    # kept as a list for speed: [obj, kind, keys, old children, new children, changed,
-    # path]. The child being visited is old[len(new)].
-
     def _iterate(self, root: Any, path: str) -> Any:
-        frames: list[list[Any]] = []
+        frames: list[_Frame] = []
         try:
             return self._iterate_frames(root, path, frames)
         except PredicateFailed:
@@ -297,14 +333,14 @@ class Rebuild:
             if not isinstance(failed, _Failed):  # a split or rebuild: blame what it was for,
                 # the child being visited (a rebuilt frame is popped before it rebuilds).
                 top = frames[-1] if frames else None
-                culprit = root if top is None else top[3][len(top[4])]
+                culprit = root if top is None else top.old[len(top.new)]
                 failed = _Failed(culprit, error)
             for frame in reversed(frames):
-                index, keys = len(frame[4]), frame[2]
-                failed.parts.append((frame[1].style, index if keys is None else keys[index]))
+                index, keys = len(frame.new), frame.keys
+                failed.parts.append((frame.kind.style, index if keys is None else keys[index]))
             raise failed from failed.error
 
-    def _iterate_frames(self, root: Any, path: str, frames: list[list[Any]]) -> Any:
+    def _iterate_frames(self, root: Any, path: str, frames: list[_Frame]) -> Any:
         value = self._visit(root, path, frames)
         if value is not _PUSHED:
             return value
@@ -312,8 +348,8 @@ class Rebuild:
         memo, keep = self.memo, self.keep
         while True:
             frame = frames[-1]
-            old, new = frame[3], frame[4]
-            changed = frame[5]
+            old, new = frame.old, frame.new
+            changed = frame.changed
             for index in range(len(new), len(old)):
                 child = old[index]
                 if slow:
@@ -323,26 +359,26 @@ class Rebuild:
                 else:
                     result = self._visit(child, "", frames)
                 if result is _PUSHED:
-                    frame[5] = changed
+                    frame.changed = changed
                     break
                 new.append(result)
                 if result is not child:
                     changed = True
             else:
                 frames.pop()
-                obj, kind = frame[0], frame[1]
+                obj, kind = frame.obj, frame.kind
                 if kind not in _FAST_KINDS:
                     keep.append(old)
-                result = kind.rebuild(obj, frame[2], old, new) if changed else obj
+                result = kind.rebuild(obj, frame.keys, old, new) if changed else obj  # type: ignore[misc]
                 memo[id(obj)] = result
                 if not frames:
                     return result
                 parent = frames[-1]
-                parent[4].append(result)
+                parent.new.append(result)
                 if result is not obj:
-                    parent[5] = True
+                    parent.changed = True
 
-    def _visit(self, obj: Any, path: str, frames: list[list[Any]]) -> Any:
+    def _visit(self, obj: Any, path: str, frames: list[_Frame]) -> Any:
         """``obj`` moved; or ``_PUSHED`` after starting a frame for a container."""
         tp = type(obj)
         kind = _CACHE.get(tp) or kind_for(tp)
@@ -360,17 +396,18 @@ class Rebuild:
             if not old:
                 return obj
             memo[id(obj)] = _BUSY
-            frames.append([obj, kind, keys, old, [], False, path])
+            frames.append(_Frame(obj, kind, keys, old, path))
             return _PUSHED
         result = self._moved_whole(obj, kind)
         memo[id(obj)] = result
         return result
 
-    def _slow(self, frame: list[Any], index: int, child: Any, frames: list[list[Any]]) -> Any:
+    def _slow(self, frame: _Frame, index: int, child: Any, frames: list[_Frame]) -> Any:
         """Visit a child when ``skip`` needs its key or path checked."""
-        keys, style = frame[2], frame[1].style
+        keys, style = frame.keys, frame.kind.style
         key = index if keys is None else keys[index]
-        path = join(frame[6], style, key) if self.skip is not None and self.skip.needs_paths else ""
+        skip = self.skip
+        path = join(frame.path, style, key) if skip is not None and skip.needs_paths else ""
         if self._skipped(key, style != MEMBER, path, child):
             return child
         if type(child) is _Tensor:
@@ -493,6 +530,8 @@ class Rebuild:
                 f"teach it with devicectx.register_container({error.tp.__qualname__}, "
                 f"children=..., rebuild=...); or {fix}"
             )
+        elif isinstance(error, RegistrationError):  # the registration's fix, not a skip
+            detail, _, fix = str(error).partition("\nfix: ")
         else:
             detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
         msg = (

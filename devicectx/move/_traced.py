@@ -57,7 +57,7 @@ class TracedMove:
         self.originals: list[torch.Tensor] = []
         self.results: list[torch.Tensor] = []
         # The eager engine's code for modules and objects with their own .to.
-        self.eager = Rebuild(device, self.mover, skip, name, fix)
+        self.eager = Rebuild.moving(device, self.mover, skip, name, fix)
         self.fast = (_containers.FAST_DICT, _containers.FAST_LIST, _containers.FAST_TUPLE)
 
     def run(self, obj: Any) -> Any:

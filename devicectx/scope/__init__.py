@@ -1,6 +1,8 @@
 """The scope: ``on_device`` and what runs inside a block.
 
-- ``_context``: ``on_device``, the block's device per thread, asyncio task and generator;
+- ``_stack``: the scopes open in each thread, asyncio task and decorated call, and the entry
+  and exit of one (the hot path of a block and of a decorated call);
+- ``_context``: ``on_device``, the public block and decorator;
 - ``_constructors``: torch's constructors filled in with the block's device;
 - ``_resumed``: generators and coroutines that re-enter their block on every resume;
 - ``_precision``: ``precision_scope`` and ``choose_precision``;

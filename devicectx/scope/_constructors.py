@@ -13,7 +13,7 @@ the device, and stay: entering a later block is a push on a context variable, no
 ``setattr``s (issue 22). A process that never opens such a block runs torch's own functions.
 Outside every block a wrapper asks one context variable and the thread's list of decorated
 calls, and calls torch's function (about 0.3 µs a call). While they are in place, they ask
-:mod:`devicectx.scope._context` which device the running thread or asyncio task wants (``None``:
+:mod:`devicectx.scope._stack` which device the running thread or asyncio task wants (``None``:
 leave torch to decide), and ``torch.get_default_device`` answers for the scopes too.
 
 Where. In every loaded module, torch's or not, a module-level name bound to one of torch's
@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from devicectx._errors import DtypeUnsupportedError
 from devicectx._torch.constructors import device_constructors, keep_builtin_ops
 from devicectx._torch.dynamo import (
     called_by_dynamo,
@@ -50,6 +51,7 @@ from devicectx._torch.dynamo import (
     loaded,
     never_top_level,
 )
+from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 
 __all__ = ["TorchPatch", "constructor_patch", "inline_only"]
 
@@ -190,9 +192,53 @@ def _fill_device(
             device = scope_device()
             if device is not None and not _from_dynamo():
                 kwargs["device"] = device
+                try:
+                    return original(*args, **kwargs)
+                except Exception as error:
+                    refused = _dtype_refused(original, args, kwargs, error)
+                    if refused is None:
+                        raise
+                    raise refused from error
         return original(*args, **kwargs)
 
     return constructor
+
+
+def _dtype_refused(
+    original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], error: Exception
+) -> DtypeUnsupportedError | None:
+    """Our error for a constructor the scope sent to a device that cannot hold the dtype it
+    makes (``torch.tensor(numpy_float64)`` on MPS), or None for any other failure.
+
+    Worked out only once the constructor failed: the dtype it makes is found by making it
+    on ``meta`` (no data, and every dtype held).
+    """
+    device = kwargs["device"]
+    try:
+        target = torch.device(device)
+        if not CAPABILITIES.missing(target):
+            return None
+        dtype = original(*args, **{**kwargs, "device": "meta"}).dtype
+    except Exception:
+        return None
+    if CAPABILITIES.holds(target, dtype):
+        return None
+    name = f"{_torch_name(original)}()"
+    nearest = nearest_dtype(target, dtype)
+    to = "a dtype it holds" if nearest is None else str(nearest)
+    msg = (
+        f"{name} inside a block on {target} would make a {dtype} tensor, which {target} "
+        f"cannot hold ({type(error).__name__} from torch)\n"
+        f"fix: {name[:-1]}..., dtype={to}), or make it on the CPU and move it with "
+        f'to_device(..., {str(target)!r}, dtypes="device")'
+    )
+    return DtypeUnsupportedError(msg, device=target, paths={dtype: [name]})
+
+
+def _torch_name(function: Callable[..., Any]) -> str:
+    """``torch.tensor``: how the user wrote the constructor (torch's own are in ``torch``)."""
+    name = getattr(function, "__name__", "constructor")
+    return f"torch.{name}" if hasattr(torch, name) else name
 
 
 _REPLACEMENTS: set[CodeType] = set()  # the code of every replacement a patch made

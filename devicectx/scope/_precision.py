@@ -27,6 +27,7 @@ import torch
 
 from devicectx._errors import DeviceError, InvalidPrecisionError, PrecisionUnsupportedError
 from devicectx._torch.dynamo import constant, graph_break, tracing
+from devicectx.devices._capabilities import CAPABILITIES
 from devicectx.devices._resolve import DeviceLike, autocast_dtypes, device_name, resolve_device
 
 PrecisionName: TypeAlias = Literal["auto", "bf16-mixed", "16-mixed", "32", "32-true"]
@@ -172,14 +173,26 @@ def choose_precision(device: DeviceLike, precision: PrecisionName) -> Precision:
           tensors hold no data, so shapes and dtypes are checked in float32.
         - bfloat16 on a CUDA GPU before Ampere is refused rather than emulated: it would be
           slower than float16 there. ``torch.autocast`` itself takes it, if you need it.
+        - A dtype the device cannot hold (:func:`~devicectx.supports_dtype`) is never
+          chosen, whatever its autocast lists.
     """
     target = resolve_device(device)
     return _decide(
         target,
         precision,
-        autocast_dtypes(target.type, target.index),
+        _held_autocast_dtypes(target.type, target.index),
         describe=lambda: device_name(target.type, target.index),
     )
+
+
+@constant
+def _held_autocast_dtypes(device_type: str, index: int | None) -> tuple[torch.dtype, ...]:
+    """The dtypes autocast computes in on the device that the device can hold."""
+    listed = autocast_dtypes(device_type, index)
+    if device_type == "meta" or not listed:
+        return listed
+    target = torch.device(device_type) if index is None else torch.device(device_type, index)
+    return tuple(dtype for dtype in listed if CAPABILITIES.holds(target, dtype))
 
 
 def precision_scope(

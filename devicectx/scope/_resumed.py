@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncGenerator, Callable, Coroutine, Generator
-from typing import Any
+from typing import Any, cast
 
 import torch
+import wrapt
 
 Enter = Callable[[], Any]
 """Enters the scope; what it returns is handed to the matching ``Leave``."""
@@ -91,7 +92,7 @@ async def async_resumed(
     leave: Leave,
     place: Callable[[Any], Any] | None = None,
 ) -> AsyncGenerator[Any, Any]:
-    """:func:`resumed` for an async generator."""
+    """:func:`resumed` for an async generator (the twin of its loop: change them together)."""
     step: Callable[[], Any] = functools.partial(inner.asend, None)
     while True:
         scope = enter()
@@ -114,3 +115,40 @@ async def async_resumed(
             step = functools.partial(inner.athrow, error)
         else:
             step = functools.partial(inner.asend, sent)
+
+
+def resumed_async_generator_function(
+    func: Callable[..., AsyncGenerator[Any, Any]], scope: Callable[[], tuple[Enter, Leave]]
+) -> Callable[..., AsyncGenerator[Any, Any]]:
+    """``func``, each async generator of which runs driven by :func:`async_resumed`, in a
+    scope made by ``scope()`` when the generator is created.
+
+    A wrapt wrapper, not a function: it passes ``func``'s code on, so that
+    ``inspect.isasyncgenfunction``, which frameworks test, still says True (a plain function
+    returning the driver would not, and an ``async def`` forwarding to it repeats its loop),
+    and it binds as ``func`` does when it is a method.
+
+    Example:
+        >>> import asyncio, inspect
+        >>> async def count():
+        ...     yield 1
+        >>> no_scope = (lambda: None, lambda entered: None)
+        >>> wrapped = resumed_async_generator_function(count, lambda: no_scope)
+        >>> inspect.isasyncgenfunction(wrapped)
+        True
+        >>> async def first():
+        ...     return [item async for item in wrapped()]
+        >>> asyncio.run(first())
+        [1]
+    """
+
+    def start(
+        wrapped: Callable[..., AsyncGenerator[Any, Any]],
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> AsyncGenerator[Any, Any]:
+        enter, leave = scope()
+        return async_resumed(wrapped(*args, **kwargs), enter, leave)
+
+    return cast(Callable[..., AsyncGenerator[Any, Any]], wrapt.FunctionWrapper(func, start))

@@ -1,4 +1,4 @@
-"""devicectx.testing: test your own code on every device (``pip install devicectx[testing]``).
+"""devicectx.testing: test your own code on every device (``pip install -e '.[testing]'``).
 
 - :func:`assert_device_agnostic`: run a function on each device and compare the outputs;
 - :mod:`devicectx.testing.strategies`: hypothesis strategies for devices, tensors and nested
@@ -38,6 +38,6 @@ def __getattr__(name: str) -> object:
             raise
         msg = (
             "devicectx.testing.strategies needs hypothesis, which is not installed\n"
-            "fix: pip install 'devicectx[testing]'"
+            "fix: pip install -e '.[testing]' (from a clone of devicectx)"
         )
         raise ModuleNotFoundError(msg, name="hypothesis") from None

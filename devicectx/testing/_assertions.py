@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable, Iterable
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 from devicectx.move._move import iter_tensors, move_call
+from devicectx.move._unseen import Unseen, fix_for, is_device_mismatch, unseen_tensors
 
 _META = torch.device("meta")
 
@@ -70,7 +72,9 @@ def assert_device_agnostic(
             each output path (``out['logits'][1]``) and what differs: missing or extra
             tensors, the device, dtype, shape, or how many values differ and by how much
             (max abs and rel diff). Also raised when ``fn`` raises on a device other than
-            the first, chained to that exception.
+            the first, chained to that exception, and on any device where torch's device
+            mismatch comes from tensors the move could not see (in attributes of a plain
+            object, or a module's attribute that is no buffer): the message names them.
         TypeError, ValueError: ``devices``, ``rtol`` or ``atol`` are not usable.
         devicectx.InvalidDeviceError, devicectx.DeviceUnavailableError: a listed device
             is malformed or not on this machine.
@@ -102,9 +106,12 @@ def assert_device_agnostic(
         try:
             outputs.append((device, call_fn(*call_args, **call_kwargs)))
         except Exception as error:
-            if not outputs:
+            unseen = _unseen(call_fn, call_args, call_kwargs, device, error)
+            if not outputs and unseen is None:
                 raise
-            raise AssertionError(_raised_message(name, device, outputs[0][0], error)) from error
+            reference = outputs[0][0] if outputs else None
+            raised = _raised_message(name, device, reference, error, unseen)
+            raise AssertionError(raised) from error
     message = _compare(name, outputs, tolerances)
     if message is not None:
         raise AssertionError(message)
@@ -342,12 +349,61 @@ def _largest(label: str, diff: torch.Tensor, wrong: torch.Tensor) -> str:
     return f"{label} {value:.6g} at index {index}"
 
 
+def _unseen(
+    fn: Callable[..., object],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    device: torch.device,
+    error: Exception,
+) -> list[Unseen] | None:
+    """For torch's device mismatch: the tensors off ``device`` that the move to it could
+    not see (in attributes of plain objects); None where there are none."""
+    if not is_device_mismatch(error):
+        return None
+    unseen = [u for u in unseen_tensors(_named(fn, args, kwargs)) if u.device != device]
+    return unseen or None
+
+
+def _named(
+    fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
+) -> list[tuple[str, object]]:
+    """Each argument by the name ``fn`` gives it (``args[0]`` where it cannot be told)."""
+    named: list[tuple[str, object]] = []
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module) or isinstance(fn, nn.Module):
+        named.append(("self", fn if isinstance(fn, nn.Module) else owner))
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        named += [(f"args[{i}]", value) for i, value in enumerate(args)]
+        return named + list(kwargs.items())
+    for parameter, value in bound.arguments.items():
+        kind = bound.signature.parameters[parameter].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            named += [(f"{parameter}[{i}]", item) for i, item in enumerate(value)]
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            named += list(value.items())
+        else:
+            named.append((parameter, value))
+    return named
+
+
 def _raised_message(
-    name: str, device: torch.device, reference_device: torch.device, error: Exception
+    name: str,
+    device: torch.device,
+    reference_device: torch.device | None,
+    error: Exception,
+    unseen: list[Unseen] | None = None,
 ) -> str:
     detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
-    return (
-        f"{name} is not device-agnostic: it raised on {device}, not on {reference_device}:\n"
-        f"    {detail}\n"
-        f"fix: make {name} work on {device}, or leave {device} out of devices="
+    where = (
+        f"on {device}" if reference_device is None else f"on {device}, not on {reference_device}"
     )
+    lines = [f"{name} is not device-agnostic: it raised {where}:", f"    {detail}"]
+    if unseen is None:
+        lines.append(f"fix: make {name} work on {device}, or leave {device} out of devices=")
+        return "\n".join(lines)
+    lines.append(f"  tensors the move to {device} could not see, left where they were:")
+    lines += [f"    {u.device} <- {u.path} (in {u.holder.__qualname__})" for u in unseen]
+    lines.append(f"fix: {fix_for(unseen)}")
+    return "\n".join(lines)

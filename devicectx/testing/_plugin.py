@@ -144,13 +144,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # that parametrizes `device` itself is seen as such and left alone.
     if _FIXTURE not in metafunc.fixturenames or not _fixture_is_ours(metafunc):
         return
+    markers = list(metafunc.definition.iter_markers(name=_MARKER))
+    choices = _meeting(_choices(metafunc.config), markers)
     params = [
         pytest.param(
             choice.device,
             id=choice.id,
             marks=() if choice.skip_reason is None else pytest.mark.skip(reason=choice.skip_reason),
         )
-        for choice in _choices(metafunc.config)
+        for choice in choices
     ]
     metafunc.parametrize(_FIXTURE, params, indirect=True)
 
@@ -323,6 +325,36 @@ def _marker_problem(marker: pytest.Mark) -> str | None:
     except DeviceUnavailableError:
         pass
     return None
+
+
+def _meeting(choices: list[_Choice], markers: list[pytest.Mark]) -> list[_Choice]:
+    """The devices of ``choices`` that every ``requires_device`` marker accepts: a test that
+    requires an accelerator runs on accelerators only, never as ``[cpu]``. Where none is
+    left, one skipped choice that says why (the marker's own skip covers a machine
+    without the device; this, devices chosen with ``--devices`` that leave it out)."""
+    wanted = [marker.args[0] for marker in markers if _marker_problem(marker) is None]
+    if not wanted:
+        return choices
+    kept = [choice for choice in choices if all(_accepts(spec, choice.id) for spec in wanted)]
+    if kept:
+        return kept
+    listed = ", ".join(choice.id for choice in choices) or "none"
+    specs = ", ".join(f"{_MARKER}({spec!r})" for spec in wanted)
+    reason = f"{specs}: none of the devices to test on is one (they are: {listed})"
+    return [_Choice("-".join(str(spec) for spec in wanted), None, reason)]
+
+
+def _accepts(spec: object, device_id: str) -> bool:
+    """Whether the device of this id is what a ``requires_device(spec)`` marker asks for."""
+    import torch
+
+    device = torch.device(device_id)
+    if spec == _ANY_ACCELERATOR:
+        return device.type not in ("cpu", "meta")
+    required = torch.device(spec) if isinstance(spec, (str, torch.device)) else None
+    if required is None:  # an int: an index on the current accelerator
+        return device.type not in ("cpu", "meta") and device.index == spec
+    return device.type == required.type and required.index in (None, device.index)
 
 
 def _fixture_is_ours(metafunc: pytest.Metafunc) -> bool:

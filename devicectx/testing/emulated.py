@@ -62,7 +62,7 @@ streams: only copies and events do.
 
 Build cost: about 40-60 s of a C++ compiler the first time per torch and Python (cached
 under ``~/.cache/devicectx/emulated``), then a fraction of a second to load. It needs a
-C++17 compiler (g++ or clang), ``ninja`` (in ``devicectx[testing]``), torch's headers
+C++17 compiler (g++ or clang), ``ninja`` (in the ``testing`` extra), torch's headers
 (every wheel ships them), and Linux or macOS. Once enabled in a process, it cannot be
 turned off: torch allows one PrivateUse1 backend per process, under one name.
 """
@@ -336,6 +336,11 @@ def _apply(settings: dict[str, Any]) -> None:
         extension.set_record_stream_enabled(bool(settings["record_stream"]))
     if settings["memory_limit"] is not None:
         extension.set_memory_limit(int(settings["memory_limit"]))
+    if settings["float64"] is not None:
+        # devicectx asked once which dtypes the device holds: ask again.
+        from devicectx.devices._capabilities import CAPABILITIES
+
+        CAPABILITIES.clear()
     if settings["events"] is not None or settings["record_stream"] is not None:
         # devicectx asked once whether the device has a copy stream: ask again.
         from devicectx.move import _streams
@@ -463,7 +468,7 @@ def _register(devices: int) -> None:
     _extension = extension
     # torch's accelerator is now this one: forget what devicectx worked out before.
     from devicectx.move import _staging
-    from devicectx.scope import _context
+    from devicectx.scope import _stack
 
-    _context.INDEX_READERS.clear()
+    _stack.INDEX_READERS.clear()
     _staging.forget_accelerator()

@@ -16,7 +16,7 @@ Example:
   supports, holding tensors, views of them, the same tensor at several places, and plain
   values (``None``, numbers, strings, ``torch.Size``, ``range``, iterators, ...).
 
-Needs hypothesis (``pip install 'devicectx[testing]'``); ``import devicectx`` does not
+Needs hypothesis (``pip install -e '.[testing]'``); ``import devicectx`` does not
 import this module.
 """
 

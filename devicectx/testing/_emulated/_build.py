@@ -163,7 +163,7 @@ def _check_prerequisites() -> None:
     except RuntimeError:
         msg = (
             "the emulated accelerator is built with ninja, which is not installed\n"
-            "fix: pip install ninja (or pip install 'devicectx[testing]')"
+            "fix: pip install ninja (or pip install -e '.[testing]' from a clone of devicectx)"
         )
         raise BuildFailed(msg) from None
     headers = Path(cpp_extension.include_paths()[0]) / "ATen" / "ATen.h"

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/core/op_registration/adaption.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
@@ -25,8 +26,11 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <thread>
 
 #define DEVICECTX_TORCH_AT_LEAST(major, minor) \
@@ -482,20 +486,88 @@ void record_stream(at::Tensor& self, c10::Stream stream) {
   record_data_ptr(self.storage().data_ptr(), stream.device_index(), stream.id());
 }
 
-// Every other operator: on the CPU, after the streams of the devices involved drained.
+// torch's device check, as CUDA's operators make it: every tensor argument on one device,
+// except a 0-dim CPU tensor (a scalar, which CUDA's kernels take from the host) and the
+// indices of an indexing operator (`x[cpu_index]` works on CUDA). A foreach or fused
+// operator checks each position of its lists on its own: CUDA runs lists that span devices
+// tensor by tensor. The error is torch's own (c10::impl::common_device_check_failure, what
+// CUDA's generated wrappers raise), in the words of the torch release it was built against.
+class SameDevice {
+ public:
+  explicit SameDevice(const c10::FunctionSchema& schema) : schema_(schema) {}
+
+  void check(std::optional<c10::Device>& common, const at::Tensor& tensor, size_t argument) {
+    if (!tensor.defined() || (tensor.is_cpu() && tensor.dim() == 0)) {
+      return;
+    }
+    if (!common.has_value()) {
+      common = tensor.device();
+    } else if (*common != tensor.device()) {
+      std::string name = schema_.name();
+      std::string method = "wrapper_PrivateUse1_" + schema_.overload_name() + "_" +
+          name.substr(name.find("::") == std::string::npos ? 0 : name.find("::") + 2);
+      c10::impl::common_device_check_failure(
+          *common, tensor, method.c_str(), schema_.arguments()[argument].name().c_str());
+    }
+  }
+
+ private:
+  const c10::FunctionSchema& schema_;
+};
+
+bool checks_per_position(const c10::FunctionSchema& schema) {
+  const std::string& name = schema.name();
+  return name.rfind("aten::_foreach_", 0) == 0 || name.rfind("aten::_fused_", 0) == 0;
+}
+
+// Every other operator: on the CPU, after the streams of the devices involved drained, once
+// its tensors were found on one device (SameDevice).
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  size_t count = op.schema().arguments().size();
-  for (const c10::IValue& value : torch::jit::last(*stack, count)) {
+  const c10::FunctionSchema& schema = op.schema();
+  size_t count = schema.arguments().size();
+  auto arguments = torch::jit::last(*stack, count);
+  SameDevice same(schema);
+  bool per_position = checks_per_position(schema);
+  std::optional<c10::Device> common;
+  std::vector<std::pair<size_t, std::vector<at::Tensor>>> lists;  // checked per position
+  auto drain = [](const at::Tensor& tensor) {
+    if (tensor.defined() && tensor.is_privateuseone()) {
+      wait_current_stream(tensor.device().index());
+    }
+  };
+  for (size_t i = 0; i < count; ++i) {
+    const c10::IValue& value = arguments[i];
     if (value.isTensor()) {
-      const at::Tensor& tensor = value.toTensor();
-      if (tensor.defined() && tensor.is_privateuseone()) {
-        wait_current_stream(tensor.device().index());
-      }
+      drain(value.toTensor());
+      same.check(common, value.toTensor(), i);
     } else if (value.isTensorList()) {
-      for (const at::Tensor& tensor : value.toTensorList().vec()) {
-        if (tensor.defined() && tensor.is_privateuseone()) {
-          wait_current_stream(tensor.device().index());
+      std::vector<at::Tensor> tensors = value.toTensorList().vec();
+      for (const at::Tensor& tensor : tensors) {
+        drain(tensor);
+        if (!per_position) {
+          same.check(common, tensor, i);
         }
+      }
+      if (per_position) {
+        lists.emplace_back(i, std::move(tensors));
+      }
+    } else if (value.isList()) {  // Tensor?[]: an indexing operator's indices, unchecked
+      for (const c10::IValue& item : value.toListRef()) {
+        if (item.isTensor()) {
+          drain(item.toTensor());
+        }
+      }
+    }
+  }
+  size_t positions = 0;
+  for (const auto& list : lists) {
+    positions = std::max(positions, list.second.size());
+  }
+  for (size_t position = 0; position < positions; ++position) {
+    std::optional<c10::Device> here = common;
+    for (const auto& list : lists) {
+      if (position < list.second.size()) {
+        same.check(here, list.second[position], list.first);
       }
     }
   }

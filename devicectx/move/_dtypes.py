@@ -1,0 +1,313 @@
+"""The dtype policy of a move: what happens to tensors of a dtype the target cannot hold.
+
+``dtypes=`` of :func:`~devicectx.to_device`, ``@device_agnostic`` and
+:func:`~devicectx.prefetch`:
+
+- ``None`` (the default) changes nothing: a move to a device that cannot hold some of the
+  tensors' dtypes (float64 on MPS) raises :class:`~devicectx.DtypeUnsupportedError`
+  before anything is copied, naming every such path, with the fix;
+- ``"device"``: each tensor of a dtype the target cannot hold is cast to the nearest one
+  it holds (float64 -> float32, complex128 -> complex64; see
+  :func:`devicectx.devices._capabilities.nearest_dtype`); on a device that holds
+  everything nothing changes;
+- a mapping (``{torch.float64: torch.float32}``): every tensor of a key's dtype is cast to
+  its value, wherever it is and wherever it goes, so the same code gives the same dtypes on
+  every device.
+
+The cast is made before the move, where each tensor is (on the host for a batch from a
+loader, so the copy sends the smaller dtype, and the staged path packs it like any other
+tensor). It keeps what a move keeps (:mod:`devicectx.move._alias` does it, with the
+target's dtype instead of its device): each tensor cast once, views of a cast tensor
+still views of its cast, autograd history (``.to(dtype)``); the input is never changed.
+Modules and objects with their own ``.to`` are not looked into (their ``.to`` moves them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, TypeAlias, TypeVar
+
+import torch
+
+from devicectx._errors import DtypeUnsupportedError
+from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
+from devicectx.move._alias import TensorMover
+from devicectx.move._containers import _CACHE, LEAF_KIND
+from devicectx.move._rebuild import Fix, Rebuild
+from devicectx.move._skip import Skip
+from devicectx.move._walk import iter_tensors
+
+__all__ = ["DtypesLike", "Policy", "cast_batch", "check_dtypes", "holds_any", "policy_for"]
+
+T = TypeVar("T")
+_Tensor = torch.Tensor
+
+DtypesLike: TypeAlias = "Literal['device'] | Mapping[torch.dtype, torch.dtype] | None"
+"""What ``dtypes=`` takes: ``None``, ``"device"``, or ``{from dtype: to dtype}``."""
+
+Suggest = Callable[[str], str]
+"""Given the ``dtypes=`` argument to write (``'"device"'``), the fix line, as code."""
+
+
+class Policy:
+    """A ``dtypes=`` for one target: what to cast, and what the target still cannot hold.
+
+    Attributes:
+        spec: the ``dtypes=`` it came from (``None``, ``"device"`` or the mapping).
+        cast: ``{dtype: dtype}``: every tensor of a key's dtype becomes its value.
+        missing: the dtypes the target cannot hold that ``cast`` does not change: tensors
+            of these that would move are refused.
+        device: the target.
+    """
+
+    __slots__ = ("cast", "device", "missing", "spec", "wanted")
+
+    def __init__(
+        self,
+        spec: DtypesLike,
+        cast: dict[torch.dtype, torch.dtype],
+        missing: frozenset[torch.dtype],
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.cast = cast
+        self.missing = missing
+        self.device = device
+        self.wanted = frozenset(cast) | missing  # the dtypes that make a walk worth it
+
+    def apply(
+        self,
+        obj: T,
+        skip: Skip | None,
+        name: str,
+        who: str,
+        fix: Fix,
+        suggest: Suggest,
+        values: Iterable[Any] | None = None,
+    ) -> T:
+        """``obj`` with the casts made, or ``obj`` itself where none applies.
+
+        Raises:
+            DtypeUnsupportedError: a tensor that would move is of a dtype the target
+                cannot hold (after the casts); every such path is named.
+
+        ``values``: what ``obj`` holds, for the quick look (default: ``obj`` itself).
+        """
+        # A quick look first (a batch with nothing to cast is the common case): the walk
+        # that rebuilds costs several times more than one that only reads.
+        if not holds_any((obj,) if values is None else values, self.wanted):
+            return obj
+        caster = _Caster(self)
+        walk = Rebuild.moving(None, caster, skip, name, fix, who)
+        # Rebuild's hot loops copy a plain tensor with .to(device) themselves, which is a
+        # move's work: here every tensor goes to the caster, which picks the ones to cast.
+        walk.moved = None
+        result = walk.run(obj)
+        replace = caster.finish()
+        if replace:  # views met before the tensor they belong to: made views of its cast
+            result = Rebuild.replacing(replace, name, fix, who).run(result)
+        if caster.refused:
+            raise _refused(self, obj, name, who, caster.refused, suggest)
+        return result  # type: ignore[no-any-return]
+
+
+class _Caster(TensorMover):
+    """A :class:`TensorMover` that casts where each tensor is, and only what the policy
+    casts; it notes the tensors the target cannot hold."""
+
+    __slots__ = ("missing", "refused", "target")
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(None, False, policy.cast)
+        self.target = policy.device
+        self.missing = policy.missing
+        self.refused: dict[int, torch.dtype] = {}
+
+    def move(self, tensor: torch.Tensor) -> torch.Tensor:
+        dtype = tensor.dtype
+        assert self.dtypes is not None
+        to = self.dtypes.get(dtype, dtype)
+        if to in self.missing and tensor.device != self.target:
+            self.refused[id(tensor)] = dtype
+            return tensor
+        return tensor if to is dtype else super().move(tensor)
+
+
+def holds_any(values: Iterable[Any], wanted: frozenset[torch.dtype]) -> bool:
+    """Whether a tensor of a ``wanted`` dtype is in ``values``: plain dicts, lists and
+    tuples read recursively, without paths; anything else read by the full walk."""
+    try:
+        return _plain_holds(values, wanted, _PLAIN_DEPTH)
+    except _NotPlain:
+        return any(tensor.dtype in wanted for v in values for _, tensor in iter_tensors(v, ""))
+
+
+class _NotPlain(Exception):
+    pass
+
+
+_PLAIN_DEPTH = 8
+
+
+def _plain_holds(items: Iterable[Any], wanted: frozenset[torch.dtype], depth: int) -> bool:
+    for item in items:
+        tp = type(item)
+        if tp is _Tensor:
+            if item.dtype in wanted:
+                return True
+        elif tp is dict or tp is list or tp is tuple:
+            if not depth:
+                raise _NotPlain
+            if _plain_holds(item.values() if tp is dict else item, wanted, depth - 1):
+                return True
+        elif _CACHE.get(tp) is not LEAF_KIND:
+            raise _NotPlain
+    return False
+
+
+def policy_for(dtypes: DtypesLike, device: torch.device) -> Policy | None:
+    """The policy of ``dtypes=`` for ``device``; None where it changes and checks nothing
+    (the default, or ``"device"``, on a device that holds every dtype).
+
+    Raises:
+        ValueError, TypeError: ``dtypes`` is no policy (said with the fix).
+    """
+    if dtypes is None or (isinstance(dtypes, str) and dtypes == "device"):
+        key = (_KEY, dtypes, device)
+        derived = CAPABILITIES.derived
+        policy = derived.get(key, _KEY)
+        if policy is _KEY:
+            policy = derived[key] = _named(dtypes, device)
+        return policy  # type: ignore[return-value]
+    cast = check_dtypes(dtypes)
+    missing = CAPABILITIES.missing(device)
+    if not cast and not missing:
+        return None
+    return Policy(dtypes, cast, missing - cast.keys(), device)
+
+
+# The policies of None and "device" are worked out once per device and kept with the
+# answers they come from (CAPABILITIES.derived), so that a call on a device that holds
+# everything pays one dict lookup.
+_KEY = object()
+
+
+def _named(spec: str | None, device: torch.device) -> Policy | None:
+    missing = CAPABILITIES.missing(device)
+    if not missing:
+        return None
+    cast: dict[torch.dtype, torch.dtype] = {}
+    if spec == "device":
+        for dtype in missing:
+            nearest = nearest_dtype(device, dtype)
+            if nearest is not None:
+                cast[dtype] = nearest
+    return Policy(spec, cast, missing - cast.keys(), device)  # type: ignore[arg-type]
+
+
+def cast_batch(
+    batch: T, device: torch.device, dtypes: DtypesLike, skip: Skip | None, index: int
+) -> T:
+    """:func:`~devicectx.prefetch`'s batch ``index`` with the policy's casts made."""
+    policy = policy_for(dtypes, device)
+    if policy is None:
+        return batch
+
+    def fix(path: str) -> str:
+        return f"leave it where it is: prefetch(batches, {str(device)!r}, skip=[{path!r}])"
+
+    def suggest(argument: str) -> str:
+        return f"prefetch(batches, {str(device)!r}, dtypes={argument})"
+
+    return policy.apply(batch, skip, "batch", f"prefetch() at batch {index}", fix, suggest)
+
+
+def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
+    """The cast a ``dtypes=`` mapping asks for; ``{}`` for None and ``"device"``.
+
+    Raises:
+        ValueError: a string other than ``"device"``.
+        TypeError: anything else that is no mapping of ``torch.dtype`` to ``torch.dtype``.
+    """
+    if dtypes is None:
+        return {}
+    if isinstance(dtypes, str):
+        if dtypes == "device":
+            return {}
+        msg = (
+            f'dtypes={dtypes!r} is no dtype policy: it takes None, "device" or a mapping\n'
+            f'fix: dtypes="device" (what the target cannot hold becomes the nearest dtype it '
+            f"holds), or dtypes={{torch.float64: torch.float32}}"
+        )
+        raise ValueError(msg)
+    if isinstance(dtypes, Mapping):
+        wrong = [
+            (k, v)
+            for k, v in dtypes.items()
+            if not isinstance(k, torch.dtype) or not isinstance(v, torch.dtype)
+        ]
+        if not wrong:
+            return {k: v for k, v in dtypes.items() if k != v}
+        shown = ", ".join(f"{k!r}: {v!r}" for k, v in wrong)
+    else:
+        shown = repr(dtypes)
+    msg = (
+        f'dtypes= takes None, "device" or a mapping of torch.dtype to torch.dtype, '
+        f"got {shown}\n"
+        f"fix: dtypes={{torch.float64: torch.float32}}"
+    )
+    raise TypeError(msg)
+
+
+def _refused(
+    policy: Policy,
+    obj: Any,
+    name: str,
+    who: str,
+    refused: dict[int, torch.dtype],
+    suggest: Suggest,
+) -> DtypeUnsupportedError:
+    """The error naming every path of a tensor the target cannot hold, by dtype."""
+    paths: dict[torch.dtype, list[str]] = {}
+    for path, tensor in iter_tensors(obj, name):
+        dtype = refused.get(id(tensor))
+        if dtype is not None:
+            paths.setdefault(dtype, []).append(path)
+    device = policy.device
+    count = len(refused)
+    held_not = " or ".join(str(d) for d in paths)
+    width = max(len(str(d)) for d in paths)
+    lines = [f"    {d!s:<{width}} <- {', '.join(p)}" for d, p in paths.items()]
+    what = "a tensor" if count == 1 else f"{count} tensors"
+    msg = "\n".join(
+        [
+            f"{who} cannot move {what} to {device}, which holds no {held_not}:",
+            *lines,
+            f"fix: {suggest(_fix_argument(policy, paths))}",
+        ]
+    )
+    return DtypeUnsupportedError(msg, device=device, paths=paths)
+
+
+def _fix_argument(policy: Policy, paths: Mapping[torch.dtype, list[str]]) -> str:
+    """The ``dtypes=`` that moves these: ``"device"`` where each has a nearest dtype the
+    target holds, else a mapping with a dtype it holds for each."""
+    device = policy.device
+    nearest = {d: nearest_dtype(device, d) for d in paths}
+    if policy.spec is None and all(to is not None for to in nearest.values()):
+        return '"device"'
+    cast = dict(policy.cast) if isinstance(policy.spec, Mapping) else {}
+    for dtype, to in nearest.items():
+        cast[dtype] = to if to is not None else _fallback(device, dtype)
+    return "{" + ", ".join(f"{_code(k)}: {_code(v)}" for k, v in cast.items()) + "}"
+
+
+def _fallback(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """A dtype the target holds for one without a nearest: float32, complex64, int64."""
+    if dtype.is_complex:
+        return torch.complex64
+    return torch.float32 if dtype.is_floating_point else torch.int64
+
+
+def _code(dtype: torch.dtype) -> str:
+    return str(dtype)  # "torch.float64": the dtype as code

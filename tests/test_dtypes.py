@@ -1,0 +1,467 @@
+"""What a device can hold, and the dtype policy of moves (``dtypes=``).
+
+The device without float64 is the emulated accelerator playing MPS (no float64, no
+complex128): :func:`mps_like` gives it. The CPU and ``meta`` hold every dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import accelerator, placed, staged_counts
+from hypothesis import given
+from hypothesis import strategies as st
+
+from devicectx import (
+    DeviceError,
+    DtypeUnsupportedError,
+    choose_precision,
+    device_agnostic,
+    device_capabilities,
+    on_device,
+    prefetch,
+    supports_dtype,
+    to_device,
+)
+from devicectx.devices._capabilities import CAPABILITIES
+from devicectx.move._walk import iter_tensors
+from devicectx.testing.strategies import nested, tensors
+
+needs_accelerator = pytest.mark.requires_device("accelerator")
+F64, F32, C128, C64 = torch.float64, torch.float32, torch.complex128, torch.complex64
+CPU = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def mps_like() -> Iterator[torch.device]:
+    """The emulated accelerator playing MPS in the block: no float64, no complex128."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the device without float64 is the emulated one (--devicectx-accelerator)")
+    from devicectx.testing import emulated
+
+    with emulated.profile("mps"):
+        yield device
+
+
+@pytest.fixture(autouse=True)
+def _fresh_answers() -> Iterator[None]:
+    """Each test starts with no capability known, and leaves none behind."""
+    CAPABILITIES.clear()
+    yield
+    CAPABILITIES.clear()
+
+
+# supports_dtype and device_capabilities
+
+
+def test_cpu_and_meta_hold_every_dtype_without_asking() -> None:
+    """The CPU and meta hold every dtype, known without making a tensor."""
+    for device in ("cpu", "meta"):
+        for dtype in (F64, C128, torch.bfloat16, torch.float8_e4m3fn, torch.bool):
+            assert supports_dtype(device, dtype)
+    assert 0 == CAPABILITIES.probes
+
+
+@needs_accelerator
+def test_an_accelerator_is_asked_once_per_dtype() -> None:
+    """A device torch knows nothing about is asked with one tensor per dtype, then never
+    again: the answer is kept."""
+    device = accelerator()
+    expected = torch.zeros(1, dtype=F64, device=device).dtype == F64  # raises where refused
+    assert expected == supports_dtype(device, F64)
+    assert 1 == CAPABILITIES.probes
+    for _ in range(3):
+        supports_dtype(device, F64)
+        supports_dtype(str(device), F64)
+    assert 1 == CAPABILITIES.probes
+    supports_dtype(device, F32)
+    assert 2 == CAPABILITIES.probes
+
+
+def test_supports_dtype_takes_only_a_dtype() -> None:
+    """Anything but a torch.dtype is refused, with the fix."""
+    with pytest.raises(TypeError) as raised:
+        supports_dtype("cpu", "float64")  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "supports_dtype() takes a torch.dtype, got 'float64'\n"
+        "fix: supports_dtype(device, torch.float64)"
+    )
+
+
+def test_capabilities_of_the_cpu() -> None:
+    """The record of the CPU: every dtype, no pinned memory to it, blocking copies."""
+    caps = device_capabilities("cpu")
+    assert (CPU, True, True, True, True, True, False, False, frozenset()) == tuple(caps)
+
+
+@needs_accelerator
+def test_capabilities_of_the_device_without_float64() -> None:
+    """The MPS-like device misses float64 and complex128, and nothing else."""
+    with mps_like() as device:
+        caps = device_capabilities(device)
+        assert (False, False, True) == (caps.float64, caps.complex128, caps.complex64)
+        assert frozenset({F64, C128}) == caps.missing
+        assert caps.non_blocking
+
+
+# The policy on the device without float64: a property over generated batches
+
+wide_leaves = tensors(devices=["cpu"], dtypes=[F64, C128, F32, torch.int64, torch.bool])
+
+
+def _pairs(before: Any, after: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tensors of two structures of one skeleton, position by position."""
+    placed_before, placed_after = list(placed(before)), list(placed(after))
+    assert [path for path, _ in placed_before] == [path for path, _ in placed_after]
+    return [(b, a) for (_, b), (_, a) in zip(placed_before, placed_after, strict=True)]
+
+
+def bits(tensor: torch.Tensor) -> bytes:
+    """The bytes of ``tensor``'s elements, in order: equal bits, NaNs included."""
+    values = tensor.detach().cpu().resolve_conj().resolve_neg().numpy()
+    return bytes(np.ascontiguousarray(values).tobytes())
+
+
+def _snapshot(batch: Any) -> list[tuple[torch.Tensor, torch.dtype, bytes]]:
+    return [(t, t.dtype, bits(t)) for _, t in placed(batch)]
+
+
+def _unchanged(batch: Any, snapshot: list[tuple[torch.Tensor, torch.dtype, bytes]]) -> None:
+    now = [t for _, t in placed(batch)]
+    assert [t for t, _, _ in snapshot] == now  # the same tensor objects
+    for (tensor, dtype, before), after in zip(snapshot, now, strict=True):
+        assert (tensor.device, dtype) == (CPU, after.dtype)
+        assert before == bits(after)
+
+
+@needs_accelerator
+@given(nested(wide_leaves), st.booleans())
+def test_device_policy_casts_only_what_the_device_cannot_hold(batch: Any, coalesce: bool) -> None:
+    """dtypes="device": float64 leaves arrive as float32, complex128 as complex64, equal to
+    the values rounded; every other leaf bit-identical; the same tensor at two places one
+    result, a view of a tensor in the batch a view of its result; the input unchanged."""
+    with mps_like() as device:
+        snapshot = _snapshot(batch)
+        moved = to_device(batch, device, dtypes="device", coalesce=coalesce)
+        pairs = _pairs(batch, moved)
+        for original, result in pairs:
+            expected = {F64: F32, C128: C64}.get(original.dtype, original.dtype)
+            assert (device, expected) == (result.device, result.dtype)
+            assert original.shape == result.shape
+            assert bits(original.to(expected)) == bits(result)
+        for i, (a, ra) in enumerate(pairs):
+            for b, rb in pairs[i + 1 :]:
+                assert (a is b) == (ra is rb)
+                if (b._base is a or a._base is b) and a.numel() and b.numel():
+                    assert rb.untyped_storage().data_ptr() == ra.untyped_storage().data_ptr()
+        _unchanged(batch, snapshot)
+
+
+@needs_accelerator
+@given(nested(wide_leaves))
+def test_default_policy_refuses_naming_every_path(batch: Any) -> None:
+    """dtypes=None: a batch with float64 or complex128 tensors raises before anything is
+    copied, naming every path of such a tensor under its dtype; the input is unchanged. A
+    batch without them moves as always."""
+    with mps_like() as device:
+        snapshot = _snapshot(batch)
+        listed = dict(iter_tensors(batch, "obj"))  # every path the engine writes, sets too
+        refused = {t for t in listed.values() if t.dtype in (F64, C128)}
+        if not refused:
+            moved = to_device(batch, device)
+            assert all(t.device == device for _, t in placed(moved))
+            return
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(batch, device)
+        error = raised.value
+        named = {path for paths in error.paths.values() for path in paths}
+        assert {id(t) for t in refused} == {id(listed[path]) for path in named}
+        for dtype, paths in error.paths.items():
+            assert {dtype} == {listed[path].dtype for path in paths}
+            assert f"    {dtype}" in str(error)
+        assert error.device == device
+        assert str(error).endswith(f'fix: to_device(obj, {str(device)!r}, dtypes="device")')
+        _unchanged(batch, snapshot)
+
+
+# The policy, one behaviour at a time
+
+
+@needs_accelerator
+def test_default_message_names_every_path_by_dtype() -> None:
+    """The default's error, every line: the paths under their dtype, then the fix."""
+    with mps_like() as device:
+        x = torch.zeros(3, dtype=F64)
+        batch = {"x": x, "pair": [x, torch.zeros(2, dtype=C128)], "ids": torch.arange(2)}
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(batch, device)
+    assert str(raised.value) == (
+        f"to_device() cannot move 2 tensors to {device}, which holds no torch.float64 or "
+        "torch.complex128:\n"
+        "    torch.float64    <- obj['x'], obj['pair'][0]\n"
+        "    torch.complex128 <- obj['pair'][1]\n"
+        f'fix: to_device(obj, {str(device)!r}, dtypes="device")'
+    )
+    assert isinstance(raised.value, (TypeError, DeviceError))  # as torch's MPS error is
+    assert {F64: ["obj['x']", "obj['pair'][0]"], C128: ["obj['pair'][1]"]} == raised.value.paths
+
+
+@needs_accelerator
+def test_nothing_is_copied_before_the_refusal() -> None:
+    """The refusal comes before any copy: no device memory is taken."""
+    from devicectx.testing import emulated
+
+    with mps_like() as device:
+        batch = [torch.ones(1000) for _ in range(8)] + [torch.ones(2, dtype=F64)]
+        before = emulated.memory_allocated(device)
+        with pytest.raises(DtypeUnsupportedError):
+            to_device(batch, device)
+        assert before == emulated.memory_allocated(device)
+
+
+@needs_accelerator
+def test_a_cast_keeps_views_aliasing_and_autograd() -> None:
+    """A cast tensor's view arrives as a view of its cast (after it or before it), a tensor
+    at two places as one result, and gradients flow back to the float64 original."""
+    with mps_like() as device:
+        x = torch.arange(6.0, dtype=F64, requires_grad=True)
+        batch = {"first": x[:3], "x": x, "again": x, "n": 3}
+        moved = to_device(batch, device, dtypes="device")
+        assert moved["again"] is moved["x"]
+        assert moved["first"]._base is moved["x"]
+        assert (F32, F32) == (moved["x"].dtype, moved["first"].dtype)
+        (moved["x"].sum() + moved["first"].sum()).backward()
+    assert x.grad is not None
+    assert [2.0, 2.0, 2.0, 1.0, 1.0, 1.0] == x.grad.tolist()
+    assert F64 == x.grad.dtype
+
+
+def test_a_mapping_casts_everywhere_even_without_a_move() -> None:
+    """A mapping casts on every device, tensors already on the target included: the same
+    dtypes on a CPU run as on an MPS one. Other tensors come back as they were."""
+    ids = torch.arange(3)
+    batch = {"x": torch.ones(2, dtype=F64), "ids": ids}
+    moved = to_device(batch, "cpu", dtypes={F64: F32})
+    assert F32 == moved["x"].dtype
+    assert moved["ids"] is ids
+    assert F64 == batch["x"].dtype
+
+
+def test_device_policy_changes_nothing_where_every_dtype_is_held() -> None:
+    """dtypes="device" on a device that holds every dtype is the plain move."""
+    x = torch.ones(2, dtype=F64)
+    assert to_device(x, "cpu", dtypes="device") is x
+    assert F64 == to_device({"x": x}, "meta", dtypes="device")["x"].dtype
+
+
+@needs_accelerator
+def test_skipped_tensors_are_neither_cast_nor_refused() -> None:
+    """What skip= leaves where it is keeps its dtype, and is no reason to refuse."""
+    with mps_like() as device:
+        kept = torch.ones(2, dtype=F64)
+        batch = {"x": torch.ones(2), "meta": {"scale": kept}}
+        moved = to_device(batch, device, skip="meta")
+        assert moved["meta"]["scale"] is kept
+        moved = to_device(batch, device, skip="meta", dtypes="device")
+        assert moved["meta"]["scale"] is kept
+
+
+@needs_accelerator
+def test_a_partial_mapping_is_refused_with_the_whole_mapping_as_fix() -> None:
+    """A mapping that leaves a dtype the device cannot hold: the fix completes it."""
+    with mps_like() as device:
+        batch = {"x": torch.ones(2, dtype=F64), "z": torch.ones(2, dtype=C128)}
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(batch, device, dtypes={F64: F32})
+    assert str(raised.value) == (
+        f"to_device() cannot move a tensor to {device}, which holds no torch.complex128:\n"
+        "    torch.complex128 <- obj['z']\n"
+        f"fix: to_device(obj, {str(device)!r}, dtypes={{torch.float64: torch.float32, "
+        "torch.complex128: torch.complex64})"
+    )
+
+
+def test_dtypes_takes_only_a_policy() -> None:
+    """A string other than "device", or a mapping of anything but dtypes, is refused."""
+    with pytest.raises(ValueError, match=r"^dtypes='float32'") as raised:
+        to_device(torch.ones(1), "cpu", dtypes="float32")  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "dtypes='float32' is no dtype policy: it takes None, \"device\" or a mapping\n"
+        'fix: dtypes="device" (what the target cannot hold becomes the nearest dtype it '
+        "holds), or dtypes={torch.float64: torch.float32}"
+    )
+    with pytest.raises(TypeError) as raised_type:
+        to_device(torch.ones(1), "cpu", dtypes={"float64": torch.float32})  # type: ignore[dict-item]
+    assert str(raised_type.value) == (
+        'dtypes= takes None, "device" or a mapping of torch.dtype to torch.dtype, '
+        "got 'float64': torch.float32\n"
+        "fix: dtypes={torch.float64: torch.float32}"
+    )
+
+
+@needs_accelerator
+def test_staged_moves_send_the_cast_tensors() -> None:
+    """Many small float64 tensors to the device: staged (packed through pinned memory) as
+    float32, with the values rounded."""
+    with mps_like() as device:
+        batch = [torch.randn(16, dtype=F64) for _ in range(8)]
+        with staged_counts() as counts:
+            moved = to_device(batch, device, dtypes="device")
+        assert [8] == counts
+        for original, result in zip(batch, moved, strict=True):
+            assert F32 == result.dtype
+            assert torch.equal(original.to(F32), result.cpu())
+
+
+# The decorator and prefetch
+
+
+@needs_accelerator
+def test_decorator_casts_arguments_with_device_policy() -> None:
+    """@device_agnostic(dtypes="device") casts what the target cannot hold, nothing else."""
+    with mps_like() as device:
+
+        @device_agnostic(device=device, dtypes="device")
+        def step(x: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.dtype, ...]:
+            return x.dtype, batch["y"].dtype, batch["ids"].dtype
+
+        got = step(
+            torch.ones(2, dtype=F64),
+            {"y": torch.ones(1, dtype=C128), "ids": torch.ones(1, dtype=torch.int64)},
+        )
+        assert (F32, C64, torch.int64) == got
+
+
+@needs_accelerator
+def test_decorator_default_refuses_before_the_body() -> None:
+    """Without dtypes=, the call is refused before its body, naming every argument path."""
+    ran = []
+    with mps_like() as device:
+
+        @device_agnostic(device=device)
+        def step(x: torch.Tensor, batch: dict[str, Any]) -> None:
+            ran.append(1)
+
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            step(torch.ones(2, dtype=F64), {"y": torch.ones(1, dtype=F64)})
+    assert [] == ran
+    assert str(raised.value) == (
+        f"@device_agnostic cannot move 2 tensors to {device}, which holds no torch.float64:\n"
+        "    torch.float64 <- x, batch['y']\n"
+        'fix: @device_agnostic(dtypes="device")'
+    )
+
+
+def test_decorator_mapping_casts_on_the_fast_path() -> None:
+    """A mapping casts arguments already on the target (no move to make) too."""
+
+    @device_agnostic(device="cpu", dtypes={F64: F32})
+    def dtype_of(x: torch.Tensor) -> torch.dtype:
+        return x.dtype
+
+    assert F32 == dtype_of(torch.ones(2, dtype=F64))
+    assert F32 == dtype_of(x=torch.ones(2, dtype=F64))
+    assert torch.int64 == dtype_of(torch.ones(2, dtype=torch.int64))
+
+
+def test_decorator_refuses_dtypes_without_moves() -> None:
+    """dtypes= with move=False is refused at decoration: nothing would apply it."""
+    with pytest.raises(ValueError, match="move=False") as raised:
+
+        @device_agnostic(move=False, dtypes="device")
+        def step(x: torch.Tensor) -> None: ...
+
+    assert str(raised.value) == (
+        "@device_agnostic(dtypes='device', move=False) on "
+        "test_decorator_refuses_dtypes_without_moves.<locals>.step(): dtypes= says what a "
+        "move does with dtypes, and move=False moves nothing\n"
+        "fix: @device_agnostic(move=False) and cast the inputs yourself, or "
+        "@device_agnostic(dtypes='device')"
+    )
+    with pytest.raises(TypeError):
+        device_agnostic(dtypes=[F64])  # type: ignore[arg-type]
+
+
+@needs_accelerator
+def test_prefetch_casts_each_batch_with_device_policy() -> None:
+    """prefetch(dtypes="device") hands over every batch cast, in order."""
+    with mps_like() as device:
+        loader = [{"x": torch.full((2,), float(i), dtype=F64)} for i in range(4)]
+        got = [
+            (b["x"].dtype, b["x"].cpu().tolist()) for b in prefetch(loader, device, dtypes="device")
+        ]
+    assert [(F32, [float(i)] * 2) for i in range(4)] == got
+
+
+@needs_accelerator
+def test_prefetch_default_refuses_naming_batch_and_path() -> None:
+    """Without dtypes=, the batch is refused when asked for, by index and path."""
+    with mps_like() as device:
+        loader = [{"x": torch.ones(2)}, {"x": torch.ones(2, dtype=F64)}]
+        batches = iter(prefetch(loader, device))
+        assert F32 == next(batches)["x"].dtype
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            next(batches)
+    assert str(raised.value) == (
+        f"prefetch() at batch 1 cannot move a tensor to {device}, which holds no "
+        "torch.float64:\n"
+        "    torch.float64 <- batch['x']\n"
+        f'fix: prefetch(batches, {str(device)!r}, dtypes="device")'
+    )
+
+
+# Constructors inside on_device, and precision="auto"
+
+
+@needs_accelerator
+def test_constructor_of_a_dtype_the_block_device_cannot_hold() -> None:
+    """torch.tensor(numpy float64) inside on_device(d) gets our error and the fix, where
+    the device refuses float64 as MPS does."""
+    with mps_like() as device:
+        try:
+            torch.zeros(1, dtype=F64, device=device)
+        except Exception:
+            pass
+        else:
+            pytest.skip("this emulated accelerator holds float64: it cannot play MPS here")
+        with on_device(device), pytest.raises(DtypeUnsupportedError) as raised:
+            torch.tensor(np.zeros(3))
+    message = str(raised.value)
+    assert message.startswith(
+        f"torch.tensor() inside a block on {device} would make a torch.float64 tensor, "
+        f"which {device} cannot hold ("
+    )
+    assert message.endswith(
+        "fix: torch.tensor(..., dtype=torch.float32), or make it on the CPU and move it "
+        f'with to_device(..., {str(device)!r}, dtypes="device")'
+    )
+
+
+@needs_accelerator
+def test_precision_auto_skips_a_dtype_the_device_cannot_hold() -> None:
+    """precision="auto" never picks bfloat16 on a device that cannot hold it."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the emulated accelerator plays a device without bfloat16")
+    assert "bf16-mixed" == choose_precision(device, "auto").name
+    CAPABILITIES.tell(device, torch.bfloat16, False)
+    assert "16-mixed" == choose_precision(device, "auto").name
+
+
+def test_decorator_casts_under_torch_compile() -> None:
+    """Under torch.compile a call with dtypes= casts as the eager call does."""
+
+    @device_agnostic(device="cpu", dtypes={F64: F32})
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    compiled = torch.compile(lambda x: double(x) + 1, backend="eager")
+    result = compiled(torch.ones(2, dtype=F64))
+    assert F32 == result.dtype
+    assert [3.0, 3.0] == result.tolist()

@@ -1,0 +1,148 @@
+"""Each hand-specialised walk of the move engine agrees with the full walk.
+
+``devicectx.move._walk`` has one full walk, :func:`~devicectx.move._walk.iter_tensors`
+(every tensor with its path), and six walks written out again for speed, each for one
+question or one kind of batch. Each is checked here against the full walk, over generated
+structures of every container kind: a change to one copy that the others do not follow
+fails here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from devicectx import find_devices, to_device
+from devicectx.move import _containers, _walk
+from devicectx.testing.strategies import nested, tensors
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+mixed_batches = nested(tensors(devices=["cpu", "meta"]))
+plain_leaves = tensors(devices=["cpu", "meta"]) | st.integers() | st.none() | st.text(max_size=2)
+plain_batches = st.recursive(
+    plain_leaves,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=2), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+"""Plain dicts, lists and tuples of tensors and scalars: the batches the fast walks take."""
+
+
+def full_paths(obj: Any, name: str = "batch") -> dict[torch.device, list[str]]:
+    """The full walk's tensors, grouped by device, in the order it meets them."""
+    found: dict[torch.device, list[str]] = {}
+    for path, tensor in _walk.iter_tensors(obj, name, modules=True):
+        found.setdefault(tensor.device, []).append(path)
+    return found
+
+
+def full_devices(obj: Any) -> set[torch.device]:
+    return {tensor.device for _, tensor in _walk.iter_tensors(obj, modules=True)}
+
+
+def is_plain(obj: Any) -> bool:
+    """Whether ``obj`` is a plain batch: dicts, lists, tuples, plain tensors and scalars."""
+    if type(obj) in (dict, list, tuple):
+        return all(map(is_plain, obj.values() if type(obj) is dict else obj))
+    kind = _containers.kind_for(type(obj))
+    return type(obj) is torch.Tensor or kind is _containers.LEAF_KIND
+
+
+@given(batch=mixed_batches)
+def test_shared_device_agrees_with_the_full_walk(batch: Any) -> None:
+    """shared_device gives the one device of the full walk's tensors, None for none,
+    MIXED for several; all_on says whether that one device is the one asked."""
+    devices = full_devices(batch)
+    expected = _walk.MIXED if len(devices) > 1 else next(iter(devices), None)
+    event(f"{len(devices)} devices")
+    assert expected == _walk.shared_device(batch)
+    for device in (CPU, META):
+        assert (devices <= {device}) == _walk.all_on(batch, device)
+
+
+@given(batch=plain_batches)
+def test_plain_walk_answers_exactly_when_the_batch_is_on_one_device(batch: Any) -> None:
+    """The decorator's fast walk over plain dicts, lists and tuples gives the one device
+    of the tensors (None for none), and hands over exactly where they disagree."""
+    found = full_devices(batch)
+    if len(found) > 1:
+        with pytest.raises(_walk.NotPlain):
+            _walk.plain_device((batch,))
+    else:
+        assert next(iter(found), None) == _walk.plain_device((batch,))
+
+
+@given(batch=mixed_batches)
+def test_plain_walk_agrees_with_the_full_walk(batch: Any) -> None:
+    """Over every container kind, the fast walk gives the full walk's answer, or hands
+    over, and only where the batch is not plain or its tensors are on several devices."""
+    try:
+        device = _walk.plain_device((batch,))
+    except _walk.NotPlain:
+        event("handed over to the full walk")
+        assert not is_plain(batch) or len(full_devices(batch)) > 1
+        return
+    event("answered by the plain walk")
+    assert is_plain(batch)
+    assert device == _walk.shared_device(batch)
+
+
+@given(batch=mixed_batches)
+def test_find_devices_agrees_with_the_full_walk(batch: Any) -> None:
+    """find_devices (a recursive fast path for plain batches, its own stack walk for the
+    rest) lists the same devices and paths, in the same order, as the full walk."""
+    event("plain" if is_plain(batch) else "not plain")
+    assert full_paths(batch) == find_devices(batch, name="batch")
+
+
+@given(batch=mixed_batches)
+def test_find_devices_stack_walk_agrees_with_the_full_walk(batch: Any) -> None:
+    """find_devices' own stack walk, taken for every batch (the fast path switched off as
+    a registered dict, list or tuple does), lists what the full walk lists."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_containers, "PLAIN_BUILTINS", False)
+        assert full_paths(batch) == find_devices(batch, name="batch")
+
+
+@pytest.mark.parametrize("root", [dict, list, tuple])
+@given(batch=plain_batches)
+def test_find_devices_plain_walks_agree_with_the_full_walk(batch: Any, root: type) -> None:
+    """The recursive walks for a plain dict and for a plain list or tuple (whose
+    ``[i]`` paths are written once for all) answer, and list what the full walk lists."""
+    top = {"x": batch, "y": [batch]} if root is dict else root([batch, (batch,), batch])
+    found: dict[torch.device, list[str]] = {}
+    assert _walk._plain_devices(top, "batch", found, None, 0)
+    assert full_paths(top) == found
+
+
+@dataclasses.dataclass
+class OwnMove:
+    """An object moved by its own ``.to``, whose children the walks read as fields."""
+
+    value: Any
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> OwnMove:
+        return OwnMove(to_device(self.value, device, non_blocking=non_blocking))
+
+
+@given(batch=mixed_batches, own=st.none() | mixed_batches)
+def test_collect_finds_each_tensor_of_the_full_walk_once(batch: Any, own: Any) -> None:
+    """collect's two tables hold, between them and each once, every tensor the full walk
+    meets outside modules; ``inside`` only those met in an object moved by its own ``.to``
+    and nowhere else."""
+    obj = batch if own is None else [batch, OwnMove(own), batch]
+    found, inside, _ = _walk.collect(obj)
+    assert not found.keys() & inside.keys()
+    assert {id(t) for _, t in _walk.iter_tensors(obj)} == found.keys() | inside.keys()
+    assert {id(t) for _, t in _walk.iter_tensors(batch)} == found.keys()
+    event("some inside an own .to" if inside else "none inside an own .to")
