@@ -66,7 +66,7 @@ from _trees import Tree, detection, load, tensors_in
 
 from devicectx import set_repeated_move_warning, to_device
 from devicectx.move import _staging
-from devicectx.move._staging_state import STATE
+from devicectx.move._staging._state import STATE
 
 ON = "copy stream on"
 OFF = "copy stream off"

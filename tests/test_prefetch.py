@@ -36,7 +36,7 @@ from devicectx import (
     track_transfers,
 )
 from devicectx.move import _prefetch, _staging, _streams, _transfers
-from devicectx.move._staging_state import StagingState, swapped
+from devicectx.move._staging._state import StagingState, swapped
 from devicectx.move._walk import iter_tensors
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors

@@ -30,7 +30,7 @@ import devicectx
 from devicectx import to_device
 from devicectx.move import _pinned, _staging
 from devicectx.move._move import move_call, move_to
-from devicectx.move._staging_state import STATE, StagingState, swapped
+from devicectx.move._staging._state import STATE, StagingState, swapped
 from devicectx.move._walk import collect
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors

@@ -30,7 +30,7 @@ from torch import nn
 
 from devicectx import MoveError, to_device
 from devicectx.move import _pinned, _staging, _streams
-from devicectx.move._staging_state import STATE, swapped
+from devicectx.move._staging._state import STATE, swapped
 from devicectx.move._walk import collect
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors

@@ -42,7 +42,7 @@ from devicectx.move._dtypes import DtypesLike, Suggest, policy_for
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip, SkipLike, compile_skip
-from devicectx.move._staging_state import STATE
+from devicectx.move._staging._state import STATE
 from devicectx.move._traced import TracedMove
 from devicectx.move._walk import all_on as all_on
 from devicectx.move._walk import find_devices as find_devices

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from devicectx.devices._resolve import accelerator_type
-from devicectx.move._staging_state import STATE
+from devicectx.move._staging._state import STATE
 from devicectx.move._streams import copy_stream
 
 __all__ = ["Host", "Pool", "host_for", "release_staging", "staging_memory"]

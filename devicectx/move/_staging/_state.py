@@ -8,7 +8,7 @@ to another object, so a module may import it once. Tests (and ``forced``) swap a
 at once with :func:`swapped`, instead of patching several modules' globals.
 
 Example:
-    >>> from devicectx.move._staging_state import STATE, StagingState, swapped
+    >>> from devicectx.move._staging._state import STATE, StagingState, swapped
     >>> with swapped(STATE.replace(copy_stream=False)):
     ...     STATE.copy_stream
     False

@@ -59,7 +59,7 @@ from devicectx._torch.tensors import storage_slice
 from devicectx.devices._resolve import accelerator_type
 from devicectx.move import _pinned, _streams
 from devicectx.move._alias import dense
-from devicectx.move._staging_state import STATE, swapped
+from devicectx.move._staging._state import STATE, swapped
 from devicectx.move._walk import collect
 
 __all__ = [
@@ -576,7 +576,7 @@ def to_accelerator(
 ) -> dict[int, torch.Tensor]:
     """Host tensors of ``found`` on ``device``, staged: ``{id(source): result}``; empty
     where staging would not pay (see :class:`Thresholds`). ``copy_stream``: as
-    :attr:`~devicectx.move._staging_state.StagingState.copy_stream`; ``handed``: see
+    :attr:`~devicectx.move._staging._state.StagingState.copy_stream`; ``handed``: see
     :class:`HandedTo`.
 
     Pinned sources are packed only while the device's current stream is idle: else a
