@@ -30,6 +30,7 @@ import devicectx
 from devicectx import to_device
 from devicectx.move import _pinned, _staging
 from devicectx.move._move import move_call, move_to
+from devicectx.move._staging import _sending
 from devicectx.move._staging._state import STATE, StagingState, swapped
 from devicectx.move._walk import collect
 from devicectx.testing import emulated
@@ -454,7 +455,7 @@ def test_a_declined_move_pays_no_sort(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any) -> Any:
         raise AssertionError("sorted")
 
-    monkeypatch.setattr(_staging, "_sort", refuse)
+    monkeypatch.setattr(_sending, "_sort", refuse)
     pool = _pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096)
     host = _pinned.Host(pool, _staging._no_stream, pinned)
     found, inside, _ = collect({"small": small, "large": large})

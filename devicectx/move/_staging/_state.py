@@ -29,7 +29,8 @@ import torch
 
 if TYPE_CHECKING:
     from devicectx.move._pinned import Backoff, Host
-    from devicectx.move._staging import Thresholds, _Forced
+    from devicectx.move._staging._layout import Thresholds
+    from devicectx.move._staging._seam import _Forced
 
 __all__ = ["STATE", "StagingState", "swapped"]
 
