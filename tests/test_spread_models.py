@@ -21,6 +21,9 @@ from devicectx import DeviceMismatchError, declare_spread, device_agnostic, modu
 from devicectx.decorator._target import Spread, module_device
 from devicectx.move._paths import module_path
 
+# The calls repeat a small input on purpose (decorated and undecorated side by side).
+pytestmark = pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")
+
 CPU = torch.device("cpu")
 META = torch.device("meta")
 TWO_DEVICES = (
@@ -118,7 +121,7 @@ def test_move_false_checks_the_inputs_against_where_a_dispatched_model_starts(
     with pytest.raises(DeviceMismatchError) as error:
         check(model, x)
     assert [
-        "plain() got tensors on 1 device:",
+        "plain() got tensors on cpu, not on its target:",
         "    cpu <- x",
         f"target {first} (from model (Net), spread over 2 devices ({first}, {second}) by "
         "accelerate: where its top-level hook runs it)",
@@ -390,7 +393,7 @@ def test_a_declared_split_with_inputs_says_so_when_move_false_refuses() -> None:
     with pytest.raises(DeviceMismatchError) as error:
         check(model, torch.ones(2))
     assert [
-        "plain() got tensors on 1 device:",
+        "plain() got tensors on cpu, not on its target:",
         "    cpu <- x",
         "target meta (from model (Split), spread over 2 devices (cpu, meta) on purpose: "
         'declare_spread(model, inputs="meta"))',
