@@ -12,9 +12,9 @@ Per step, each subject timing whole epochs:
 - the bound: ``max(compute only, copy only)``, what perfect overlap gives;
 - ``to_device in the step``, ``send_to_device in the step``: the move when the step asks;
 - ``to_device in the step, caller's stream``, on a GPU (not the emulated accelerator): the
-  same with ``devicectx.move._staging.COPY_STREAM = False``, the staged copies queued on
-  the caller's stream instead of the device's copy stream (shown beside the others, with
-  no target of its own; ``benchmarks/copy_stream.py`` times the two alone);
+  same with ``STATE.copy_stream`` off (``devicectx.move._staging._state``), the staged
+  copies queued on the caller's stream instead of the device's copy stream (shown beside
+  the others, with no target of its own; ``benchmarks/copy_stream.py`` times the two alone);
 - ``prefetch``: ``for batch in prefetch(loader, device)`` (depth 2), made once;
 - ``CudaDataPrefetcher``: torchtnt's, where it is installed and the device is CUDA.
 
@@ -67,7 +67,7 @@ from _trees import Tree, load
 from torch.utils.data import DataLoader, Dataset
 
 from devicectx import device_agnostic, prefetch, set_repeated_move_warning, to_device
-from devicectx.move import _staging
+from devicectx.move._staging._state import STATE, swapped
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -258,12 +258,8 @@ def _nothing() -> None:
 def copy_stream_set(on: bool) -> Iterator[None]:
     """Staged copies behind queued work on the device's copy stream (``on``), or on the
     caller's stream, for the block."""
-    saved = _staging.COPY_STREAM
-    _staging.COPY_STREAM = on
-    try:
+    with swapped(STATE.replace(copy_stream=on)):
         yield
-    finally:
-        _staging.COPY_STREAM = saved
 
 
 def _moved(batch: Any, device: torch.device) -> Any:

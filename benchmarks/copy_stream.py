@@ -4,7 +4,7 @@
 machine, without the runner). A non-blocking staged move to an accelerator whose current
 stream has work queued queues its copies on the device's copy stream
 (``devicectx.move._streams``), and the caller's stream waits on an event after them;
-``devicectx.move._staging.COPY_STREAM = False`` queues them on the caller's stream, as
+``devicectx.move.STATE.copy_stream = False`` queues them on the caller's stream, as
 before (as a move to an idle stream still does). In ``for b in loader: step(to_device(b, d,
 non_blocking=True))``, with the host ahead of the device, the copies then start at once,
 beside the device work queued before them, and the staging chunks (at most 64 MiB of
@@ -17,7 +17,7 @@ then the step's device work queued on the current stream, then one
 subjects, one epoch each per round, many rounds (the two moves in alternating order), so
 that drift and bursts of load hit them alike; medians of the rounds are compared:
 
-- ``copy stream on`` and ``copy stream off``: the loop, ``COPY_STREAM`` True and False;
+- ``copy stream on`` and ``copy stream off``: the loop, ``STATE.copy_stream`` True and False;
 - ``copy only``: the moves alone (the copy stream on, the default);
 - ``compute only``: the device work alone, on a batch moved once, before the loop;
 - the bound: ``max(compute only, copy only)``, what perfect overlap gives (an epoch's
@@ -66,6 +66,7 @@ from _trees import Tree, detection, load, tensors_in
 
 from devicectx import set_repeated_move_warning, to_device
 from devicectx.move import _staging
+from devicectx.move._staging._state import STATE
 
 ON = "copy stream on"
 OFF = "copy stream off"
@@ -126,8 +127,8 @@ def _case(
     loops: dict[str, tuple[Callable[[], Any], bool]] = {
         ON: (lambda: step(moved()), True),
         OFF: (lambda: step(moved()), False),
-        COPY: (moved, _staging.COPY_STREAM),
-        COMPUTE: (lambda: step(resident), _staging.COPY_STREAM),
+        COPY: (moved, STATE.copy_stream),
+        COMPUTE: (lambda: step(resident), STATE.copy_stream),
     }
     per_step: dict[str, list[float]] = {name: [] for name in loops}
     staged: dict[str, list[float]] = {name: [] for name in loops}
@@ -211,7 +212,7 @@ def _loop(run: Callable[[], Any], count: int, sync: Callable[[], None]) -> None:
 
 
 def _epoch(run: Callable[[], Any], steps: int, sync: Callable[[], None], copy_stream: bool) -> int:
-    """The epoch's time in ns, with ``COPY_STREAM`` set to ``copy_stream`` in it."""
+    """The epoch's time in ns, with ``STATE.copy_stream`` set to ``copy_stream`` in it."""
     with copy_stream_set(copy_stream):
         start = time.perf_counter_ns()
         _loop(run, steps, sync)

@@ -35,7 +35,8 @@ from devicectx import (
     to_device,
     track_transfers,
 )
-from devicectx.move import _pinned, _prefetch, _staging, _streams, _transfers
+from devicectx.move import _prefetch, _staging, _streams, _transfers
+from devicectx.move._staging._state import StagingState, swapped
 from devicectx.move._walk import iter_tensors
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
@@ -876,9 +877,7 @@ def test_a_device_without_events_moves_in_order(monkeypatch: pytest.MonkeyPatch)
     (Its copy stream, and its staging, which events fail too, are worked out afresh.)"""
     device = accelerator()
     monkeypatch.setattr(_streams, "_STREAMS", {})
-    monkeypatch.setattr(_pinned, "_HOSTS", {})
-    monkeypatch.setattr(_pinned, "_BACKOFF", {})
-    with emulated.configure(events=False):
+    with swapped(StagingState()), emulated.configure(events=False):
         batches = prefetch([detection_like(i) for i in range(3)], device)
         moved = list(batches)
     assert not batches.streams

@@ -15,7 +15,7 @@ import collections
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import pairwise
 from typing import Any
 
@@ -30,6 +30,8 @@ import devicectx
 from devicectx import to_device
 from devicectx.move import _pinned, _staging
 from devicectx.move._move import move_call, move_to
+from devicectx.move._staging import _sending
+from devicectx.move._staging._state import STATE, StagingState, swapped
 from devicectx.move._walk import collect
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
@@ -73,6 +75,14 @@ def staged_into(
 
 
 Thresholds = _staging.Thresholds
+
+
+@pytest.fixture
+def fresh_state() -> Iterator[StagingState]:
+    """Staging's state as in a new process (nothing probed yet), for the test."""
+    with swapped(StagingState()) as state:
+        yield state
+
 
 needs_emulated = pytest.mark.skipif(
     not emulated.enabled(),
@@ -387,12 +397,10 @@ def test_the_accelerator_is_asked_of_the_resolver(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch.accelerator, "current_accelerator", refuse)
     monkeypatch.setattr(_pinned, "accelerator_type", lambda: None)
     monkeypatch.setattr(_staging, "accelerator_type", lambda: None)
-    monkeypatch.setattr(_pinned, "_HOSTS", {})
-    monkeypatch.setattr(_staging, "_ACCELERATOR", [])
-    monkeypatch.setattr(_staging, "NEVER", {META})
-    assert _pinned.host_for("cuda", 1024, 4096) is None
-    assert _staging.stage([torch.zeros(1)] * 4, CPU, False, ()) is None
-    assert {META, CPU} == _staging.NEVER
+    with swapped(StagingState()) as state:
+        assert _pinned.host_for("cuda", 1024, 4096) is None
+        assert _staging.stage([torch.zeros(1)] * 4, CPU, False, ()) is None
+        assert {META, CPU} == state.never
 
 
 @pytest.mark.parametrize(
@@ -447,7 +455,7 @@ def test_a_declined_move_pays_no_sort(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any) -> Any:
         raise AssertionError("sorted")
 
-    monkeypatch.setattr(_staging, "_sort", refuse)
+    monkeypatch.setattr(_sending, "_sort", refuse)
     pool = _pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096)
     host = _pinned.Host(pool, _staging._no_stream, pinned)
     found, inside, _ = collect({"small": small, "large": large})
@@ -518,15 +526,14 @@ def test_a_failure_falls_back_to_the_per_tensor_move(monkeypatch: pytest.MonkeyP
 def test_devices_that_cannot_stage_are_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
     """A target whose type is not torch's accelerator (pinned memory is pinned for that one
     alone) is tested once, then never again; meta and MPS are never staged to."""
-    assert META in _staging.NEVER
-    monkeypatch.setattr(_staging, "NEVER", {META})
-    monkeypatch.setattr(_pinned, "_HOSTS", {})
+    assert META in STATE.never
     monkeypatch.setattr(_pinned, "accelerator_type", lambda: "xpu")
     batch = [torch.zeros(1)] * 4
     cuda, mps = torch.device("cuda", 0), torch.device("mps", 0)
-    assert _staging.stage(batch, cuda, False, ()) is None
-    assert _staging.stage(batch, mps, False, ()) is None
-    assert {META, cuda, mps} == _staging.NEVER
+    with swapped(StagingState()) as state:
+        assert _staging.stage(batch, cuda, False, ()) is None
+        assert _staging.stage(batch, mps, False, ()) is None
+        assert {META, cuda, mps} == state.never
 
 
 def failing_allocator(failing: int, calls: list[int]) -> Callable[[int], torch.Tensor]:
@@ -548,21 +555,19 @@ def test_a_failed_probe_is_tried_again_after_a_back_off(monkeypatch: pytest.Monk
     then tried again, and a host is made once it succeeds."""
     probes: list[int] = []
     probe = failing_allocator(1, probes)
-    monkeypatch.setattr(_staging, "NEVER", {META})
-    monkeypatch.setattr(_pinned, "_HOSTS", {})
-    monkeypatch.setattr(_pinned, "_BACKOFF", {})
     monkeypatch.setattr(_pinned, "accelerator_type", lambda: "cuda")
     monkeypatch.setattr(_pinned, "_pinned_buffer", probe)
     monkeypatch.setattr(_pinned, "current", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_pinned, "_new_event", _staging._landed)  # events work
     monkeypatch.setattr(_pinned, "_current_stream", _staging._no_stream)
     cuda = torch.device("cuda", 0)
-    for _ in range(1 + _pinned.Backoff.FIRST):
-        assert _pinned.host_for("cuda", 1024, 4096, cuda) is None
-    assert 1 == len(probes)
-    assert cuda not in _staging.NEVER
-    assert _pinned.host_for("cuda", 1024, 4096, cuda) is not None
-    assert 2 == len(probes)
+    with swapped(StagingState()) as state:
+        for _ in range(1 + _pinned.Backoff.FIRST):
+            assert _pinned.host_for("cuda", 1024, 4096, cuda) is None
+        assert 1 == len(probes)
+        assert cuda not in state.never
+        assert _pinned.host_for("cuda", 1024, 4096, cuda) is not None
+        assert 2 == len(probes)
 
 
 def test_a_failed_chunk_allocation_backs_off_then_tries_again() -> None:
@@ -885,7 +890,7 @@ def test_a_pinned_source_with_a_copy_in_flight_is_read_after_the_copy() -> None:
 @pytest.mark.requires_device("accelerator")
 @needs_emulated
 def test_a_device_with_pinned_memory_but_no_events_is_not_staged_to(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, fresh_state: StagingState
 ) -> None:
     """Pinned memory alone does not make a device one to stage to: without events a
     chunk could never be known free again, so the probe records one as well. A device
@@ -893,9 +898,6 @@ def test_a_device_with_pinned_memory_but_no_events_is_not_staged_to(
     gets its moves tensor by tensor with nothing packed; with events back, staging
     resumes once the probe's back-off is over."""
     device = torch.device(emulated.DEVICE_TYPE, 0)
-    monkeypatch.setattr(_pinned, "_HOSTS", {})  # not probed yet, as in a fresh process
-    monkeypatch.setattr(_pinned, "_BACKOFF", {})
-    monkeypatch.setattr(_staging, "NEVER", {META})
     packed: list[int] = []
     to_accelerator = _staging.to_accelerator
 

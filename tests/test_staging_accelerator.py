@@ -30,6 +30,7 @@ from torch import nn
 
 from devicectx import MoveError, to_device
 from devicectx.move import _pinned, _staging, _streams
+from devicectx.move._staging._state import STATE, swapped
 from devicectx.move._walk import collect
 from devicectx.testing import emulated
 from devicectx.testing.strategies import nested, tensors
@@ -145,11 +146,12 @@ class Staging:
             target: torch.device,
             non_blocking: bool,
             skip_types: tuple[type, ...],
+            handed: _staging.HandedTo | None = None,
         ) -> Any:
             watch.busy = not torch.accelerator.current_stream(target).query()
             staged = None
             try:
-                staged = stage(obj, target, non_blocking, skip_types)
+                staged = stage(obj, target, non_blocking, skip_types, handed)
                 return staged
             finally:
                 watch.staged += 0 if staged is None else len(staged.results)
@@ -287,9 +289,11 @@ class TinyPool:
 
     @contextlib.contextmanager
     def block(self) -> Iterator[TinyPool]:
-        with pytest.MonkeyPatch.context() as patch, staged_counts() as self.counts:
-            patch.setattr(_staging, "THRESHOLDS", TINY_POOL)
-            patch.setitem(_pinned._HOSTS, accelerator().type, self.host)
+        hosts = {**STATE.hosts, accelerator().type: self.host}
+        with (
+            staged_counts() as self.counts,
+            swapped(STATE.replace(thresholds=TINY_POOL, hosts=hosts)),
+        ):
             yield self
 
 
@@ -349,10 +353,10 @@ def test_non_blocking_moves_do_not_wait_for_the_callers_stream(
 def test_the_copy_stream_test_fails_on_the_callers_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """The property above can fail: with the copies on the caller's stream, a held stream
     holds the chunks, and the move cannot go on."""
-    monkeypatch.setattr(_staging, "COPY_STREAM", False)
     device = accelerator()
     batch = [torch.randn(16, 40) for _ in range(3)]  # 7.5 KiB: the two chunks, reused
-    with tiny_pool(device), pytest.raises(MoveError):
+    off = swapped(STATE.replace(copy_stream=False))
+    with off, tiny_pool(device), pytest.raises(MoveError):
         held_reads([batch], device)
     torch.accelerator.synchronize()
 

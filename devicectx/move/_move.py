@@ -42,6 +42,7 @@ from devicectx.move._dtypes import DtypesLike, Suggest, policy_for
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip, SkipLike, compile_skip
+from devicectx.move._staging._state import STATE
 from devicectx.move._traced import TracedMove
 from devicectx.move._walk import all_on as all_on
 from devicectx.move._walk import find_devices as find_devices
@@ -358,6 +359,7 @@ def _move(
     coalesce: bool = True,
     where: str | None = None,
     check_repeats: bool = True,
+    handed: _staging.HandedTo | None = None,
 ) -> T:
     # The one test of torch.compile on the eager path (the accounting below made it).
     compiling = _is_compiling()
@@ -367,10 +369,10 @@ def _move(
     # Traced code keeps no state (and dynamo cannot trace ContextVar.get): nothing recorded.
     paths = None if compiling else _transfers.paths_if_tracked(obj, name)
     staged = None
-    if coalesce and device not in _staging.NEVER and (skip is None or not skip.slow):
+    if coalesce and device not in STATE.never and (skip is None or not skip.slow):
         # The staged tensors' results go into mover.moved, where the walk finds them;
         # `staged` holds what their ids belong to until the walk is done.
-        staged = _staging.stage(obj, device, non_blocking, _types(skip))
+        staged = _staging.stage(obj, device, non_blocking, _types(skip), handed)
         if staged is not None:
             mover.moved.update(staged.results)
             mover.sent.extend(staged.sources)

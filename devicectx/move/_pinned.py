@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from devicectx.devices._resolve import accelerator_type
+from devicectx.move._staging._state import STATE
 from devicectx.move._streams import copy_stream
 
 __all__ = ["Host", "Pool", "host_for", "release_staging", "staging_memory"]
@@ -254,8 +255,6 @@ def current(device: torch.device | None) -> contextlib.AbstractContextManager[An
     return contextlib.nullcontext() if guard is None else guard(device.index)
 
 
-_HOSTS: dict[str, Host | None] = {}
-_BACKOFF: dict[str, Backoff] = {}  # for the types whose probe failed
 _LOCK = threading.Lock()
 
 
@@ -268,21 +267,22 @@ def host_for(
     that one alone); a probe that fails (no pinned allocator, or none for now) is tried
     again after a back-off. ``device``: the move's target, made current for the probe.
     """
+    hosts = STATE.hosts
     try:
-        return _HOSTS[device_type]
+        return hosts[device_type]
     except KeyError:
         pass
     with _LOCK:
-        if device_type in _HOSTS:
-            return _HOSTS[device_type]
+        if device_type in hosts:
+            return hosts[device_type]
         try:
             current_type = accelerator_type()
         except Exception:  # no accelerator runtime
             current_type = None
         if current_type != device_type:  # torch pins for its current accelerator only
-            _HOSTS[device_type] = None
+            hosts[device_type] = None
             return None
-        backoff = _BACKOFF.setdefault(device_type, Backoff())
+        backoff = STATE.backoff.setdefault(device_type, Backoff())
         if not backoff.ready():
             return None
         try:
@@ -293,15 +293,16 @@ def host_for(
         except Exception:  # no pinned allocator for it, or none for now
             backoff.failed()
             return None
-        del _BACKOFF[device_type]
+        del STATE.backoff[device_type]
         pool = Pool(_pinned_buffer, _new_event, chunk_bytes, limit_bytes)
-        _HOSTS[device_type] = host = Host(pool, _current_stream, _is_pinned, _idle, copy_stream)
+        hosts[device_type] = host = Host(pool, _current_stream, _is_pinned, _idle, copy_stream)
         return host
 
 
 def never(device_type: str) -> bool:
     """Whether :func:`host_for` settled that ``device_type`` has no host, for good."""
-    return device_type in _HOSTS and _HOSTS[device_type] is None
+    hosts = STATE.hosts
+    return device_type in hosts and hosts[device_type] is None
 
 
 def _current_stream(device: torch.device) -> Any:
@@ -327,13 +328,13 @@ def _is_pinned(tensor: torch.Tensor) -> bool:
 def register(name: str, host: Host) -> None:
     """Make ``host`` the one for ``name`` (tests, through :mod:`devicectx.move._staging`)."""
     with _LOCK:
-        _HOSTS[name] = host
+        STATE.hosts[name] = host
 
 
 def unregister(name: str) -> None:
     """Forget the host for ``name``, its buffers with it."""
     with _LOCK:
-        _HOSTS.pop(name, None)
+        STATE.hosts.pop(name, None)
 
 
 def staging_memory() -> int:
@@ -348,7 +349,7 @@ def staging_memory() -> int:
     :class:`devicectx.move._staging.Thresholds`), and keeps what it has for the next move.
     """
     with _LOCK:
-        hosts = [host for host in _HOSTS.values() if host is not None]
+        hosts = [host for host in STATE.hosts.values() if host is not None]
     return sum(host.pool.held_bytes for host in hosts)
 
 
@@ -368,7 +369,7 @@ def release_staging() -> int:
     that cache back to the system. The next staged move allocates again.
     """
     with _LOCK:
-        hosts = [host for host in _HOSTS.values() if host is not None]
+        hosts = [host for host in STATE.hosts.values() if host is not None]
     return sum(host.pool.clear() for host in hosts)
 
 
@@ -381,9 +382,9 @@ def _forget_in_child() -> None:
     # (freeing them would call into that context), which it keeps unreachable instead.
     global _LOCK
     _LOCK = threading.Lock()
-    _ORPHANS.extend(_HOSTS.values())
-    _HOSTS.clear()
-    _BACKOFF.clear()
+    _ORPHANS.extend(STATE.hosts.values())
+    STATE.hosts.clear()
+    STATE.backoff.clear()
 
 
 if hasattr(os, "register_at_fork"):

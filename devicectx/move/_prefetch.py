@@ -48,7 +48,7 @@ from devicectx.move import _transfers
 from devicectx.move._dtypes import DtypesLike, cast_batch, check_dtypes
 from devicectx.move._move import _move, _nothing_to_move
 from devicectx.move._skip import Skip, SkipLike, compile_skip
-from devicectx.move._staging import handed_to
+from devicectx.move._staging import HandedTo
 from devicectx.move._streams import copy_stream, queued_on
 from devicectx.move._walk import collect
 from devicectx.scope._context import active_device
@@ -401,10 +401,11 @@ def _move_batch(
     non_blocking: bool,
     batch: Any,
     index: int,
+    handed: HandedTo | None = None,
     dtypes: DtypesLike = None,
 ) -> Any:
     """``batch`` on ``device`` through the move engine, its errors naming ``index``;
-    ``non_blocking`` where it is moved on a copy stream."""
+    ``non_blocking`` and ``handed`` where it is moved on a copy stream."""
     # The dtype policy: casts made (or refused, naming every path) before the move.
     batch = cast_batch(batch, device, dtypes, skip, index)
     types = () if skip is None else skip.types
@@ -415,7 +416,7 @@ def _move_batch(
         return f"leave it where it is: prefetch(batches, {str(device)!r}, skip=[{path!r}])"
 
     who = f"prefetch() at batch {index}"
-    return _move(batch, device, non_blocking, skip, _NAME, fix, who, True, where)
+    return _move(batch, device, non_blocking, skip, _NAME, fix, who, True, where, True, handed)
 
 
 class _Sent:
@@ -445,7 +446,9 @@ class Streams:
         self.device = device
         self.copy = copy
 
-    def send(self, move: Callable[[Any, int], Any], batch: Any, index: int) -> tuple[Any, _Sent]:
+    def send(
+        self, move: Callable[[Any, int, HandedTo], Any], batch: Any, index: int
+    ) -> tuple[Any, _Sent]:
         """``move(batch, index)`` queued on the copy stream, after the work queued so far on
         the caller's stream where the batch needs it; the result and its token."""
         copy = self.copy
@@ -453,9 +456,9 @@ class Streams:
         with queued_on(copy, self.device) as previous:
             if not previous.query() and _written_by_streams(batch):
                 copy.wait_stream(previous)
-            with handed_to(previous) as regions:
-                moved = move(batch, index)
-        return moved, _Sent(copy.record_event(), regions)
+            handed = HandedTo(previous)
+            moved = move(batch, index, handed)
+        return moved, _Sent(copy.record_event(), handed.regions)
 
     def hand_over(self, batch: Any, sent: _Sent) -> None:
         """Make ``batch`` safe on the caller's current stream: it waits for the copies
