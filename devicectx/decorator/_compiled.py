@@ -38,7 +38,7 @@ import builtins
 import functools
 from collections.abc import Callable, Iterable
 from types import FunctionType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ from devicectx._torch import pytree
 from devicectx._torch.modes import DeviceContext
 from devicectx.decorator import _mismatch
 from devicectx.decorator._params import self_offset
-from devicectx.decorator._target import involved_module, module_label, placed
+from devicectx.decorator._target import involved_module, module_devices
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.scope._stack import active_device
 
@@ -302,12 +302,12 @@ def _trace_target(
         module, where = involved
         devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
         if len(devices) > 1 or (target is not None and devices and target not in devices):
-            # Spread, or off the target: the eager call's verdict (Plan.module_verdict).
             name = plan.params.argument_name(where, offset)
-            verdict = _module_verdict(plan, module, name, target)
-            if verdict.message is not None:
-                return target, reason, verdict.message
-            return verdict.target, reason or verdict.reason, None
+            found = _frozen(module_devices(module, name))
+            why = reason or "a module must be on one device"
+            kind = type(module).__name__
+            message = _module_message(plan.name, name, kind, found, target, why)
+            return target, reason, message
         if target is None and devices:
             target = _first(devices, None)
             reason = f"the parameters of {plan.params.argument_name(where, offset)}"
@@ -394,23 +394,17 @@ def _message(
     return _keep(_mismatch.tensors_off_target(function, mapping, target, reason))
 
 
-class _Verdict(NamedTuple):
-    """What the eager call decides for a module that is not on one plain device."""
-
-    target: torch.device | None
-    reason: str  # why the target, for a later message
-    message: str | None  # the refusal, or None
-
-
 @_dynamo_hooks.constant
-def _module_verdict(
-    plan: Plan, module: nn.Module, name: str, requested: torch.device | None
-) -> _Verdict:
-    try:
-        target = plan.module_verdict(placed(module), module, requested, lambda: name)
-    except _errors.DeviceMismatchError as error:
-        return _Verdict(None, "", _keep(error))
-    return _Verdict(target, module_label(module, name), None)
+def _module_message(
+    function: str,
+    module: str,
+    kind: str,
+    found: tuple[tuple[torch.device, tuple[str, ...]], ...],
+    target: torch.device | None,
+    reason: str,
+) -> str:
+    error = _mismatch.module_off_target(function, module, kind, dict(found), target, reason)
+    return _keep(error)
 
 
 # The errors the messages above were made from, by message, for the stand-in to answer
