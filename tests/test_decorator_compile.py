@@ -267,18 +267,6 @@ def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x)  # type: ignore[no-any-return]
 
 
-class Split(nn.Module):
-    """A hand-made split: the first stage on the CPU, the second on meta."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(2, 2)
-        self.second = nn.Linear(2, 2, device="meta")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(self.first(x).to("meta"))  # type: ignore[no-any-return]
-
-
 def test_a_split_by_mistake_under_fullgraph_is_refused() -> None:
     """fullgraph=True and a model spread by mistake: torch's Unsupported error carries our
     refusal, naming the module argument (the eager call names the stray part by path)."""

@@ -75,13 +75,12 @@ def pinned(values: list[float]) -> torch.Tensor:
     return torch.tensor(values).pin_memory()
 
 
-def test_this_file_on_the_emulated_accelerator() -> None:
-    """Without the option, this file's tests pass in a fresh process that enables it."""
-    if emulated.enabled():
-        pytest.skip("the emulated accelerator is enabled here: the tests ran in this process")
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
+def passing_run(test_file: str, *options: str) -> subprocess.CompletedProcess[str]:
+    """pytest run on ``test_file`` in a fresh process with ``options``, which must pass;
+    the test skips where the emulated accelerator cannot be built."""
+    command = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(
-        [*command, "--devicectx-accelerator=emulated", "-p", "no:xdist", "-rsp"],
+        [*command, "-p", "no:xdist", *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -90,6 +89,14 @@ def test_this_file_on_the_emulated_accelerator() -> None:
     if "the emulated accelerator is unavailable" in done.stdout:
         pytest.skip(done.stdout[-2000:])
     assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
+    return done
+
+
+def test_this_file_on_the_emulated_accelerator() -> None:
+    """Without the option, this file's tests pass in a fresh process that enables it."""
+    if emulated.enabled():
+        pytest.skip("the emulated accelerator is enabled here: the tests ran in this process")
+    done = passing_run(__file__, "--devicectx-accelerator=emulated", "-rsp")
     # What matters: the tests that need the device ran there (the skips in between are
     # the child's business: a torch release may lack what one test checks).
     lines = done.stdout.splitlines()
@@ -819,20 +826,9 @@ def test_the_plugin_option_picks_a_profile_and_a_device_count(tmp_path: Path) ->
             """
         )
     )
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider"),
-            *("-p", "no:xdist", "--devicectx-accelerator=emulated:mps"),
-            "--devicectx-emulated-devices=4",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
+    done = passing_run(
+        str(test_file), "--devicectx-accelerator=emulated:mps", "--devicectx-emulated-devices=4"
     )
-    if "the emulated accelerator is unavailable" in done.stdout:
-        pytest.skip(done.stdout[-2000:])
-    assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
     assert "5 passed" in done.stdout  # cpu, emu:0 to emu:3
 
 
