@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from devicectx import DeviceMismatchError, Layout, device_agnostic, find_devices, find_layouts
+from devicectx import (
+    DeviceMismatchError,
+    Layout,
+    device_agnostic,
+    find_devices,
+    find_layouts,
+    on_device,
+)
 from devicectx.decorator._target import module_device
 from devicectx.move._containers import DTENSOR_KIND, kind_for
 from devicectx.move._distributed import fsdp_compute_device, wrapper_name
@@ -286,3 +293,35 @@ def test_fsdp2_fix_moves_before_fully_shard(mesh: object) -> None:
         "a wrapped model is not moved afterwards (and never implicitly)"
     )
     assert expected == str(caught.value).splitlines()[-1]
+
+
+def test_an_fsdp2_model_sharded_on_meta_is_not_materialised(mesh: object) -> None:
+    """Built under on_device("meta") and sharded: its device is meta (not its mesh's), and
+    a decorated call stops before the body with to_empty as the fix; once materialised,
+    it runs on its mesh's device."""
+    from torch.distributed.fsdp import fully_shard
+
+    with on_device("meta"):
+        layer = nn.Linear(2, 2)
+    sharded = fully_shard(layer, mesh=mesh)  # type: ignore[arg-type]
+
+    @device_agnostic
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    assert torch.device("meta") == module_device(sharded)  # type: ignore[arg-type]
+    with pytest.raises(DeviceMismatchError) as error:
+        step(sharded, torch.ones(2))  # type: ignore[arg-type]
+    name = "test_an_fsdp2_model_sharded_on_meta_is_not_materialised.<locals>.step"
+    assert [
+        f"{name}() got model (FSDPLinear) not materialised, its shards on meta:",
+        "    meta <- model",
+        "target cpu (from the compute device of model (FSDPLinear), sharded by fully_shard "
+        "over mesh cpu [0])",
+        'fix: model.to_empty(device="cpu"), then initialise it (model.reset_parameters(), '
+        f"or load a state dict), before calling {name}()",
+    ] == str(error.value).splitlines()
+    sharded.to_empty(device="cpu")  # type: ignore[operator]
+    sharded.reset_parameters()  # type: ignore[operator]
+    assert torch.device("cpu") == module_device(sharded)  # type: ignore[arg-type]
+    assert torch.device("cpu") == step(sharded, torch.ones(2)).device  # type: ignore[arg-type]
