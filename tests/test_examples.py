@@ -107,9 +107,17 @@ def installed_by(extra: str | None) -> set[str]:
         if req.marker is None or req.marker.evaluate({"extra": extra or ""})
     }
     modules = {"devicectx"}
-    for module, distributions in importlib.metadata.packages_distributions().items():
-        if wanted & {canonicalize_name(name) for name in distributions}:
-            modules.add(module)
+    # From each distribution's files (Python 3.10's packages_distributions() reads only
+    # top_level.txt, which many wheels, hypothesis's among them, do not ship).
+    for dist in importlib.metadata.distributions():
+        if canonicalize_name(dist.metadata["Name"]) not in wanted:
+            continue
+        for file in dist.files or []:
+            top = file.parts[0]
+            if len(file.parts) > 1 and top != ".." and not top.endswith((".dist-info", ".data")):
+                modules.add(top)
+            elif len(file.parts) == 1 and file.suffix == ".py":
+                modules.add(file.stem)
     return modules
 
 
