@@ -18,12 +18,23 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import operator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["submodules", "tensors"]
+__all__ = ["buffers_of", "children_of", "parameters_of", "submodules", "tensors"]
+
+#: ``module._parameters``: the module's own parameters by name (``None`` for a registered
+#: empty slot). Attrgetters, so the decorator's per-call checks pay no Python call frame.
+parameters_of: Callable[[nn.Module], dict[str, nn.Parameter | None]] = operator.attrgetter(
+    "_parameters"
+)
+#: ``module._buffers``: the module's own buffers by name.
+buffers_of: Callable[[nn.Module], dict[str, torch.Tensor | None]] = operator.attrgetter("_buffers")
+#: ``module._modules``: the module's direct children by name.
+children_of: Callable[[nn.Module], dict[str, nn.Module | None]] = operator.attrgetter("_modules")
 
 
 def submodules(module: nn.Module, *, each_place: bool = False) -> Iterator[tuple[str, nn.Module]]:

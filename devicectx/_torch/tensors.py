@@ -21,7 +21,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["storage_slice"]
+__all__ = ["base_of", "storage_slice", "version_of"]
+
+#: ``tensor._base``: the tensor a view was made from, or ``None``. Bound as an attrgetter so
+#: the per-call move path pays no Python call frame for it.
+base_of: Callable[[torch.Tensor], torch.Tensor | None] = operator.attrgetter("_base")
+
+#: ``tensor._version``: the counter of in-place changes to a tensor's memory.
+version_of: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 _GETITEM: Callable[[Any, slice], Any] = getattr(
     getattr(torch._C, "StorageBase", None), "__getitem__", operator.getitem

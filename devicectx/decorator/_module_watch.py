@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from devicectx._torch.module_hooks import watch_modules
+from devicectx._torch.module_tree import buffers_of, parameters_of
 
 _T = TypeVar("_T")
 
@@ -215,7 +216,7 @@ class ModuleCache(Generic[_T]):
                 return entry.value
             holder = owner()
             if holder is not None:
-                table = holder._buffers if entry.in_buffers else holder._parameters
+                table = buffers_of(holder) if entry.in_buffers else parameters_of(holder)
                 tensor = table.get(entry.name)
                 if (
                     tensor is not None
@@ -244,7 +245,7 @@ class ModuleCache(Generic[_T]):
         fresh = _Entry(ref, token, value)
         if sample is not None:
             owner, in_buffers, tensor, device = sample
-            table = owner._buffers if in_buffers else owner._parameters
+            table = buffers_of(owner) if in_buffers else parameters_of(owner)
             if not isinstance(table, dict):
                 return value  # a ScriptModule's tables: walk every time
             try:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from devicectx._errors import DeviceUnavailableError
+from devicectx._torch.module_tree import buffers_of, children_of, parameters_of
 from devicectx.decorator._module_watch import ModuleCache, Sample
 from devicectx.decorator._spread import SpreadModel, Unmaterialised, analyse
 from devicectx.devices._resolve import DeviceLike, explain_device, resolve_device
@@ -183,14 +184,14 @@ def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | Non
     for current in pending:  # grows as children are found: a breadth-first walk
         # Parameters and buffers in two loops, not one over both: a fifth faster, and most
         # modules have no buffers.
-        for tensor in current._parameters.values():
+        for tensor in parameters_of(current).values():
             if tensor is not None:
                 device = tensor.device
                 if found is None:
                     found, sample = device, Sample(current, False, tensor, device)
                 elif device != found:
                     return Spread.SPREAD, sample
-        buffers = current._buffers
+        buffers = buffers_of(current)
         if buffers:
             for buffer in buffers.values():
                 if buffer is not None:
@@ -199,7 +200,7 @@ def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | Non
                         found, sample = device, Sample(current, True, buffer, device)
                     elif device != found:
                         return Spread.SPREAD, sample
-        children = current._modules
+        children = children_of(current)
         if children:
             if seen is None:
                 seen = {id(module)}

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from devicectx._torch.tensors import base_of
+
 _Tensor = torch.Tensor
 # Copies to these are read by the host as soon as they return (CPU), or have been seen to
 # arrive late under non_blocking (MPS: pytorch/pytorch#83015), so they are always blocking.
@@ -71,7 +73,7 @@ class TensorMover:
             return moved
         if tensor.device == self.device:
             return tensor
-        base = tensor._base
+        base = base_of(tensor)
         if base is not None and tensor.device.type in _NO_GEOMETRY:  # copied alone (XLA)
             base = None
         if base is None:
@@ -186,7 +188,7 @@ class _Span:
         self.anchor = (self.linkable or isinstance(tensor, nn.Parameter)) and dense(size, stride)
         # Among anchors of equal memory: a parameter first (it must stay one), then the base
         # itself (so views stay views of it), then the first met.
-        self.sort_key = (self.lo, -self.hi, self.linkable, tensor._base is not None, index)
+        self.sort_key = (self.lo, -self.hi, self.linkable, base_of(tensor) is not None, index)
 
     def covers(self, other: _Span) -> bool:
         return (

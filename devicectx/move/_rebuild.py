@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from devicectx._errors import MoveError, RegistrationError
+from devicectx._torch.tensors import base_of
 from devicectx.move import _containers
 from devicectx.move._alias import EngineBug, TensorMover
 from devicectx.move._containers import (
@@ -229,7 +230,7 @@ class Rebuild:
                     # The hot loop. A plain tensor that is no view (while no view has been
                     # met) skips the device test: .to returns it as it is when it is on
                     # the target already, and a walk that moves usually moves them all.
-                    if moved is not None and not groups and value._base is None:
+                    if moved is not None and not groups and base_of(value) is None:
                         result = moved.get(id(value))
                         if result is None:
                             result = moved[id(value)] = value.to(device)
@@ -273,7 +274,7 @@ class Rebuild:
             for value in obj:
                 if type(value) is _Tensor:
                     # The hot loop: as in _dict.
-                    if moved is not None and not groups and value._base is None:
+                    if moved is not None and not groups and base_of(value) is None:
                         result = moved.get(id(value))
                         if result is None:
                             result = moved[id(value)] = value.to(device)
@@ -436,7 +437,7 @@ class Rebuild:
             moved is not None
             and not self.groups
             and type(tensor) is _Tensor
-            and tensor._base is None
+            and base_of(tensor) is None
         ):
             result = moved.get(id(tensor))
             if result is None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from devicectx._errors import RepeatedMoveWarning, warn_at
+from devicectx._torch.tensors import version_of
 from devicectx.move._walk import iter_tensors
 
 __all__ = [
@@ -357,7 +358,7 @@ def _repeated(where: str, target: torch.device, sent: list[torch.Tensor]) -> lis
     ref = weakref.ref
     for tensor in sent[:_CHECKED]:
         try:
-            version = tensor._version
+            version = version_of(tensor)
         except RuntimeError:  # an inference tensor keeps no version: it cannot be told
             continue
         if get is not None:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from devicectx._torch.tensors import storage_slice
+from devicectx._torch.tensors import base_of, storage_slice
 from devicectx.move._alias import dense
 
 __all__ = ["THRESHOLDS", "Thresholds"]
@@ -116,7 +116,7 @@ def _sort(
     views: dict[int, list[torch.Tensor]] = {}
     sizes: dict[_Key, int] = {}  # the bytes of a faithful tensor of that kind, else 0
     for tensor in found.values():
-        base = tensor._base
+        base = base_of(tensor)
         if base is not None:
             views.setdefault(id(base), []).append(tensor)
             continue
@@ -143,7 +143,7 @@ def _sort(
         else:
             larger.append(tensor)
     for tensor in inside.values():
-        base = tensor._base
+        base = base_of(tensor)
         if base is not None:
             views.setdefault(id(base), []).append(tensor)
     if views:
