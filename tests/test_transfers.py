@@ -404,7 +404,12 @@ def test_the_check_can_be_turned_off(recorded: list[warnings.WarningMessage]) ->
 
 
 def test_a_warnings_filter_silences_it() -> None:
-    """The warning class is filterable like any ``UserWarning``."""
+    """The warning class is filterable like any ``UserWarning``: the same moves warn without
+    the filter and raise nothing with it."""
+    unfiltered = torch.ones(2)
+    with pytest.warns(RepeatedMoveWarning):
+        for _ in range(3):
+            to_device(unfiltered, META)
     weight = torch.ones(2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
