@@ -23,7 +23,7 @@ from types import ModuleType
 
 __all__ = ["MOVED", "install"]
 
-# Where each module went (issue 25), old path -> new path.
+# Where each module went, old path -> new path.
 MOVED = {
     f"devicectx.{old}": f"devicectx.{new}"
     for old, new in {

@@ -60,7 +60,8 @@ def _subjects(report: dict[str, Any], section: str) -> dict[str, dict[str, Any]]
 
 
 def test_json_has_every_section(run: dict[str, Any]) -> None:
-    """The JSON holds the environment, the rows and the five sections of issue 7, and more."""
+    """The JSON holds the environment, the rows and the five sections the report promises,
+    and more."""
     expected = {
         "environment",
         "rows",

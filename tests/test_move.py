@@ -1194,7 +1194,7 @@ def test_find_devices_looks_into_a_shared_container_once() -> None:
     assert {CPU: ["obj[0]['x']"]} == find_devices(outer)
 
 
-# What the peers' suites showed missing (issue 23).
+# What the peer libraries' suites showed missing.
 
 
 class MovesInPlace:

@@ -13,7 +13,7 @@ calls. :mod:`devicectx.scope._stack` needs three things no public API gives:
 - to hear of ``set_default_device`` called inside a scope, which must take effect at once
   and outlive the block: every call puts a new object (or None) in the slot, so a block
   notes what the slot held at its entry and yields once it holds something else. Nothing
-  is put in the slot (the stand-in it held until issue 22 cost every block 0.3 µs);
+  is put in the slot (a stand-in there would cost every block: see docs/performance.md);
 - for ``on_device(..., exact=True)``, to push a mode on top of the stack and take it out
   from wherever it is at exit (asyncio tasks leave blocks out of order).
 

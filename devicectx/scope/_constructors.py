@@ -10,7 +10,7 @@ Python call instead of a mode dispatch.
 
 When. The wrappers are put in place when the first scope of the process opens that changes
 the device, and stay: entering a later block is a push on a context variable, not 80
-``setattr``s (issue 22). A process that never opens such a block runs torch's own functions.
+``setattr``s. A process that never opens such a block runs torch's own functions.
 Outside every block a wrapper asks one context variable and the thread's list of decorated
 calls, and calls torch's function (about 0.3 µs a call). While they are in place, they ask
 :mod:`devicectx.scope._stack` which device the running thread or asyncio task wants (``None``:

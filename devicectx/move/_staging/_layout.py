@@ -47,7 +47,7 @@ _DTYPES = frozenset(
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
     """When a move is staged, and how; every figure from an NVIDIA H100 (PCIe Gen5, torch
-    2.11, issue 13): a fixed cost of about 9 us per host-to-device copy, 6 to 13 GB/s from
+    2.11): a fixed cost of about 9 us per host-to-device copy, 6 to 13 GB/s from
     pageable memory, about 52 GB/s from pinned memory in one contiguous copy.
 
     Attributes:
