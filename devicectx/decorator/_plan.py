@@ -41,6 +41,7 @@ from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move
 from devicectx.move._distributed import wrapper_name
 from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
+from devicectx.move._walk import NotPlain, plain_device_uncast
 from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
 from devicectx.scope._stack import (
@@ -166,8 +167,17 @@ class Plan:
         # Anything else (moves, checks, errors, exclude=) takes prepare(), from scratch.
         option = self.device
         target = (option.fixed or option.resolve()) if option is not None else active_device()
+        cast_free = True
         if self.exclude is not None:
             first, uniform, module = None, False, None
+        elif self.casts is not None:
+            # One walk for the devices and the dtypes to cast, where it can answer.
+            values = (*args, *kwargs.values()) if kwargs else args
+            try:
+                first, uniform, module = plain_device_uncast(values, self.casts), True, None
+            except NotPlain:
+                first, uniform, module = scan(values, target)
+                cast_free = self._cast_free(args, kwargs)
         elif kwargs or not args or target is None:
             first, uniform, module = scan((*args, *kwargs.values()) if kwargs else args, target)
         else:
@@ -187,7 +197,7 @@ class Plan:
         if (
             uniform
             and (first is target or first is None or target is None or first == target)
-            and (self.casts is None or self._cast_free(args, kwargs))
+            and cast_free
         ):
             if target is None:
                 target = first
