@@ -80,12 +80,12 @@ def pinned(values: list[float]) -> torch.Tensor:
     return torch.tensor(values).pin_memory()
 
 
-def passing_run(test_file: str, *options: str) -> subprocess.CompletedProcess[str]:
-    """pytest run on ``test_file`` in a fresh process with ``options``, which must pass;
-    the test skips where the emulated accelerator cannot be built."""
-    command = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"]
+def passing_run(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """pytest run with ``arguments`` (test files or ids, and options) in a fresh process,
+    which must pass; the test skips where the emulated accelerator cannot be built."""
+    command = [sys.executable, "-m", "pytest", *arguments, "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(
-        [*command, "-p", "no:xdist", *options],
+        [*command, "-p", "no:xdist"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -97,11 +97,19 @@ def passing_run(test_file: str, *options: str) -> subprocess.CompletedProcess[st
     return done
 
 
-def test_this_file_on_the_emulated_accelerator() -> None:
-    """Without the option, this file's tests pass in a fresh process that enables it."""
+def test_this_file_on_the_emulated_accelerator(request: pytest.FixtureRequest) -> None:
+    """Without the option, this file's tests that need the device pass in a fresh process
+    that enables it (the others ran here)."""
     if emulated.enabled():
         pytest.skip("the emulated accelerator is enabled here: the tests ran in this process")
-    done = passing_run(__file__, "--devicectx-accelerator=emulated", "-rsp")
+    needing = [
+        item.nodeid.partition("::")[2]
+        for item in request.session.items
+        if item.path == Path(__file__) and "emu" in getattr(item, "fixturenames", ())
+    ]
+    assert "test_enable_is_idempotent" in needing
+    selected = [f"{__file__}::{name}" for name in needing]
+    done = passing_run(*selected, "--devicectx-accelerator=emulated", "-rsp")
     # What matters: the tests that need the device ran there (the skips in between are
     # the child's business: a torch release may lack what one test checks).
     lines = done.stdout.splitlines()
