@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -21,6 +22,16 @@ settings.register_profile(
 settings.register_profile("dev", parent=settings.get_profile("ci"), max_examples=20)
 settings.register_profile("thorough", parent=settings.get_profile("ci"), max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _import_heap_frozen() -> None:
+    """Move what is alive once the tests are collected (torch, transformers, hypothesis:
+    hundreds of thousands of objects) out of the cyclic collector's reach, for good: a full
+    collection, which tests run to free what they dropped and Python runs as the heap grows,
+    then scans what the tests made, not all of torch."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

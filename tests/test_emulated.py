@@ -30,6 +30,7 @@ from devicectx.testing import emulated
 # The device's C++ meets torch's PrivateUse1 API, which changes between releases: CI builds
 # it and runs this file on every minor torch release.
 pytestmark = pytest.mark.torch_internals
+pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 EMU0 = torch.device("emu", 0) if emulated.enabled() else None
@@ -79,12 +80,12 @@ def pinned(values: list[float]) -> torch.Tensor:
     return torch.tensor(values).pin_memory()
 
 
-def passing_run(test_file: str, *options: str) -> subprocess.CompletedProcess[str]:
-    """pytest run on ``test_file`` in a fresh process with ``options``, which must pass;
-    the test skips where the emulated accelerator cannot be built."""
-    command = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"]
+def passing_run(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """pytest run with ``arguments`` (test files or ids, and options) in a fresh process,
+    which must pass; the test skips where the emulated accelerator cannot be built."""
+    command = [sys.executable, "-m", "pytest", *arguments, "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(
-        [*command, "-p", "no:xdist", *options],
+        [*command, "-p", "no:xdist"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -96,11 +97,19 @@ def passing_run(test_file: str, *options: str) -> subprocess.CompletedProcess[st
     return done
 
 
-def test_this_file_on_the_emulated_accelerator() -> None:
-    """Without the option, this file's tests pass in a fresh process that enables it."""
+def test_this_file_on_the_emulated_accelerator(request: pytest.FixtureRequest) -> None:
+    """Without the option, this file's tests that need the device pass in a fresh process
+    that enables it (the others ran here)."""
     if emulated.enabled():
         pytest.skip("the emulated accelerator is enabled here: the tests ran in this process")
-    done = passing_run(__file__, "--devicectx-accelerator=emulated", "-rsp")
+    needing = [
+        item.nodeid.partition("::")[2]
+        for item in request.session.items
+        if item.path == Path(__file__) and "emu" in getattr(item, "fixturenames", ())
+    ]
+    assert "test_enable_is_idempotent" in needing
+    selected = [f"{__file__}::{name}" for name in needing]
+    done = passing_run(*selected, "--devicectx-accelerator=emulated", "-rsp")
     # What matters: the tests that need the device ran there (the skips in between are
     # the child's business: a torch release may lack what one test checks).
     lines = done.stdout.splitlines()
@@ -836,20 +845,15 @@ def test_the_plugin_option_picks_a_profile_and_a_device_count(tmp_path: Path) ->
     assert "5 passed" in done.stdout  # cpu, emu:0 to emu:3
 
 
-def test_the_plugin_option_refuses_what_it_does_not_know(tmp_path: Path) -> None:
+def test_the_plugin_option_refuses_what_it_does_not_know(pytester: pytest.Pytester) -> None:
     """A value of --devicectx-accelerator other than emulated[:PROFILE] stops the run
-    before any test, saying what it takes."""
+    before any test, saying what it takes (checked in this process: the run stops before
+    the option could enable anything)."""
     outputs = []
     for value in ("gpu", "emulated:tpu"):
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", str(tmp_path), f"--devicectx-accelerator={value}"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert pytest.ExitCode.USAGE_ERROR == done.returncode, done.stdout + done.stderr
-        outputs.append(done.stderr)
+        done = pytester.runpytest_inprocess(f"--devicectx-accelerator={value}")
+        assert pytest.ExitCode.USAGE_ERROR == done.ret, done.stdout.str() + done.stderr.str()
+        outputs.append(done.stderr.str())
     assert (
         "--devicectx-accelerator=gpu: the choices are emulated and emulated:PROFILE\n"
         "fix: --devicectx-accelerator=emulated:mps"

@@ -1,7 +1,7 @@
 """Each hand-specialised walk of the move engine agrees with the full walk.
 
 ``devicectx.move._walk`` has one full walk, :func:`~devicectx.move._walk.iter_tensors`
-(every tensor with its path), and six walks written out again for speed, each for one
+(every tensor with its path), and seven walks written out again for speed, each for one
 question or one kind of batch. Each is checked here against the full walk, over generated
 structures of every container kind: a change to one copy that the others do not follow
 fails here.
@@ -80,6 +80,29 @@ def test_plain_walk_answers_exactly_when_the_batch_is_on_one_device(batch: Any) 
             _walk.plain_device((batch,))
     else:
         assert next(iter(found), None) == _walk.plain_device((batch,))
+
+
+@given(
+    batch=plain_batches | mixed_batches,
+    casts=st.frozensets(st.sampled_from([torch.float64, torch.float32, torch.int64]), max_size=2),
+)
+def test_uncast_walk_answers_exactly_when_nothing_is_to_cast(
+    batch: Any, casts: frozenset[torch.dtype]
+) -> None:
+    """The fast walk of a decorator with a dtype mapping gives the plain walk's device
+    where no tensor has a dtype to cast, and hands over exactly where one has or where the
+    plain walk hands over."""
+    to_cast = any(tensor.dtype in casts for _, tensor in _walk.iter_tensors(batch))
+    try:
+        device = _walk.plain_device((batch,))
+    except _walk.NotPlain:
+        to_cast = True
+        event("the plain walk hands over")
+    if to_cast:
+        with pytest.raises(_walk.NotPlain):
+            _walk.plain_device_uncast((batch,), casts)
+    else:
+        assert device == _walk.plain_device_uncast((batch,), casts)
 
 
 @given(batch=mixed_batches)

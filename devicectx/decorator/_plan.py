@@ -41,6 +41,7 @@ from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move
 from devicectx.move._distributed import wrapper_name
 from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
+from devicectx.move._walk import NotPlain, plain_device_uncast
 from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
 from devicectx.scope._stack import (
@@ -166,8 +167,20 @@ class Plan:
         # Anything else (moves, checks, errors, exclude=) takes prepare(), from scratch.
         option = self.device
         target = (option.fixed or option.resolve()) if option is not None else active_device()
+        cast_free = True
+        casts = self.casts
         if self.exclude is not None:
             first, uniform, module = None, False, None
+        elif casts is not None:
+            # A dtype mapping: the devices and the dtypes to cast looked at together, inline
+            # where every argument is a plain tensor on the target (twin of the loop below).
+            values = (*args, *kwargs.values()) if kwargs else args
+            for value in values:
+                if type(value) is not _Tensor or value.device != target or value.dtype in casts:
+                    first, uniform, module, cast_free = self._scan_casts(values, target, casts)
+                    break
+            else:
+                first, uniform, module = (target if values else None), True, None
         elif kwargs or not args or target is None:
             first, uniform, module = scan((*args, *kwargs.values()) if kwargs else args, target)
         else:
@@ -187,7 +200,7 @@ class Plan:
         if (
             uniform
             and (first is target or first is None or target is None or first == target)
-            and (self.casts is None or self._cast_free(args, kwargs))
+            and cast_free
         ):
             if target is None:
                 target = first
@@ -315,12 +328,18 @@ class Plan:
             return args, kwargs, target, self.output.resolve()
         return args, kwargs, target, home if self.to_input else None
 
-    def _cast_free(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether no argument holds a tensor of a dtype ``dtypes=`` casts (else the call
-        takes prepare(), whose move casts what it must)."""
-        casts = self.casts
-        assert casts is not None
-        return not holds_any((*args, *kwargs.values()) if kwargs else args, casts)
+    @staticmethod
+    def _scan_casts(
+        values: tuple[Any, ...], target: torch.device | None, casts: frozenset[torch.dtype]
+    ) -> tuple[torch.device | None, bool, nn.Module | None, bool]:
+        """:func:`scan`'s answer, and whether no argument holds a tensor of a dtype in
+        ``casts`` (else the call takes prepare(), whose move casts what it must): in one walk
+        for plain batches."""
+        try:
+            return plain_device_uncast(values, casts), True, None, True
+        except NotPlain:
+            first, uniform, module = scan(values, target)
+            return first, uniform, module, not holds_any(values, casts)
 
     def _target(
         self,

@@ -183,6 +183,7 @@ def plain_device(values: Iterable[Any]) -> torch.device | None:
 
 
 def _plain(items: Iterable[Any], device: torch.device | None, depth: int) -> torch.device | None:
+    # Twin of _plain_uncast (the same walk with a dtype check): change both together.
     for item in items:
         tp = type(item)
         if tp is _Tensor:
@@ -199,6 +200,44 @@ def _plain(items: Iterable[Any], device: torch.device | None, depth: int) -> tor
             if not depth:
                 raise NotPlain
             device = _plain(item, device, depth - 1)
+        elif _CACHE.get(tp) is not LEAF_KIND:
+            raise NotPlain
+    return device
+
+
+def plain_device_uncast(
+    values: Iterable[Any], casts: frozenset[torch.dtype]
+) -> torch.device | None:
+    """:func:`plain_device` for a call with a dtype mapping: the same walk, which also
+    raises :class:`NotPlain` at a tensor of a dtype in ``casts`` (the call must cast it), so
+    that a call with nothing to cast is known so in one walk. Twin of :func:`_plain`: a change
+    to one is a change to both."""
+    if not _containers.PLAIN_BUILTINS:
+        raise NotPlain
+    return _plain_uncast(values, None, _PLAIN_DEPTH, casts)
+
+
+def _plain_uncast(
+    items: Iterable[Any], device: torch.device | None, depth: int, casts: frozenset[torch.dtype]
+) -> torch.device | None:
+    for item in items:
+        tp = type(item)
+        if tp is _Tensor:
+            if item.dtype in casts:
+                raise NotPlain
+            found = item.device
+            if found != device:
+                if device is not None:
+                    raise NotPlain
+                device = found
+        elif tp is dict:
+            if not depth:
+                raise NotPlain
+            device = _plain_uncast(item.values(), device, depth - 1, casts)
+        elif tp is list or tp is tuple:
+            if not depth:
+                raise NotPlain
+            device = _plain_uncast(item, device, depth - 1, casts)
         elif _CACHE.get(tp) is not LEAF_KIND:
             raise NotPlain
     return device
