@@ -83,7 +83,7 @@ def install(cls: type, instance: object, entry: Callable[..., Any]) -> None:
 
 
 # TracingContext.try_get() is getattr(_TLS, "tracing_context", None): on a thread where no
-# compile ever set it, that raises and clears an AttributeError, 0.6 us of every constructor
+# compile ever set it, that raises and clears an AttributeError in every constructor
 # called in a block (torch 2.15 gives the attribute a default). The thread's own dict of the
 # thread-local answers the same without it.
 _GUARDS_TLS: Any = getattr(torch._guards, "_TLS", None)

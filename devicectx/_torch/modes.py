@@ -74,7 +74,7 @@ stack_length = _len_torch_function_stack
 
 # torch's per-thread slot for the default set by set_default_device is the attribute
 # "device_context" of this threading.local. Read through its __dict__ (this thread's own):
-# getattr with a default costs 0.6 µs when the attribute is missing, the usual case.
+# getattr with a default is slow when the attribute is missing, the usual case.
 _SLOT = torch._GLOBAL_DEVICE_CONTEXT
 SLOT_KEY = _KEY = "device_context"
 EMPTY_SLOT = _EMPTY = object()  # the slot had no value at all, which torch reads as "no default"

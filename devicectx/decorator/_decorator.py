@@ -100,7 +100,7 @@ def device_agnostic(
             ``device=`` land on the target. Ops on existing tensors inside pay nothing
             for it (only constructors are redirected: a BERT forward scoped to a device
             other than the default costs 1.00x the plain one); entering and leaving costs
-            about 1 µs a call where the target is not the default, nothing where it is.
+            a little on each call where the target is not the default, nothing where it is.
             ``scope=False`` saves that, for hot paths that pass devices.
         coalesce: stage the moves of many tensors between the host and an accelerator,
             inputs and results alike, into a few large copies through pinned memory

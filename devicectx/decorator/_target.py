@@ -151,7 +151,7 @@ def module_device(module: nn.Module) -> torch.device | Spread | None:
         FSDP2 module whose shards are not made yet; ``Spread.SPREAD`` when the tensors are
         on several devices and nothing says why (then :func:`module_devices` names them).
 
-    Cached per module: a call costs the same for any size of module (about 0.6 us) until
+    Cached per module: a call costs the same for any size of module until
     torch reports a change to some module's tensors (a move, a registration), and the
     answer is checked at every call against one of the module's tensors, which catches
     the other ways a whole module changes device. Not noticed until the next move or

@@ -171,7 +171,7 @@ class DeviceAgnosticWrapper(_FunctionWrapper):
         super().__init__(wrapped, plan.call)
         # wrapt's call of an unbound wrapper whose instance is None looks up
         # ``wrapped.__self__`` every time, to find the instance of a bound method; for a
-        # plain function that raises and clears an AttributeError, 0.3 us of every call
+        # plain function that raises and clears an AttributeError at every call
         # (wrapt 1.16 to 2.x, ``WraptFunctionWrapperBase_call``). What it would find cannot
         # change, so it is looked up once, here, and set as the instance (re-initialising
         # the base as ``FunctionWrapper.__init__`` does, binding kept); where there is
@@ -209,7 +209,7 @@ class _ForwardWrapper(DeviceAgnosticWrapper):
     by an id that changes (the wrapper itself is what ``Class.forward`` is for a plain
     function anyway). Where dynamo traces the binding (``torch.compile(module)``), it gets
     the entry bound to the module; wrapt's binding is C code it cannot trace. Only
-    ``forward`` gets this: a Python ``__get__`` costs each access about 0.5 us, so other
+    ``forward`` gets this: a Python ``__get__`` slows each access, so other
     methods keep wrapt's, but in the fallback. (:func:`wrap` gives each its ``__get__``.)
     """
 
@@ -327,7 +327,7 @@ def _bind_in_python(cls: type[DeviceAgnosticWrapper], python: bool) -> None:
 
     In the fallback a wrapper does not pass for a function while dynamo traces, so dynamo
     binds a decorated method by tracing its ``__get__``: wrapt's is C code it cannot trace.
-    Elsewhere wrapt's is kept: a Python one costs each access of a method about 0.5 us.
+    Elsewhere wrapt's is kept: a Python one slows each access of a method.
     """
     if not python:
         if "__get__" in vars(cls):

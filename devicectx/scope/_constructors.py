@@ -12,7 +12,7 @@ When. The wrappers are put in place when the first scope of the process opens th
 the device, and stay: entering a later block is a push on a context variable, not 80
 ``setattr``s. A process that never opens such a block runs torch's own functions.
 Outside every block a wrapper asks one context variable and the thread's list of decorated
-calls, and calls torch's function (about 0.3 µs a call). While they are in place, they ask
+calls, and calls torch's function. While they are in place, they ask
 :mod:`devicectx.scope._stack` which device the running thread or asyncio task wants (``None``:
 leave torch to decide), and ``torch.get_default_device`` answers for the scopes too.
 
