@@ -168,16 +168,19 @@ class Plan:
         option = self.device
         target = (option.fixed or option.resolve()) if option is not None else active_device()
         cast_free = True
+        casts = self.casts
         if self.exclude is not None:
             first, uniform, module = None, False, None
-        elif self.casts is not None:
-            # One walk for the devices and the dtypes to cast, where it can answer.
+        elif casts is not None:
+            # A dtype mapping: the devices and the dtypes to cast looked at together, inline
+            # where every argument is a plain tensor on the target (twin of the loop below).
             values = (*args, *kwargs.values()) if kwargs else args
-            try:
-                first, uniform, module = plain_device_uncast(values, self.casts), True, None
-            except NotPlain:
-                first, uniform, module = scan(values, target)
-                cast_free = self._cast_free(args, kwargs)
+            for value in values:
+                if type(value) is not _Tensor or value.device != target or value.dtype in casts:
+                    first, uniform, module, cast_free = self._scan_casts(values, target, casts)
+                    break
+            else:
+                first, uniform, module = (target if values else None), True, None
         elif kwargs or not args or target is None:
             first, uniform, module = scan((*args, *kwargs.values()) if kwargs else args, target)
         else:
@@ -325,12 +328,18 @@ class Plan:
             return args, kwargs, target, self.output.resolve()
         return args, kwargs, target, home if self.to_input else None
 
-    def _cast_free(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether no argument holds a tensor of a dtype ``dtypes=`` casts (else the call
-        takes prepare(), whose move casts what it must)."""
-        casts = self.casts
-        assert casts is not None
-        return not holds_any((*args, *kwargs.values()) if kwargs else args, casts)
+    @staticmethod
+    def _scan_casts(
+        values: tuple[Any, ...], target: torch.device | None, casts: frozenset[torch.dtype]
+    ) -> tuple[torch.device | None, bool, nn.Module | None, bool]:
+        """:func:`scan`'s answer, and whether no argument holds a tensor of a dtype in
+        ``casts`` (else the call takes prepare(), whose move casts what it must): in one walk
+        for plain batches."""
+        try:
+            return plain_device_uncast(values, casts), True, None, True
+        except NotPlain:
+            first, uniform, module = scan(values, target)
+            return first, uniform, module, not holds_any(values, casts)
 
     def _target(
         self,
