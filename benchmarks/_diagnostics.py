@@ -1,4 +1,4 @@
-"""Section 6: what the diagnostics of issue 14 cost.
+"""Section 6: what the diagnostics (repeated-move check, track_transfers, audit) cost.
 
 - The repeated-move check, which runs on every move that copies something: a decorated
   step that moves the nested batch from the CPU to ``meta``, with the check on and off

@@ -1,4 +1,4 @@
-"""Section 7: a training loop's time per step with batches moved ahead by ``prefetch`` (issue 24).
+"""Section 7: a training loop's time per step with batches moved ahead by ``prefetch``.
 
 The loop: a ``DataLoader`` (``pin_memory=False``, no workers, ``batch_size=None``) over a
 dataset whose every item is the transfer section's detection batch (pageable memory), and a
@@ -29,7 +29,8 @@ kit's emulated accelerator where it builds (its figures show overlap, not speed;
 copies are made undelayed). On the host, "one batch's copy" is the host's share of a move
 (``to_device`` to ``meta``), so that what the iterator costs per step shows.
 
-On an accelerator the loop runs twice: with the pageable batch (the issue's shape), and
+On an accelerator the loop runs twice: with the pageable batch (what a ``DataLoader``
+without ``pin_memory`` gives), and
 with the batch in pinned memory (what a ``DataLoader(pin_memory=True)`` with workers hands
 over, pinned in its own thread). They are two regimes. From pageable memory the host must
 copy every byte into pinned memory first, in the loop's thread: where that host copy takes
@@ -43,7 +44,7 @@ Epochs are 32 steps on a real accelerator (8 elsewhere, 3 in quick mode): each e
 with a wait for the device, and a lookahead pays its fill (``depth`` copies before the first
 step) and drain once per epoch, as training does once per epoch of hundreds of steps.
 
-Targets (issue 24): on a GPU, with the pageable batch, ``prefetch`` <= 1.15x the bound and
+Targets: on a GPU, with the pageable batch, ``prefetch`` <= 1.15x the bound and
 <= 0.6x ``to_device`` in the step; elsewhere, ``prefetch`` no slower than ``to_device`` in
 the step. The pinned rows have no target: they show the regime where overlap can pay.
 """
@@ -214,7 +215,7 @@ def _rows(
     )
     peers += f"; bound {fmt_ns(bound)}"
     gpu = kind == "accelerator"
-    targeted = not (gpu and pinned)  # the issue's targets are for the pageable batch
+    targeted = not (gpu and pinned)  # the targets are for the pageable batch
     where = {"cpu": "CPU", "meta": "meta", "accelerator": "GPU", "emulated": "emulated"}[kind]
     rows = [
         judge(

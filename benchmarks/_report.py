@@ -73,7 +73,7 @@ def judge(
 
 
 def _num(value: float) -> str:
-    """``0.5``, ``1.0``, ``1.25``: a target as written in the issues."""
+    """``0.5``, ``1.0``, ``1.25``: a target as written in docs/performance.md."""
     return f"{value:.1f}" if value * 10 == int(value * 10) else f"{value:g}"
 
 

@@ -1,4 +1,4 @@
-"""Issue 22's rows: a target that is not the default device, and a block entered per call.
+"""Rows for a target that is not the default device, and a block entered per call.
 
 The decorator rows of ``bench.py`` time a CPU target from a CPU default, where the
 decorator's scope changes nothing and is skipped; a training step on an accelerator is the

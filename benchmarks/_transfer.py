@@ -1,6 +1,7 @@
-"""Section 5: batches from the host to an accelerator, staged (issue 13) or tensor by tensor.
+"""Section 5: batches from the host to an accelerator, staged or tensor by tensor.
 
-With an accelerator, for each batch of issue 13 and each kind of source memory (pageable,
+With an accelerator, for each batch (detection, many leaves, tiles, nested)
+and each kind of source memory (pageable,
 as a ``DataLoader`` without ``pin_memory`` gives it, and pinned): ``to_device`` (staged),
 ``to_device(coalesce=False)``, accelerate's ``send_to_device``, ``TensorDict.to``,
 ``TensorDict.consolidate()`` then ``.to``, and the bound: one contiguous pinned tensor of
@@ -51,13 +52,13 @@ PER_TENSOR = "to_device(coalesce=False)"
 REFERENCE = "one pinned copy"
 SUBJECTS = (STAGED, PER_TENSOR, "send_to_device", "TensorDict.to", "TensorDict.consolidate().to")
 
-# Issue 13's targets, as the staged time over the per-tensor time, from pageable memory;
+# The staging targets, as the staged time over the per-tensor time, from pageable memory;
 # from pinned memory, never slower.
 _TARGETS = {"detection": 1 / 3, "leaves": 1 / 5, "nested": 1 / 2}
 
 
 def batches(quick: bool) -> list[Tree]:
-    """The batches of issue 13 (scaled down in quick mode)."""
+    """The batches: detection, many leaves, tiles, nested (scaled down in quick mode)."""
     if quick:
         return [detection(images=2, side=64), many_leaves(1_000), tiles(100), nested(scale=8)]
     return [detection(), many_leaves(10_000), tiles(1_000), nested(scale=128)]

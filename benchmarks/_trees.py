@@ -71,7 +71,8 @@ def detection(images: int = 16, side: int = 512, seed: int = 0) -> Tree:
     """A detection batch: ``images`` images 3 x side x side (one tensor) and their ids, and
     per image a box tensor (k, 4) and a label tensor (k,) of a random length k (1 to 50).
 
-    At the defaults: 50 MB in 34 tensors, as in issue 13. Boxes and labels are dicts keyed
+    At the defaults: 50 MB in 34 tensors, the batch a detection model's loader makes.
+    Boxes and labels are dicts keyed
     by image (``tree['boxes']['3']``), so that TensorDict takes the tree too.
     """
     generator = torch.Generator().manual_seed(seed)

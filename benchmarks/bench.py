@@ -1,4 +1,4 @@
-"""devicectx beside its peers, in one process: ratios against the targets of issues 2, 3 and 4.
+"""devicectx beside its peers, in one process: ratios against the speed targets.
 
 Run it from the repository root (the peers come with ``pip install -e .[bench]``)::
 
@@ -173,7 +173,7 @@ def section_decorator(config: Config, trees: list[Tree]) -> tuple[Section, list[
     forward_case, forward_row = _decorated_forward(config)
     cases["forward"] = forward_case
     rows.append(forward_row)
-    for device in off_default_devices():  # issue 22: each call enters a scope
+    for device in off_default_devices():  # a non-default target: each call enters a scope
         cases[f"flat3 on {device}"], off_rows = decorator_off_default(config, device)
         rows.extend(off_rows)
     return {"device": str(CPU), "cases": cases}, rows
@@ -421,7 +421,7 @@ def section_scope(config: Config) -> tuple[Section, list[Row]]:
     case, bert_rows = _scoped_bert(config)
     cases["BERT forward"] = case
     rows.extend(bert_rows)
-    for device in off_default_devices():  # issue 22: a block entered per call
+    for device in off_default_devices():  # a block entered and left per call
         cases[f"block entry ({device})"], entry_rows = entry(config, device)
         rows.extend(entry_rows)
     found = accelerator()
@@ -490,7 +490,7 @@ def _scoped_bert(config: Config) -> tuple[Section, list[Row]]:
 
 
 def _accelerator_bert(config: Config, device: torch.device) -> tuple[Section, list[Row]]:
-    """Issue 15's first row: a BERT forward on the accelerator, the CPU torch's default (the
+    """A BERT forward on the accelerator, the CPU torch's default (the
     usual case), each call waited for: plain, inside torch's scope and ours, decorated."""
     from transformers import BertConfig, BertModel
 

@@ -1,4 +1,4 @@
-"""What a declined staging costs a move to the accelerator, call by call (issue 21's row).
+"""What a declined staging costs a move to the accelerator, call by call.
 
 ``python -m devicectx.testing.emulate --devices 1 benchmarks/declined_staging.py`` (or on a
 GPU machine, without the runner). The transfer section's row for this case (the nested
