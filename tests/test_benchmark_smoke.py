@@ -99,7 +99,7 @@ def _off_default() -> list[str]:
     return found
 
 
-def test_sections_cover_the_cases_of_the_issue(run: dict[str, Any]) -> None:
+def test_sections_cover_their_cases(run: dict[str, Any]) -> None:
     """Decorator, move and find sections cover the flat, nested and two many-leaf trees;
     the decorator section also each tree under a dtype policy, a decorated module forward
     and three tensors on each device that is not the default; the scope section each op,
@@ -122,8 +122,9 @@ def test_sections_cover_the_cases_of_the_issue(run: dict[str, Any]) -> None:
 
 
 def test_off_default_targets_are_timed_with_a_target(run: dict[str, Any]) -> None:
-    """Issue 22's rows: each decorated call on a device that is not the default, and each
-    block entered per call, has a row with its target, and every subject ran."""
+    """The rows off the default device: each decorated call on a device that is not the
+    default, and each block entered per call, has a row with its target, and every
+    subject ran."""
     rows = {row["what"]: row for row in run["json"]["rows"]}
     for device in _off_default():
         added = f"3 flat tensors on {device}, not the default: time @device_agnostic"
