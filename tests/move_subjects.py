@@ -1,0 +1,52 @@
+"""Objects the move engine's tests share: a dataclass batch, a frozen dataclass, a
+registered container (registered at import) and an object with a counting ``.to``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from devicectx import register_container
+
+
+@dataclasses.dataclass
+class Batch:
+    inputs: torch.Tensor
+    name: str = "b"
+    cache: Any = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.extra = "not a field"
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    x: torch.Tensor
+
+
+class Holder:
+    def __init__(self, left: Any, right: Any, note: str = "") -> None:
+        self.left, self.right, self.note = left, right, note
+
+
+class SubHolder(Holder):
+    pass
+
+
+register_container(
+    Holder,
+    children=lambda h: [("left", h.left), ("right", h.right)],
+    rebuild=lambda h, new: type(h)(*new, note=h.note),
+)
+
+
+class CountingTo:
+    """An object with a .to that counts its calls."""
+
+    calls = 0
+
+    def to(self, device: Any) -> CountingTo:
+        CountingTo.calls += 1
+        return self

@@ -1,0 +1,207 @@
+"""``find_devices``, and the walks the decorator reads a call's arguments with
+(``iter_tensors``, ``all_on``, ``plain_device``, ``shared_device``, ``move_call``).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from move_subjects import Batch, CountingTo
+from torch import nn
+
+from devicectx import (
+    MoveError,
+    device_agnostic,
+    find_devices,
+    register_container,
+    unregister_container,
+)
+from devicectx.move._move import all_on, iter_tensors, move_call, move_to, shared_device
+from devicectx.move._walk import NotPlain, plain_device
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def on_meta(obj: Any) -> bool:
+    """Whether every tensor of ``obj`` (by the engine's own listing) is on meta."""
+    return all(t.device == META for _, t in iter_tensors(obj))
+
+
+# find_devices.
+
+
+def test_find_devices_paths_as_a_user_writes_them() -> None:
+    """Paths use [key], [index], .field and list(set)[i]; devices and paths in walk order."""
+    model = nn.Sequential(nn.Linear(1, 1, bias=False))
+    batch = {
+        "mask": torch.zeros(1, device="meta"),
+        "xs": [0, 1, torch.zeros(1)],
+        "out": Batch(torch.zeros(1)),
+        "pair": Pair(torch.zeros(1), None),
+        "tags": {torch.zeros(1)},
+        "model": model,
+    }
+    assert find_devices(batch, name="batch") == {
+        META: ["batch['mask']"],
+        CPU: [
+            "batch['xs'][2]",
+            "batch['out'].inputs",
+            "batch['pair'].first",
+            "list(batch['tags'])[0]",
+            "batch['model'][0].weight",
+        ],
+    }
+
+
+def test_find_devices_of_a_bare_tensor_and_of_nothing() -> None:
+    """A bare tensor's path is the name; a structure without tensors finds nothing."""
+    assert find_devices(torch.zeros(1), name="x") == {CPU: ["x"]}
+    assert find_devices({"a": [1, "b"]}) == {}
+
+
+def test_find_devices_lists_every_place() -> None:
+    """A tensor held at two places is listed at both."""
+    tensor = torch.zeros(1)
+    assert find_devices([tensor, {"k": tensor}]) == {CPU: ["obj[0]", "obj[1]['k']"]}
+
+
+@pytest.mark.parametrize("length", [1, 255, 256, 257, 600])
+def test_find_devices_indexes_long_lists(length: int) -> None:
+    """Every index is right in a list of any length, and in a list nested at any index."""
+    tensor = torch.zeros(1)
+    xs: list[object] = [tensor] * length
+    xs[-1] = (tensor, tensor)
+    expected = [f"xs[{i}]" for i in range(length - 1)] + [f"xs[{length - 1}][{i}]" for i in (0, 1)]
+    assert find_devices(xs, name="xs") == {CPU: expected}
+
+
+# The internal API of the decorator.
+
+
+def test_iter_tensors_leaves_modules_unless_asked() -> None:
+    """iter_tensors does not look into modules unless modules=True."""
+    batch = {"model": nn.Linear(1, 1), "x": torch.zeros(1)}
+    assert [path for path, _ in iter_tensors(batch, "b")] == ["b['x']"]
+    listed = [path for path, _ in iter_tensors(batch, "b", modules=True)]
+    assert listed == ["b['model'].weight", "b['model'].bias", "b['x']"]
+
+
+def test_all_on() -> None:
+    """all_on is True exactly when every tensor is on the device; skip_types are ignored."""
+    model = nn.Linear(1, 1)
+    assert all_on({"a": [torch.zeros(1)], "b": (1, "x")}, CPU)
+    assert not all_on({"a": [torch.zeros(1, device="meta")]}, CPU)
+    assert not all_on([model], META)
+    assert all_on([model, torch.zeros(1, device="meta")], META, (nn.Module,))
+    assert not all_on([CountingTo()], CPU)  # a .to whose tensors cannot be read
+
+
+def test_move_to_with_a_resolved_device_and_type_skip() -> None:
+    """move_to takes a resolved device and leaves skipped types alone."""
+    model = nn.Linear(1, 1)
+    args = (torch.zeros(1), model)
+    moved_args, moved_kwargs = move_to((args, {"k": torch.zeros(1)}), META, skip=nn.Module)
+    assert moved_args[0].device == META
+    assert moved_args[1] is model
+    assert model.weight.device == CPU
+    assert moved_kwargs["k"].device == META
+
+
+def test_move_call_shares_copies_and_names_parameters() -> None:
+    """move_call moves a call's arguments as one structure; errors name the parameter."""
+    tensor = torch.zeros(1)
+    args, kwargs = move_call((tensor, 1, tensor), {"again": tensor}, META, names=["x"])
+    assert args[0] is args[2] is kwargs["again"]
+    same = (torch.zeros(1, device="meta"),), {}
+    assert move_call(*same, META) == same
+    with pytest.raises(MoveError) as raised:
+        move_call((1, torch.zeros(1, device="meta")), {}, CPU, names=["x"], rest="xs", who="f()")
+    assert [
+        "f() could not move xs[0] (a Tensor of shape (1,), torch.float32, on meta) to cpu:",
+        "    NotImplementedError: Cannot copy out of meta tensor; no data!",
+        "fix: move it yourself, or leave the argument out of the move: "
+        "@device_agnostic(exclude=('xs',))",
+    ] == str(raised.value).splitlines()
+
+
+def test_plain_device_answers_for_plain_batches_only() -> None:
+    """The decorator's fast walk gives the one device of a batch of dicts, lists, tuples,
+    tensors and scalars; at anything else, or tensors on two devices, it hands over."""
+    cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
+    assert CPU == plain_device(({"a": [cpu, (cpu, 1)], "b": "x"}, cpu))
+    assert plain_device(({"a": [1, None]}, 2.0)) is None
+    for values in [
+        (cpu, {"a": [meta]}),  # two devices
+        (nn.Parameter(torch.zeros(1)),),  # a tensor subclass
+        (nn.Linear(1, 1),),  # a module
+        (collections.OrderedDict(a=cpu),),  # a dict subclass
+        (Pair(cpu, cpu),),  # a namedtuple
+    ]:
+        with pytest.raises(NotPlain):
+            plain_device(values)
+
+
+def test_plain_device_hands_over_cycles_and_deep_nesting() -> None:
+    """A cycle, or nesting past the fast walk's depth, goes to the full walk: no
+    RecursionError."""
+    cycle: list[Any] = [torch.zeros(1)]
+    cycle.append(cycle)
+    deep: list[Any] = [torch.zeros(1)]
+    for _ in range(100):
+        deep = [deep]
+    for values in [(cycle,), (deep,)]:
+        with pytest.raises(NotPlain):
+            plain_device(values)
+        assert CPU == shared_device(values)
+
+
+@pytest.fixture
+def registry_restored() -> Iterator[None]:
+    """The test's registration of ``dict`` is taken back afterwards."""
+    yield
+    unregister_container(dict)
+
+
+@pytest.mark.usefixtures("registry_restored")
+def test_registering_a_builtin_container_turns_the_fast_walk_off() -> None:
+    """A registered ``dict`` is walked the registered way, by the decorator too: a tensor
+    under its hidden key does not choose the target."""
+    register_container(
+        dict,
+        children=lambda d: [(k, v) for k, v in d.items() if k != "hidden"],
+        rebuild=lambda d, new: {
+            **d,
+            **dict(zip([k for k in d if k != "hidden"], new, strict=True)),
+        },
+        keys="item",
+    )
+    with pytest.raises(NotPlain):
+        plain_device(({"seen": torch.zeros(1)},))
+
+    @device_agnostic
+    def make(batch: dict[str, torch.Tensor]) -> torch.device:
+        return torch.zeros(1).device
+
+    assert CPU == make({"hidden": torch.zeros(1, device="meta")})
+
+
+def test_find_devices_looks_into_a_shared_container_once() -> None:
+    """A plain container held at several places, or reached again through a cycle below
+    the top, is listed at the first place only."""
+    tensor = torch.zeros(1)
+    inner = [tensor]
+    assert {CPU: ["obj['a'][0]"]} == find_devices({"a": inner, "b": (inner, {"c": inner})})
+    looped: dict[str, Any] = {"x": tensor}
+    outer = [looped]
+    looped["loop"] = outer
+    assert {CPU: ["obj[0]['x']"]} == find_devices(outer)
