@@ -234,7 +234,7 @@ def test_sizes_tried_halve_from_the_start_down_to_the_minimum(
     body = Recorder(fits=fits)
     run = shrink_batch_on_oom(minimum=minimum, remember=False)(body)
 
-    # A full gc.collect() takes ~90 ms with torch loaded, 12 of them per example here;
+    # A full gc.collect() with torch loaded is slow, and 12 of them run per example here;
     # the sizes do not depend on it, and the test of freed memory below runs the real one.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(devicectx.devices._oom, "free_memory", lambda: None)

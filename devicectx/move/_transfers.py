@@ -242,9 +242,9 @@ def track_transfers() -> Iterator[TransferLog]:
     Caveats:
         - Like ``on_device``, the block sees its own thread and asyncio task (and tasks
           created inside it), not other threads; nested blocks each record everything.
-        - Paths are worked out for every move while a log is open: on a 2-core CPU, a
-          decorated move of 6 tensors nested 3 deep took 1.35x as long inside a log
-          (+34 us). Outside the block nothing is recorded and nothing is paid.
+        - Paths are worked out for every move while a log is open, which makes each move
+          slower (docs/performance.md gives the cost). Outside the block nothing is
+          recorded and nothing is paid.
         - Compiled code records nothing: a ``to_device`` or decorated call that
           ``torch.compile`` traces into a graph copies as graph ops, which no log sees
           (the log cannot be read while dynamo traces, nor written by the graph). Moves
@@ -261,11 +261,11 @@ def track_transfers() -> Iterator[TransferLog]:
 # The repeated-move check.
 
 _CHECK = [True]  # one cell, read on every move that copied something
-# The check costs about 0.5 us a tensor copied (a weak reference and a version counter
-# read). So it looks at the first 256 copies of a move (in the order of the structure),
-# and, past a place's first 8 moves, at one move in 8, each compared with the last one
-# looked at: a tensor copied on every step is still reported by the 16th step, at an
-# eighth of the cost.
+# The check costs a weak reference and a version counter read per tensor copied
+# (docs/performance.md). So it looks at the first 256 copies of a move (in the order of
+# the structure), and, past a place's first 8 moves, at one move in 8, each compared with
+# the last one looked at: a tensor copied on every step is still reported by the 16th
+# step, at an eighth of the cost.
 _CHECKED = 256
 _EVERY_FROM = 8
 _EVERY = 8

@@ -166,7 +166,7 @@ def plain_device(values: Iterable[Any]) -> torch.device | None:
 
     The hot path of ``@device_agnostic``: plain dicts, lists and tuples of tensors and
     scalars, walked recursively, which is the fastest walk CPython has for a shallow tree
-    (about 0.3 us less than :func:`shared_device` on a 6-tensor batch 3 deep). It keeps no
+    (faster than :func:`shared_device` on the benchmark's nested batch). It keeps no
     set of the containers it has seen, so one held at several places is read at each: the
     answer is the same, at the cost of the structure as written out.
 

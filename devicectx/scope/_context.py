@@ -141,10 +141,10 @@ class on_device:
 
     What it costs. Only the tensor constructors change inside a block: they are replaced
     at the first block of the process that changes the device (and stay, costing a call
-    outside blocks about 0.2 µs), and fill in the device inside (about what torch's
+    outside blocks one Python call), and fill in the device inside (about what torch's
     ``DeviceContext`` costs a constructor). Entering and leaving a block is a push on a
-    context variable (about 1.4x ``with torch.device``'s cost on a 2-core CPU; a fixed
-    spec such as ``"meta"`` is resolved once per process). Every other
+    context variable (a fixed spec such as ``"meta"`` is resolved once per process;
+    docs/performance.md compares it with ``with torch.device``). Every other
     torch call costs what it costs outside: ``with torch.device`` instead sends every torch
     call in the thread through a Python mode (1.3x to 1.7x on small ops). With
     ``exact=True`` the block costs what ``with torch.device`` does. With ``audit``, the

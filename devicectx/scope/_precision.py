@@ -163,9 +163,9 @@ def choose_precision(device: DeviceLike, precision: PrecisionName) -> Precision:
     Caveats:
         - ``"auto"`` keeps the CPU in float32. CPU autocast runs on any CPU, but is faster
           than float32 only on CPUs with bfloat16 instructions (AMX, AVX512-BF16), and even
-          there mostly for large matrix products; most laptops and CI machines have none
-          (on an AVX2 CPU, one training step of a 512-1024-512 MLP took 25 ms in float32
-          and 810 ms under bfloat16 autocast, torch 2.13). Training on the CPU is rarely
+          there mostly for large matrix products; most laptops and CI machines have none,
+          and there bfloat16 autocast is many times slower (docs/performance.md has a
+          measured step). Training on the CPU is rarely
           short of memory, and a float32 run there is the reference a GPU run is checked
           against, the same on every CPU. Ask for ``"bf16-mixed"`` (or ``"16-mixed"``) to
           autocast on the CPU anyway.

@@ -403,7 +403,7 @@ def _makes_index_current(device: torch.device) -> bool:
     scope does not (pytorch/pytorch#148864), but `.cuda()`, streams and synchronize()
     follow the current index."""
     index_of = _index_reader(device, _UNKNOWN)
-    if index_of is _UNKNOWN:  # asking torch costs 2-4 us a block (the driver, on CUDA)
+    if index_of is _UNKNOWN:  # asking torch at each block would ask the driver, on CUDA
         index_of = INDEX_READERS[device] = _current_index_of(device)
     return index_of is not None and index_of() != device.index  # type: ignore[operator]
 
@@ -412,8 +412,8 @@ def _current_index_of(device: torch.device) -> Callable[[], int] | None:
     """How to read the current index of ``device``'s type where a scope may have to change
     it; None where it never does: ``device`` has no index, its type is not torch's
     accelerator, or the accelerator has one device, whose index is always the current one
-    (a single-GPU machine: the read, 1.6 us on an H100 with torch 2.11, is then saved at
-    every scope). The count is fixed for the process (``CUDA_VISIBLE_DEVICES`` is read
+    (a single-GPU machine: the read, a driver call on CUDA, is then saved at every
+    scope). The count is fixed for the process (``CUDA_VISIBLE_DEVICES`` is read
     once)."""
     if (
         device.index is None
@@ -428,8 +428,8 @@ _UNKNOWN = object()
 INDEX_READERS: dict[torch.device, object] = {}
 """For each device met, how to read the current index of its type where a scope may have to
 change it, else None (:func:`_current_index_of`). Keyed by the device, not its type:
-``device.type`` costs 0.2 µs (a new string each time), about a third of a decorated call's
-scope, and a device's hash is cheap. Asked once per device: the answer changes only when a
+``device.type`` builds a new string each time, a large part of a decorated call's scope,
+and a device's hash is cheap. Asked once per device: the answer changes only when a
 PrivateUse1 backend registers (the emulated accelerator's ``enable()`` clears it)."""
 _index_reader = INDEX_READERS.get
 

@@ -1,8 +1,8 @@
 """Staged moves: many tensors to an accelerator (or back) in a few large copies.
 
 Copying tensors one by one from host memory to an accelerator pays twice: a fixed cost per
-copy (about 9 us on an H100), and, from ordinary (pageable) memory, the driver's own slow
-staging (6 to 13 GB/s there, against 52 GB/s from pinned memory). A staged move packs the
+copy, and, from ordinary (pageable) memory, the driver's own slow staging, a fraction of the
+speed of a copy from pinned memory (figures in docs/performance.md). A staged move packs the
 tensors into a reused pinned buffer with torch's own (multi-threaded) copies, sends the
 buffer in as few copies as it can, and hands back tensors on the device:
 

@@ -46,31 +46,27 @@ _DTYPES = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class Thresholds:
-    """When a move is staged, and how; every figure from an NVIDIA H100 (PCIe Gen5, torch
-    2.11): a fixed cost of about 9 us per host-to-device copy, 6 to 13 GB/s from
-    pageable memory, about 52 GB/s from pinned memory in one contiguous copy.
+    """When a move is staged, and how. Each default follows from a GPU link's figures (a
+    fixed cost per host-to-device copy, the speed from pageable and from pinned memory):
+    docs/performance.md, "The staging thresholds", gives them and the reasoning.
 
     Attributes:
         min_tensors: a move is staged when it has at least this many small tensors to
-            pack. A staged move has a fixed host cost (collecting the tensors, one stack
-            and one unbind per run of like tensors, a region, an event): measured through
-            the test seam on a 2-core machine, about 25 times the host cost of one
-            ``.to`` (50 us there). A per-tensor copy costs about 1 us of dispatch on a
-            fast host plus the 9 us in the driver, which staging pays once: it is ahead
-            from about 4 tensors.
+            pack: a staged move has a fixed host cost (collecting the tensors, one stack
+            and one unbind per run of like tensors, a region, an event), which the copies
+            it saves (one fixed driver cost each) repay from this count on.
         stage_min_bytes: ... or when its larger tensors in pageable memory add up to at
-            least this: 1 MiB takes about 100 us at pageable speed and about 20 us at
-            pinned speed, plus about 40 us to pack on one thread (less on several),
-            overlapped with the copy.
+            least this: from this size the driver's slow pageable copy costs more than
+            packing into pinned memory (overlapped with the copy) and the fast copy.
         share_max_bytes: a tensor of at most this many bytes is packed with others and
-            comes back as a view of a shared device region. 64 KiB takes 1.3 us at 52
-            GB/s, under 15% of the 9 us its own copy would cost in fixed overhead.
+            comes back as a view of a shared device region: its own copy would cost more
+            in fixed overhead than its bytes take on the link.
         shared_bytes: the most one shared region holds: what a single small tensor kept
-            alive can keep allocated with it. 1 MiB, one copy (9 us + 20 us) per MiB of
-            small tensors: the fixed cost is under a third of the copy.
+            alive can keep allocated with it; one copy per region keeps the fixed cost a
+            small part of the copy.
         chunk_bytes: the size of one pinned staging buffer: the unit of pipelining (one
-            chunk is packed while the last is copied; 4 MiB is 80 us at 52 GB/s, long
-            next to the copy's fixed cost) and of reuse.
+            chunk is packed while the last is copied; long next to the copy's fixed cost)
+            and of reuse.
         pool_bytes: the most pinned memory kept per accelerator type, in chunks (16).
             A move that needs more waits for the oldest chunk's copies, chunk by chunk.
     """
