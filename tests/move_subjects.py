@@ -1,14 +1,28 @@
-"""Objects the move engine's tests share: a dataclass batch, a frozen dataclass, a
-registered container (registered at import) and an object with a counting ``.to``."""
+"""Objects the move engine's tests share: a named tuple, a dataclass batch, a frozen
+dataclass, a registered container (registered at import), an object with a counting
+``.to``, and a check that everything landed on meta."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from devicectx import register_container
+from devicectx.move._move import iter_tensors
+
+META = torch.device("meta")
+
+
+class Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def on_meta(obj: Any) -> bool:
+    """Whether every tensor of ``obj`` (by the engine's own listing) is on meta."""
+    return all(t.device == META for _, t in iter_tensors(obj))
 
 
 @dataclasses.dataclass

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
-from move_subjects import Batch, CountingTo
+from move_subjects import Batch, CountingTo, Pair
 from torch import nn
 
 from devicectx import (
@@ -25,16 +25,6 @@ from devicectx.move._walk import NotPlain, plain_device
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-
-
-class Pair(NamedTuple):
-    first: Any
-    second: Any
-
-
-def on_meta(obj: Any) -> bool:
-    """Whether every tensor of ``obj`` (by the engine's own listing) is on meta."""
-    return all(t.device == META for _, t in iter_tensors(obj))
 
 
 # find_devices.

@@ -13,12 +13,12 @@ import dataclasses
 import functools
 import types
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from move_subjects import Batch, Frozen, Holder, SubHolder
+from move_subjects import Batch, Frozen, Holder, Pair, SubHolder, on_meta
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
@@ -30,20 +30,9 @@ from devicectx import (
     to_device,
 )
 from devicectx.move import _containers
-from devicectx.move._move import iter_tensors
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-
-
-class Pair(NamedTuple):
-    first: Any
-    second: Any
-
-
-def on_meta(obj: Any) -> bool:
-    """Whether every tensor of ``obj`` (by the engine's own listing) is on meta."""
-    return all(t.device == META for _, t in iter_tensors(obj))
 
 
 # Container kinds.

@@ -6,11 +6,11 @@ moves where it can, messages asserted line by line.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
-from move_subjects import CountingTo, Frozen, Holder
+from move_subjects import CountingTo, Frozen, Holder, Pair
 from torch import nn
 
 from devicectx import (
@@ -20,20 +20,9 @@ from devicectx import (
     register_container,
     to_device,
 )
-from devicectx.move._move import iter_tensors
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-
-
-class Pair(NamedTuple):
-    first: Any
-    second: Any
-
-
-def on_meta(obj: Any) -> bool:
-    """Whether every tensor of ``obj`` (by the engine's own listing) is on meta."""
-    return all(t.device == META for _, t in iter_tensors(obj))
 
 
 # Errors.

@@ -8,11 +8,12 @@ the CPU to meta is a real move.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
 from helpers import accelerator
+from move_subjects import Pair, on_meta
 from torch import nn
 
 from devicectx import (
@@ -25,16 +26,6 @@ from devicectx.move._move import all_on, iter_tensors, move_call, move_to
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-
-
-class Pair(NamedTuple):
-    first: Any
-    second: Any
-
-
-def on_meta(obj: Any) -> bool:
-    """Whether every tensor of ``obj`` (by the engine's own listing) is on meta."""
-    return all(t.device == META for _, t in iter_tensors(obj))
 
 
 # Guarantees.
