@@ -101,11 +101,15 @@ class Recording:
         self.log.append(f"send {index}")
         return moved, index
 
-    def hand_over(self, batch: Any, event: int) -> None:
-        self.log.append(f"hand over {event}")
+    def hand_over(self, token: tuple[Any, int]) -> Any:
+        self.log.append(f"hand over {token[1]}")
+        return token[0]
 
-    def landed(self, event: int) -> None:
-        self.log.append(f"landed {event}")
+    def landed(self, token: tuple[Any, int]) -> None:
+        self.log.append(f"landed {token[1]}")
+
+    def close(self) -> None:
+        pass
 
 
 @pytest.fixture
@@ -162,8 +166,9 @@ def test_in_order_reads_one_batch_when_asked() -> None:
     assert ["read 0", "step 0", "read 1", "step 1", "read 2", "step 2"] == log
 
 
-def test_no_thread_is_started() -> None:
-    """Prefetching starts no thread, with streams or without."""
+def test_no_thread_is_started_without_streams() -> None:
+    """Where the device has no streams, prefetching starts no thread: each batch is moved
+    in the caller's, when asked for."""
     before = threading.active_count()
 
     for _ in prefetch(numbered(3), "meta"):
@@ -685,11 +690,17 @@ def test_the_emulator_catches_a_hand_over_that_leaves_a_step_out(
     staged regions their storages are slices of) the late reads see poison; without the
     wait, the batch is read before its copies land."""
 
-    def hand_over(self: _prefetch.Streams, batch: Any, sent: Any) -> None:
+    def hand_over(self: _prefetch.Streams, token: Any) -> Any:
+        moved, sent = token.take()
         if left_out == "record_stream":
             torch.accelerator.current_stream(self.device).wait_event(sent.event)
+        return moved
+
+    def record(self: _prefetch.Streams, batch: Any, regions: Any, stream: Any) -> None:
+        pass
 
     monkeypatch.setattr(_prefetch.Streams, "hand_over", hand_over)
+    monkeypatch.setattr(_prefetch.Streams, "_record", record)
     device = accelerator()
     sources = [detection_like(i) for i in range(3)]
     # Copies that land 300 ms late: a loaded machine takes more than the default 2 ms
@@ -703,6 +714,12 @@ def test_the_emulator_catches_a_hand_over_that_leaves_a_step_out(
     assert any(torch.isnan(copy).any() or (copy == -1).any() for copy in copies)
     if left_out == "wait_event":
         assert not torch.equal(sources[0]["ids"], read_now)
+
+
+def moved_ahead(batches: _prefetch.Prefetcher[Any]) -> None:
+    """Wait until the prefetcher's thread has run every move sent so far."""
+    assert batches._streams is not None
+    batches._streams.worker.submit(int).take()
 
 
 @needs_emulated
@@ -722,11 +739,13 @@ def test_close_and_break_free_the_batches_in_flight(how: str) -> None:
     if how == "close":
         running = iter(batches)
         kept = next(running)
+        moved_ahead(batches)
         in_flight = emulated.memory_allocated(device) - base
         batches.close()
     else:
         for batch in batches:
             kept = batch
+            moved_ahead(batches)
             in_flight = emulated.memory_allocated(device) - base
             break
         del batch
@@ -788,6 +807,7 @@ def test_close_frees_the_batches_ahead_of_a_loader_error_without_the_collector()
         base = emulated.memory_allocated(device)
         batches = prefetch(Reads(sources, [], frozenset({3})), device, depth=3)
         next(iter(batches))
+        moved_ahead(batches)
         in_flight = emulated.memory_allocated(device) - base
         batches.close()
         torch.accelerator.synchronize()
@@ -1031,3 +1051,56 @@ def test_pageable_batches_need_no_wait_for_the_callers_stream() -> None:
     caller's stream: pageable host tensors are read by the host alone."""
     assert not _prefetch._written_by_streams({"x": torch.ones(2), "ids": [torch.zeros(3)]})
     assert _prefetch._written_by_streams({"x": torch.ones(2), "m": torch.ones(2, device="meta")})
+
+
+@needs_emulated
+def test_a_source_another_current_stream_still_writes_is_read_after_it() -> None:
+    """Where the caller computes on a stream of its own, the copies of a batch with a
+    source that stream still fills wait for it (the stream current at next(), not the
+    default one of the thread that moves the batches)."""
+    device = accelerator()
+    x = torch.arange(8.0, device=device)
+    mine = torch.Stream(device=device)
+    with _streams.queued_on(mine, device):
+        with emulated.paused(device, stream=mine):
+            pending = (x * 1.0).to("cpu", non_blocking=True)  # lands once mine runs
+            batch = {"y": pending, "small": [torch.full((1,), float(i)) for i in range(4)]}
+            batches = prefetch([batch], device)
+            (moved,) = list(batches)
+        torch.accelerator.synchronize()
+        assert list(range(8)) == moved["y"].cpu().tolist()
+
+
+@needs_emulated
+@pytest.mark.parametrize("end", ["close", "drop"])
+def test_batches_are_moved_on_a_thread_of_their_own_which_ends_with_the_prefetcher(
+    monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """With streams, every batch is moved on one thread of the prefetcher's own, not the
+    caller's, with the caller's context; close(), or dropping the prefetcher, ends it."""
+    device = accelerator()
+    threads: list[threading.Thread] = []
+    move = _prefetch._move_batch
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread())
+        return move(*args, **kwargs)
+
+    monkeypatch.setattr(_prefetch, "_move_batch", spied)
+    with track_transfers() as transfers:
+        batches = prefetch([detection_like(i) for i in range(4)], device, depth=2)
+        for _ in batches:
+            pass
+
+    assert 1 == len(set(threads))
+    (thread,) = set(threads)
+    assert thread is not threading.current_thread()
+    assert 4 == len(threads)
+    assert 4 * 8 == transfers.total_tensors  # counted in the caller's log
+    with collector_off():  # dropped: freed by counts, no cycle holds the thread
+        if end == "close":
+            batches.close()
+        else:
+            del batches
+        thread.join(timeout=60)
+    assert not thread.is_alive()

@@ -22,10 +22,14 @@ with streams (CUDA, ROCm, XPU, the testing kit's emulated device):
   caching allocator does not give its memory to another tensor until the work queued
   there on it has run, whichever stream frees it.
 
-Everything runs in the caller's thread, inside ``next()``: reading the loader, packing,
-queuing the copies. No thread is started: the host work of the next batch overlaps the
-device's work on the steps already queued, and a loader's exceptions, warnings and
-context (``on_device``, ``track_transfers``) stay where the caller expects them.
+The loader is read in the caller's thread, inside ``next()``, so that its exceptions,
+warnings and context stay where the caller expects them; each batch read is then moved on
+a thread of the prefetcher's own (:mod:`devicectx.move._background`), as a ``DataLoader``'s
+pin-memory thread pins, with the caller's context (``track_transfers``' logs, ``on_device``)
+and the caller's current stream taken at that ``next()``. Collecting, casting and packing
+a batch (host copies into pinned memory, which release the GIL) then overlap the
+caller's next step instead of delaying it; the caller waits only for a batch whose move
+has not finished when its turn comes. Errors of a move are raised at its batch.
 
 Elsewhere (the CPU, ``meta``, MPS, whose one queue copies in order anyway, a device
 without streams, events or ``record_stream``), each batch is moved when it is asked for:
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -45,6 +50,7 @@ import torch
 
 from devicectx.devices._resolve import DeviceLike, accelerator_type, resolve_device
 from devicectx.move import _transfers
+from devicectx.move._background import Ticket, Worker
 from devicectx.move._dtypes import DtypesLike, cast_batch, check_dtypes
 from devicectx.move._move import _move, _nothing_to_move
 from devicectx.move._skip import Skip, SkipLike, compile_skip
@@ -140,9 +146,11 @@ def prefetch(
           ``DataLoader(pin_memory=True)`` never writes into a batch it has handed out.
 
     Caveats:
-        - Batches are moved in the caller's thread, inside ``next()``: the loader's own
-          work (``num_workers=0``) and the packing are host time, which the device's
-          queued work overlaps, not the host's. Use loader workers for slow loading.
+        - The loader is read in the caller's thread, inside ``next()``: its own work
+          (``num_workers=0``) is the caller's host time. Use loader workers for slow
+          loading. The moves run on the prefetcher's own thread (where the device has
+          streams), one batch after another; ``close()`` ends it, and so does dropping
+          the prefetcher.
         - ``close()`` frees the batches in flight at once, and so does dropping the
           pass: a ``break`` out of ``for batch in prefetch(loader)`` over a
           ``DataLoader`` or a list. Over an iterator or a generator, whose one pass the
@@ -182,8 +190,9 @@ class Prefetcher(Generic[T]):
         device: the resolved target device.
         depth: how many batches are moved ahead, where the device has streams.
         batches: the wrapped iterable; its other attributes are read through this object.
-        streams: whether batches are moved ahead on a copy stream (an accelerator with
-            streams and events), else in order when asked for.
+        streams: whether batches are moved ahead, on a thread of the prefetcher's own and
+            a copy stream (an accelerator with streams and events), else in order when
+            asked for.
     """
 
     def __init__(
@@ -258,25 +267,27 @@ class Prefetcher(Generic[T]):
     def close(self) -> None:
         """End every pass under way: their batches in flight are freed (see :meth:`_Pass.close`).
 
-        A ``DataLoader`` or a list can be iterated again afterwards (a new pass); an
-        iterator's one pass is over.
+        The thread that moves the batches ends. A ``DataLoader`` or a list can be
+        iterated again afterwards (a new pass, a new thread); an iterator's one pass is
+        over.
         """
         for running in list(self._passes):
             running.close()
+        if self._streams is not None:
+            self._streams.close()
 
     def __repr__(self) -> str:
         return f"prefetch({self.batches!r}, {str(self.device)!r}, depth={self.depth})"
 
 
 class _InFlight:
-    """A batch moved on the copy stream, and what its hand-over needs (``Streams.send``'s
-    token: the event after its copies, the regions made)."""
+    """A batch being moved on the copy stream: ``Streams.send``'s token, which
+    ``Streams.hand_over`` redeems for the moved batch."""
 
-    __slots__ = ("batch", "sent")
+    __slots__ = ("token",)
 
-    def __init__(self, batch: Any, sent: Any) -> None:
-        self.batch = batch
-        self.sent = sent
+    def __init__(self, token: Any) -> None:
+        self.token = token
 
 
 class _Raised:
@@ -350,8 +361,7 @@ class _Pass(Iterator[T]):
                 del error
         # No local holds the batch: a loader error read ahead holds this frame (its
         # traceback reaches it), which would keep the batch until the collector runs.
-        streams.hand_over(queue[0].batch, queue[0].sent)
-        return queue.popleft().batch  # type: ignore[no-any-return, union-attr]
+        return streams.hand_over(queue.popleft().token)  # type: ignore[no-any-return, union-attr]
 
     def _fill(self, streams: Streams) -> None:
         """Read and move batches until ``depth + 1`` are queued (the next one and ``depth``
@@ -361,20 +371,22 @@ class _Pass(Iterator[T]):
             index = self._read
             batch, error = _attempt(next, self._source)
             if isinstance(error, StopIteration):
-                self._source = None
+                # Let go of it: its traceback holds this frame, which holds the pass (and
+                # the prefetcher's thread) in a cycle only the collector would free.
+                self._source = error = None
                 return
             self._read += 1
             if error is None:
-                moved, error = _attempt(streams.send, self._move, batch, index)
+                token, error = _attempt(streams.send, self._move, batch, index)
             del batch
-            if error is not None:  # the loader's, or a MoveError: raised in its turn
+            if error is not None:  # the loader's: raised in its turn
                 self._raised += 1
                 queue.append(_Raised(error))
                 return
-            queue.append(_InFlight(*moved))
+            queue.append(_InFlight(token))
             # Not kept in this frame: a loader error raised next holds it (its traceback
             # reaches this frame), and with it this batch, until the collector runs.
-            moved = None
+            token = None
 
     def close(self) -> None:
         """Stop: the source is let go, and the batches in flight are freed, once their
@@ -385,7 +397,7 @@ class _Pass(Iterator[T]):
         streams = self._streams
         for item in queue:
             if isinstance(item, _InFlight) and streams is not None:
-                streams.landed(item.sent)
+                streams.landed(item.token)
         queue.clear()
 
     def __del__(self) -> None:
@@ -420,63 +432,102 @@ def _move_batch(
 
 
 class _Sent:
-    """What a batch's move left on the copy stream: the event after its copies, and the
-    staged regions its small tensors' storages are slices of (``record_stream`` on such a
-    tensor does not reach its region, which must be recorded itself)."""
+    """What a batch's move left on the copy stream: the event after its copies, the staged
+    regions its small tensors' storages are slices of (``record_stream`` on such a tensor
+    does not reach its region, which must be recorded itself), and the caller's stream,
+    on which both are recorded as used."""
 
-    __slots__ = ("event", "regions")
+    __slots__ = ("caller", "event", "regions")
 
-    def __init__(self, event: Any, regions: list[torch.Tensor]) -> None:
+    def __init__(self, event: Any, regions: list[torch.Tensor], caller: Any) -> None:
         self.event = event
         self.regions = regions
+        self.caller = caller
 
 
 class Streams:
-    """The stream work of one prefetcher: a copy stream of the device, events, hand-over.
+    """The stream work of one prefetcher: a copy stream of the device, the thread that
+    moves the batches, events, hand-over.
 
     :func:`streams_for` makes one per prefetcher (None: move in order); the tests put a
     stand-in in its place that records what is asked of it, to check the lookahead on a
-    machine without streams. ``send`` returns the moved batch and a token, which the pass
-    hands back to ``hand_over`` and ``landed``.
+    machine without streams. ``send`` returns a token at once, which the pass hands back
+    to ``hand_over`` (for the moved batch) or to ``landed`` (to let it go); ``close`` ends
+    the thread.
     """
 
-    __slots__ = ("copy", "device")
+    __slots__ = ("copy", "device", "worker")
 
     def __init__(self, device: torch.device, copy: torch.Stream) -> None:
         self.device = device
         self.copy = copy
+        self.worker = Worker(f"devicectx-prefetch-{device}")
 
-    def send(
-        self, move: Callable[[Any, int, HandedTo], Any], batch: Any, index: int
+    def send(self, move: Callable[[Any, int, HandedTo], Any], batch: Any, index: int) -> Ticket:
+        """``move(batch, index)`` queued on the prefetcher's thread, to run on the copy
+        stream; what it needs of the caller (the context, the current stream, and an
+        event after the work queued there so far, where there is any) is taken here."""
+        caller = torch.accelerator.current_stream(self.device)
+        busy = None if caller.query() else caller.record_event()
+        context = contextvars.copy_context()
+        return self.worker.submit(context.run, self._moved, move, batch, index, caller, busy)
+
+    def _moved(
+        self,
+        move: Callable[[Any, int, HandedTo], Any],
+        batch: Any,
+        index: int,
+        caller: Any,
+        busy: Any,
     ) -> tuple[Any, _Sent]:
-        """``move(batch, index)`` queued on the copy stream, after the work queued so far on
-        the caller's stream where the batch needs it; the result and its token."""
+        """On the prefetcher's thread: the move, its copies queued on the copy stream (after
+        ``busy``, the caller's work queued when it was sent, where the batch needs it)."""
         copy = self.copy
         # The engine queues its copies, and allocates their results, on the current stream.
-        with queued_on(copy, self.device) as previous:
-            if not previous.query() and _written_by_streams(batch):
-                copy.wait_stream(previous)
-            handed = HandedTo(previous)
+        with queued_on(copy, self.device):
+            if busy is not None and _written_by_streams(batch):
+                copy.wait_event(busy)
+            handed = HandedTo(idle=busy is None)
             moved = move(batch, index, handed)
-        return moved, _Sent(copy.record_event(), handed.regions)
+        sent = _Sent(copy.record_event(), handed.regions, caller)
+        self._record(moved, sent.regions, caller)
+        return moved, sent
 
-    def hand_over(self, batch: Any, sent: _Sent) -> None:
-        """Make ``batch`` safe on the caller's current stream: it waits for the copies
-        (the device waits, not the host), and the batch's memory, with the staged regions
-        it lies in, is recorded as used there."""
+    def hand_over(self, token: Ticket) -> Any:
+        """The moved batch, made safe on the caller's current stream: it waits for the
+        copies (the device waits, not the host), and the batch's memory, with the staged
+        regions it lies in, is recorded as used there. Raises the move's error."""
+        moved, sent = token.take()
         consumer = torch.accelerator.current_stream(self.device)
         consumer.wait_event(sent.event)
-        for region in sent.regions:
-            region.record_stream(consumer)
+        if consumer != sent.caller:  # recorded on the stream current at send already
+            self._record(moved, sent.regions, consumer)
+        return moved
+
+    def _record(self, batch: Any, regions: list[torch.Tensor], stream: Any) -> None:
+        """Record ``batch``'s device memory, and ``regions``, as used on ``stream``."""
+        for region in regions:
+            region.record_stream(stream)
         device_type = self.device.type
         found, inside, _ = collect(batch)
         for tensors in (found, inside):
             for tensor in tensors.values():
                 if tensor.device.type == device_type:
-                    tensor.record_stream(consumer)
+                    tensor.record_stream(stream)
 
-    def landed(self, sent: _Sent) -> None:
-        """Wait until the copies of a batch sent have landed."""
+    def close(self) -> None:
+        """End the prefetcher's thread, after the moves queued; a later send starts another."""
+        self.worker.stop()
+
+    def landed(self, token: Ticket) -> None:
+        """Wait until the move of a batch sent has run and its copies have landed, and let
+        the batch go (not on the prefetcher's own thread, whose jobs it would wait for)."""
+        if self.worker.here():
+            return
+        try:
+            _, sent = token.take()
+        except Exception:  # a batch that could not be moved: nothing was left in flight
+            return
         sent.event.synchronize()
 
 

@@ -53,8 +53,7 @@ def to_accelerator(
     if not _worth(found, thresholds, host, pinned) or _capturing(device.type):
         return {}  # the cheaper question first: most declines are for want of tensors
     groups, larger = _sort(found, inside, _on_host, thresholds.share_max_bytes)
-    caller = None if handed is None else handed.caller
-    idle = host.idle(device) if caller is None else bool(caller.query())
+    idle = host.idle(device) if handed is None else handed.idle
     if not idle:
         groups = _unpinned(groups, host, pinned)
     streamed = [tensor for tensor in larger if not _is_pinned(tensor, host, pinned)]
@@ -68,7 +67,7 @@ def to_accelerator(
     # stream they start at once anyway, and the copy stream's hand-over would cost more;
     # a move handed to a caller (prefetch's) is on the copy stream already.
     side = None
-    if non_blocking and not idle and caller is None and copy_stream:
+    if non_blocking and not idle and handed is None and copy_stream:
         side = host.side(device)
     made = None if handed is None else handed.regions
     if side is None:
@@ -172,23 +171,24 @@ def _unpinned(
 
 
 class HandedTo:
-    """A move made on another current stream (a copy stream) for ``caller``, a stream of
-    the target that gets the results later (:func:`devicectx.prefetch`), passed down to
-    :func:`stage`; ``regions`` gets the device regions the move makes.
+    """A move made on another current stream (a copy stream) for a stream of the target
+    that gets the results later (:func:`devicectx.prefetch`'s caller), passed down to
+    :func:`stage`: whether that stream was ``idle`` when the move was asked for, and
+    ``regions``, which gets the device regions the move makes.
 
-    Pinned sources are then packed only while ``caller`` is idle, not the current stream:
-    a copy from the device into one may still be queued on ``caller``. And the regions are
-    for the caller to record as used on the stream the results are handed to:
-    ``record_stream`` on a result itself does not reach its region, since a result's
-    storage is a slice of the region's (see :func:`_unpack`), which the allocator does not
-    know; recorded, the region's memory is not reused before that stream is done with it,
-    whenever its last result is freed.
+    Pinned sources are then packed only if that stream was idle, not the current one: a
+    copy from the device into one may be queued there. And the regions are for the
+    caller to record as used on the stream the results are handed to: ``record_stream``
+    on a result itself does not reach its region, since a result's storage is a slice of
+    the region's (see :func:`_unpack`), which the allocator does not know; recorded, the
+    region's memory is not reused before that stream is done with it, whenever its last
+    result is freed.
     """
 
-    __slots__ = ("caller", "regions")
+    __slots__ = ("idle", "regions")
 
-    def __init__(self, caller: Any) -> None:
-        self.caller = caller
+    def __init__(self, idle: bool) -> None:
+        self.idle = idle
         self.regions: list[torch.Tensor] = []
 
 
