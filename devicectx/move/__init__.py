@@ -11,5 +11,6 @@
 - ``_streams``: the copy stream of each accelerator device (non-blocking moves, ``prefetch``);
 - ``_transfers``: ``track_transfers`` and the repeated-move warning;
 - ``_prefetch``: ``prefetch``, batches moved ahead of the step on a copy stream;
+- ``_background``: the thread of its own a prefetcher moves its batches on;
 - ``_distributed``: DTensor and FSDP2 parameters (``Layout``).
 """
