@@ -180,7 +180,9 @@ class Rebuild:
         except Exception as error:  # the root's own split or rebuild
             raise self._error(_Failed(root, error)) from error
 
-    # The recursive walk.
+    # The recursive walk: twin of the explicit stack walk (_iterate_frames), which takes over
+    # past _DEPTH and for slow skips; change both together.
+    # test_explicit_stack_walk_gives_the_same holds them to the same results.
 
     def _any(self, obj: Any, depth: int) -> Any:
         tp = type(obj)
@@ -342,6 +344,7 @@ class Rebuild:
             raise failed from failed.error
 
     def _iterate_frames(self, root: Any, path: str, frames: list[_Frame]) -> Any:
+        # Twin of the recursive walk (_any, _dict, _sequence): change both together.
         value = self._visit(root, path, frames)
         if value is not _PUSHED:
             return value

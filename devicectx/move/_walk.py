@@ -83,6 +83,9 @@ def shared_device(
     the first DTensor where ``dtensor_mixes`` (the decorator's check then looks closer).
     One walk serves both "is it all on X" and "is it all on one device, and which".
     """
+    # Hand-specialised walk: its answer is the full walk's (iter_tensors), which
+    # test_shared_device_agrees_with_the_full_walk holds; the container cases below are
+    # written again in _gather and find_devices' stack walk: change them together.
     fast_dict, fast_list, fast_tuple = (
         _containers.FAST_DICT,
         _containers.FAST_LIST,
@@ -183,7 +186,9 @@ def plain_device(values: Iterable[Any]) -> torch.device | None:
 
 
 def _plain(items: Iterable[Any], device: torch.device | None, depth: int) -> torch.device | None:
-    # Twin of _plain_uncast (the same walk with a dtype check): change both together.
+    # Twin of _plain_uncast (the same walk with a dtype check): change both together. Held
+    # to the full walk by test_plain_walk_agrees_with_the_full_walk, and to each other by
+    # test_uncast_walk_answers_exactly_when_nothing_is_to_cast.
     for item in items:
         tp = type(item)
         if tp is _Tensor:
@@ -337,6 +342,8 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
         for path, tensor in iter_tensors(obj, name, modules=True):
             found.setdefault(tensor.device, []).append(path)
         return found
+    # The stack walk: its container cases written as shared_device's (change them together);
+    # test_find_devices_stack_walk_agrees_with_the_full_walk holds it to the full walk.
     last: torch.device | None = None
     paths: list[str] = []
     seen = {id(obj)}
@@ -434,6 +441,8 @@ def _plain_devices(
     of containers looked into (by which a shared one is looked into once and a cycle ends)
     is made at the first nested container: a flat batch needs none.
     """
+    # Twin of _plain_sequence_devices (the same for a list or tuple): change both together;
+    # test_find_devices_plain_walks_agree_with_the_full_walk holds both to the full walk.
     if type(obj) is not dict:
         return _plain_sequence_devices(obj, path, found, seen, depth)
     for key, child in obj.items():
@@ -468,7 +477,8 @@ def _plain_sequence_devices(
     depth: int,
 ) -> bool:
     """:func:`_plain_devices` for a list or tuple: the same, with the ``[i]`` of the first
-    positions written once for all (a flat batch is mostly paths)."""
+    positions written once for all (a flat batch is mostly paths). Twin of
+    :func:`_plain_devices`: change both together."""
     for index, child in enumerate(obj):
         tp = type(child)
         if tp is _Tensor:
@@ -583,6 +593,8 @@ def _gather(
 ) -> list[Any]:
     """Tensors below ``stack`` into ``found``; the objects with their own ``.to`` met,
     returned unopened (looked into, as containers, when ``enter_own``)."""
+    # Hand-specialised walk, its container cases written as shared_device's: change them
+    # together; test_collect_finds_each_tensor_of_the_full_walk_once holds it to the full walk.
     fast_dict, fast_list, fast_tuple = (
         _containers.FAST_DICT,
         _containers.FAST_LIST,
