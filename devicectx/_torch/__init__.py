@@ -9,7 +9,7 @@ checked in one folder (``tests/test_layout.py`` keeps them here; CI runs the tes
 - ``module_tree``: a module's submodules and tensors, walked without hashing modules;
 - ``pytree``: torch's pytree, which dynamo traces;
 - ``fsdp``: FSDP2's module class;
-- ``backends``: the name of the PrivateUse1 backend.
+- ``backends``: the name of the PrivateUse1 backend, and the registration of its module.
 """
 
 #: Private names reached outside this folder that are not torch's private API, each with why
@@ -17,4 +17,8 @@ checked in one folder (``tests/test_layout.py`` keeps them here; CI runs the tes
 #: entry nothing uses).
 NOT_TORCH_PRIVATE: dict[str, str] = {
     "sys._getframe": "CPython's frame access, to find the caller (no torch API involved)",
+    "atexit._run_exitfuncs": "CPython's exit handlers, run by the emulated accelerator's "
+    "runner (python -m devicectx.testing.emulate) before it leaves with os._exit",
+    "os._exit": "the emulated accelerator's runner leaves short of the interpreter's "
+    "finalization, where the device's worker threads made C++'s static destructors abort",
 }

@@ -70,14 +70,15 @@ turned off: torch allows one PrivateUse1 backend per process, under one name.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from types import MappingProxyType, ModuleType, TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any
 
 import torch
 
 from devicectx._errors import DeviceUnavailableError
+from devicectx._torch.backends import privateuse1_name, register_device_module
 
 __all__ = [
     "DEVICE_TYPE",
@@ -437,7 +438,7 @@ def _require() -> Any:
 
 def _register(devices: int) -> None:
     global _extension
-    name = torch._C._get_privateuse1_backend_name()
+    name = privateuse1_name()
     if name != _DEFAULT_NAME:
         msg = (
             f"another PrivateUse1 backend, {name!r}, is registered in this process, and torch "
@@ -456,14 +457,12 @@ def _register(devices: int) -> None:
         rename_privateuse1_backend,
     )
 
-    # torch's own registration function, private (checked on torch 2.6 to 2.15), untyped.
-    register_module: Callable[[str, ModuleType], None] = torch._register_device_module
     # The order matters: the name first (the device module and the methods are looked up
     # by it), the hooks before the module (torch.accelerator asks them).
     rename_privateuse1_backend(DEVICE_TYPE)
     extension.register_backend(devices)
     _device_module._extension = extension
-    register_module(DEVICE_TYPE, _device_module)
+    register_device_module(DEVICE_TYPE, _device_module)
     generate_methods_for_privateuse1_backend(for_storage=True)
     _extension = extension
     # torch's accelerator is now this one: forget what devicectx worked out before.
