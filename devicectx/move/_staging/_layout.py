@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from devicectx._torch.tensors import base_of, storage_slice
+from devicectx._torch.tensors import base_of, below_autograd, storage_slice
 from devicectx.move._alias import dense
 
 __all__ = ["THRESHOLDS", "Thresholds"]
@@ -327,19 +327,20 @@ def _unpack(region: torch.Tensor, run: _Run, results: dict[int, torch.Tensor]) -
         return
     storage = region.untyped_storage()
     new = region.view(dtype).new  # an empty tensor of the dtype on the device: the cheapest
-    if shape is not None and stride is not None:
-        nbytes = members[0].nbytes
+    with below_autograd():  # fresh tensors that need no autograd: see below_autograd
+        if shape is not None and stride is not None:
+            nbytes = members[0].nbytes
+            for member in members:
+                results[id(member)] = new().set_(
+                    storage_slice(storage, at, at + nbytes), 0, shape, stride
+                )
+                at += nbytes
+            return
         for member in members:
-            results[id(member)] = new().set_(
-                storage_slice(storage, at, at + nbytes), 0, shape, stride
-            )
+            nbytes = member.nbytes
+            part = storage_slice(storage, at, at + nbytes)
+            results[id(member)] = new().set_(part, 0, member.shape, member.stride())
             at += nbytes
-        return
-    for member in members:
-        nbytes = member.nbytes
-        part = storage_slice(storage, at, at + nbytes)
-        results[id(member)] = new().set_(part, 0, member.shape, member.stride())
-        at += nbytes
 
 
 class _Typed:
