@@ -22,6 +22,20 @@ def accelerator(index: int = 0) -> torch.device:
     return torch.device(kind.type, index)
 
 
+@contextlib.contextmanager
+def step_ahead(stream: torch.Stream) -> Iterator[torch.Stream]:
+    """``stream`` (a device's) with work queued in the block, as a step queued ahead of a
+    move: a wait for a blocker stream, held back (``emulated.paused``) till the end. The
+    wait is for an event recorded on the paused blocker, so it is queued whatever the
+    timing (a wait for an event already complete queues nothing)."""
+    from devicectx.testing import emulated
+
+    blocker = torch.Stream(device=stream.device)
+    with emulated.paused(stream=blocker):
+        stream.wait_event(blocker.record_event())
+        yield blocker
+
+
 def python_command(*argv: str) -> list[str]:
     """``python ARGV...`` for a child process that should see the devices this test sees:
     under ``--devicectx-accelerator=emulated``, it runs through

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import staged_counts
+from helpers import staged_counts, step_ahead
 from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -883,8 +883,7 @@ def test_copies_of_pageable_batches_run_beside_the_callers_queued_work() -> None
     sources = [detection_like(i, large=True) for i in range(3)]
     caller = torch.accelerator.current_stream(device)
     batches = prefetch(sources, device, depth=2)
-    with emulated.paused(device, stream=caller):
-        caller.wait_event(torch.Stream(device=device).record_event())  # a step queued ahead
+    with step_ahead(caller):
         first = next(iter(batches))
         _streams.copy_stream(device).synchronize()  # all three batches' copies landed
     torch.accelerator.synchronize()

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import accelerator, described, staged_counts, tensors_of
+from helpers import accelerator, described, staged_counts, step_ahead, tensors_of
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -302,23 +302,14 @@ def tiny_pool(device: torch.device) -> contextlib.AbstractContextManager[TinyPoo
     return TinyPool(device).block()
 
 
-@contextlib.contextmanager
-def step_ahead(stream: torch.Stream) -> Iterator[torch.Stream]:
-    """``stream`` (a device's) with work queued in the block, as a step queued ahead of a
-    move: a wait for a blocker stream, held back (:func:`emulated.paused`) till the end."""
-    blocker = torch.Stream(device=stream.device)
-    with emulated.paused(stream=blocker):
-        stream.wait_event(blocker.record_event())
-        yield blocker
-
-
 def held_reads(batches: list[list[torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
     """Move each batch with ``non_blocking=True`` while the caller's stream is held back
     with work queued, queue a copy of each result to the host on that stream, then drop
     the results; the copies' values once the stream runs."""
     stream = torch.accelerator.current_stream(device)
-    with emulated.paused(device, stream=stream):
-        stream.wait_event(torch.Stream(device=device).record_event())  # a step queued ahead
+    # Held back by a step queued ahead that waits for a paused stream (a wait for an event
+    # already complete queues nothing, and left the stream idle now and then).
+    with step_ahead(stream):
         reads = []
         for batch in batches:
             moved = to_device(batch, device, non_blocking=True)
