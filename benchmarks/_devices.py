@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from _trees import load
 
@@ -13,6 +15,20 @@ def accelerator() -> torch.device | None:
     kind = torch.accelerator.current_accelerator()
     assert kind is not None
     return torch.device(kind.type, torch.accelerator.current_device_index())
+
+
+def script_accelerator() -> torch.device | None:
+    """The set-up of a standalone script that moves the same batches over and over: the
+    accelerator (None, said on stdout, where there is none), emulated copies undelayed, and
+    the repeated-move warning off (the repeats are on purpose)."""
+    device = accelerator()
+    if device is None:
+        print("no accelerator: run it under python -m devicectx.testing.emulate")
+        return None
+    emulated_copies_undelayed()
+    load("devicectx", "set_repeated_move_warning")(False)
+    warnings.simplefilter("ignore")
+    return device
 
 
 def emulated_copies_undelayed() -> bool:

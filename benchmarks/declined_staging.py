@@ -18,16 +18,15 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
-from _devices import accelerator, emulated_copies_undelayed
+from _devices import script_accelerator
 from _timing import fmt_ns
 from _transfer import _pinned
 from _trees import nested
 
-from devicectx import set_repeated_move_warning, to_device
+from devicectx import to_device
 from devicectx.move import _staging
 
 
@@ -35,14 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=600, help="calls of each, alternating")
     args = parser.parse_args(argv)
-    device = accelerator()
+    device = script_accelerator()  # the emulated copies undelayed, as the benchmark's
     if device is None:
-        print("no accelerator: run it under python -m devicectx.testing.emulate")
         return 1
-    emulated_copies_undelayed()  # as the benchmark takes the emulated accelerator
     torch.set_num_threads(1)
-    set_repeated_move_warning(False)  # the same batch every call, on purpose
-    warnings.simplefilter("ignore")
     batch = _pinned(nested(128).tree)
     looks: list[int] = []
     stage = _staging.stage

@@ -23,16 +23,16 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from _devices import accelerator, emulated_copies_undelayed
+from _devices import script_accelerator
 from _timing import fmt_ns
+from _transfer import _megabytes
 from _trees import detection
 
-from devicectx import prefetch, set_repeated_move_warning, to_device
+from devicectx import prefetch, to_device
 from devicectx.move._background import Ticket
 
 
@@ -61,14 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16, help="steps an epoch")
     parser.add_argument("--images", type=int, default=8, help="images of 3x512x512 a batch")
     args = parser.parse_args(argv)
-    device = accelerator()
+    device = script_accelerator()
     if device is None:
-        print("no accelerator: run it under python -m devicectx.testing.emulate")
         return 1
-    emulated_copies_undelayed()
-    set_repeated_move_warning(False)  # the same batch every step, on purpose
-    warnings.simplefilter("ignore")
-    batch = detection(images=args.images).tree
+    tree = detection(images=args.images)
+    batch = tree.tree
     loader = [batch] * args.steps
     sync = torch.accelerator.synchronize
 
@@ -118,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     bound = move_ns  # the step waits as long as a move takes: max(step, move)
     print(
         f"{device}, torch {torch.__version__}, {torch.get_num_threads()} torch threads; "
-        f"{args.images} images a batch ({sum(t.nbytes for t in _tensors(batch)) / 1e6:.1f} MB, "
-        f"pageable), {args.steps} steps an epoch, {args.epochs} epochs each, alternating"
+        f"{args.images} images a batch ({_megabytes(tree)}, pageable), {args.steps} steps "
+        f"an epoch, {args.epochs} epochs each, alternating"
     )
     print(f"one batch's move (moves alone, per batch): {fmt_ns(move_ns)}; the step waits as long")
     print("| subject | per step | against the bound max(step, move) |")
@@ -127,16 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in medians.items():
         print(f"| {name} | {fmt_ns(value)} | {value / bound:.2f}x |")
     return 0
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for value in obj.values() for t in _tensors(value)]
-    if isinstance(obj, (list, tuple)):
-        return [t for value in obj for t in _tensors(value)]
-    return []
 
 
 if __name__ == "__main__":

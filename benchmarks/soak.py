@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from typing import Any
 
 import torch
-from _devices import accelerator, emulated_copies_undelayed
+from _devices import script_accelerator
 from _trees import detection, many_leaves
 
-from devicectx import prefetch, set_repeated_move_warning, staging_memory, to_device
+from devicectx import prefetch, staging_memory, to_device
 from devicectx.move._staging import THRESHOLDS
 
 
@@ -44,13 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=1_000, help="steps between readings")
     parser.add_argument("--warmup", type=int, default=50)
     args = parser.parse_args(argv)
-    device = accelerator()
+    device = script_accelerator()
     if device is None:
-        print("no accelerator: run it under python -m devicectx.testing.emulate")
         return 0
-    emulated_copies_undelayed()
-    set_repeated_move_warning(False)
-    warnings.simplefilter("ignore")
     sources = [detection(images=2, side=64, seed=i).tree for i in range(8)]
     leaves = many_leaves(200).tree
     readings: list[tuple[int, int, int | None]] = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from typing import Any
 
 import pytest
 from hypothesis import given
@@ -52,23 +51,15 @@ def test_an_error_is_raised_at_take_and_the_thread_goes_on() -> None:
     worker.stop()
 
 
-@pytest.mark.parametrize("how", ["take", "drop"])
-def test_a_result_is_freed_once_its_taker_lets_go(how: str) -> None:
-    """Once a ticket is taken (and the value dropped) or dropped, nothing else holds the
-    result: not the ticket, not the thread (freed by counts, without the collector)."""
+def test_a_result_is_freed_once_its_taker_lets_go() -> None:
+    """Once a ticket is taken and the value dropped, nothing else holds the result: not
+    the ticket, not the thread (freed by counts, without the collector)."""
     worker = Worker("test-free")
     gc.disable()
     try:
-        ticket = worker.submit(Payload)
-        watched: Any
-        if how == "take":
-            value = ticket.take()
-            watched = weakref.ref(value)
-            del value
-        else:
-            ticket._done.wait()
-            watched = weakref.ref(ticket._value)
-            ticket.drop()
+        value = worker.submit(Payload).take()
+        watched = weakref.ref(value)
+        del value
         assert watched() is None
     finally:
         gc.enable()

@@ -2,7 +2,7 @@
 :func:`devicectx.prefetch` moves its batches, off the training thread.
 
 :meth:`Worker.submit` queues a job and returns a :class:`Ticket`, which the caller redeems
-with :meth:`Ticket.take` (the job's result, or its exception raised) or :meth:`Ticket.drop`.
+with :meth:`Ticket.take`: the job's result, or its exception raised.
 Unlike ``concurrent.futures``, whose worker frames still hold a result for a moment after
 handing it over, the thread lets go of a job, its arguments and its result before it says
 the job is done: a result that holds memory (a batch on a device) is freed the moment its
@@ -43,10 +43,6 @@ class Ticket:
         self._value: Any = None
         self._error: BaseException | None = None
 
-    def done(self) -> bool:
-        """Whether the job has run."""
-        return self._done.is_set()
-
     def take(self) -> Any:
         """Wait for the job; its result, or its exception raised. The ticket lets go of
         either: a second take returns None."""
@@ -59,11 +55,6 @@ class Ticket:
                 del error  # the traceback would hold this frame, and this frame the error
         value, self._value = self._value, None
         return value
-
-    def drop(self) -> None:
-        """Wait for the job, and let go of its result or exception unseen."""
-        self._done.wait()
-        self._value = self._error = None
 
 
 class Worker:

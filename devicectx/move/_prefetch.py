@@ -291,7 +291,8 @@ class _InFlight:
 
 
 class _Raised:
-    """What the loader (or the move) raised for a batch, kept till that batch is asked for."""
+    """What the loader raised for a batch (or the hand-off of its move to the prefetcher's
+    thread), kept till that batch is asked for; a move's own error comes with its batch."""
 
     __slots__ = ("error",)
 
