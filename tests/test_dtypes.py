@@ -34,7 +34,7 @@ from devicectx.testing.strategies import nested, tensors
 
 needs_accelerator = pytest.mark.requires_device("accelerator")
 F64, F32, C128, C64 = torch.float64, torch.float32, torch.complex128, torch.complex64
-CPU = torch.device("cpu")
+CPU, META = torch.device("cpu"), torch.device("meta")
 
 
 @contextlib.contextmanager
@@ -475,6 +475,22 @@ def test_precision_auto_skips_a_dtype_the_device_cannot_hold() -> None:
     assert "bf16-mixed" == choose_precision(device, "auto").name
     CAPABILITIES.tell(device, torch.bfloat16, False)
     assert "16-mixed" == choose_precision(device, "auto").name
+
+
+@pytest.mark.parametrize("dtypes", [None, "device"])
+def test_a_first_move_inside_a_compiled_function_asks_the_device_outside_the_graph(
+    dtypes: str | None,
+) -> None:
+    """Nothing known yet (each test starts so): the first move to a device is one that
+    dynamo traces, whole (fullgraph), the device asked while tracing."""
+    compiled = torch.compile(
+        lambda x: to_device(x, "meta", dtypes=dtypes), backend="eager", fullgraph=True
+    )
+
+    moved = compiled({"x": torch.ones(2, dtype=F64)})
+
+    assert (META, F64) == (moved["x"].device, moved["x"].dtype)
+    assert CAPABILITIES.missing(META) == frozenset()
 
 
 def test_decorator_casts_under_torch_compile() -> None:

@@ -25,6 +25,7 @@ from helpers import described, placed, python_output, tensors_of
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import devicectx
 from devicectx import to_device
@@ -414,11 +415,36 @@ def test_when_a_move_is_staged(count: int, nbytes: int, staged: bool) -> None:
     assert staged == bool(staged_ids(batch, thresholds=_staging.THRESHOLDS))
 
 
-def test_larger_pinned_tensors_are_sent_directly() -> None:
-    """A larger tensor that is pinned already goes in on its own copy; small pinned ones
-    are still packed."""
-    small, large = torch.zeros(4), torch.zeros(1_000)
-    assert {id(small)} == staged_ids([small, large], pinned=lambda tensor: True)
+class CopiesFromHost(TorchDispatchMode):
+    """The host tensors copied to another device, in the order their copies are made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: list[torch.Tensor] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        source = args[0] if func is torch.ops.aten._to_copy.default else None
+        if source is not None and source.is_cpu and kwargs.get("device", CPU) != CPU:
+            self.sources.append(source)
+        return func(*args, **kwargs)
+
+
+def test_larger_pinned_tensors_are_sent_directly_and_first() -> None:
+    """A larger tensor that is pinned already goes in on its own copy, made before the
+    small ones are packed (the link carries it meanwhile); small pinned ones are still
+    packed, into one region."""
+    small = [torch.full((4,), float(i)) for i in range(4)]
+    large = torch.zeros(1_000)
+    with CopiesFromHost() as copies:
+        ids = staged_ids([*small, large], pinned=lambda tensor: True)
+
+    assert {id(large), *map(id, small)} == ids
+    assert 2 == len(copies.sources)
+    assert copies.sources[0] is large
+    assert 4 * small[0].nbytes <= copies.sources[1].nbytes  # the region
 
 
 def test_pinned_sources_are_packed_only_while_the_stream_is_idle() -> None:
@@ -949,6 +975,11 @@ def test_a_device_without_pinned_memory_or_events_moves_tensor_by_tensor(missing
     either turned off, in a fresh process), moves are correct, tensor by tensor, and
     silent: no warning, no pinned memory held; turned on again, staging comes back after
     its back-off."""
+    if missing == "pinned" and torch.cuda.is_available():
+        pytest.skip(
+            "where CUDA is present, torch pins host memory with CUDA's allocator whichever "
+            "the accelerator is: the emulated device cannot play one without pinned memory"
+        )
     out = python_output(
         "import warnings, torch\n"
         "from devicectx.testing import emulated\n"

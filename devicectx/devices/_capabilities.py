@@ -27,6 +27,8 @@ __all__ = [
     "Capabilities",
     "DeviceCapabilities",
     "device_capabilities",
+    "holds_every_dtype",
+    "missing_dtypes",
     "nearest_dtype",
     "supports_dtype",
 ]
@@ -255,6 +257,23 @@ def device_capabilities(device: DeviceLike) -> DeviceCapabilities:
         non_blocking=target.type not in _BLOCKING,
         missing=CAPABILITIES.missing(target),
     )
+
+
+# What moves ask, as constants where dynamo traces them: the answers' caches are read (and
+# a first answer found out, under a lock dynamo cannot enter) outside the graph.
+
+
+@constant
+def holds_every_dtype(device: torch.device) -> bool:
+    """Whether ``device`` (resolved) holds every ordinary dtype: the check on every move's
+    path."""
+    return not CAPABILITIES.missing(device)
+
+
+@constant
+def missing_dtypes(device: torch.device) -> frozenset[torch.dtype]:
+    """The ordinary dtypes ``device`` (resolved) cannot hold."""
+    return CAPABILITIES.missing(device)
 
 
 def nearest_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:

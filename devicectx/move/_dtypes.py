@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeAlias, TypeVar
 import torch
 
 from devicectx._errors import DtypeUnsupportedError
-from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
+from devicectx.devices._capabilities import CAPABILITIES, missing_dtypes, nearest_dtype
 from devicectx.move._alias import TensorMover
 from devicectx.move._containers import _CACHE, LEAF_KIND
 from devicectx.move._rebuild import Fix, Rebuild
@@ -180,7 +180,7 @@ def policy_for(dtypes: DtypesLike, device: torch.device) -> Policy | None:
             policy = derived[key] = _named(dtypes, device)
         return policy  # type: ignore[return-value]
     cast = check_dtypes(dtypes)
-    missing = CAPABILITIES.missing(device)
+    missing = missing_dtypes(device)
     if not cast and not missing:
         return None
     return Policy(dtypes, cast, missing - cast.keys(), device)
@@ -193,7 +193,7 @@ _KEY = object()
 
 
 def _named(spec: str | None, device: torch.device) -> Policy | None:
-    missing = CAPABILITIES.missing(device)
+    missing = missing_dtypes(device)
     if not missing:
         return None
     cast: dict[torch.dtype, torch.dtype] = {}

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from devicectx.devices._capabilities import CAPABILITIES
+from devicectx.devices._capabilities import holds_every_dtype
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.move import _containers, _staging, _transfers
 from devicectx.move._alias import TensorMover
@@ -218,7 +218,7 @@ def to_device(
         target = resolve_device(device)
         if cacheable and _stable(device) and len(_RESOLVED) < 64:
             _RESOLVED[device] = target  # type: ignore[index]
-    if skip is None and dtypes is None and not _MISSING(target):
+    if skip is None and dtypes is None and holds_every_dtype(target):
         if _nothing_to_move(obj, target, ()):
             return obj
         fix = _to_device_fix(target, "obj")
@@ -228,9 +228,6 @@ def to_device(
         obj, target, non_blocking=non_blocking, skip=compiled, coalesce=coalesce, dtypes=dtypes
     )
 
-
-# The dtypes a device cannot hold (empty for most): a move to one of those checks dtypes.
-_MISSING = CAPABILITIES.missing
 
 # Explicit specs whose resolution cannot change: resolving costs more than a small move.
 _RESOLVED: dict[str | torch.device, torch.device] = {}
@@ -275,7 +272,7 @@ def move_to(
     Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
     passed twice becomes one moved tensor.
     """
-    if skip is None and dtypes is None and not _MISSING(device):
+    if skip is None and dtypes is None and holds_every_dtype(device):
         if _nothing_to_move(obj, device, ()):
             return obj
         fix = _to_device_fix(device, name)

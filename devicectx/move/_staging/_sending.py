@@ -48,6 +48,10 @@ def to_accelerator(
     copy from the device into one may still be queued there (``.to("cpu",
     non_blocking=True)`` returns pinned memory before the copy lands), and the host would
     read it too early. They then move one by one, with ``.to``, ordered on that stream.
+
+    Larger pinned sources are copied with ``.to``, as the per-tensor move copies them, on
+    the current stream, and first: the link is busy with them while the host packs the
+    rest, instead of idle until it is done.
     """
     pinned: dict[int, bool] = {}  # id -> is_pinned(), asked once a move
     if not _worth(found, thresholds, host, pinned) or _capturing(device.type):
@@ -56,12 +60,18 @@ def to_accelerator(
     idle = host.idle(device) if handed is None else handed.idle
     if not idle:
         groups = _unpinned(groups, host, pinned)
-    streamed = [tensor for tensor in larger if not _is_pinned(tensor, host, pinned)]
+    streamed: list[torch.Tensor] = []
+    direct: list[torch.Tensor] = []
+    for tensor in larger:
+        (direct if _is_pinned(tensor, host, pinned) else streamed).append(tensor)
     if (
         sum(map(len, groups.values())) < thresholds.min_tensors
         and sum(tensor.nbytes for tensor in streamed) < thresholds.stage_min_bytes
     ):
         return {}
+    # Queued now, waited for with the staged copies where the move blocks (the same stream,
+    # or the caller's stream after the copy stream's event).
+    results = {id(tensor): tensor.to(device, non_blocking=True) for tensor in direct}
     # Behind work queued on the current stream, the copies would wait for it, and the
     # chunks with them: a non-blocking move sends them on the copy stream. On an idle
     # stream they start at once anyway, and the copy stream's hand-over would cost more;
@@ -72,13 +82,15 @@ def to_accelerator(
     made = None if handed is None else handed.regions
     if side is None:
         stream = host.stream(device)
-        return _send(groups, streamed, device, thresholds, host, stream, non_blocking, None, made)
-    with _streams.queued_on(side, device) as consumer:
-        results = _send(groups, streamed, device, thresholds, host, side, True, consumer, made)
-    if results:
-        # The caller's stream runs its later work after the copies, and the results'
-        # memory, allocated on the copy stream, is not reused before that work has run.
-        consumer.wait_event(side.record_event())
+        sent = _send(groups, streamed, device, thresholds, host, stream, non_blocking, None, made)
+    else:
+        with _streams.queued_on(side, device) as consumer:
+            sent = _send(groups, streamed, device, thresholds, host, side, True, consumer, made)
+        if sent:
+            # The caller's stream runs its later work after the copies, and the results'
+            # memory, allocated on the copy stream, is not reused before that work has run.
+            consumer.wait_event(side.record_event())
+    results.update(sent)
     return results
 
 
