@@ -108,13 +108,18 @@ def _loop(fn: Fn, number: int) -> float:
 
 
 def _autorange(fn: Fn, scope: Scope | None, min_time: float) -> int:
-    """The smallest of 1, 2, 5, 10, 20, 50, ... calls that last ``min_time``; warms up too."""
+    """The smallest of 1, 2, 5, 10, 20, 50, ... calls that last ``min_time``; warms up too.
+
+    Each count is timed twice, the faster kept: a one-off stall (the collector, an
+    allocation) in a loop of one call would otherwise settle the count at one, and every
+    trial would then be a single call, the median at the mercy of such stalls.
+    """
     scale = 1
     while True:
         for factor in (1, 2, 5):
             number = factor * scale
             with _entered(scope):
-                if _loop(fn, number) >= min_time:
+                if min(_loop(fn, number), _loop(fn, number)) >= min_time:
                     return number
         scale *= 10
 

@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -622,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", action="append", choices=_SECTIONS, help="run this section only (repeatable)"
     )
+    parser.add_argument(
+        "--trials", type=int, help="timed loops per subject (default 25, 3 with --quick)"
+    )
     args = parser.parse_args(argv)
     here = Path(__file__).resolve().parent
     json_path = args.json or here / ("results-quick.json" if args.quick else "results.json")
@@ -630,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     emulated = emulated_copies_undelayed()
     config = Config(min_time=0.002, trials=3) if args.quick else Config(min_time=0.02, trials=25)
+    if args.trials is not None:
+        config = Config(min_time=config.min_time, trials=max(1, args.trials))
     small, large = (100, 1_000) if args.quick else (1_000, 10_000)
     trees = [flat3(), nested(), many_leaves(small), many_leaves(large)]
     sections: Section = {}
@@ -648,7 +654,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         sections[name], new_rows = run()
+        print(f"measured {name} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         rows.extend(new_rows)
     environment = {**_environment(args, config), "emulated_accelerator": emulated}
     report = {"environment": environment, "rows": rows_from(rows), **sections}

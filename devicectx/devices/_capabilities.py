@@ -128,8 +128,13 @@ class Capabilities:
         """The ordinary dtypes ``device`` cannot hold; empty for a device that holds them all."""
         missing = self._missing.get(device)
         if missing is None:
-            missing = frozenset(d for d in ORDINARY if not self.holds(device, d))
-            self._missing[device] = missing
+            # A loop, not a generator: torch 2.6's dynamo, active around a compiled call,
+            # refuses a generator's frame run inside it.
+            lacking = []
+            for dtype in ORDINARY:
+                if not self.holds(device, dtype):
+                    lacking.append(dtype)
+            missing = self._missing[device] = frozenset(lacking)
         return missing
 
     def pins(self, device_type: str) -> bool:

@@ -30,7 +30,12 @@ from typing import Any, Literal, TypeAlias, TypeVar
 import torch
 
 from devicectx._errors import DtypeUnsupportedError
-from devicectx.devices._capabilities import CAPABILITIES, missing_dtypes, nearest_dtype
+from devicectx.devices._capabilities import (
+    CAPABILITIES,
+    holds_every_dtype,
+    missing_dtypes,
+    nearest_dtype,
+)
 from devicectx.move._alias import TensorMover
 from devicectx.move._containers import _CACHE, LEAF_KIND
 from devicectx.move._rebuild import Fix, Rebuild
@@ -173,6 +178,8 @@ def policy_for(dtypes: DtypesLike, device: torch.device) -> Policy | None:
         ValueError, TypeError: ``dtypes`` is no policy (said with the fix).
     """
     if dtypes is None or (isinstance(dtypes, str) and dtypes == "device"):
+        if holds_every_dtype(device):  # most devices: nothing kept, nothing for dynamo to trace
+            return None
         key = (_KEY, dtypes, device)
         derived = CAPABILITIES.derived
         policy = derived.get(key, _KEY)
