@@ -198,6 +198,8 @@ def _names(error: Exception, dtype: torch.dtype) -> bool:
 
 
 CAPABILITIES = Capabilities()
+# Its answers' dict, read directly on the hot path (cleared in place, never replaced).
+_known_missing = CAPABILITIES._missing.get
 
 
 @constant
@@ -271,8 +273,9 @@ def device_capabilities(device: DeviceLike) -> DeviceCapabilities:
 @constant
 def holds_every_dtype(device: torch.device) -> bool:
     """Whether ``device`` (resolved) holds every ordinary dtype: the check on every move's
-    path."""
-    return not CAPABILITIES.missing(device)
+    path, one dict lookup once the device is known."""
+    missing = _known_missing(device)
+    return not (CAPABILITIES.missing(device) if missing is None else missing)
 
 
 @constant
