@@ -116,7 +116,7 @@ class Recording:
 def log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """A log, and every prefetcher made in the test given a recording stand-in for streams."""
     entries: list[str] = []
-    monkeypatch.setattr(_prefetch, "streams_for", lambda device: Recording(device, entries))
+    monkeypatch.setattr(_prefetch, "streams_for", lambda device, **_: Recording(device, entries))
     return entries
 
 
@@ -499,7 +499,7 @@ def test_property_lookahead_keeps_order_bound_and_errors(case: dict[str, Any]) -
     raise_at = frozenset() if case["raise_at"] is None else frozenset({case["raise_at"]})
     loader = Reads(case["batches"], log, raise_at)
     original = _prefetch.streams_for
-    _prefetch.streams_for = lambda device: Recording(device, log)  # type: ignore[assignment, return-value]
+    _prefetch.streams_for = lambda device, **_: Recording(device, log)  # type: ignore[assignment, return-value]
     try:
         batches = prefetch(loader, "meta", depth=case["depth"])
     finally:
@@ -1050,6 +1050,57 @@ def test_pageable_batches_need_no_wait_for_the_callers_stream() -> None:
     caller's stream: pageable host tensors are read by the host alone."""
     assert not _prefetch._written_by_streams({"x": torch.ones(2), "ids": [torch.zeros(3)]})
     assert _prefetch._written_by_streams({"x": torch.ones(2), "m": torch.ones(2, device="meta")})
+
+
+class Pinnable(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Batches of host tensors, larger than a staged move packs (copied with ``.to``)."""
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.full((64, 1024), float(index)), "i": torch.tensor(index)}
+
+
+@needs_emulated
+@pytest.mark.parametrize("source", ["DataLoader(pin_memory=True, num_workers=1)", "pinned"])
+def test_pinned_batches_a_dataloader_pins_do_not_wait_for_the_callers_stream(
+    source: str,
+) -> None:
+    """A DataLoader with workers pins each batch on the host, in its pin-memory thread:
+    their copies start at once, beside the work queued on the caller's stream (its copy
+    stream can finish while that work is held back). Batches pinned elsewhere may still
+    be filled by a copy queued there: theirs wait for it."""
+    device = accelerator()
+    if source == "pinned":
+        loader: Any = [{k: v.pin_memory() for k, v in Pinnable()[i].items()} for i in range(3)]
+    else:
+        loader = DataLoader(Pinnable(), batch_size=None, num_workers=1, pin_memory=True)
+    copies = _streams.copy_stream(device)
+    assert copies is not None
+    with step_ahead(torch.accelerator.current_stream(device)):  # the caller's stream busy
+        batches = iter(prefetch(loader, device, depth=1))
+        first = next(batches)
+        assert first["x"].device == device
+        if source == "pinned":
+            with pytest.raises(RuntimeError, match="is paused"):
+                copies.synchronize()
+        else:
+            copies.synchronize()  # landed while the caller's stream is held back
+    torch.accelerator.synchronize()
+    assert [0.0, 1.0, 2.0] == [first["x"][0, 0].item()] + [b["x"][0, 0].item() for b in batches]
+
+
+def test_which_loaders_pin_on_the_host() -> None:
+    """Only a DataLoader with pin_memory=True and workers is known to pin its batches on
+    the host; without workers, a dataset's own pinned tensor is handed out as it is."""
+    data = Pinnable()
+    assert _prefetch._pins_on_the_host(DataLoader(data, num_workers=2, pin_memory=True))
+    assert not _prefetch._pins_on_the_host(DataLoader(data, num_workers=0, pin_memory=True))
+    assert not _prefetch._pins_on_the_host(DataLoader(data, num_workers=2))
+    assert not _prefetch._pins_on_the_host([data[0]])
+    meta = {"x": torch.ones(2), "m": torch.ones(2, device="meta")}
+    assert _prefetch._written_by_streams(meta, pinned_when_read=True)
 
 
 @needs_emulated

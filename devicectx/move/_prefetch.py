@@ -144,6 +144,12 @@ def prefetch(
           not write into them until the batch moved from them is in use on your stream
           and that stream has passed it (``torch.accelerator.synchronize()``). A
           ``DataLoader(pin_memory=True)`` never writes into a batch it has handed out.
+        - The copies of a batch with pinned tensors, or tensors on a device, wait for the
+          work queued on your stream when the batch was read: a copy from the device
+          queued there may still be filling one (``.to("cpu", non_blocking=True)``
+          returns pinned memory at once). From a ``DataLoader(pin_memory=True,
+          num_workers=N)`` with ``N > 0``, whose pin-memory thread fills each batch on the
+          host, pinned batches do not wait: their copies overlap your step's work.
 
     Caveats:
         - The loader is read in the caller's thread, inside ``next()``: its own work
@@ -204,7 +210,7 @@ class Prefetcher(Generic[T]):
         self._skip = skip
         self._where = where
         self._dtypes: DtypesLike = None  # the dtype policy (devicectx.move._dtypes)
-        self._streams = streams_for(device)
+        self._streams = streams_for(device, pinned_when_read=_pins_on_the_host(batches))
         self.streams = self._streams is not None
         self._passes: weakref.WeakSet[_Pass[T]] = weakref.WeakSet()
         # An iterator has one pass, resumed by every iter(), as a generator is.
@@ -457,11 +463,15 @@ class Streams:
     the thread.
     """
 
-    __slots__ = ("copy", "device", "worker")
+    __slots__ = ("copy", "device", "pinned_when_read", "worker")
 
-    def __init__(self, device: torch.device, copy: torch.Stream) -> None:
+    def __init__(
+        self, device: torch.device, copy: torch.Stream, pinned_when_read: bool = False
+    ) -> None:
         self.device = device
         self.copy = copy
+        # The loader's pinned batches are whole when read: no device copy fills them.
+        self.pinned_when_read = pinned_when_read
         self.worker = Worker(f"devicectx-prefetch-{device}")
 
     def send(self, move: Callable[[Any, int, HandedTo], Any], batch: Any, index: int) -> Ticket:
@@ -486,7 +496,7 @@ class Streams:
         copy = self.copy
         # The engine queues its copies, and allocates their results, on the current stream.
         with queued_on(copy, self.device):
-            if busy is not None and _written_by_streams(batch):
+            if busy is not None and _written_by_streams(batch, self.pinned_when_read):
                 copy.wait_event(busy)
             handed = HandedTo(idle=busy is None)
             moved = move(batch, index, handed)
@@ -532,25 +542,42 @@ class Streams:
         sent.event.synchronize()
 
 
-def _written_by_streams(batch: Any) -> bool:
+def _written_by_streams(batch: Any, pinned_when_read: bool = False) -> bool:
     """Whether a stream may still be writing a source of ``batch``: one on a device, or a
-    pinned one (``.to("cpu", non_blocking=True)`` fills pinned memory later). The copies
-    of such a batch wait for the caller's stream; a batch of pageable host tensors (a
-    ``DataLoader`` without ``pin_memory``) is read by the host alone, and its copies need
-    not wait for the steps queued before them: that wait would hold every staging chunk
-    until the device is done with those steps, and the host with them."""
+    pinned one (``.to("cpu", non_blocking=True)`` fills pinned memory later) unless the
+    loader pinned it itself (``pinned_when_read``). The copies of such a batch wait for
+    the caller's stream; a batch of pageable host tensors (a ``DataLoader`` without
+    ``pin_memory``) is read by the host alone, and its copies need not wait for the steps
+    queued before them: that wait would hold every staging chunk until the device is done
+    with those steps, and the host with them, and for pinned batches it leaves nothing to
+    overlap."""
     found, inside, _ = collect(batch)
     for tensors in (found, inside):
         for tensor in tensors.values():
-            if not tensor.is_cpu or tensor.is_pinned():
+            if not tensor.is_cpu or (not pinned_when_read and tensor.is_pinned()):
                 return True
     return False
 
 
-def streams_for(device: torch.device) -> Streams | None:
+def _pins_on_the_host(batches: object) -> bool:
+    """Whether ``batches`` is a ``DataLoader`` whose pinned batches no device copy can be
+    filling: ``pin_memory=True`` with workers, whose batches its pin-memory thread copies
+    from the workers' shared memory into pinned memory of their own, on the host, before
+    handing them out. (Without workers, a dataset's own pinned tensor, which may be a
+    device copy's destination, is handed out as it is.)"""
+    return (
+        isinstance(batches, torch.utils.data.DataLoader)
+        and bool(batches.pin_memory)
+        and batches.num_workers > 0
+    )
+
+
+def streams_for(device: torch.device, pinned_when_read: bool = False) -> Streams | None:
     """The :class:`Streams` of a new prefetcher to ``device``; None where the device has no
-    streams (or no events, or no ``record_stream``), and batches move in order."""
+    streams (or no events, or no ``record_stream``), and batches move in order.
+    ``pinned_when_read``: the loader's pinned batches are whole when read (see
+    :func:`_pins_on_the_host`), and their copies need not wait for the caller's stream."""
     if device.type in _NO_STREAMS or device.type != accelerator_type():
         return None
     copy = copy_stream(device)
-    return None if copy is None else Streams(device, copy)
+    return None if copy is None else Streams(device, copy, pinned_when_read)
