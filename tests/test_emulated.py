@@ -493,11 +493,20 @@ def test_autocast(emu: torch.device) -> None:
     assert [torch.float16, torch.bfloat16] == torch.emu.get_amp_supported_dtype()
 
 
+# Where a CUDA GPU is present, the emulated device's out-of-memory error crashes the process
+# (a segmentation fault, seen with torch 2.11 on an H100): configure() refuses a memory limit.
+GPU_PRESENT = torch.cuda.is_available()
+no_memory_limit_here = pytest.mark.skipif(
+    GPU_PRESENT, reason="a CUDA GPU is present: the emulated memory limit is refused here"
+)
+
+
 def test_configure_as_a_call_and_as_a_context(emu: torch.device) -> None:
     """configure() as a call keeps its settings; in a with block, they end with it."""
+    limit = 0 if GPU_PRESENT else 100
     with emulated.configure(delay_ms=0, poison=False):
-        with emulated.configure(delay_ms=7, memory_limit=100):
-            assert {**DEFAULTS, "delay_ms": 7.0, "poison": False, "memory_limit": 100} == (
+        with emulated.configure(delay_ms=7, memory_limit=limit):
+            assert {**DEFAULTS, "delay_ms": 7.0, "poison": False, "memory_limit": limit} == (
                 emulated.settings()
             )
         assert {**DEFAULTS, "delay_ms": 0.0, "poison": False} == emulated.settings()
@@ -552,6 +561,17 @@ def test_record_stream_switched_off(emu: torch.device) -> None:
     tensor.record_stream(torch.Stream(device=emu))
 
 
+@pytest.mark.skipif(not GPU_PRESENT, reason="the refusal is for machines with a CUDA GPU")
+def test_a_memory_limit_is_refused_where_a_cuda_gpu_is_present(emu: torch.device) -> None:
+    """There, the emulated out-of-memory error would crash the process: configure() says
+    so, sets nothing, and gives the fix."""
+    with pytest.raises(emulated.EmulatedUnavailable, match="crashes the process") as info:
+        emulated.configure(delay_ms=3, memory_limit=1024)
+    assert "fix: test memory limits" in str(info.value)
+    assert DEFAULTS == emulated.settings()
+
+
+@no_memory_limit_here
 def test_memory_limit_raises_out_of_memory(emu: torch.device) -> None:
     """configure(memory_limit=...) bounds each device's live bytes: past it, an allocation
     raises torch.OutOfMemoryError worded as CUDA's; freed memory counts no more."""
@@ -568,6 +588,7 @@ def test_memory_limit_raises_out_of_memory(emu: torch.device) -> None:
     torch.empty(2**20, dtype=torch.uint8, device=emu)  # no limit after the block
 
 
+@no_memory_limit_here
 def test_shrink_batch_on_oom_on_an_accelerator(emu: torch.device) -> None:
     """devicectx.shrink_batch_on_oom halves the batch on the device's real
     OutOfMemoryError until the step fits in the device's memory."""

@@ -237,12 +237,14 @@ def configure(
         memory_limit: bytes of live tensors each device holds (0: no limit); an
             allocation past it raises ``torch.OutOfMemoryError``, worded as CUDA's.
             Lowering it below what is allocated frees nothing: the next allocation fails.
+            Refused where a CUDA GPU is present: that error crashes the process there.
 
     Returns:
         An object whose ``with`` block restores the previous settings on exit.
 
     Raises:
-        EmulatedUnavailable: the emulated accelerator is not enabled.
+        EmulatedUnavailable: the emulated accelerator is not enabled; or a memory limit
+            is asked for where a CUDA GPU is present.
     """
     asked = {
         "delay_ms": delay_ms,
@@ -319,6 +321,15 @@ def _check(settings: dict[str, Any]) -> None:
             f"fix: configure(memory_limit=64 * 2**20)"
         )
         raise ValueError(msg)
+    if limit and torch.cuda.is_available():
+        msg = (
+            f"configure(memory_limit={limit}): the emulated device's out-of-memory error "
+            "crashes the process (a segmentation fault) where a CUDA GPU is present (seen "
+            "with torch 2.11 on an H100); the limit is not set\n"
+            "fix: test memory limits on the emulated device where there is no GPU, or on "
+            "the GPU itself"
+        )
+        raise EmulatedUnavailable(msg)
 
 
 def _apply(settings: dict[str, Any]) -> None:
