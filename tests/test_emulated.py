@@ -561,13 +561,25 @@ def test_record_stream_switched_off(emu: torch.device) -> None:
     tensor.record_stream(torch.Stream(device=emu))
 
 
-@pytest.mark.skipif(not GPU_PRESENT, reason="the refusal is for machines with a CUDA GPU")
 def test_a_memory_limit_is_refused_where_a_cuda_gpu_is_present(emu: torch.device) -> None:
     """There, the emulated out-of-memory error would crash the process: configure() says
-    so, sets nothing, and gives the fix."""
-    with pytest.raises(emulated.EmulatedUnavailable, match="crashes the process") as info:
-        emulated.configure(delay_ms=3, memory_limit=1024)
-    assert "fix: test memory limits" in str(info.value)
+    so, sets nothing, and gives the fix (checked here as that machine would check it, and
+    through configure() itself on a machine with a GPU)."""
+    asked = {**dict.fromkeys(DEFAULTS), "delay_ms": 3, "memory_limit": 1024}
+    with pytest.raises(emulated.EmulatedUnavailable) as info:
+        emulated._check(asked, gpu_present=True)
+    assert [
+        "configure(memory_limit=1024): the emulated device's out-of-memory error crashes the "
+        "process (a segmentation fault) where a CUDA GPU is present (seen with torch 2.11 on "
+        "an H100); the limit is not set",
+        "fix: test memory limits on the emulated device where there is no GPU, or on the GPU "
+        "itself",
+    ] == str(info.value).splitlines()
+    emulated._check({**asked, "memory_limit": 0}, gpu_present=True)  # no limit: allowed
+    emulated._check(asked, gpu_present=False)
+    if GPU_PRESENT:
+        with pytest.raises(emulated.EmulatedUnavailable, match="crashes the process"):
+            emulated.configure(delay_ms=3, memory_limit=1024)
     assert DEFAULTS == emulated.settings()
 
 

@@ -193,16 +193,15 @@ def policy_for(dtypes: DtypesLike, device: torch.device) -> Policy | None:
     return Policy(dtypes, cast, missing - cast.keys(), device)
 
 
-# The policies of None and "device" are worked out once per device and kept with the
-# answers they come from (CAPABILITIES.derived), so that a call on a device that holds
-# everything pays one dict lookup.
+# The policies of None and "device" on a device that lacks some dtype are worked out once
+# per device and kept with the answers they come from (CAPABILITIES.derived); a device that
+# holds everything has none, answered before this cache is read.
 _KEY = object()
 
 
-def _named(spec: str | None, device: torch.device) -> Policy | None:
+def _named(spec: str | None, device: torch.device) -> Policy:
+    """The policy of ``None`` or ``"device"`` on a device that lacks some dtype."""
     missing = missing_dtypes(device)
-    if not missing:
-        return None
     cast: dict[torch.dtype, torch.dtype] = {}
     if spec == "device":
         for dtype in missing:

@@ -310,8 +310,9 @@ def settings() -> dict[str, float | bool]:
     }
 
 
-def _check(settings: dict[str, Any]) -> None:
-    """Refuse a bad value before any switch changes."""
+def _check(settings: dict[str, Any], gpu_present: bool | None = None) -> None:
+    """Refuse a bad value before any switch changes; ``gpu_present``: whether a CUDA GPU
+    is here (None: ask torch)."""
     delay, limit = settings["delay_ms"], settings["memory_limit"]
     if delay is not None and delay < 0:
         raise ValueError(f"configure(delay_ms={delay}): must be >= 0")
@@ -321,7 +322,9 @@ def _check(settings: dict[str, Any]) -> None:
             f"fix: configure(memory_limit=64 * 2**20)"
         )
         raise ValueError(msg)
-    if limit and torch.cuda.is_available():
+    if gpu_present is None:
+        gpu_present = bool(limit) and torch.cuda.is_available()
+    if limit and gpu_present:
         msg = (
             f"configure(memory_limit={limit}): the emulated device's out-of-memory error "
             "crashes the process (a segmentation fault) where a CUDA GPU is present (seen "
