@@ -366,6 +366,78 @@ def test_gpt2_with_a_forgotten_submodule_is_refused_by_its_path(
     ] == lines(error)
 
 
+class Tied(nn.Module):
+    """A language model's shape in small: the output layer shares the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_tied_weight_split_by_a_device_map_is_refused_before_the_body(
+    accelerate: Any, two: tuple[torch.device, torch.device]
+) -> None:
+    """A device map that puts the two modules of a tied weight on two devices: accelerate
+    leaves the one weight on one of them, and the other module's call fails in torch. The
+    decorated call is refused first, naming the module off its hook's device and the one
+    it shares the weight with, and the fix is in the device map, not a move (which would
+    move the other module's weight too)."""
+    first, second = two
+    model = accelerate.dispatch_model(Tied(), device_map={"embed": 0, "body": 1, "head": 1})
+    ids = torch.tensor([[1, 2, 3]])
+    assert model.embed.weight is model.head.weight
+    assert first == model.head.weight.device  # where accelerate left it (on embed's device)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="same device"):
+        plain(model, ids.to(first))  # undecorated: torch's own error, in head's call
+    ran = []
+
+    @device_agnostic
+    def forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        ran.append(ids)
+        return model(ids)
+
+    with pytest.raises(DeviceMismatchError) as error:
+        forward(model, ids)
+    assert not ran
+    message = lines(error)
+    assert message[0].endswith(".forward() got model (Tied) spread over 2 devices, 1 part off:")
+    assert [
+        f"    {first} <- model.embed, model.head (its hook runs it on {second})",
+        f"    {second} <- model.body",
+        f"target {first} (from model (Tied), spread over 2 devices ({first}, {second}) by "
+        "accelerate: where its top-level hook runs it)",
+        "fix: model.head shares its weight with model.embed (tied): give them one device in "
+        'the device map (device_map="auto" keeps tied weights together)',
+    ] == message[1:]
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_tied_weight_kept_on_one_device_runs_wherever_the_rest_is(
+    accelerate: Any, two: tuple[torch.device, torch.device]
+) -> None:
+    """The same model with both modules of the tied weight on one device, the rest on
+    the other: in place, and the decorated call gives the undecorated one's result."""
+    first, second = two
+    torch.manual_seed(0)
+    model = accelerate.dispatch_model(Tied(), device_map={"embed": 1, "body": 0, "head": 1})
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = plain(model, ids.to(module_device(model)))
+        decorated = step(model, ids)
+    assert expected.device == decorated.device
+    assert torch.equal(expected, decorated)
+    assert {second: ["model.embed", "model.head"], first: ["model.body"]} == (
+        module_placement(model)
+    )
+
+
 # --- declared splits ----------------------------------------------------------------------
 
 

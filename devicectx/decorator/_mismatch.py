@@ -138,13 +138,15 @@ def spread_strays(
             path = f"{path} (offloaded, runs on {part.runs_on})"
         found.setdefault(part.device, []).append(path)
     strays = [part for part in parts if part.expected is not None]
+    # A tied weight in place for some of its modules: moving it would move theirs.
+    movable = [part for part in strays if not part.tied]
     if not on_purpose and (len(strays) == len(parts) or len(strays) > _MAX_FIXES):
         moves = f"{module}.to({_quote(target)})"  # (nearly) every part is off: the module
     else:
         calls = list(
             dict.fromkeys(
                 f"{path_of(module, p.owner)}.to({_quote(p.expected)})"  # type: ignore[arg-type]
-                for p in strays
+                for p in movable
             )
         )
         moves = ", ".join(calls[:_MAX_FIXES]) + (", ..." if len(calls) > _MAX_FIXES else "")
@@ -154,10 +156,12 @@ def spread_strays(
         what = f"{module} ({kind}) spread over {n} devices, {off} part{'s' if off != 1 else ''} off"
         where = (
             "on the device its hook runs it on"
-            if all(p.hooked for p in strays)
+            if all(p.hooked for p in movable)
             else "where it runs"
         )
-        fix = f"{moves} before calling {function}(): each part {where}"
+        fixes = [f"{moves} before calling {function}(): each part {where}"] if movable else []
+        fixes.extend(_untie(module, part) for part in strays if part.tied)
+        fix = "; ".join(dict.fromkeys(fixes))
     else:
         what = f"{module} ({kind}) with parameters on {n} devices"
         fix = (
@@ -202,6 +206,16 @@ def _error(
     )
     lines.append(f"fix: {fix}")
     return DeviceMismatchError("\n".join(lines), devices=found, target=target, reason=reason)
+
+
+def _untie(module: str, part: Part) -> str:
+    """The fix for a tied weight a device map split: its modules on one device."""
+    others = [path_of(module, path) for path in part.tied]
+    shared = ", ".join(others[:-1]) + (" and " if len(others) > 1 else "") + others[-1]
+    return (
+        f"{path_of(module, part.owner)} shares its weight with {shared} (tied): give them "
+        'one device in the device map (device_map="auto" keeps tied weights together)'
+    )
 
 
 def _target_first(

@@ -8,8 +8,9 @@ A module whose tensors sit on several devices is one of three things:
   an offloaded part keeps its weights on ``meta`` until its hook loads them. The model
   starts where its top-level hook runs; a tensor is in place where the hook of its nearest
   hooked module (itself or an ancestor) runs, or on ``meta`` behind an offloading hook.
-  Tied weights are in place where any of their modules' hooks accept them (accelerate
-  keeps one copy and moves it per call).
+  A tied weight (one tensor held by several modules) is in place where the hook of every
+  module holding it accepts it: accelerate moves none of it per call (an offloaded one is
+  loaded by each hook), so a device map that splits it fails in torch, and is named here.
 - **declared** by the user with :func:`declare_spread` (a hand-made pipeline split): any
   tensor under the declared module is in place; it starts on ``inputs=``, else where its
   first parameter is.
@@ -28,7 +29,7 @@ and ``.offload``; a ``SequentialHook``'s ``.hooks``), as in accelerate 0.20 to 1
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple, TypeAlias
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -82,16 +83,30 @@ class Cover(NamedTuple):
         return device == self.runs_on or (self.offload and device.type == _META)
 
 
-class _Seen(NamedTuple):
-    """One tensor of the analysed module, judged."""
+class _Place(NamedTuple):
+    """One place a tensor is held at, judged."""
 
-    path: str  # qualified name where it is judged: "body.0.weight"
+    path: str  # qualified name: "body.0.weight"
     owner: str  # its module's qualified name: "body.0"
+    cover: Cover | None  # the nearest cover of the owner (None: nothing covers it)
+    accepted: bool  # that cover accepts the tensor where it is
+
+
+class _Seen(NamedTuple):
+    """One tensor of the analysed module, judged at every place it is held (a tied weight
+    has several), in registration order."""
+
     device: torch.device
     numel: int
-    cover: Cover | None  # the cover that places it (or, where none accepts it, the nearest)
-    accepted: bool  # the cover accepts it
-    places: tuple[str, ...]  # every qualified name it is held at (a tied weight has several)
+    places: tuple[_Place, ...]
+
+    @property
+    def path(self) -> str:
+        return self.places[0].path
+
+    @property
+    def owner(self) -> str:
+        return self.places[0].owner
 
 
 class Part(NamedTuple):
@@ -105,6 +120,8 @@ class Part(NamedTuple):
         hooked: for a stray, whether a hook of accelerate says where it runs (else the
             device the model starts on does).
         owner: the module whose ``.to()`` moves it (``path`` itself for a submodule).
+        tied: for a stray, the modules that hold its weight too, in place there (a tied
+            weight a device map split): moving it would move theirs.
     """
 
     path: str
@@ -113,6 +130,7 @@ class Part(NamedTuple):
     expected: torch.device | None
     hooked: bool
     owner: str
+    tied: tuple[str, ...] = ()
 
 
 class SpreadModel:
@@ -179,14 +197,21 @@ class SpreadModel:
         signature: dict[str, set[_Signature]] = {}
         direct: dict[str, list[str]] = {}
         tensors: dict[str, _Signature] = {}
+        tied: dict[str, set[str]] = {}  # a stray's (and its ancestors') holders in place
         for seen in self.seen:
-            sign = _signature(seen, home)
-            for place in seen.places:  # listed at each place it is held, as find_devices does
-                owner = _parent(place)
-                tensors[place] = sign
-                direct.setdefault(owner, []).append(place)
+            judged = [(place, _signature(seen.device, place, home)) for place in seen.places]
+            in_place = [place.owner for place, sign in judged if sign.expected is None]
+            for place, sign in judged:  # listed at each place it is held, as find_devices does
+                owner = place.owner
+                tensors[place.path] = sign
+                direct.setdefault(owner, []).append(place.path)
                 for ancestor in _ancestors(owner):
                     signature.setdefault(ancestor, set()).add(sign)
+                if sign.expected is not None and in_place:  # a tied weight split
+                    for ancestor in (place.path, *_ancestors(owner)):
+                        tied.setdefault(ancestor, set()).update(
+                            other for other in in_place if not _under(other, ancestor)
+                        )
         children: dict[str, list[str]] = {}
         for path in signature:
             if path:
@@ -195,12 +220,12 @@ class SpreadModel:
         pending = [""]
         while pending:
             path = pending.pop()
-            signs = signature[path]
-            if len(signs) == 1:
-                found.append(Part(path, *next(iter(signs)), owner=path))
+            shared = signature[path]
+            if len(shared) == 1:
+                found.append(Part(path, *next(iter(shared)), path, _sorted(tied.get(path))))
                 continue
-            for place in direct.get(path, ()):
-                found.append(Part(place, *tensors[place], owner=path))
+            for tensor in direct.get(path, ()):
+                found.append(Part(tensor, *tensors[tensor], path, _sorted(tied.get(tensor))))
             pending.extend(reversed(children.get(path, [])))
         return found
 
@@ -214,7 +239,7 @@ class SpreadModel:
 
     def devices(self) -> list[torch.device]:
         """The devices weights are kept on, in the order met."""
-        return list(dict.fromkeys(_kept(seen) for seen in self.seen))
+        return list(dict.fromkeys(_kept(seen.device, seen.places[0]) for seen in self.seen))
 
     def rule(self, name: str) -> str:
         """Why the inputs go to :attr:`entry`, in words: the rule that chose the target."""
@@ -244,30 +269,45 @@ class Unmaterialised(NamedTuple):
     compute: torch.device  # where it will compute: its mesh's device
 
 
-_Signature: TypeAlias = "tuple[torch.device, torch.device, torch.device | None, bool]"
+class _Signature(NamedTuple):
+    """What a part's tensors share (:class:`Part`'s fields of the same names)."""
+
+    device: torch.device
+    runs_on: torch.device
+    expected: torch.device | None  # None where the tensor is in place
+    hooked: bool
 
 
-def _signature(seen: _Seen, home: torch.device) -> _Signature:
-    """``(kept on, runs on, expected, hooked)``: what a part shares; ``expected`` is None
-    where the tensor is in place."""
-    cover = seen.cover
-    if cover is not None and seen.accepted:
-        runs = cover.runs_on if not cover.declared and cover.runs_on is not None else seen.device
-        return _kept(seen), runs, None, False
+def _signature(device: torch.device, place: _Place, home: torch.device) -> _Signature:
+    """``(kept on, runs on, expected, hooked)``: what a part shares, for a tensor on
+    ``device`` at ``place``; ``expected`` is None where the tensor is in place there."""
+    cover = place.cover
+    if cover is not None and place.accepted:
+        runs = cover.runs_on if not cover.declared and cover.runs_on is not None else device
+        return _Signature(_kept(device, place), runs, None, False)
     hooked = cover is not None and not cover.declared and cover.runs_on is not None
     expected = cover.runs_on if hooked and cover is not None else home
-    if seen.device == expected:
-        return seen.device, seen.device, None, False
-    return seen.device, seen.device, expected, hooked
+    if device == expected:
+        return _Signature(device, device, None, False)
+    return _Signature(device, device, expected, hooked)
 
 
-def _kept(seen: _Seen) -> torch.device:
+def _kept(device: torch.device, place: _Place) -> torch.device:
     """Where a tensor's weights are: accelerate keeps an offloaded one on the CPU (in
     memory, or memory-mapped from disk), and leaves ``meta`` in the module."""
-    cover = seen.cover
-    if cover is not None and cover.offload and seen.device.type == _META:
+    cover = place.cover
+    if cover is not None and cover.offload and device.type == _META:
         return _CPU
-    return seen.device
+    return device
+
+
+def _under(path: str, ancestor: str) -> bool:
+    """Whether the module at ``path`` is ``ancestor`` or inside it."""
+    return not ancestor or path == ancestor or path.startswith(f"{ancestor}.")
+
+
+def _sorted(paths: set[str] | None) -> tuple[str, ...]:
+    return tuple(sorted(paths)) if paths else ()
 
 
 def _ancestors(owner: str) -> Iterator[str]:
@@ -354,21 +394,15 @@ def analyse(module: nn.Module) -> SpreadModel | None:
 
 
 def _judge(places: list[tuple[str, torch.Tensor]], covers: dict[str, Cover]) -> _Seen:
-    """One tensor (at each place it is held): the cover that accepts it, if any."""
-    nearest: tuple[str, str, Cover | None] | None = None
+    """One tensor, judged at each place it is held by the nearest cover of that place."""
     tensor = places[0][1]
     device = tensor.device
-    paths = tuple(path for path, _ in places)
-    for path in paths:
+    judged = []
+    for path, _ in places:
         owner = _parent(path)
         cover = next((covers[a] for a in _ancestors(owner) if a in covers), None)
-        if cover is not None and cover.accepts(device):
-            return _Seen(path, owner, device, tensor.numel(), cover, True, paths)
-        if nearest is None:
-            nearest = (path, owner, cover)
-    assert nearest is not None
-    path, owner, cover = nearest
-    return _Seen(path, owner, device, tensor.numel(), cover, False, paths)
+        judged.append(_Place(path, owner, cover, cover is not None and cover.accepts(device)))
+    return _Seen(device, tensor.numel(), tuple(judged))
 
 
 def _entry(
