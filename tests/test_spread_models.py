@@ -366,6 +366,31 @@ def test_gpt2_with_a_forgotten_submodule_is_refused_by_its_path(
     ] == lines(error)
 
 
+@pytest.mark.requires_device("accelerator")
+def test_gpt2_with_its_tied_head_split_from_the_embedding_is_refused_before_the_body(
+    accelerate: Any, gpt2: tuple[nn.Module, torch.Tensor], two: tuple[torch.device, torch.device]
+) -> None:
+    """GPT-2's head shares the token embedding's weight: a device map giving them two
+    devices fails in torch undecorated, and is refused before the body decorated, with the
+    fix in the device map."""
+    first, second = two
+    model = accelerate.dispatch_model(gpt2[0], device_map={**DEVICE_MAP, "lm_head": 1})
+    with torch.no_grad(), pytest.raises(RuntimeError, match="same device"):
+        logits(model, gpt2[1].to(first))
+
+    with pytest.raises(DeviceMismatchError) as error:
+        device_agnostic(logits)(model, gpt2[1])
+    kept = model.lm_head.weight.device
+    stray, partner = (
+        ("transformer.wte", "lm_head") if kept == second else ("lm_head", "transformer.wte")
+    )
+    assert f"model.{stray} (its hook runs it on" in str(error.value)
+    assert (
+        f"fix: model.{stray} shares its weight with model.{partner} (tied): give them one "
+        'device in the device map (device_map="auto" keeps tied weights together)'
+    ) == lines(error)[-1]
+
+
 class Tied(nn.Module):
     """A language model's shape in small: the output layer shares the embedding's weight."""
 
