@@ -378,6 +378,11 @@ def section_find(config: Config, trees: list[Tree]) -> tuple[Section, list[Row]]
     return {"cases": cases}, rows
 
 
+# The bare call timed a second time, as a subject of its own: how far apart two timings of
+# the same thing land in this run, beside rows whose targets are a few percent.
+NOISE = "no scope, again"
+
+
 def section_scope(config: Config) -> tuple[Section, list[Row]]:
     """(3) the cost of a torch call with no scope, inside torch's scope and inside ours."""
     cases: Section = {}
@@ -394,6 +399,7 @@ def section_scope(config: Config) -> tuple[Section, list[Row]]:
         same = functools.partial(_same, fn)
         subjects = {
             "no scope": Subject(same),
+            NOISE: Subject(same),
             "torch.device(meta)": Subject(same, lambda: torch.device(META)),
             "on_device(meta)": Subject(same, lambda: on_device(META)),
             "torch.device(cpu)": Subject(same, lambda: torch.device(CPU)),
@@ -451,6 +457,7 @@ def _scoped_bert(config: Config) -> tuple[Section, list[Row]]:
     ids = torch.randint(0, 1000, (2, 8))
     subjects = {
         "no scope": Subject(functools.partial(bind, plain, ids)),
+        NOISE: Subject(functools.partial(bind, plain, ids)),
         "torch.device(meta)": Subject(
             functools.partial(bind, plain, ids), lambda: torch.device(META)
         ),
@@ -470,7 +477,7 @@ def _scoped_bert(config: Config) -> tuple[Section, list[Row]]:
         measured = measure_group(subjects, config)
     m = {name: measured[name].median_ns for name in subjects}
     label = "BERT forward (transformers, 4 layers, hidden 32, batch 2x8)"
-    peers = f"no scope {fmt_ns(m['no scope'])}; "
+    peers = f"no scope {fmt_ns(m['no scope'])}; {NOISE} {fmt_ns(m[NOISE])}; "
     peers += f"torch.device(meta) {fmt_ns(m['torch.device(meta)'])}"
     rows = [
         judge("3 scope", f"{label} inside on_device(meta)", m["on_device(meta)"], peers,

@@ -365,26 +365,35 @@ def test_a_numpy_argument_of_a_compiled_function_inside_a_block() -> None:
     assert theirs == ours
 
 
-@given(st.lists(st.sampled_from(["meta", "cpu", "torch-meta", "torch-cpu"]), max_size=6))
+@given(
+    st.lists(
+        st.sampled_from(["meta", "cpu", "torch-meta", "torch-cpu", "call-meta", "call-cpu"]),
+        max_size=6,
+    )
+)
 def test_nesting_with_torch_device_blocks(plan: list[str]) -> None:
-    """Any nesting of on_device and torch.device blocks allocates on the innermost one's device."""
+    """Any nesting of on_device blocks, torch.device blocks and decorated calls allocates on
+    the innermost one's device, at every level, before and after the ones inside it (a
+    block on the CPU entered first changes nothing torch would not do: what is entered
+    inside it still counts)."""
 
-    def enter(level: int) -> None:
+    def enter(level: int, expected: torch.device) -> None:
+        assert expected == torch.zeros(1).device
+        # torch 2.6 and 2.7 alone miss torch.device blocks here.
+        if level and plan[level - 1] in ("cpu", "meta"):
+            assert expected == torch.get_default_device()
         if level == len(plan):
-            expected = CPU
-            for step in plan:
-                expected = torch.device(step.removeprefix("torch-"))
-            assert expected == torch.zeros(1).device
-            # torch 2.6 and 2.7 alone miss torch.device blocks here.
-            if plan and plan[-1] in ("cpu", "meta"):
-                assert expected == torch.get_default_device()
             return
-        step = plan[level]
-        block = torch.device(step[6:]) if step.startswith("torch-") else on_device(step)
-        with block:
-            enter(level + 1)
+        kind, _, name = plan[level].rpartition("-")
+        inner = torch.device(name)
+        if kind == "call":
+            device_agnostic(device=inner)(enter)(level + 1, inner)
+        else:
+            with torch.device(inner) if kind == "torch" else on_device(inner):
+                enter(level + 1, inner)
+        assert expected == torch.zeros(1).device
 
-    enter(0)
+    enter(0, CPU)
     assert CPU == torch.zeros(1).device
 
 

@@ -134,6 +134,7 @@ def constructor_patch(
     scope_device: DeviceQuery,
     traced_scope_device: DeviceQuery,
     default_device: Callable[[], torch.device],
+    torch_own: object,
 ) -> TorchPatch:
     """The replacement of torch's constructors (and ``torch.get_default_device``).
 
@@ -147,12 +148,17 @@ def constructor_patch(
         traced_scope_device: the same, for code dynamo traces: a trace-time constant.
         default_device: what ``torch.get_default_device()`` answers while the patch is
             in place.
+        torch_own: the ``previous`` of a block on the device torch gives anyway (the CPU,
+            nothing else open): alone in the task, outside decorated calls, constructors in
+            it are torch's at once, as outside every block.
     """
 
     def make() -> dict[object, Callable[..., Any]]:
         originals = device_constructors()
         wrappers: dict[object, Callable[..., Any]] = {
-            original: _fill_device(original, active, calls, scope_device, traced_scope_device)
+            original: _fill_device(
+                original, active, calls, scope_device, traced_scope_device, torch_own
+            )
             for original in originals
         }
         # torch's DeviceContext, traced or not, treats a replacement handed to it (by dynamo,
@@ -167,10 +173,11 @@ def constructor_patch(
 
 def _fill_device(
     original: Callable[..., Any],
-    active: Callable[[], tuple[object, ...]],
+    active: Callable[[], tuple[Any, ...]],
     calls: Any,
     scope_device: DeviceQuery,
     traced_scope_device: DeviceQuery,
+    torch_own: object,
 ) -> Callable[..., Any]:
     """``original``, with ``device=`` filled in from the scope where the caller gave none."""
 
@@ -179,7 +186,8 @@ def _fill_device(
     # is_dynamo_compiling() is False when the function runs, True where dynamo traces it:
     # then the scope's device is read at trace time, where dynamo keeps its own mode stack.
     # Outside every scope (the task's tuple of blocks and the thread's list of decorated
-    # calls empty): torch's function at once.
+    # calls empty), or in a block on the device torch gives anyway (such a block is entered
+    # only with nothing else open, so it is the task's only one): torch's function at once.
     @functools.wraps(original)
     def constructor(*args: Any, **kwargs: Any) -> Any:
         if _is_dynamo_compiling():
@@ -188,7 +196,10 @@ def _fill_device(
                 device = traced_scope_device()
                 if device is not None:
                     kwargs["device"] = device
-        elif (active() or calls.scopes) and kwargs.get("device") is None:
+            return original(*args, **kwargs)
+        blocks = active()
+        scoped = calls.scopes or (blocks and blocks[-1].previous is not torch_own)
+        if scoped and kwargs.get("device") is None:
             device = scope_device()
             if device is not None and not _from_dynamo():
                 kwargs["device"] = device
@@ -264,8 +275,14 @@ def _from_dynamo() -> bool:
     block (torch 2.6, 2.7: ops with Python meta kernels import it): on the block's device,
     meta, they fail and leave dynamo half imported.
     """
+    # Without dynamo in sys.modules (its import puts it there first), no frame is its own:
+    # reading a frame costs more than the rest of a constructor's way through a block.
     # 0: here, 1: the constructor (never in code dynamo traces, which cannot read frames).
-    return called_by_dynamo(sys._getframe(2))
+    return _DYNAMO in _MODULES and called_by_dynamo(sys._getframe(2))
+
+
+_DYNAMO = "torch._dynamo"
+_MODULES = sys.modules
 
 
 def _answer_default(

@@ -218,14 +218,27 @@ def scope_device() -> torch.device | None:
     ``set_default_device``, or the CPU) decides. Code dynamo traces asks
     :func:`traced_scope_device` instead.
     """
-    scope = _open_scope()
-    if scope is None or (type(scope) is Block and scope.previous is _TORCH_OWN):
-        return None
+    # Asked at every constructor called in a block: _open_scope, innermost_device_mode and
+    # default_slot are written out here for the common case (no decorated call running, no
+    # mode on torch's stack).
+    if _CALLS.scopes:
+        scope = _open_scope()
+        if scope is None or (type(scope) is Block and scope.previous is _TORCH_OWN):
+            return None
+    else:
+        for scope in reversed(_active()):  # blocks and resumed calls: each has .previous
+            if not scope.closed:
+                break
+        else:
+            return None
+        if scope.previous is _TORCH_OWN:
+            return None
     if tracing():
         # Code that runs while dynamo compiles: its own (not in the block), or a call of a
         # constructor in its graph, run on fake tensors (as traced code, in the block).
         return traced_scope_device() if faking() else None
-    if innermost_device_mode() is not scope.below or default_slot() is not scope.default:
+    below = innermost_device_mode() if _stack_length() else None
+    if below is not scope.below or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not scope.default:
         return None  # torch.device entered, or set_default_device called, inside the block
     return scope.target
 
@@ -268,7 +281,9 @@ def current_device() -> torch.device:
     return _torch_default() if device is None else device
 
 
-_PATCH = constructor_patch(_active, _CALLS, scope_device, traced_scope_device, current_device)
+_PATCH = constructor_patch(
+    _active, _CALLS, scope_device, traced_scope_device, current_device, _TORCH_OWN
+)
 _MODULES = sys.modules
 _stack_length = stack_length
 # torch's state a scope reads and sets at entry, read here directly (a function call costs
