@@ -161,8 +161,9 @@ def test_decorated_forward_measured(run: dict[str, Any]) -> None:
 
 
 def test_scope_section_has_every_context(run: dict[str, Any]) -> None:
-    """Each torch call is timed with no scope, in torch's scopes and in on_device's."""
-    contexts = ["no scope", "torch.device(meta)", "on_device(meta)"]
+    """Each torch call is timed with no scope (twice: the run's noise), in torch's scopes
+    and in on_device's."""
+    contexts = ["no scope", "no scope, again", "torch.device(meta)", "on_device(meta)"]
     contexts += ["torch.device(cpu)", "on_device(cpu)"]
     cases = dict(run["json"]["scope"]["cases"])
     bert = cases.pop("BERT forward")
@@ -172,7 +173,7 @@ def test_scope_section_has_every_context(run: dict[str, Any]) -> None:
     assert 3 == len(cases)
     for case in cases.values():
         assert contexts == list(case["subjects"])
-    forwards = ["no scope", "torch.device(meta)", "on_device(meta)"]
+    forwards = ["no scope", "no scope, again", "torch.device(meta)", "on_device(meta)"]
     forwards += ["decorated, in on_device(meta)", "decorated(scope=False)"]
     forwards += ["torch.device(meta) per call", "on_device(meta) per call"]
     assert forwards == list(bert["subjects"])
