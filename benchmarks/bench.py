@@ -199,6 +199,10 @@ def _dtype_policy(config: Config, tree: Tree) -> tuple[dict[str, Any], list[Row]
     }
     for name, decorate in _POLICIES.items():
         subjects[name] = Subject(functools.partial(_decorated, call, decorate, body))
+    leaves = list(tensors_in(tree.tree))
+    if len(leaves) > 100:  # the floor of any check written in Python, on the same leaves
+        subjects[_DEVICE_READS] = Subject(functools.partial(_same, _reads(leaves, False)))
+        subjects[_DTYPE_READS] = Subject(functools.partial(_same, _reads(leaves, True)))
     measured = measure_group(subjects, config)
     base = measured["@device_agnostic(device=d)"]
     rows = [
@@ -214,7 +218,34 @@ def _dtype_policy(config: Config, tree: Tree) -> tuple[dict[str, Any], list[Row]
         )
         for name in _POLICIES
     ]
+    if _DTYPE_READS in measured:
+        rows.append(
+            judge(
+                "1 decorator",
+                f"{tree.label}, for information: a Python loop checking each leaf's dtype "
+                "beside its device",
+                measured[_DTYPE_READS].median_ns,
+                times(measured, [_DEVICE_READS]),
+                measured[_DEVICE_READS].median_ns,
+                _DEVICE_READS,
+                None,
+            )
+        )
     return {"label": tree.label, "subjects": as_json(measured)}, rows
+
+
+# What a mapping's check costs at the least: the same loop over the leaves, checking each
+# one's device against the target, then also its dtype against the mapping's keys. Their
+# ratio is the floor of the mapping's row on many leaves, for any walk written in Python.
+_DEVICE_READS = "loop: device check"
+_DTYPE_READS = "loop: device and dtype check"
+
+
+def _reads(leaves: list[torch.Tensor], dtypes: bool) -> Callable[[], bool]:
+    casts = frozenset({torch.float64})
+    if dtypes:
+        return lambda: any(t.device != CPU or t.dtype in casts for t in leaves)
+    return lambda: any(t.device != CPU for t in leaves)
 
 
 class _Mlp(torch.nn.Module):
