@@ -130,6 +130,12 @@ def loaded() -> bool:
     return "torch._dynamo.eval_frame" in sys.modules
 
 
+def present() -> bool:
+    """Whether ``torch._dynamo`` is in ``sys.modules``: from the start of its import on,
+    so no frame can run its code where this is False."""
+    return "torch._dynamo" in sys.modules
+
+
 def called_by_dynamo(frame: types.FrameType) -> bool:
     """Whether ``frame`` runs dynamo's own code (not code it traces). dynamo running a call
     of its graph on fake tensors, to learn what it returns, runs traced code: not its own."""
