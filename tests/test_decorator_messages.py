@@ -412,6 +412,28 @@ def test_a_module_tensor_that_is_no_buffer_is_named_with_the_buffer_fix() -> Non
     ] == lines_of(error)
 
 
+class _HookCache:
+    """What accelerate's hook keeps on the module it hooks (offloaded weights, a tied
+    weight's copies per device): tensors it puts in place itself at each call."""
+
+    def __init__(self) -> None:
+        self.tied_params_map = {0: {CPU: torch.ones(2)}}
+
+
+def test_tensors_in_accelerates_hook_are_not_named() -> None:
+    """A module's ``_hf_hook`` (accelerate's) holds tensors of its own: they are not the
+    caller's to move, so the error names the plain attribute alone, and no container fix
+    for the hook."""
+    model = Offset().to("meta")
+    model._hf_hook = _HookCache()
+    with pytest.raises(DeviceMismatchError) as error:
+        model(on_meta(2))
+    assert "    cpu <- self.offset (a plain attribute of Offset, not a buffer)" == (
+        lines_of(error)[1]
+    )
+    assert "_hf_hook" not in str(error.value)
+
+
 def test_a_mismatch_with_nothing_unseen_is_torchs_own() -> None:
     """Where every tensor was seen (the body made the stray one), torch's error is raised
     as it was: the same object."""

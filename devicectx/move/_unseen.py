@@ -50,7 +50,10 @@ _MISMATCH_WORDS = (
 _MAX_OBJECTS = 512
 _MAX_DEPTH = 4
 # What an nn.Module keeps in its __dict__ for itself: not the user's attributes.
-_MODULE_STATE = frozenset(vars(nn.Module()))
+# What a module's own state holds, and accelerate's hook (``_hf_hook``): the tensors a hook
+# keeps (offloaded weights, the copies of a tied weight per device) are accelerate's, put
+# in place by the hook at each call; no move of the caller's reaches them.
+_MODULE_STATE = frozenset(vars(nn.Module())) | {"_hf_hook"}
 _MISSING = object()
 
 
