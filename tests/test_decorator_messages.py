@@ -428,9 +428,8 @@ def test_tensors_in_accelerates_hook_are_not_named() -> None:
     model._hf_hook = _HookCache()
     with pytest.raises(DeviceMismatchError) as error:
         model(on_meta(2))
-    assert "    cpu <- self.offset (a plain attribute of Offset, not a buffer)" == (
-        lines_of(error)[1]
-    )
+    named = lines_of(error)[1]
+    assert "    cpu <- self.offset (a plain attribute of Offset, not a buffer)" == named
     assert "_hf_hook" not in str(error.value)
 
 
