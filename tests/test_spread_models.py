@@ -5,6 +5,7 @@ starts; by mistake it stops before the body, naming the stray submodules."""
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo
 from helpers import accelerator
 from hypothesis import given
 from hypothesis import strategies as st
@@ -389,6 +391,47 @@ def test_gpt2_with_its_tied_head_split_from_the_embedding_is_refused_before_the_
         f"fix: model.{stray} shares its weight with model.{partner} (tied): give them one "
         'device in the device map (device_map="auto" keeps tied weights together)'
     ) == lines(error)[-1]
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_dispatched_model_under_torch_compile_is_served_by_the_eager_call(
+    accelerate: Any, two: tuple[torch.device, torch.device]
+) -> None:
+    """Traced by torch.compile, the decorated call breaks the graph and runs eagerly, where
+    the model is served: the same result as without compile. With fullgraph=True, torch's
+    error quotes why and the fix (where its graph_break takes a message: not 2.6)."""
+    first, _ = two
+    net, x, expected = made()
+    model = accelerate.dispatch_model(net, device_map={"embed": 0, "body": 0, "head": 1})
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(step, backend="eager")(model, x)
+    assert first == compiled.device
+    assert_close(compiled, expected)
+
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported) as error:
+        torch.compile(step, fullgraph=True, backend="eager")(model, x)
+    if "msg" in inspect.signature(torch._dynamo.graph_break).parameters:
+        assert (
+            f"plain() got model (Net) spread over 2 devices ({first}, {two[1]}) on purpose "
+            "(accelerate's hooks, or declare_spread): @device_agnostic serves such a model in "
+            "eager code only"
+        ) in str(error.value)
+        assert "fix: compile without fullgraph=True (this call then runs eagerly)" in str(
+            error.value
+        )
+
+
+def test_a_declared_split_under_torch_compile_is_served_by_the_eager_call() -> None:
+    """declare_spread's model, traced: the call runs eagerly, where it is served (its
+    inputs sent where it starts), on every torch; a split by mistake is still refused."""
+    torch._dynamo.reset()
+    out = torch.compile(step, backend="eager")(declare_spread(Split()), torch.ones(2))
+    assert META == out.device
+    torch._dynamo.reset()
+    with pytest.raises(DeviceMismatchError):
+        torch.compile(step, backend="eager")(Split(), torch.ones(2))
 
 
 class Tied(nn.Module):

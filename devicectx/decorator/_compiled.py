@@ -30,6 +30,9 @@ tensors and on torch's default device, so a change there recompiles):
 - a mismatch found while tracing is a graph break, and the call then runs eagerly, which
   raises the real :class:`~devicectx.DeviceMismatchError`; with ``fullgraph=True`` the
   graph break is torch's ``Unsupported`` error, which quotes our message (:func:`_refuse`).
+- a model spread over devices on purpose (accelerate's hooks, ``declare_spread``: read
+  with :func:`~devicectx.decorator._spread.marked`) is a graph break too, and the eager
+  call serves it; with ``fullgraph=True`` torch's error quotes why.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from devicectx._torch import pytree
 from devicectx._torch.modes import DeviceContext
 from devicectx.decorator import _mismatch
 from devicectx.decorator._params import self_offset
+from devicectx.decorator._spread import marked
 from devicectx.decorator._target import involved_module, module_devices
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.scope._stack import active_device
@@ -214,7 +218,10 @@ def traced_call(
         if not (tensor.device.type == "cpu" and tensor.dim() == 0):
             found.setdefault(tensor.device, []).append(path)
 
-    target, reason, refusal = _trace_target(plan, instance, args, kwargs, offset)
+    target, reason, refusal, spread = _trace_target(plan, instance, args, kwargs, offset)
+    if spread and refusal is not None:  # served in eager code: a graph break, the eager call
+        _dynamo_hooks.graph_break(refusal)  # else (torch 2.6) calling the eager one breaks
+        return _run_disabled(plan, wrapped, instance, args, kwargs)
     if refusal is not None:
         return _refuse(refusal, plan, wrapped, instance, args, kwargs)
     if target is None:
@@ -289,9 +296,11 @@ def _trace_target(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     offset: int,
-) -> tuple[torch.device | None, str, str | None]:
-    """Rules 1 to 3 of the eager path, read while tracing: the target, why, and the message
-    of a mismatch (a module off the target, or on several devices), or None."""
+) -> tuple[torch.device | None, str, str | None, bool]:
+    """Rules 1 to 3 of the eager path, read while tracing: the target, why, the message of
+    a mismatch (a module off the target, or on several devices) or None, and whether the
+    module is spread over devices on purpose (the message then says so: the eager call
+    serves it)."""
     target: torch.device | None = None
     reason = ""
     if plan.device is not None:
@@ -304,17 +313,19 @@ def _trace_target(
         if len(devices) > 1 or (target is not None and devices and target not in devices):
             name = plan.params.argument_name(where, offset)
             found = _frozen(module_devices(module, name))
-            why = reason or "a module must be on one device"
             kind = type(module).__name__
+            if len(devices) > 1 and marked(module):
+                return target, reason, _spread_message(plan.name, name, kind, found), True
+            why = reason or "a module must be on one device"
             message = _module_message(plan.name, name, kind, found, target, why)
-            return target, reason, message
+            return target, reason, message, False
         if target is None and devices:
             target = _first(devices, None)
             reason = f"the parameters of {plan.params.argument_name(where, offset)}"
     if target is None:
         target = _active_while_tracing()
         reason = "the innermost on_device block"
-    return target, reason, None
+    return target, reason, None, False
 
 
 def _traced_move(
@@ -405,6 +416,24 @@ def _module_message(
 ) -> str:
     error = _mismatch.module_off_target(function, module, kind, dict(found), target, reason)
     return _keep(error)
+
+
+@_dynamo_hooks.constant
+def _spread_message(
+    function: str,
+    module: str,
+    kind: str,
+    found: tuple[tuple[torch.device, tuple[str, ...]], ...],
+) -> str:
+    """Why a model spread on purpose makes a graph break (quoted under ``fullgraph=True``)."""
+    devices = ", ".join(str(device) for device, _ in found)
+    return (
+        f"{function}() got {module} ({kind}) spread over {len(found)} devices ({devices}) "
+        "on purpose (accelerate's hooks, or declare_spread): @device_agnostic serves such a "
+        "model in eager code only, and torch.compile traces this call\n"
+        f"fix: compile without fullgraph=True (this call then runs eagerly), or call "
+        f"{function}() outside the compiled code"
+    )
 
 
 # The errors the messages above were made from, by message, for the stand-in to answer

@@ -47,6 +47,7 @@ __all__ = [
     "Unmaterialised",
     "analyse",
     "declare_spread",
+    "marked",
     "module_placement",
     "path_of",
 ]
@@ -424,6 +425,16 @@ def _entry(
             if entry.owner == path or entry.owner.startswith(f"{path}."):
                 return entry.device, "declared", entry.path
     return None, "mistake", ""
+
+
+def marked(module: nn.Module) -> bool:
+    """Whether a hook of accelerate or a declaration covers any part of ``module``: the look
+    a traced call takes (dynamo traces it), where eager code takes :func:`analyse`."""
+    for part in module.modules():
+        attributes = part.__dict__
+        if _HOOK in attributes or DECLARED in attributes:
+            return True
+    return False
 
 
 # The public face.
