@@ -393,6 +393,7 @@ def test_gpt2_with_its_tied_head_split_from_the_embedding_is_refused_before_the_
     ) == lines(error)[-1]
 
 
+@pytest.mark.torch_internals  # dynamo traces the call: on every minor torch release
 @pytest.mark.requires_device("accelerator")
 def test_a_dispatched_model_under_torch_compile_is_served_by_the_eager_call(
     accelerate: Any, two: tuple[torch.device, torch.device]
@@ -423,6 +424,7 @@ def test_a_dispatched_model_under_torch_compile_is_served_by_the_eager_call(
         )
 
 
+@pytest.mark.torch_internals
 def test_a_declared_split_under_torch_compile_is_served_by_the_eager_call() -> None:
     """declare_spread's model, traced: the call runs eagerly, where it is served (its
     inputs sent where it starts), on every torch; a split by mistake is still refused."""
