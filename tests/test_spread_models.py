@@ -415,13 +415,30 @@ def test_a_dispatched_model_under_torch_compile_is_served_by_the_eager_call(
         torch.compile(step, fullgraph=True, backend="eager")(model, x)
     if "msg" in inspect.signature(torch._dynamo.graph_break).parameters:
         assert (
-            f"plain() got model (Net) spread over 2 devices ({first}, {two[1]}) on purpose "
-            "(accelerate's hooks, or declare_spread): @device_agnostic serves such a model in "
-            "eager code only"
+            "plain() got model (Net) placed by accelerate's hooks or declare_spread, its "
+            f"weights on {first}, {two[1]}: @device_agnostic serves such a model in eager "
+            "code only"
         ) in str(error.value)
         assert "fix: compile without fullgraph=True (this call then runs eagerly)" in str(
             error.value
         )
+
+
+@pytest.mark.torch_internals
+@pytest.mark.requires_device("accelerator")
+def test_a_model_wholly_offloaded_under_torch_compile_runs_on_its_execution_device(
+    accelerate: Any,
+) -> None:
+    """cpu_offload leaves every weight on meta behind its hooks: traced, the call is
+    served eagerly, on the execution device, not sent to meta."""
+    first = accelerator(0)
+    net, x, expected = made()
+    model = accelerate.cpu_offload(net, execution_device=first)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(step, backend="eager")(model, x)
+    assert first == compiled.device
+    assert_close(compiled, expected)
 
 
 @pytest.mark.torch_internals

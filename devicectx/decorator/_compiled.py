@@ -60,6 +60,7 @@ from devicectx.scope._stack import active_device
 if TYPE_CHECKING:
     from devicectx.decorator._plan import Plan
 
+_META = torch.device("meta")
 # True only where dynamo traces the code that calls it (not for code run during a compile).
 _is_traced = torch.compiler.is_dynamo_compiling
 
@@ -310,12 +311,16 @@ def _trace_target(
     if involved is not None:
         module, where = involved
         devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+        # Spread, or offloaded (on meta, behind accelerate's hooks), on purpose.
+        if (len(devices) > 1 or _META in devices) and marked(module):
+            name = plan.params.argument_name(where, offset)
+            found = _frozen(module_devices(module, name))
+            message = _spread_message(plan.name, name, type(module).__name__, found)
+            return target, reason, message, True
         if len(devices) > 1 or (target is not None and devices and target not in devices):
             name = plan.params.argument_name(where, offset)
             found = _frozen(module_devices(module, name))
             kind = type(module).__name__
-            if len(devices) > 1 and marked(module):
-                return target, reason, _spread_message(plan.name, name, kind, found), True
             why = reason or "a module must be on one device"
             message = _module_message(plan.name, name, kind, found, target, why)
             return target, reason, message, False
@@ -425,12 +430,12 @@ def _spread_message(
     kind: str,
     found: tuple[tuple[torch.device, tuple[str, ...]], ...],
 ) -> str:
-    """Why a model spread on purpose makes a graph break (quoted under ``fullgraph=True``)."""
+    """Why a model placed on purpose makes a graph break (quoted under ``fullgraph=True``)."""
     devices = ", ".join(str(device) for device, _ in found)
     return (
-        f"{function}() got {module} ({kind}) spread over {len(found)} devices ({devices}) "
-        "on purpose (accelerate's hooks, or declare_spread): @device_agnostic serves such a "
-        "model in eager code only, and torch.compile traces this call\n"
+        f"{function}() got {module} ({kind}) placed by accelerate's hooks or declare_spread, "
+        f"its weights on {devices}: @device_agnostic serves such a model in eager code "
+        "only, and torch.compile traces this call\n"
         f"fix: compile without fullgraph=True (this call then runs eagerly), or call "
         f"{function}() outside the compiled code"
     )
