@@ -397,6 +397,19 @@ def test_nesting_with_torch_device_blocks(plan: list[str]) -> None:
     assert CPU == torch.zeros(1).device
 
 
+def test_dynamo_s_own_code_gets_no_device_from_a_block() -> None:
+    """A constructor called from a module of dynamo's (as its import-time probes are) is
+    left to torch inside a block; the same call from any other module gets the block's."""
+    import torch._dynamo  # its import puts it in sys.modules
+
+    code = compile("made = torch.zeros(1)", "<probe>", "exec")
+    for module, expected in (("torch._dynamo.probe", CPU), ("user_code", META)):
+        namespace = {"__name__": module, "torch": torch}
+        with on_device("meta"):
+            exec(code, namespace)
+        assert expected == namespace["made"].device, module
+
+
 def test_decorated_call_scopes_its_body_without_a_mode() -> None:
     """@device_agnostic scopes its body to the target with no mode on torch's stack."""
 

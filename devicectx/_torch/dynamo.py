@@ -130,16 +130,18 @@ def loaded() -> bool:
     return "torch._dynamo.eval_frame" in sys.modules
 
 
-def present() -> bool:
-    """Whether ``torch._dynamo`` is in ``sys.modules``: from the start of its import on,
-    so no frame can run its code where this is False."""
-    return "torch._dynamo" in sys.modules
+def called_by_dynamo(depth: int) -> bool:
+    """Whether the frame ``depth`` levels above the caller (1: the caller's caller) runs
+    dynamo's own code (not code it traces). dynamo running a call of its graph on fake
+    tensors, to learn what it returns, runs traced code: not its own.
 
-
-def called_by_dynamo(frame: types.FrameType) -> bool:
-    """Whether ``frame`` runs dynamo's own code (not code it traces). dynamo running a call
-    of its graph on fake tensors, to learn what it returns, runs traced code: not its own."""
-    caller = frame.f_globals.get("__name__", "")
+    No frame is read where ``torch._dynamo`` is not in ``sys.modules`` (its import puts it
+    there first, so none of its code can be running): a frame costs more to read than the
+    rest of a constructor's way through a block.
+    """
+    if "torch._dynamo" not in sys.modules:
+        return False
+    caller = sys._getframe(depth + 1).f_globals.get("__name__", "")
     return isinstance(caller, str) and caller.startswith("torch._dynamo") and not faking()
 
 

@@ -51,9 +51,6 @@ from devicectx._torch.dynamo import (
     loaded,
     never_top_level,
 )
-from devicectx._torch.dynamo import (
-    present as dynamo_present,
-)
 from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 
 __all__ = ["TorchPatch", "constructor_patch", "inline_only"]
@@ -278,10 +275,9 @@ def _from_dynamo() -> bool:
     block (torch 2.6, 2.7: ops with Python meta kernels import it): on the block's device,
     meta, they fail and leave dynamo half imported.
     """
-    # Without dynamo present, no frame is its own: reading a frame costs more than the rest
-    # of a constructor's way through a block.
-    # 0: here, 1: the constructor (never in code dynamo traces, which cannot read frames).
-    return dynamo_present() and called_by_dynamo(sys._getframe(2))
+    # 1: the constructor (never in code dynamo traces, which cannot read frames), 2: its
+    # caller.
+    return called_by_dynamo(2)
 
 
 def _answer_default(

@@ -218,9 +218,9 @@ def scope_device() -> torch.device | None:
     ``set_default_device``, or the CPU) decides. Code dynamo traces asks
     :func:`traced_scope_device` instead.
     """
-    # Asked at every constructor called in a block: _open_scope, innermost_device_mode and
-    # default_slot are written out here for the common case (no decorated call running, no
-    # mode on torch's stack).
+    # Asked at every constructor called in a block: _open_scope (its last loop: change both
+    # together), innermost_device_mode and default_slot are written out here for the
+    # common case (no decorated call running, no mode on torch's stack).
     if _CALLS.scopes:
         scope = _open_scope()
         if scope is None or (type(scope) is Block and scope.previous is _TORCH_OWN):
