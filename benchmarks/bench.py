@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import operator
 import os
 import platform
 import sys
@@ -201,6 +202,7 @@ def _dtype_policy(config: Config, tree: Tree) -> tuple[dict[str, Any], list[Row]
         subjects[name] = Subject(functools.partial(_decorated, call, decorate, body))
     leaves = list(tensors_in(tree.tree))
     if len(leaves) > 100:  # the floor of any check written in Python, on the same leaves
+        subjects[_DTYPES_ALONE] = Subject(functools.partial(_same, _dtypes_read(leaves)))
         subjects[_DEVICE_READS] = Subject(functools.partial(_same, _reads(leaves, False)))
         subjects[_DTYPE_READS] = Subject(functools.partial(_same, _reads(leaves, True)))
     measured = measure_group(subjects, config)
@@ -218,6 +220,20 @@ def _dtype_policy(config: Config, tree: Tree) -> tuple[dict[str, Any], list[Row]
         )
         for name in _POLICIES
     ]
+    if _DTYPES_ALONE not in measured:  # a few leaves: the subject's own call would swamp it
+        return {"label": tree.label, "subjects": as_json(measured)}, rows
+    rows.append(
+        judge(
+            "1 decorator",
+            f"{tree.label}, for information: reading each leaf's dtype alone (C's map, no "
+            "Python loop), the least a mapping adds to the call",
+            measured[_DTYPES_ALONE].median_ns,
+            times(measured, ["@device_agnostic(device=d)"]),
+            base.median_ns,
+            "@device_agnostic(device=d)",
+            None,
+        )
+    )
     if _DTYPE_READS in measured:
         rows.append(
             judge(
@@ -239,6 +255,18 @@ def _dtype_policy(config: Config, tree: Tree) -> tuple[dict[str, Any], list[Row]
 # ratio is the floor of the mapping's row on many leaves, for any walk written in Python.
 _DEVICE_READS = "loop: device check"
 _DTYPE_READS = "loop: device and dtype check"
+
+
+# Less than any mapping can cost: every leaf's dtype read once, in C (map and a set's
+# isdisjoint), with no check of its device and no walk of the structure. A mapping's row
+# cannot be under 1 + this subject's ratio to the call without one.
+_DTYPES_ALONE = "dtype reads alone"
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _dtypes_read(leaves: list[torch.Tensor]) -> Callable[[], bool]:
+    casts = frozenset({torch.float64})
+    return lambda: casts.isdisjoint(map(_DTYPE, leaves))
 
 
 def _reads(leaves: list[torch.Tensor], dtypes: bool) -> Callable[[], bool]:

@@ -45,6 +45,18 @@ def test_unknown_device_raises_before_anything_moves() -> None:
     assert CountingTo.calls == 0
 
 
+def test_move_error_describes_a_nested_tensor() -> None:
+    """A nested tensor has no shape of its own (torch raises at ``.shape``): the error
+    describes it by its number of tensors, not with torch's internal error from inside ours."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(MoveError) as raised:
+        to_device({"n": nested}, META)  # torch has no nested tensors on meta
+    assert str(raised.value).startswith(
+        "to_device() could not move obj['n'] (a nested Tensor of 2 tensors, torch.float32, "
+        "on cpu) to meta:"
+    )
+
+
 def test_move_error_names_the_path() -> None:
     """A tensor whose .to fails raises MoveError naming its path, the original error chained."""
     refusing = torch.zeros(2, 3).as_subclass(Refusing)

@@ -269,6 +269,23 @@ def test_what_the_staged_path_leaves_to_the_per_tensor_move() -> None:
     assert {id(plain)} == staged_ids([plain, *others])
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_few_tensors_are_weighed_without_reading_what_has_no_bytes() -> None:
+    """A move of fewer tensors than staging takes is staged for its bytes alone: sparse and
+    nested tensors, which have no ``nbytes`` (torch raises), count for nothing, and move
+    one by one (every default move of a graph's sparse adjacency raised there)."""
+    few = dataclasses.replace(_staging.FORCED_THRESHOLDS, min_tensors=8, stage_min_bytes=8)
+    sparse = torch.eye(3).to_sparse()
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    dense = torch.zeros(32)  # larger than a shared region: staged for its bytes
+    assert {id(dense)} == staged_ids([sparse, nested, dense], thresholds=few)
+    assert set() == staged_ids([sparse, nested], thresholds=few)
+    with _staging.forced(few):
+        moved = to_device({"adj": sparse, "x": dense}, META)
+    assert moved["adj"].layout is torch.sparse_coo
+    assert (moved["adj"].device, moved["x"].device) == (META, META)
+
+
 def test_parameters_and_autograd_are_kept_through_a_staged_move() -> None:
     """In a staged move, a parameter comes back a parameter and a tensor that requires
     grad keeps its history back to the source."""

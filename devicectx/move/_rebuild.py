@@ -562,6 +562,8 @@ def _left_behind(result: Any, device: torch.device) -> CannotRebuild:
 
 def _describe(obj: Any) -> str:
     if isinstance(obj, torch.Tensor):
+        if obj.is_nested:  # no shape of its own: torch raises at .shape
+            return f"a nested {type(obj).__name__} of {obj.size(0)} tensors, {obj.dtype}, on {obj.device}"
         shape = tuple(obj.shape)
         return f"{_a(type(obj).__name__)} of shape {shape}, {obj.dtype}, on {obj.device}"
     return _a(type(obj).__qualname__)

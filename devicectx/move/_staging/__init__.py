@@ -178,7 +178,13 @@ def _index_of(device: torch.device, kind: str) -> torch.device | None:
 
 def _large(found: dict[int, torch.Tensor], thresholds: Thresholds) -> bool:
     """Whether a move of few tensors is worth staging for its bytes alone."""
-    return sum(t.nbytes for t in found.values()) >= thresholds.stage_min_bytes
+    total = 0
+    for tensor in found.values():
+        try:
+            total += tensor.nbytes
+        except RuntimeError:  # a sparse COO tensor has none (torch raises); never staged
+            continue
+    return total >= thresholds.stage_min_bytes
 
 
 def forget_accelerator() -> None:

@@ -151,7 +151,10 @@ def _worth(
     small = pageable = 0
     share_max, enough_small = thresholds.share_max_bytes, thresholds.min_tensors
     for tensor in found.values():
-        nbytes = tensor.nbytes
+        try:
+            nbytes = tensor.nbytes
+        except RuntimeError:  # a sparse COO tensor has none (torch raises); never staged
+            continue
         if nbytes <= share_max:
             small += 1
             if small >= enough_small:
