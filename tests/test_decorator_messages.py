@@ -335,6 +335,20 @@ class Config:
         self.name = "config"
 
 
+class Trainer:
+    """A plain object holding the model and its optimizer: the trainer pattern."""
+
+    def __init__(self) -> None:
+        model = nn.Linear(2, 3, device="meta")
+        # Met first in the look: its parameters are the model's, named once, as the model.
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        self.model = model
+
+    @device_agnostic
+    def step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(batch["x"])
+
+
 class Slotted:
     """A ``__slots__`` object holding tensors, one in a list."""
 
@@ -371,6 +385,68 @@ def test_a_tensor_in_a_plain_object_is_named_when_torch_fails() -> None:
     cause = error.value.__cause__
     assert type(cause) is RuntimeError
     assert "is not on the expected device" in str(cause)
+
+
+@pytest.mark.parametrize("move", [True, False])
+def test_a_second_module_is_named_when_torch_fails(move: bool) -> None:
+    """A loss module whose class weights stayed on the CPU, beside the model the target
+    follows: later module arguments are not checked (a teacher may live elsewhere on
+    purpose), so torch fails in the body, and the error names the module and its fix."""
+
+    @device_agnostic(move=move)
+    def train_step(model: nn.Module, x: torch.Tensor, loss_fn: nn.Module) -> torch.Tensor:
+        logits = model(x)
+        return loss_fn(logits, torch.zeros(2, dtype=torch.long, device=logits.device))
+
+    model = nn.Linear(2, 3, device="meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        train_step(model, on_meta(2, 2), nn.CrossEntropyLoss(weight=torch.ones(3)))
+    assert [
+        "test_a_second_module_is_named_when_torch_fails.<locals>.train_step() failed in torch "
+        "on tensors @device_agnostic cannot see into:",
+        "    cpu <- loss_fn (CrossEntropyLoss, a module @device_agnostic does not check)",
+        "target meta (from the parameters of model (Linear))",
+        "torch said: Tensor on device cpu is not on the expected device meta!",
+        'fix: loss_fn.to("meta") before the call: modules are never moved implicitly',
+    ] == lines_of(error)
+    assert {CPU: ["loss_fn"]} == error.value.devices
+
+
+def test_a_model_held_by_a_plain_object_is_named_with_the_device_to_follow() -> None:
+    """The trainer pattern: the model is an attribute of ``self``, a plain object, and the
+    inputs chose the target. The error names the model as a whole (not its parameters
+    again where the optimizer holds them), says the inputs chose, and the fix follows the
+    model's device."""
+
+    with pytest.raises(DeviceMismatchError) as error:
+        Trainer().step({"x": torch.ones(2)})
+    assert [
+        "    meta <- self.model (Linear, in Trainer)",
+        "target cpu (from the tensor arguments)",
+    ] == lines_of(error)[1:3]
+    assert lines_of(error)[-1] == (
+        'fix: @device_agnostic(device="meta"), or pass self.model as the first module '
+        "argument, so that the inputs follow it"
+    )
+
+
+def test_modules_in_a_container_are_named_when_torch_fails() -> None:
+    """Modules inside a container argument are not checked; torch's failure names them."""
+
+    @device_agnostic(device="meta")
+    def step(models: dict[str, nn.Module], x: torch.Tensor) -> torch.Tensor:
+        return models["dec"](models["enc"](x))
+
+    models = {"enc": nn.Linear(2, 2, device="meta"), "dec": nn.Linear(2, 2)}
+    with pytest.raises(DeviceMismatchError) as error:
+        step(models, torch.ones(2))
+    assert [
+        "    cpu <- models['dec'] (Linear, a module @device_agnostic does not check)",
+        'target meta (from @device_agnostic(device="meta"))',
+    ] == lines_of(error)[1:3]
+    assert lines_of(error)[-1] == (
+        "fix: models['dec'].to(\"meta\") before the call: modules are never moved implicitly"
+    )
 
 
 def test_slots_and_lists_inside_them_are_looked_into() -> None:

@@ -395,6 +395,20 @@ def test_decorator_mapping_casts_on_the_fast_path() -> None:
     assert torch.int64 == dtype_of(torch.ones(2, dtype=torch.int64))
 
 
+def test_decorator_mapping_casts_where_no_rule_chose_a_target() -> None:
+    """With no device=, no module and no block, the inputs' own device is the target, and
+    a mapping casts there as anywhere (it let float64 through: nothing was to move)."""
+
+    @device_agnostic(dtypes={F64: F32})
+    def dtypes_of(pred: torch.Tensor, target: Any) -> tuple[torch.dtype, torch.dtype]:
+        return pred.dtype, target["y"].dtype
+
+    pred, y = torch.ones(2, dtype=F64), torch.zeros(2, dtype=F64)
+    assert (F32, F32) == dtypes_of(pred, {"y": y})
+    assert (F32, F32) == dtypes_of(pred, target={"y": y})
+    assert (pred.dtype, y.dtype) == (F64, F64)  # the inputs are left alone
+
+
 def test_decorator_refuses_dtypes_without_moves() -> None:
     """dtypes= with move=False is refused at decoration: nothing would apply it."""
     with pytest.raises(ValueError, match="move=False") as raised:

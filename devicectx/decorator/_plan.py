@@ -55,6 +55,8 @@ from devicectx.scope._stack import (
 _Module = nn.Module
 _Tensor = torch.Tensor
 _Device = torch.device
+# Why the target is what it is, where no rule chose it: the tensor arguments agreed on it.
+_FROM_INPUTS = "the tensor arguments"
 # True only where dynamo traces the code that calls it (not for code run during a compile).
 _is_traced = torch.compiler.is_dynamo_compiling
 FUNCTION, GENERATOR, COROUTINE, ASYNC_GENERATOR = range(4)
@@ -242,7 +244,12 @@ class Plan:
         if instance is not None:
             named.insert(0, ("self", instance))
         reason = self._reason(module, instance, args, kwargs, offset)
-        return _unseen.explain(error, self.name, named, target, reason)
+        checked: set[int] = set()
+        if module is not None:  # the module the rules read, through its wrappers
+            checked.add(id(module))
+            checked.update(id(part) for part in unwrap(module).modules())
+        follow = reason == _FROM_INPUTS
+        return _unseen.explain(error, self.name, named, target, reason, checked, follow)
 
     def _autocast_call(
         self,
@@ -301,9 +308,13 @@ class Plan:
             home = next(iter(found), first)
             if target is None and len(found) > 1:  # rule 4: the inputs must agree
                 raise _mismatch.no_common_device(self.name, found)
+        chosen = target is not None
         if target is None:
             target = home
-        elif self.casts is not None or not (uniform and (first is None or first == target)):
+        if target is not None and (
+            self.casts is not None  # a mapping casts also where nothing moves
+            or (chosen and not (uniform and (first is None or first == target)))
+        ):
             if self.move:
                 moved = _move.move_call(
                     seen_args,
@@ -456,7 +467,7 @@ class Plan:
         if module is not None and module_device(unwrap(module)) is not None:
             name = self._module_name(module, instance, args, kwargs, offset)
             return module_label(module, name)
-        return "the innermost on_device block"
+        return "the innermost on_device block" if active_device() is not None else _FROM_INPUTS
 
     def _found(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], offset: int

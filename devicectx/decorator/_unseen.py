@@ -10,7 +10,7 @@ devices and the fix; the caller raises it from torch's. Only the failure path ge
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -25,6 +25,8 @@ def explain(
     named: Iterable[tuple[str, Any]],
     target: torch.device | None,
     reason: str,
+    checked: Collection[int] = (),
+    follow: bool = False,
 ) -> DeviceMismatchError | None:
     """The error to raise instead of torch's ``error``, or None to let it through.
 
@@ -37,10 +39,14 @@ def explain(
         named: ``(name, value)`` for each argument the body got (``self`` included).
         target: the device the call ran for; None where nothing chose one.
         reason: why ``target``, in words.
+        checked: the ids of the modules whose devices the call checked (the module its
+            rules read, with its submodules); other modules are looked into as unseen.
+        follow: whether the inputs chose ``target`` (no device named, no block, no
+            module): a module elsewhere is then better followed than moved.
     """
     if isinstance(error, DeviceError) or not is_device_mismatch(error):
         return None
-    unseen = [u for u in unseen_tensors(named) if target is None or u.device != target]
+    unseen = [u for u in unseen_tensors(named, checked) if target is None or u.device != target]
     if not unseen:
         return None
     found = _by_device(unseen)
@@ -52,7 +58,7 @@ def explain(
         f"target {target} (from {reason})" if target is not None else f"no target: {reason}"
     )
     lines.append(f"torch said: {torch_said}")
-    lines.append(f"fix: {fix_for(unseen)}")
+    lines.append(f"fix: {fix_for(unseen, target, follow)}")
     devices = {device: [u.path for u in group] for device, group in found.items()}
     return DeviceMismatchError("\n".join(lines), devices=devices, target=target, reason=reason)
 
@@ -78,6 +84,11 @@ def _shown(found: dict[torch.device, list[Unseen]]) -> dict[torch.device, str]:
 
 
 def _held_by(item: Unseen) -> str:
+    if item.module is not None:
+        kind = item.module.__qualname__
+        if item.holder_path != item.path:
+            return f"{kind}, in {item.holder.__qualname__}"
+        return f"{kind}, a module @device_agnostic does not check"
     if issubclass(item.holder, torch.nn.Module):
         return f"a plain attribute of {item.holder.__qualname__}, not a buffer"
     return f"in {item.holder.__qualname__}"

@@ -19,7 +19,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
@@ -68,6 +69,9 @@ class Unseen(NamedTuple):
     module whose plain attribute it is)."""
     holder_path: str
     """The path of that object: ``cfg``, ``self``."""
+    module: type | None = None
+    """For a whole module that nothing checked (held by a plain object, or not read by the
+    decorator's rules), with parameters or buffers on ``device``: its type; else None."""
 
 
 def is_device_mismatch(error: BaseException) -> bool:
@@ -78,15 +82,28 @@ def is_device_mismatch(error: BaseException) -> bool:
     return any(words in text for words in _MISMATCH_WORDS)
 
 
-def unseen_tensors(named: Iterable[tuple[str, Any]]) -> list[Unseen]:
+def unseen_tensors(
+    named: Iterable[tuple[str, Any]], checked: Collection[int] | None = None
+) -> list[Unseen]:
     """Every tensor below ``named`` arguments that the move engine does not see, in order.
+
+    A module held by a plain object is unseen as a whole: one entry per device its
+    parameters and buffers are on, and those tensors are not listed again where something
+    else holds them too (an optimizer's ``param_groups``).
 
     Args:
         named: ``(name, value)`` for each argument (``("self", model)`` for a method).
+        checked: the ids of the modules whose devices the caller checked (the decorator's
+            module rule reads one); any other module argument, or module in a container,
+            is then unseen as a whole too. None: every module reached through arguments
+            and containers counts as seen (a move moves it).
 
     Bounded: at most a few hundred objects, a few attribute levels below the argument.
     """
     found: list[Unseen] = []
+    ids: list[int] = []  # each found entry's tensor (0 for a whole module)
+    owned: set[int] = set()  # the tensors of the modules listed whole
+    covered: set[int] = set()  # those modules and their submodules
     seen: set[int] = set()
     # (value, path, attribute depth, the plain object holding it and its path, or None)
     stack: list[tuple[Any, str, int, tuple[type, str] | None]] = [
@@ -100,6 +117,7 @@ def unseen_tensors(named: Iterable[tuple[str, Any]]) -> list[Unseen]:
         if role == TENSOR:
             if holder is not None:
                 found.append(Unseen(path, value.device, holder[0], holder[1]))
+                ids.append(id(value))
             continue
         if role == LEAF and is_plain_leaf(type(value)):
             continue
@@ -109,6 +127,14 @@ def unseen_tensors(named: Iterable[tuple[str, Any]]) -> list[Unseen]:
         budget -= 1
         children: Sequence[tuple[Any, str, int, tuple[type, str] | None]]
         if role == MODULE:
+            unchecked = holder is not None or (checked is not None and id(value) not in checked)
+            if unchecked and id(value) not in covered:
+                owner = holder if holder is not None else (type(value), path)
+                for device, tensors in _by_device(value).items():
+                    found.append(Unseen(path, device, owner[0], owner[1], type(value)))
+                    ids.append(0)
+                    owned.update(tensors)
+                covered.update(id(module) for module in value.modules())
             children = _module_children(value, path, depth)
         elif role == CONTAINER and kind.split is not None:
             keys, values = kind.split(value)
@@ -126,7 +152,15 @@ def unseen_tensors(named: Iterable[tuple[str, Any]]) -> list[Unseen]:
         else:  # an object with its own .to: what it holds is its .to's business
             continue
         stack.extend(reversed(children))
-    return found
+    return [item for item, tensor in zip(found, ids, strict=True) if tensor not in owned]
+
+
+def _by_device(module: nn.Module) -> dict[torch.device, set[int]]:
+    """The ids of a module's parameters and buffers, by device."""
+    devices: dict[torch.device, set[int]] = {}
+    for tensor in chain(module.parameters(), module.buffers()):
+        devices.setdefault(tensor.device, set()).add(id(tensor))
+    return devices
 
 
 def _module_children(
@@ -159,10 +193,26 @@ def _attributes(obj: object) -> list[tuple[str, Any]]:
     return [(name, value) for name, value in pairs if isinstance(name, str)]
 
 
-def fix_for(unseen: Sequence[Unseen]) -> str:
-    """The ``fix:`` text for tensors the engine cannot see (the first holder's)."""
+def fix_for(
+    unseen: Sequence[Unseen], target: torch.device | None = None, follow: bool = True
+) -> str:
+    """The ``fix:`` text for tensors the engine cannot see (the first holder's).
+
+    For a whole module: where the target was chosen (``follow`` False: a device named, a
+    block, the module rule), the module goes to it; where the inputs chose it, the call
+    names the module's device, or takes the module as an argument so that the inputs follow.
+    """
     first = unseen[0]
     holder = first.holder
+    if first.module is not None:
+        if target is not None and not follow:
+            return (
+                f'{first.path}.to("{target}") before the call: modules are never moved implicitly'
+            )
+        return (
+            f'@device_agnostic(device="{first.device}"), or pass {first.path} as the first '
+            "module argument, so that the inputs follow it"
+        )
     names = [
         _attribute_of(u.path[len(first.holder_path) + 1 :])
         for u in unseen
