@@ -294,6 +294,59 @@ def test_instance_beats_module_arguments() -> None:
     assert CPU == teacher.weight.device
 
 
+CLASS_WEIGHTS = torch.tensor([1.0, 2.0])  # a default argument's tensor, on the CPU
+
+
+@pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")
+def test_a_tensor_default_is_moved_as_if_passed() -> None:
+    """A default holding a tensor, left out of a call, is moved (and checked) as if the
+    call had passed it; passed, the caller's value wins. The default stays where it is."""
+
+    @device_agnostic(device="meta")
+    def weighted(x: torch.Tensor, weight: torch.Tensor = CLASS_WEIGHTS) -> torch.Tensor:
+        return weight
+
+    @device_agnostic(device="meta")
+    def scaled(x: torch.Tensor, *, extra: Any = (CLASS_WEIGHTS,)) -> torch.Tensor:
+        return extra[0]
+
+    assert META == weighted(torch.ones(2)).device
+    assert META == weighted(x=torch.ones(2)).device
+    assert META == scaled(torch.ones(2)).device
+    own = torch.zeros(2, device="meta")
+    assert weighted(torch.ones(2), own) is own
+    assert weighted(torch.ones(2), weight=own) is own
+    assert CPU == CLASS_WEIGHTS.device
+
+    @device_agnostic(move=False)
+    def checked(x: torch.Tensor, weight: torch.Tensor = CLASS_WEIGHTS) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        checked(torch.ones(2, device="meta"))
+    assert {META: ["x"], CPU: ["weight"]} == error.value.devices
+
+
+@pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")
+def test_a_tensor_default_of_a_method_is_moved() -> None:
+    """The same in a method: ``self`` is not one of the call's arguments."""
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2, device="meta")
+
+        @device_agnostic
+        def loss(self, x: torch.Tensor, weight: torch.Tensor = CLASS_WEIGHTS) -> torch.Tensor:
+            return weight
+
+    head = Head()
+    assert META == head.loss(torch.ones(2)).device
+    assert META == Head.loss(head, torch.ones(2)).device
+    own = torch.zeros(2, device="meta")
+    assert head.loss(torch.ones(2), own) is own
+
+
 def test_first_module_argument_chooses() -> None:
     """The first module argument chooses; later ones are neither checked nor moved."""
 

@@ -78,6 +78,26 @@ class Params:
             next((p.name for p in params if p.kind == kind.VAR_KEYWORD), None),
         )
 
+    @staticmethod
+    def defaults_of(function: Callable[..., Any]) -> list[tuple[int | None, str, Any]]:
+        """Each parameter with a default that can be passed by keyword, as ``(position,
+        name, default)``: its position among the positional parameters (None for a
+        keyword-only one), so that a call can tell whether it was passed."""
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):
+            return []
+        found: list[tuple[int | None, str, Any]] = []
+        position = 0
+        for p in signature.parameters.values():
+            if p.kind in _POSITIONAL:
+                if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is not p.empty:
+                    found.append((position, p.name, p.default))
+                position += 1
+            elif p.kind == inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty:
+                found.append((None, p.name, p.default))
+        return found
+
     def argument_name(self, where: int | str | None, offset: int) -> str:
         """How a message names an argument: by position in ``args``, by key, or the instance.
 

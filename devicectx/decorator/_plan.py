@@ -76,6 +76,7 @@ class Plan:
     __slots__ = (
         "casts",
         "coalesce",
+        "defaults",
         "device",
         "dtypes",
         "exclude",
@@ -118,6 +119,14 @@ class Plan:
         self.coalesce = coalesce
         self.precision = None if precision is None else check_precision_name(precision)
         self.params = Params.of(function, self.name)
+        # Defaults that hold tensors (class weights as a default argument): a call that
+        # leaves one out gets it passed, so that it is moved and checked as if written out.
+        defaults = [
+            (position, name, value)
+            for position, name, value in Params.defaults_of(function)
+            if next(_move.iter_tensors(value), None) is not None
+        ]
+        self.defaults = tuple(defaults) or None
         mapping = check_dtypes(dtypes)
         if dtypes is not None and not move:
             msg = (
@@ -163,6 +172,8 @@ class Plan:
         __tracebackhide__ = True
         if instance is UNBOUND:
             instance = None
+        if self.defaults is not None:
+            kwargs = self._with_defaults(wrapped, instance, args, kwargs)
         if _is_traced():  # dynamo traces this call after all (a generator, the fallback)
             return self.when_traced(wrapped, instance, args, kwargs)
         # The common case inline: nothing excluded, every tensor already on the target.
@@ -226,6 +237,25 @@ class Plan:
                 raise
             raise unseen from error
         return result if back is None else self.place(result, back)
+
+    def _with_defaults(
+        self,
+        wrapped: Callable[..., Any],
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> dict[str, Any]:
+        """``kwargs`` with each tensor-holding default the call left out, by keyword."""
+        assert self.defaults is not None
+        passed = len(args) + self_offset(wrapped, instance)
+        added: dict[str, Any] | None = None
+        for position, name, value in self.defaults:
+            if name in kwargs or (position is not None and position < passed):
+                continue
+            if added is None:
+                added = dict(kwargs)
+            added[name] = value
+        return kwargs if added is None else added
 
     def unseen(
         self,
