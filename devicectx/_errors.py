@@ -43,6 +43,17 @@ class MoveError(DeviceError, RuntimeError):
     """An object inside a structure could not be moved; the message names its path."""
 
 
+class MoveOutOfMemoryError(MoveError, torch.OutOfMemoryError):
+    """A :class:`MoveError` whose cause is that the target device ran out of memory.
+
+    It exists so that ``except torch.OutOfMemoryError`` around a move catches it, as it
+    catches torch's own ``.to``, while ``except devicectx.MoveError`` still does too and
+    the message still names the path and the fix. Raised only where torch raised a
+    ``torch.OutOfMemoryError`` (CUDA, ROCm, XPU, the emulated device): MPS, which raises
+    a ``RuntimeError``, gets a plain :class:`MoveError`, as torch's own ``.to`` would.
+    """
+
+
 class DtypeUnsupportedError(DeviceError, TypeError):
     """Tensors of a dtype the target device cannot hold (float64 on MPS); the message
     names every path, by dtype.
@@ -141,6 +152,7 @@ for _public in (
     InvalidDeviceError,
     InvalidPrecisionError,
     MoveError,
+    MoveOutOfMemoryError,
     PrecisionUnsupportedError,
     RegistrationError,
     RepeatedMoveWarning,

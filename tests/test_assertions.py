@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import pytest
@@ -264,6 +264,110 @@ def test_long_lists_of_problems_are_cut() -> None:
         assert_device_agnostic(many, torch.ones(1), devices=CPU_META)
     lines = message_lines(raised)
     assert ["    out[9]: on cpu, expected meta", "    ... and 2 more"] == lines[11:13]
+
+
+# Sets: their iteration order follows hashes (ids, for tensors), so it differs between runs.
+
+
+class Ranked(torch.Tensor):
+    """A tensor hashed by a rank of its own, so that a set's iteration order is chosen."""
+
+    rank = 0
+
+    def __hash__(self) -> int:
+        return self.rank
+
+
+def ranked(*tensors: torch.Tensor, ranks: Sequence[int] | None = None) -> list[Ranked]:
+    """``tensors`` as Ranked tensors, ranked by ``ranks`` (default: in order): a set of
+    them iterates by rank."""
+    out = []
+    for rank, tensor in zip(ranks or range(len(tensors)), tensors, strict=True):
+        member = tensor.as_subclass(Ranked)
+        member.rank = rank
+        out.append(member)
+    return out
+
+
+# An iteration order of four tensors for each call, each call's other than the last's.
+ORDERS = [(0, 1, 2, 3), (3, 2, 1, 0), (1, 0, 3, 2)]
+
+
+def reordering() -> Callable[[torch.Tensor], dict[str, object]]:
+    """A device-agnostic function returning sets whose iteration order changes at each
+    call: a set of tensors, and a frozenset of pairs of them (hashed by their ranks)."""
+    calls = itertools.count()
+
+    def stats(x: torch.Tensor) -> dict[str, object]:
+        order = ORDERS[next(calls) % len(ORDERS)]
+        s, m, a, b = ranked(x.sum(0), x.mean(0), x.amax(0), x.amin(0), ranks=order)
+        return {"stats": {s, m, a}, "pairs": frozenset([(s, a), (m, b)])}
+
+    return stats
+
+
+@pytest.mark.parametrize(
+    "devices", [["cpu", "cpu", "cpu"], ["cpu", "meta", "cpu"], ["meta", "cpu", "cpu"]]
+)
+def test_set_members_are_compared_whatever_their_order(devices: list[str]) -> None:
+    """Each member of a set is compared with the reference's member it equals, not with
+    the one at the same place in iteration order, which follows hashes."""
+    x, stats = torch.randn(4, 3), reordering()
+    first, second, third = (list(stats(x)["stats"]) for _ in ORDERS)  # type: ignore[call-overload]
+    assert [torch.equal(x.sum(0), t) for t in first] == [True, False, False]
+    assert [torch.equal(x.sum(0), t) for t in second] == [False, False, True]
+    assert [torch.equal(x.sum(0), t) for t in third] == [False, True, False]
+    assert_device_agnostic(reordering(), x, devices=devices)
+
+
+def test_sets_of_plain_tensors_pass_every_time() -> None:
+    """A set of plain tensors (hashed by id: the order changes from run to run) passes
+    every time."""
+
+    def stats(x: torch.Tensor) -> set[torch.Tensor]:
+        return {x.sum(0), x.mean(0), x.amax(0), *x}
+
+    for _ in range(20):
+        assert_device_agnostic(stats, torch.randn(4, 3), devices=["cpu", "meta", "cpu"])
+
+
+def test_set_members_are_paired_by_a_largest_matching() -> None:
+    """Within a tolerance, a member may equal two of the reference's: it is paired so that
+    every member finds one, not with the first it equals."""
+    calls = itertools.count()
+
+    def near(x: torch.Tensor) -> set[torch.Tensor]:
+        values = [0.0, 0.6] if next(calls) == 0 else [0.3, 0.0]  # 0.3 is within 0.5 of both
+        return set(ranked(*(x.new_tensor(v) for v in values)))
+
+    assert_device_agnostic(near, torch.ones(1), devices=["cpu", "cpu"], rtol=0, atol=0.5)
+
+
+def test_a_set_member_that_differs_is_named() -> None:
+    """A member that equals none of the reference's is reported at the path of the one left
+    over, whatever the order; one missing is reported missing."""
+    calls = itertools.count()
+
+    def drifting_stats(x: torch.Tensor) -> dict[str, object]:
+        n = next(calls)
+        s, m, a = ranked(x.sum(0), x.mean(0), x.amax(0) + n, ranks=ORDERS[n][:3])
+        return {"stats": {s, m, a} if n < 2 else {s, m}}
+
+    x = torch.arange(6.0).reshape(2, 3)  # sum, mean and amax all differ, amax + 1 too
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(drifting_stats, x, devices=["cpu", "cpu", "meta"])
+    assert [
+        "drifting_stats is not device-agnostic (ran on cpu, cpu, meta):",
+        "  on cpu, compared with cpu:",
+        "    list(out['stats'])[2]: 3 of 3 values differ (100.0%), rtol=1.3e-06, atol=1e-05",
+        "      max abs diff 1 at index (0,)",
+        "      max rel diff 0.333333 at index (0,)",
+        "  on meta, compared with cpu:",
+        "    list(out['stats'])[2]: missing",
+        "fix: make drifting_stats return the same tensors, dtypes and shapes on every device",
+        "fix: if the difference is expected (float sums in another order, TF32), allow it: "
+        "assert_device_agnostic(drifting_stats, ..., rtol=1e-4, atol=1e-5)",
+    ] == message_lines(raised)
 
 
 def test_raising_on_a_later_device_is_a_failure() -> None:

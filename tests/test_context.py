@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import pytest
 import torch
+from helpers import python_output
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.overrides import _get_current_function_mode_stack
@@ -333,6 +334,51 @@ def test_threads_see_only_their_own_blocks(plans: list[list[torch.device]]) -> N
         levels = list(plan)
         innermost = levels[-1] if levels else CPU
         assert [*levels, innermost, *reversed(levels), CPU] == seen[index]
+
+
+_FIRST_BLOCKS = """
+import threading
+import torch
+import devicectx.scope._constructors as constructors
+from devicectx import on_device
+
+keep_trace_rules = constructors.keep_trace_rules
+installing, second_done = threading.Event(), threading.Event()
+
+def held(pairs):
+    # The first block's install, held after its look through the modules until the second
+    # block has allocated; a second block that waits for the install (as it must) cannot,
+    # and the install goes on after a bound: the outcome does not depend on the timing.
+    installing.set()
+    second_done.wait(timeout=0.5)
+    return keep_trace_rules(pairs)
+
+constructors.keep_trace_rules = held
+devices = {}
+
+def block(name, wait):
+    if wait:
+        installing.wait()
+    with on_device("meta"):
+        devices[name] = torch.empty(0).device.type
+    if wait:
+        second_done.set()
+
+threads = [threading.Thread(target=block, args=(name, name == "second"))
+           for name in ("first", "second")]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(devices["first"], devices["second"])
+"""
+
+
+def test_a_block_opened_while_the_first_installs_waits_for_it() -> None:
+    """The process's first block puts the constructors' replacements in place; a block
+    opened in another thread meanwhile waits for them (it went on, and allocated on the
+    CPU, seen on a GPU host where a test's threads opened the process's first blocks)."""
+    assert "meta meta" == python_output(_FIRST_BLOCKS)
 
 
 def test_thread_does_not_inherit_the_block_of_its_creator() -> None:

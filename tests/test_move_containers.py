@@ -9,6 +9,7 @@ the CPU to meta is a real move.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import types
@@ -223,6 +224,57 @@ def test_mapping_proxy_is_rebuilt_with_its_constructor() -> None:
     assert META == proxy["x"].device
 
 
+class AttrDict(dict[str, Any]):
+    """A dict whose entries are its attributes: it is its own ``__dict__``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.__dict__ = self
+
+
+def test_dict_that_is_its_own_attributes_is_moved_through_both() -> None:
+    """A dict that is its own ``__dict__`` comes back so: its attributes are its moved
+    entries, not a stale copy of them; the input is left alone."""
+    batch = AttrDict(x=torch.ones(3), y=torch.zeros(2))
+    moved = to_device(batch, "meta")
+    assert type(moved) is AttrDict
+    assert moved.__dict__ is moved
+    assert ["x", "y"] == list(moved)
+    assert moved.x is moved["x"]  # type: ignore[attr-defined]
+    assert moved.y is moved["y"]  # type: ignore[attr-defined]
+    assert (META, META) == (moved["x"].device, moved["y"].device)
+    assert batch.__dict__ is batch
+    assert CPU == batch.x.device == batch["x"].device  # type: ignore[attr-defined]
+
+
+class Scopes(collections.ChainMap[str, Any]):
+    tag = "class"
+
+
+@pytest.mark.parametrize("make", [collections.ChainMap, Scopes])
+def test_chain_map_moves_every_map_and_keeps_them_apart(make: Any) -> None:
+    """A ChainMap's tensors are those of its maps, shadowed ones too: each map is moved,
+    keeping its own keys; the chain keeps its type and attributes; the input is left alone."""
+    first, second = {"x": torch.zeros(1)}, {"x": torch.zeros(2), "w": torch.zeros(3)}
+    chain = make(first, second)
+    chain.note = "kept"
+    paths = ["chain.maps[0]['x']", "chain.maps[1]['x']", "chain.maps[1]['w']"]
+    assert {CPU: paths} == find_devices(chain, name="chain")
+    moved = to_device(chain, "meta")
+    assert type(moved) is make
+    assert "kept" == moved.note
+    assert [["x"], ["x", "w"]] == [list(m) for m in moved.maps]
+    assert [[(1,)], [(2,), (3,)]] == [[tuple(t.shape) for t in m.values()] for m in moved.maps]
+    assert {META: paths} == find_devices(moved, name="chain")
+    assert moved["x"] is moved.maps[0]["x"]
+    assert moved["w"] is moved.maps[1]["w"]
+    assert chain.maps == [first, second]
+    assert chain.maps[0] is first
+    assert chain.maps[1] is second
+    assert ["x"] == list(first)
+    assert {CPU} == {t.device for t in (*first.values(), *second.values())}
+
+
 class Encoding(collections.UserDict[str, Any]):
     """Like Hugging Face's BatchEncoding: a mapping with a .to that works in place."""
 
@@ -397,6 +449,104 @@ def test_views_that_disagree_where_the_type_joins_them_are_refused() -> None:
         "fix: teach it with devicectx.register_container(Output, children=..., "
         "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=['obj'])",
     ] == str(raised.value).splitlines()
+
+
+class FieldOrderCopy:
+    """Copied as transformers' ``ModelOutput`` is: made anew from its fields, whose
+    entries the constructor sets in field order, then given its entries again, which
+    keeps that order."""
+
+    def __reduce__(self) -> Any:
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        return type(self), fields, dict(vars(self)), None, iter(self.items())  # type: ignore[attr-defined]
+
+
+@dataclasses.dataclass
+class FieldOrderOutput(FieldOrderCopy, Output):
+    pass
+
+
+@dataclasses.dataclass
+class FieldOrderDict(FieldOrderCopy, dict[str, Any]):
+    """Like :class:`Output`, on a dict rather than an OrderedDict."""
+
+    logits: Any = None
+    loss: Any = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                self[field.name] = value
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+@pytest.mark.parametrize("make", [FieldOrderOutput, FieldOrderDict])
+def test_entries_set_out_of_field_order_keep_the_callers_order(make: Any) -> None:
+    """Where the type's own copy lists the entries in field order (ModelOutput's does),
+    the moved object lists them in the order the caller set them, every view moved."""
+    out = make(loss=torch.zeros(()))
+    out["logits"] = torch.zeros(2)
+    assert ["logits", "loss"] == list(copy.copy(out).keys())
+    moved = to_device(out, "meta")
+    assert type(moved) is make
+    assert ["loss", "logits"] == list(moved.keys())
+    assert moved.logits is moved["logits"]
+    assert moved.loss is moved["loss"]
+    assert (META, META) == (moved.logits.device, moved.loss.device)
+    assert ["loss", "logits"] == list(out.keys())
+    assert CPU == out.logits.device == out["logits"].device
+
+
+@dataclasses.dataclass
+class SortedCopy(Mapping[str, Any]):
+    """A dataclass whose entries live in a dict of its own, which its copy sorts: an
+    order only the type itself could put back."""
+
+    logits: Any = None
+    loss: Any = None
+
+    def __post_init__(self) -> None:
+        self._entries: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._entries[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._entries[key] = value
+        setattr(self, key, value)
+
+    def __copy__(self) -> SortedCopy:
+        clone = SortedCopy(self.logits, self.loss)
+        clone._entries = dict(sorted(self._entries.items()))
+        return clone
+
+
+def test_entries_a_copy_reorders_where_the_order_cannot_be_put_back_are_refused() -> None:
+    """A two-view object whose copy lists its entries in another order, kept where only
+    the type could reorder them, raises MoveError rather than come back reordered."""
+    out = SortedCopy()
+    out["loss"] = torch.zeros(())
+    out["logits"] = torch.zeros(2)
+    with pytest.raises(MoveError) as raised:
+        to_device(out, "meta")
+    assert [
+        "to_device() could not move obj (a SortedCopy) to meta:",
+        "    SortedCopy cannot be rebuilt with its tensors moved: "
+        "a copy given the moved children lists them in another order",
+        "fix: teach it with devicectx.register_container(SortedCopy, children=..., "
+        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=['obj'])",
+    ] == str(raised.value).splitlines()
+    assert ["loss", "logits"] == list(out)
 
 
 @dataclasses.dataclass

@@ -6,6 +6,8 @@ moves where it can, messages asserted line by line.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,9 +19,11 @@ from devicectx import (
     DeviceUnavailableError,
     InvalidDeviceError,
     MoveError,
+    device_agnostic,
     register_container,
     to_device,
 )
+from devicectx.testing import emulated
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -125,3 +129,95 @@ def test_move_error_from_a_module() -> None:
         "meta to a different device.",
         "fix: leave it where it is: to_device(obj, 'cpu', skip=[\"obj['model']\"])",
     ] == str(raised.value).splitlines()
+
+
+# Out of memory: the error is torch's own too, so `except torch.OutOfMemoryError` around a
+# move catches it as it catches torch's `.to`, and it still names the path and the fix.
+
+MIB = 2**20
+
+needs_emulated_memory_limit = pytest.mark.skipif(
+    not emulated.enabled() or torch.cuda.is_available(),
+    reason="needs the emulated accelerator's memory limit (pytest "
+    "--devicectx-accelerator=emulated), refused where a CUDA GPU is present",
+)
+
+TOO_LARGE = [
+    pytest.param(lambda: {"x": torch.ones(2 * MIB)}, r"obj\['x'\]", "a Tensor", id="tensor"),
+    pytest.param(
+        lambda: {"x": [torch.ones(3), torch.ones(2 * MIB)[1:]]},
+        r"obj\['x'\]\[1\]",
+        "a Tensor",
+        id="view",
+    ),
+    pytest.param(
+        lambda: {"p": nn.Parameter(torch.ones(2 * MIB))},
+        r"obj\['p'\]",
+        "a Parameter",
+        id="parameter",
+    ),
+    pytest.param(lambda: {"m": nn.Linear(1024, 2048)}, r"obj\['m'\]", "a Linear", id="module"),
+    # 8 tensors of 1 MiB: staged together first, then moved one by one when that fails, till
+    # one does not fit (which one depends on what earlier tests left on the device).
+    pytest.param(
+        lambda: {k: torch.ones(MIB // 4) for k in "abcdefgh"},
+        r"obj\['[a-h]'\]",
+        "a Tensor",
+        id="staged",
+    ),
+]
+
+
+@needs_emulated_memory_limit
+@pytest.mark.parametrize(("make", "path_pattern", "what"), TOO_LARGE)
+def test_out_of_memory_is_caught_as_torchs_own_error(
+    make: Callable[[], Any], path_pattern: str, what: str
+) -> None:
+    """A move past the device's memory raises an error that is both torch.OutOfMemoryError
+    and MoveError, naming the path, torch's words and the fix; torch's error is the cause."""
+    batch = make()
+    with emulated.configure(memory_limit=4 * MIB), pytest.raises(torch.OutOfMemoryError) as raised:
+        to_device(batch, "emu:0")
+    assert isinstance(raised.value, MoveError)
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+    first, cause, *_, fix = str(raised.value).splitlines()
+    found = re.fullmatch(
+        rf"to_device\(\) could not move ({path_pattern}) \({what}.*\) to emu:0:", first
+    )
+    assert found is not None, first
+    assert cause.startswith("    OutOfMemoryError: emu out of memory. Tried to allocate ")
+    assert f"fix: leave it where it is: to_device(obj, 'emu:0', skip=[{found[1]!r}])" == fix
+
+
+@needs_emulated_memory_limit
+def test_out_of_memory_moving_a_decorated_functions_argument() -> None:
+    """The decorator's move of an argument past the device's memory raises an error that is
+    both torch.OutOfMemoryError and MoveError, naming the argument."""
+
+    @device_agnostic(device="emu:0")
+    def first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x
+
+    with emulated.configure(memory_limit=4 * MIB), pytest.raises(torch.OutOfMemoryError) as raised:
+        first(torch.ones(3), w=torch.ones(2 * MIB))
+    assert isinstance(raised.value, MoveError)
+    assert str(raised.value).startswith("@device_agnostic could not move w (a Tensor of shape ")
+
+
+def test_other_move_errors_are_no_out_of_memory_errors() -> None:
+    """Only a move that ran out of memory is a torch.OutOfMemoryError: `except
+    torch.OutOfMemoryError` (a back-off that halves the batch) lets other failures through."""
+    with pytest.raises(MoveError) as raised:
+        to_device({"model": nn.Linear(1, 1, device="meta")}, "cpu")
+    assert not isinstance(raised.value, torch.OutOfMemoryError)
+
+
+@pytest.mark.requires_device("cuda")
+def test_a_real_cuda_out_of_memory_error_is_torchs_own_error() -> None:
+    """The CUDA allocator's own error, raised moving a tensor larger than any GPU (1 PiB,
+    expanded from one byte: no host memory), is a torch.OutOfMemoryError naming the path."""
+    huge = torch.zeros(1, dtype=torch.uint8).expand(2**50)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
+        to_device({"x": huge}, "cuda")
+    assert isinstance(raised.value, MoveError)
+    assert str(raised.value).startswith("to_device() could not move obj['x'] (a Tensor of ")

@@ -16,8 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import devicectx.devices._oom
-from devicectx import BatchTooLargeError, DeviceError, shrink_batch_on_oom
+from devicectx import BatchTooLargeError, DeviceError, MoveError, shrink_batch_on_oom, to_device
 from devicectx.devices._oom import is_out_of_memory
+from devicectx.testing import emulated
 
 # The messages each backend's allocator raises, copied from torch's sources (c10/cuda,
 # c10/xpu, aten/src/ATen/mps) and from real runs; the type is what torch 2.13 raises.
@@ -612,3 +613,33 @@ def test_a_real_cuda_out_of_memory_error_is_retried() -> None:
 
     assert allocate(4) == 1
     assert [4, 2, 1] == sizes
+
+
+@pytest.mark.skipif(
+    not emulated.enabled() or torch.cuda.is_available(),
+    reason="needs the emulated accelerator's memory limit (pytest "
+    "--devicectx-accelerator=emulated), refused where a CUDA GPU is present",
+)
+def test_a_move_out_of_memory_shrinks_the_batch() -> None:
+    """A to_device past the device's memory raises devicectx's MoveError, a
+    torch.OutOfMemoryError too: the back-off knows it by its type, and halves the batch."""
+    sizes: list[int] = []
+    kinds: list[tuple[bool, bool]] = []  # not the errors: their frames would hold the batch
+    mib = 2**20
+
+    @shrink_batch_on_oom
+    def step(batch_size: int) -> int:
+        sizes.append(batch_size)
+        try:
+            batch = to_device({"x": torch.ones(batch_size, mib // 4)}, "emu:0")  # 1 MiB each
+        except Exception as error:
+            kinds.append((isinstance(error, MoveError), isinstance(error, torch.OutOfMemoryError)))
+            raise
+        return int(batch["x"].shape[0])
+
+    gc.collect()
+    room = emulated.memory_allocated("emu:0") + 4 * mib + mib // 2
+    with emulated.configure(memory_limit=room):
+        assert 4 == step(16)
+    assert [16, 8, 4] == sizes
+    assert [(True, True), (True, True)] == kinds

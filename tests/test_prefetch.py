@@ -818,6 +818,31 @@ def test_close_frees_the_batches_ahead_of_a_loader_error_without_the_collector()
 
 
 @needs_emulated
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a CUDA GPU is present: the emulated memory limit is refused here",
+)
+def test_a_batch_past_the_device_memory_is_torchs_out_of_memory_error_in_its_turn() -> None:
+    """A batch that does not fit on the device raises, in its turn, an error that is both
+    torch.OutOfMemoryError and MoveError, naming the batch and the path inside it."""
+    device = accelerator()
+    batches = [*numbered(2), {"i": 2, "x": torch.ones(2**21)}]  # 8 MiB
+    seen: list[int] = []
+    torch.accelerator.synchronize()
+    gc.collect()
+    room = emulated.memory_allocated(device) + 4 * 2**20
+
+    with emulated.configure(memory_limit=room), pytest.raises(torch.OutOfMemoryError) as raised:
+        seen.extend(batch["i"] for batch in prefetch(batches, device))
+
+    assert [0, 1] == seen
+    assert isinstance(raised.value, MoveError)
+    assert str(raised.value).startswith(
+        "prefetch() at batch 2 could not move batch['x'] (a Tensor of shape (2097152,), "
+    )
+
+
+@needs_emulated
 def test_the_callers_stream_waits_for_a_batch_whose_copies_are_held() -> None:
     """A batch is handed over while its copies are held back on the copy stream: the
     host does not wait for them, the caller's stream does (waiting for it then waits for

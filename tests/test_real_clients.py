@@ -582,6 +582,67 @@ def test_model_output_views_agree_after_a_decorated_bert_forward() -> None:
     assert out.hidden_states is out["hidden_states"]
 
 
+def loss_set_by_key() -> Any:
+    """A ``SequenceClassifierOutput`` given its loss by key after it was made, as custom
+    heads do: its keys list the loss last, its fields list it first."""
+    outputs = client("transformers.modeling_outputs")
+    out = outputs.SequenceClassifierOutput(logits=torch.randn(2, 3))
+    out["loss"] = torch.tensor(0.5)
+    return out
+
+
+def loss_set_by_attribute() -> Any:
+    """A ``CausalLMOutputWithPast`` given its loss by attribute after it was made."""
+    outputs = client("transformers.modeling_outputs")
+    hidden = (torch.randn(2, 5, 4), torch.randn(2, 5, 4))
+    out = outputs.CausalLMOutputWithPast(logits=torch.randn(2, 5, 7), hidden_states=hidden)
+    out.loss = torch.tensor(1.5)
+    return out
+
+
+late_loss = pytest.mark.parametrize(
+    ("make", "keys"),
+    [
+        (loss_set_by_key, ["logits", "loss"]),
+        (loss_set_by_attribute, ["logits", "hidden_states", "loss"]),
+    ],
+    ids=["by-key", "by-attribute"],
+)
+
+
+@late_loss
+def test_model_output_keeps_the_order_its_entries_were_set_in(
+    make: Callable[[], Any], keys: list[str]
+) -> None:
+    """A ``ModelOutput`` whose keys are not in its field order moves with its keys in
+    their order, so that indices and ``to_tuple()`` still give what they gave, every
+    access path agreeing; the input is left as it was."""
+    out = make()
+    assert keys == list(out.keys())
+    moved = to_device(out, META)
+    assert_agrees(CLIENTS["transformers-ModelOutput"], out, moved, META)
+    assert keys == list(moved.keys())
+    assert moved.loss is moved["loss"] is moved[len(keys) - 1]
+    assert keys == list(out.keys())
+    assert {CPU} == {t.device for _, t in output_views(out)}
+
+
+@late_loss
+def test_model_output_out_of_field_order_returns_to_the_caller(
+    make: Callable[[], Any], keys: list[str]
+) -> None:
+    """``output="input"``: such a ``ModelOutput`` made on the CPU reaches the caller's
+    device (meta) with its keys in their order, every access path agreeing."""
+
+    @device_agnostic(output="input", scope=False)
+    def head(features: torch.Tensor) -> Any:
+        return make()
+
+    result = head(torch.zeros(2, device=META))
+    assert_agrees(CLIENTS["transformers-ModelOutput"], make(), result, META)
+    assert keys == list(result.keys())
+
+
 @pytest.mark.skipif(not ACCELERATORS, reason=NO_ACCELERATOR)
 @pytest.mark.parametrize("device", ACCELERATORS, ids=str)
 def test_bert_on_an_accelerator_answers_on_the_cpu(device: torch.device) -> None:

@@ -5,8 +5,9 @@ Every type the engine meets gets one :class:`Kind`, worked out once per type and
 - ``CONTAINER``: taken apart into keyed children and rebuilt, with its own type, when a
   child changed: list, tuple, namedtuple, ``torch.return_types``, dict, ``OrderedDict``,
   ``defaultdict``, deque, set, frozenset, dataclasses (a dataclass that is also a mapping,
-  such as transformers' ``ModelOutput``, through both views), ``PackedSequence``, other
-  ``Mapping``/``Sequence``/``Set`` types, and registered types;
+  such as transformers' ``ModelOutput``, through both views), ``PackedSequence``,
+  ``ChainMap`` (through its maps), other ``Mapping``/``Sequence``/``Set`` types, and
+  registered types;
 - ``TENSOR``, ``MODULE``: moved by the engine itself;
 - ``OWN``: objects with their own ``.to`` (tensordict, ``BatchEncoding``, torch_geometric's
   ``Data``), moved with it; their children are read where the type allows, to list them
@@ -381,6 +382,8 @@ def _work_out(tp: type) -> Kind:
         return builtin
     if issubclass(tp, PackedSequence):
         return _PACKED_KIND
+    if issubclass(tp, collections.ChainMap):
+        return _CHAIN_KIND
     if callable(getattr(tp, "to", None)):
         return _own_kind(tp)
     if dataclasses.is_dataclass(tp):
@@ -452,6 +455,32 @@ def _packed_rebuild(obj: PackedSequence, keys: object, old: object, new: list[An
 
 
 _PACKED_KIND = Kind(CONTAINER, ATTR, _packed_split, _packed_rebuild)
+
+
+def _chain_split(obj: collections.ChainMap[Any, Any]) -> tuple[tuple[str], tuple[Any]]:
+    # Its maps, not its items: a key in an earlier map hides the same key in the later
+    # ones, whose tensors the chain still holds (chain.parents reaches them), and item
+    # assignment on a copy would write every moved item into the first map.
+    return ("maps",), (obj.maps,)
+
+
+def _chain_rebuild(
+    obj: collections.ChainMap[Any, Any], keys: object, old: object, new: list[Any]
+) -> Any:
+    # Not copy.copy: ChainMap's copies the first map and forgets the chain's other
+    # attributes; the moved maps replace all of them anyway.
+    clone: Any = object.__new__(type(obj))
+    clone.__dict__.update(vars(obj))
+    for slot in slot_names(type(obj)):
+        value = getattr(obj, slot, _MISSING)
+        if value is not _MISSING:
+            object.__setattr__(clone, slot, value)
+    clone.maps = new[0]
+    _forget_cached(clone)
+    return clone
+
+
+_CHAIN_KIND = Kind(CONTAINER, ATTR, _chain_split, _chain_rebuild)
 
 
 def _tuple_kind(tp: type) -> Kind:
@@ -644,6 +673,8 @@ def _dual_rebuild(tp: type) -> Rebuild:
         _drop_cached(clone, cached)
         if not fresh:
             raise CannotRebuild(tp, "copy.copy() does not make a new object of its type")
+        if mapping:
+            _keep_order(clone, list(obj.keys()), storage)
         for name in (*names, *getattr(clone, "__dict__", ())):
             after = changed.get(id(getattr(clone, name, _MISSING)), _MISSING)
             if after is not _MISSING:
@@ -661,6 +692,28 @@ def _dual_rebuild(tp: type) -> Rebuild:
         return clone
 
     return rebuild
+
+
+def _keep_order(clone: Any, order: list[Any], storage: type | None) -> None:
+    """Give the copy's entries the original's ``order``, by its built-in storage's code.
+
+    A type's copy may make the object anew and set its entries as its constructor does:
+    a ``ModelOutput``'s sets its fields first, in field order, so an entry the caller set
+    later (``out["loss"] = ...``) would come before those set earlier, and ``out[0]`` would
+    give another tensor. Only the order is put back, and only in a ``dict`` or
+    ``OrderedDict``: entries the copy lacks or adds, and an order only the type itself
+    could change, are left for the check to find. The storage's own methods, as in
+    :func:`_set_entry`: the type's may be refused (a ``ModelOutput``'s ``pop`` raises).
+    """
+    now = list(clone.keys())
+    if now == order or set(now) != set(order):
+        return
+    if storage is collections.OrderedDict:
+        for key in order:
+            collections.OrderedDict.move_to_end(clone, key)
+    elif storage is dict:
+        for key in order:
+            dict.__setitem__(clone, key, dict.pop(clone, key))
 
 
 def _set_entry(clone: Any, key: Any, value: Any, storage: type | None) -> None:
@@ -716,6 +769,11 @@ def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) ->
         try:
             clone = copy.copy(obj)
             if clone is not obj and type(clone) is type(obj):
+                if getattr(obj, "__dict__", None) is obj:
+                    # A dict that is its own __dict__ (an attribute dict): the copy gets a
+                    # copy of it instead, whose attributes would keep the old children.
+                    # Not by clone.__dict__ = ...: the type's __setattr__ may set entries.
+                    object.__setattr__(clone, "__dict__", clone)
                 _forget_cached(clone)
                 for key, before, after in zip(keys, old, new, strict=True):
                     if after is not before:

@@ -9,9 +9,10 @@ The walk is recursive, which is the fastest way through a batch in CPython, down
 ``_DEPTH`` containers; below that it goes on with an explicit stack, so depth is not
 limited by Python's recursion limit. The explicit stack also serves a ``skip`` that
 needs each child's key or path checked. A failed move unwinds as :class:`_Failed`, each
-level adding its key, and surfaces as a ``MoveError`` that names the whole path; so does a
-container that cannot be rebuilt faithfully, and an object whose own ``.to`` left tensors
-behind. A ``skip`` predicate that raises is reported as the predicate's error.
+level adding its key, and surfaces as a ``MoveError`` that names the whole path (one for
+want of memory is a ``torch.OutOfMemoryError`` too); so does a container that cannot be
+rebuilt faithfully, and an object whose own ``.to`` left tensors behind. A ``skip``
+predicate that raises is reported as the predicate's error.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from devicectx._errors import MoveError, RegistrationError
+from devicectx._errors import MoveError, MoveOutOfMemoryError, RegistrationError
 from devicectx._torch.tensors import base_of
 from devicectx.move import _containers
 from devicectx.move._alias import EngineBug, TensorMover
@@ -543,6 +544,10 @@ class Rebuild:
             f"    {detail}\n"
             f"fix: {fix}"
         )
+        # Out of memory stays torch's own error too: `except torch.OutOfMemoryError` around
+        # a move then works as around `.to`, and shrink_batch_on_oom knows it by its type.
+        if isinstance(error, torch.OutOfMemoryError):
+            return MoveOutOfMemoryError(msg)
         return MoveError(msg)
 
 
@@ -563,7 +568,8 @@ def _left_behind(result: Any, device: torch.device) -> CannotRebuild:
 def _describe(obj: Any) -> str:
     if isinstance(obj, torch.Tensor):
         if obj.is_nested:  # no shape of its own: torch raises at .shape
-            return f"a nested {type(obj).__name__} of {obj.size(0)} tensors, {obj.dtype}, on {obj.device}"
+            count = obj.size(0)
+            return f"a nested {type(obj).__name__} of {count} tensors, {obj.dtype}, on {obj.device}"
         shape = tuple(obj.shape)
         return f"{_a(type(obj).__name__)} of shape {shape}, {obj.dtype}, on {obj.device}"
     return _a(type(obj).__qualname__)

@@ -85,7 +85,7 @@ class TorchPatch:
             if self._wrappers is None:
                 self._wrappers = {id(original): fn for original, fn in self._make().items()}
                 _REPLACEMENTS.update(fn.__code__ for fn in self._wrappers.values())
-            new = self._find_sites()
+            new, seen = self._find_sites()
             # Tables dynamo built since the last look (its first compile loads modules, so
             # a look follows it) list the replacements: torch's own are put back in them.
             pairs = [(fn.__wrapped__, fn) for fn in self._wrappers.values()]  # type: ignore[attr-defined]
@@ -98,6 +98,9 @@ class TorchPatch:
                     setattr(module, name, wrapper)
             self._sites.extend(new)
             self.installed = True
+            # Last: a block opening in another thread meanwhile compares its count with
+            # this one, and waits on the lock, until the replacements are in place.
+            self.seen = seen
 
     def uninstall(self) -> None:
         """Give torch its functions back wherever they were replaced."""
@@ -110,8 +113,9 @@ class TorchPatch:
             keep_trace_rules((original, wrapper) for _, _, original, wrapper in self._sites)
             self.installed = False
 
-    def _find_sites(self) -> list[_Site]:
-        """The names bound to a replaced function in the modules loaded since the last look."""
+    def _find_sites(self) -> tuple[list[_Site], int]:
+        """The names bound to a replaced function in the modules loaded since the last
+        look, and how many modules were loaded then."""
         assert self._wrappers is not None
         wrappers = self._wrappers
         sites: list[_Site] = []
@@ -124,8 +128,7 @@ class TorchPatch:
                 wrapper = wrappers.get(id(value))
                 if wrapper is not None and not name.startswith("__"):
                     sites.append((module, name, value, wrapper))
-        self.seen = len(modules)
-        return sites
+        return sites, len(modules)
 
 
 def constructor_patch(
