@@ -55,6 +55,33 @@ def test_input_is_not_changed() -> None:
     assert tensor.device == CPU
 
 
+class Features:
+    """A batch type whose own ``.to`` moves, in place, the tensors of a dict and a list
+    it holds, and returns itself."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.tensors = dict(tensors)
+        self.order = list(tensors.values())
+
+    def to(self, device: Any, non_blocking: bool = False) -> Features:
+        for key, value in self.tensors.items():
+            self.tensors[key] = value.to(device, non_blocking=non_blocking)
+        self.order[:] = [value.to(device) for value in self.order]
+        return self
+
+
+def test_an_own_to_that_works_in_place_leaves_the_input_alone() -> None:
+    """An object moved by its own ``.to``, which writes into a dict and a list it holds:
+    the caller's object, and those containers, keep their tensors where they were."""
+    features = Features(x=torch.ones(2))
+    tensors, order = features.tensors, features.order
+    moved = to_device({"f": features}, META)
+    assert META == moved["f"].tensors["x"].device == moved["f"].order[0].device
+    assert features.tensors is tensors
+    assert features.order is order
+    assert CPU == tensors["x"].device == order[0].device
+
+
 def test_dtype_shape_and_strides_kept() -> None:
     """dtype, shape and the strides of a dense non-contiguous tensor are kept."""
     tensor = torch.zeros(2, 3, dtype=torch.float16).t()

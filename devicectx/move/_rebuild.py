@@ -483,6 +483,8 @@ class Rebuild:
                 target = copy.copy(obj)
             except Exception:
                 target = obj
+            else:
+                _own_containers(target)
             result = _NOT_CALLED
             if mover.non_blocking:
                 with contextlib.suppress(TypeError):  # a .to that takes no non_blocking
@@ -549,6 +551,18 @@ class Rebuild:
         if isinstance(error, torch.OutOfMemoryError):
             return MoveOutOfMemoryError(msg)
         return MoveError(msg)
+
+
+def _own_containers(clone: Any) -> None:
+    """Give a shallow copy its own dicts and lists, one level down: a ``.to`` that writes
+    into one it holds (``self.tensors[k] = v.to(device)``) then writes into the copy's,
+    not into the caller's, which the shallow copy shares."""
+    state = getattr(clone, "__dict__", None)
+    if type(state) is not dict:
+        return
+    for name, value in state.items():
+        if type(value) is dict or type(value) is list:
+            state[name] = copy.copy(value)
 
 
 def _off(result: Any, device: torch.device) -> bool:
