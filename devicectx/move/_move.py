@@ -91,8 +91,8 @@ def to_device(
             ``torch.return_types``, dict, ``OrderedDict``, ``defaultdict``, deque, set,
             frozenset, dataclass (mutable, frozen, ``slots=True``, ``init=False`` fields;
             one that is also a mapping, such as transformers' ``ModelOutput``, comes back
-            with its fields and its entries agreeing), ``PackedSequence``, other
-            ``Mapping``/``Sequence``/``Set`` types, types taught with
+            with its fields and its entries agreeing), ``PackedSequence``, ``ChainMap``
+            (every map), other ``Mapping``/``Sequence``/``Set`` types, types taught with
             :func:`register_container`, objects with their own ``.to(device)``
             (tensordict, ``BatchEncoding``, torch_geometric's ``Data``), and ``nn.Module``.
         device: anything :func:`resolve_device` takes: ``"cuda:1"``, ``"auto"``, ...
@@ -208,7 +208,8 @@ def to_device(
           view that showed a moved child (field, entry, or any attribute holding it)
           is made to show the moved one; the copy is then read again to check it.
         - A ``Mapping``/``Sequence``/``Set`` type is rebuilt with a copy and item
-          assignment, else with its constructor; one that takes neither raises
+          assignment (an attribute dict, its own ``__dict__``, stays one), else with its
+          constructor; one that takes neither raises
           ``MoveError`` (it is never turned into another type, nor left half-moved):
           teach it with :func:`register_container`, or ``skip`` it.
     """
