@@ -5,17 +5,15 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
-from devicectx.move._containers import TENSOR, Split, kind_for
 from devicectx.move._move import iter_tensors, move_call
-from devicectx.move._paths import MEMBER, join
 from devicectx.move._unseen import Unseen, fix_for, is_device_mismatch, unseen_tensors
+from devicectx.testing._sets import paired
 
 _META = torch.device("meta")
 
@@ -223,9 +221,9 @@ def _compare(
         # A path through a set member starts list(...)[i], i the member's place in
         # iteration order, which follows hashes (ids, for tensors): another order in each
         # output. Members are numbered instead as the reference's members they equal.
-        leaves = _paired(outputs, 0, tolerances)
+        leaves = paired(outputs, 0, _Differs(tolerances))
         if value_index is not None and value_index > 0:
-            value_leaves = _paired(outputs, value_index, tolerances)
+            value_leaves = paired(outputs, value_index, _Differs(tolerances))
         else:
             value_leaves = leaves
     sections: list[str] = []
@@ -273,166 +271,15 @@ _FIXES = {
 }
 
 
-def _paired(
-    outputs: list[tuple[torch.device, object]],
-    against: int,
-    tolerances: tuple[float, float] | None,
-) -> list[dict[str, torch.Tensor]]:
-    """Each output's tensors by path, as :func:`iter_tensors` gives them, except that in
-    the outputs after ``outputs[against]`` each set member is numbered as the member of
-    ``outputs[against]``'s set that it equals."""
-    reference_device, reference = outputs[against]
-    paired: list[dict[str, torch.Tensor]] = []
-    for index, (device, output) in enumerate(outputs):
-        values = _META not in (device, reference_device)
-        pairing = _Pairing(tolerances, values)
-        # The reference, and the outputs not compared with it, keep iteration order.
-        paired.append(pairing.leaves(output, reference if index > against else None, "out"))
-    return paired
+class _Differs:
+    """Whether two tensors' values differ, by :func:`_value_problem` with ``tolerances``:
+    what pairs a set's members (:func:`~devicectx.testing._sets.paired`)."""
 
-
-class _Pairing:
-    """A walk of an output beside the reference output that numbers each member of a set
-    as the member of the reference's set, at the same path, that it equals: the same
-    tensors, dtypes and shapes, and values within tolerance where both devices hold values.
-
-    Members are paired by a largest matching, not each with the first it equals: within
-    a tolerance, "equals" is no equivalence (a member may equal two of the reference's,
-    one of which equals nothing else). A member that equals none takes a number left over,
-    so that its differences are reported at that path. Without a reference (the
-    reference itself), members keep their iteration order, as in :func:`iter_tensors`.
-    """
-
-    def __init__(self, tolerances: tuple[float, float] | None, values: bool) -> None:
+    def __init__(self, tolerances: tuple[float, float] | None) -> None:
         self.tolerances = tolerances
-        self.values = values
 
-    def leaves(self, obj: object, reference: object, path: str) -> dict[str, torch.Tensor]:
-        """The tensors of ``obj`` by path; a container met again is not looked into again."""
-        found: dict[str, torch.Tensor] = {}
-        self._walk(obj, reference, path, found, set())
-        return found
-
-    def _walk(
-        self,
-        obj: Any,
-        reference: Any,
-        path: str,
-        found: dict[str, torch.Tensor],
-        seen: set[int],
-    ) -> None:
-        kind = kind_for(type(obj))
-        if kind.role == TENSOR:
-            found[path] = obj
-            return
-        if kind.split is None or id(obj) in seen:  # a module, a leaf, or met already
-            return
-        seen.add(id(obj))
-        keys, children = kind.split(obj)
-        # The reference's container at the same path: where it is of another type, that
-        # is reported as missing and unexpected tensors; sets below it keep their order.
-        if reference is not None and type(reference) is not type(obj):
-            reference = None
-        if kind.style == MEMBER and reference is not None:
-            references = list(kind.split(reference)[1])
-            numbers = self._numbers(children, references, path, seen)
-            for number, child in sorted(zip(numbers, children, strict=True), key=_number):
-                partner = references[number] if number < len(references) else None
-                self._walk(child, partner, join(path, MEMBER, number), found, seen)
-            return
-        partners = _partners(keys, len(children), reference, kind.split)
-        for position, child in enumerate(children):
-            key = position if keys is None else keys[position]
-            self._walk(child, partners[position], join(path, kind.style, key), found, seen)
-
-    def _numbers(
-        self, members: Sequence[Any], references: list[Any], path: str, seen: set[int]
-    ) -> list[int]:
-        """Each member's number: that of the reference's member it is paired with."""
-        # A trial walk sees a copy of `seen`: what it meets is met for real afterwards.
-        expected = [
-            self._trial(reference, None, join(path, MEMBER, number), set())
-            for number, reference in enumerate(references)
-        ]
-        tried: dict[tuple[int, int], bool] = {}
-
-        def equal(member: int, number: int) -> bool:
-            if (member, number) not in tried:
-                at = join(path, MEMBER, number)
-                actual = self._trial(members[member], references[number], at, seen)
-                tried[member, number] = self._same(actual, expected[number])
-            return tried[member, number]
-
-        paired = _largest_pairing(len(members), len(references), equal)
-        taken = set(paired.values())
-        left = (n for n in range(len(references) + len(members)) if n not in taken)
-        return [paired[m] if m in paired else next(left) for m in range(len(members))]
-
-    def _trial(
-        self, obj: object, reference: object, path: str, seen: set[int]
-    ) -> dict[str, torch.Tensor]:
-        found: dict[str, torch.Tensor] = {}
-        self._walk(obj, reference, path, found, set(seen))
-        return found
-
-    def _same(self, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
-        if actual.keys() != expected.keys():
-            return False
-        for path, want in expected.items():
-            got = actual[path]
-            if got.dtype != want.dtype or got.shape != want.shape:
-                return False
-            if not self.values or got.is_meta or want.is_meta:
-                continue
-            if _value_problem(path, got, want, self.tolerances) is not None:
-                return False
-        return True
-
-
-def _partners(keys: Any, count: int, reference: Any, split: Split) -> list[Any]:
-    """For each of a container's ``count`` children, the child of ``reference`` (of the
-    same type) at the same key, or position; None where there is none."""
-    if reference is None:
-        return [None] * count
-    try:
-        reference_keys, children = split(reference)
-        if keys is None or reference_keys is None:
-            return [children[i] if i < len(children) else None for i in range(count)]
-        by_key = dict(zip(reference_keys, children, strict=True))
-        return [by_key.get(key) for key in keys]
-    except Exception:  # an unhashable key, or one that compares elementwise (a tensor)
-        return [None] * count
-
-
-def _largest_pairing(
-    count: int, partners: int, equal: Callable[[int, int], bool]
-) -> dict[int, int]:
-    """A largest pairing of ``count`` members with ``partners`` others, each member with
-    one it ``equal``s, as ``{member: partner}``: each takes the first free one it equals,
-    else one taken from a member that can move to another (Kuhn's augmenting paths)."""
-    owner: dict[int, int] = {}
-
-    def claim(member: int, tried: set[int]) -> bool:
-        for partner in range(partners):
-            if partner not in tried and equal(member, partner):
-                tried.add(partner)
-                if partner not in owner or claim(owner[partner], tried):
-                    owner[partner] = member
-                    return True
-        return False
-
-    for member in range(count):
-        free = (p for p in range(partners) if p not in owner and equal(member, p))
-        partner = next(free, None)
-        if partner is None:
-            claim(member, set())
-        else:
-            owner[partner] = member
-    return {member: partner for partner, member in owner.items()}
-
-
-def _number(item: tuple[int, object]) -> int:
-    return item[0]
+    def __call__(self, path: str, actual: torch.Tensor, expected: torch.Tensor) -> bool:
+        return _value_problem(path, actual, expected, self.tolerances) is not None
 
 
 def _placement_problems(leaves: dict[str, torch.Tensor], device: torch.device) -> list[str]:

@@ -1,0 +1,184 @@
+"""Outputs holding sets of tensors, paired for :func:`assert_device_agnostic`'s comparison.
+
+A set iterates in the order of its members' hashes, ids for tensors: another order on
+each device. Its members are numbered here as the members of the reference output's set
+that they equal, so that the comparison's paths (``list(out['stats'])[2]``) name the same
+member on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from devicectx.move._containers import TENSOR, Split, kind_for
+from devicectx.move._paths import MEMBER, join
+
+_META = torch.device("meta")
+
+Differs = Callable[[str, torch.Tensor, torch.Tensor], bool]
+"""Whether the values of two tensors at a path differ (within the comparison's tolerance)."""
+
+
+def paired(
+    outputs: list[tuple[torch.device, object]],
+    against: int,
+    differs: Differs,
+) -> list[dict[str, torch.Tensor]]:
+    """Each output's tensors by path, as :func:`iter_tensors` gives them, except that in
+    the outputs after ``outputs[against]`` each set member is numbered as the member of
+    ``outputs[against]``'s set that it equals."""
+    reference_device, reference = outputs[against]
+    paired: list[dict[str, torch.Tensor]] = []
+    for index, (device, output) in enumerate(outputs):
+        values = _META not in (device, reference_device)
+        pairing = Pairing(differs, values)
+        # The reference, and the outputs not compared with it, keep iteration order.
+        paired.append(pairing.leaves(output, reference if index > against else None, "out"))
+    return paired
+
+
+class Pairing:
+    """A walk of an output beside the reference output that numbers each member of a set
+    as the member of the reference's set, at the same path, that it equals: the same
+    tensors, dtypes and shapes, and values within tolerance where both devices hold values.
+
+    Members are paired by a largest matching, not each with the first it equals: within
+    a tolerance, "equals" is no equivalence (a member may equal two of the reference's,
+    one of which equals nothing else). A member that equals none takes a number left over,
+    so that its differences are reported at that path. Without a reference (the
+    reference itself), members keep their iteration order, as in :func:`iter_tensors`.
+    """
+
+    def __init__(self, differs: Differs, values: bool) -> None:
+        self.differs = differs
+        self.values = values
+
+    def leaves(self, obj: object, reference: object, path: str) -> dict[str, torch.Tensor]:
+        """The tensors of ``obj`` by path; a container met again is not looked into again."""
+        found: dict[str, torch.Tensor] = {}
+        self._walk(obj, reference, path, found, set())
+        return found
+
+    def _walk(
+        self,
+        obj: Any,
+        reference: Any,
+        path: str,
+        found: dict[str, torch.Tensor],
+        seen: set[int],
+    ) -> None:
+        kind = kind_for(type(obj))
+        if kind.role == TENSOR:
+            found[path] = obj
+            return
+        if kind.split is None or id(obj) in seen:  # a module, a leaf, or met already
+            return
+        seen.add(id(obj))
+        keys, children = kind.split(obj)
+        # The reference's container at the same path: where it is of another type, that
+        # is reported as missing and unexpected tensors; sets below it keep their order.
+        if reference is not None and type(reference) is not type(obj):
+            reference = None
+        if kind.style == MEMBER and reference is not None:
+            references = list(kind.split(reference)[1])
+            numbers = self._numbers(children, references, path, seen)
+            for number, child in sorted(zip(numbers, children, strict=True), key=_number):
+                partner = references[number] if number < len(references) else None
+                self._walk(child, partner, join(path, MEMBER, number), found, seen)
+            return
+        partners = _partners(keys, len(children), reference, kind.split)
+        for position, child in enumerate(children):
+            key = position if keys is None else keys[position]
+            self._walk(child, partners[position], join(path, kind.style, key), found, seen)
+
+    def _numbers(
+        self, members: Sequence[Any], references: list[Any], path: str, seen: set[int]
+    ) -> list[int]:
+        """Each member's number: that of the reference's member it is paired with."""
+        # A trial walk sees a copy of `seen`: what it meets is met for real afterwards.
+        expected = [
+            self._trial(reference, None, join(path, MEMBER, number), set())
+            for number, reference in enumerate(references)
+        ]
+        tried: dict[tuple[int, int], bool] = {}
+
+        def equal(member: int, number: int) -> bool:
+            if (member, number) not in tried:
+                at = join(path, MEMBER, number)
+                actual = self._trial(members[member], references[number], at, seen)
+                tried[member, number] = self._same(actual, expected[number])
+            return tried[member, number]
+
+        paired = _largest_pairing(len(members), len(references), equal)
+        taken = set(paired.values())
+        left = (n for n in range(len(references) + len(members)) if n not in taken)
+        return [paired[m] if m in paired else next(left) for m in range(len(members))]
+
+    def _trial(
+        self, obj: object, reference: object, path: str, seen: set[int]
+    ) -> dict[str, torch.Tensor]:
+        found: dict[str, torch.Tensor] = {}
+        self._walk(obj, reference, path, found, set(seen))
+        return found
+
+    def _same(self, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
+        if actual.keys() != expected.keys():
+            return False
+        for path, want in expected.items():
+            got = actual[path]
+            if got.dtype != want.dtype or got.shape != want.shape:
+                return False
+            if not self.values or got.is_meta or want.is_meta:
+                continue
+            if self.differs(path, got, want):
+                return False
+        return True
+
+
+def _partners(keys: Any, count: int, reference: Any, split: Split) -> list[Any]:
+    """For each of a container's ``count`` children, the child of ``reference`` (of the
+    same type) at the same key, or position; None where there is none."""
+    if reference is None:
+        return [None] * count
+    try:
+        reference_keys, children = split(reference)
+        if keys is None or reference_keys is None:
+            return [children[i] if i < len(children) else None for i in range(count)]
+        by_key = dict(zip(reference_keys, children, strict=True))
+        return [by_key.get(key) for key in keys]
+    except Exception:  # an unhashable key, or one that compares elementwise (a tensor)
+        return [None] * count
+
+
+def _largest_pairing(
+    count: int, partners: int, equal: Callable[[int, int], bool]
+) -> dict[int, int]:
+    """A largest pairing of ``count`` members with ``partners`` others, each member with
+    one it ``equal``s, as ``{member: partner}``: each takes the first free one it equals,
+    else one taken from a member that can move to another (Kuhn's augmenting paths)."""
+    owner: dict[int, int] = {}
+
+    def claim(member: int, tried: set[int]) -> bool:
+        for partner in range(partners):
+            if partner not in tried and equal(member, partner):
+                tried.add(partner)
+                if partner not in owner or claim(owner[partner], tried):
+                    owner[partner] = member
+                    return True
+        return False
+
+    for member in range(count):
+        free = (p for p in range(partners) if p not in owner and equal(member, p))
+        partner = next(free, None)
+        if partner is None:
+            claim(member, set())
+        else:
+            owner[partner] = member
+    return {member: partner for partner, member in owner.items()}
+
+
+def _number(item: tuple[int, object]) -> int:
+    return item[0]
