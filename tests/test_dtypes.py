@@ -16,10 +16,12 @@ import torch
 from helpers import accelerator, placed, staged_counts
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 from devicectx import (
     DeviceError,
     DtypeUnsupportedError,
+    MoveError,
     choose_precision,
     device_agnostic,
     device_capabilities,
@@ -393,6 +395,22 @@ def test_decorator_mapping_casts_on_the_fast_path() -> None:
     assert F32 == dtype_of(torch.ones(2, dtype=F64))
     assert F32 == dtype_of(x=torch.ones(2, dtype=F64))
     assert torch.int64 == dtype_of(torch.ones(2, dtype=torch.int64))
+
+
+def test_a_mapping_that_would_take_a_parameter_off_autograd_says_so() -> None:
+    """A parameter that requires grad, mapped to an integer dtype: the mapping's mistake,
+    said with its fix (it was called a bug in devicectx, moving "to None")."""
+    weight = nn.Parameter(torch.ones(2))
+    with pytest.raises(MoveError) as raised:
+        to_device({"w": weight}, "cpu", dtypes={F32: torch.int64})
+    assert [
+        "to_device() could not cast obj['w'] (a Parameter of shape (2,), torch.float32, on cpu):",
+        "    a parameter that requires grad cannot become torch.int64: only floating point "
+        "and complex tensors can require gradients",
+        "fix: map torch.float32 to a floating point dtype in dtypes=, or leave it out",
+    ] == str(raised.value).splitlines()
+    frozen = nn.Parameter(torch.ones(2), requires_grad=False)  # needs no gradient: cast
+    assert torch.int64 == to_device(frozen, "cpu", dtypes={F32: torch.int64}).dtype
 
 
 def test_decorator_mapping_casts_where_no_rule_chose_a_target() -> None:

@@ -117,6 +117,8 @@ class TensorMover:
         # Parameter's isinstance goes through a Python-level metaclass hook: test the
         # exact type first.
         if type(tensor) is not _Tensor and isinstance(tensor, nn.Parameter):
+            if dtype is not None and tensor.requires_grad and not _differentiable(dtype):
+                raise CannotCast(tensor.dtype, dtype)
             data = _to(tensor.detach(), self.device, dtype, non_blocking)
             try:
                 return _parameter(tensor, data)
@@ -132,6 +134,22 @@ def _to(
     if dtype is None:
         return tensor.to(device, non_blocking=non_blocking)
     return tensor.to(device, dtype, non_blocking=non_blocking)
+
+
+class CannotCast(ValueError):
+    """A parameter that requires grad, mapped by ``dtypes=`` to a dtype no tensor that
+    requires grad can have (an integer dtype): the mapping's mistake, with its fix."""
+
+    def __init__(self, source: torch.dtype, dtype: torch.dtype) -> None:
+        super().__init__(
+            f"a parameter that requires grad cannot become {dtype}: only floating point and "
+            f"complex tensors can require gradients\n"
+            f"fix: map {source} to a floating point dtype in dtypes=, or leave it out"
+        )
+
+
+def _differentiable(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
 
 
 class EngineBug(Exception):

@@ -27,7 +27,7 @@ import torch
 from devicectx._errors import MoveError, MoveOutOfMemoryError, RegistrationError
 from devicectx._torch.tensors import base_of
 from devicectx.move import _containers
-from devicectx.move._alias import EngineBug, TensorMover
+from devicectx.move._alias import CannotCast, EngineBug, TensorMover
 from devicectx.move._containers import (
     CONTAINER,
     DICT_KIND,
@@ -537,12 +537,15 @@ class Rebuild:
                 f"teach it with devicectx.register_container({error.tp.__qualname__}, "
                 f"children=..., rebuild=...); or {fix}"
             )
-        elif isinstance(error, RegistrationError):  # the registration's fix, not a skip
+        elif isinstance(error, (RegistrationError, CannotCast)):  # their own fix, not a skip
             detail, _, fix = str(error).partition("\nfix: ")
         else:
             detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
+        # A walk with no device only casts (a dtype mapping where nothing moves).
+        what = f"move {path}" if self.device is not None else f"cast {path}"
+        where = f" to {self.device}" if self.device is not None else ""
         msg = (
-            f"{self.who} could not move {path} ({_describe(failed.obj)}) to {self.device}:\n"
+            f"{self.who} could not {what} ({_describe(failed.obj)}){where}:\n"
             f"    {detail}\n"
             f"fix: {fix}"
         )
