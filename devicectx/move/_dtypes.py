@@ -19,7 +19,9 @@ loader, so the copy sends the smaller dtype, and the staged path packs it like a
 tensor). It keeps what a move keeps (:mod:`devicectx.move._alias` does it, with the
 target's dtype instead of its device): each tensor cast once, views of a cast tensor
 still views of its cast, autograd history (``.to(dtype)``); the input is never changed.
-Modules and objects with their own ``.to`` are not looked into (their ``.to`` moves them).
+Modules are not looked into; an object with its own ``.to`` is cast where the engine can
+rebuild it (a registered or known protocol: ``TensorDict``, ``BatchEncoding``), and is
+otherwise left to its ``.to`` (torch_geometric's ``Data``), which cannot cast.
 """
 
 from __future__ import annotations
