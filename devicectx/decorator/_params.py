@@ -41,9 +41,12 @@ class Params:
         varargs: the name of ``*args``, or ``None``.
         keywords: every name that can be passed by keyword.
         varkw: the name of ``**kwargs``, or ``None``.
+        defaults: ``(position, name, default)`` for each parameter with a default that can
+            be passed by keyword: its place among the positional parameters (None for a
+            keyword-only one), so that a call can tell whether it passed it.
     """
 
-    __slots__ = ("function", "keywords", "positional", "varargs", "varkw")
+    __slots__ = ("defaults", "function", "keywords", "positional", "varargs", "varkw")
 
     def __init__(
         self,
@@ -52,12 +55,14 @@ class Params:
         varargs: str | None,
         keywords: frozenset[str],
         varkw: str | None,
+        defaults: tuple[tuple[int | None, str, Any], ...] = (),
     ) -> None:
         self.function = function
         self.positional = positional
         self.varargs = varargs
         self.keywords = keywords
         self.varkw = varkw
+        self.defaults = defaults
 
     @classmethod
     def of(cls, function: Callable[..., Any], name: str) -> Params:
@@ -68,35 +73,23 @@ class Params:
             return cls(name, (), "args", frozenset(), "kwargs")
         params = list(signature.parameters.values())
         kind = inspect.Parameter
+        positional = tuple(p.name for p in params if p.kind in _POSITIONAL)
+        defaults = tuple(
+            (positional.index(p.name) if p.kind in _POSITIONAL else None, p.name, p.default)
+            for p in params
+            if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)
+            and p.default is not p.empty
+        )
         return cls(
             name,
-            tuple(p.name for p in params if p.kind in _POSITIONAL),
+            positional,
             next((p.name for p in params if p.kind == kind.VAR_POSITIONAL), None),
             frozenset(
                 p.name for p in params if p.kind in (kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY)
             ),
             next((p.name for p in params if p.kind == kind.VAR_KEYWORD), None),
+            defaults,
         )
-
-    @staticmethod
-    def defaults_of(function: Callable[..., Any]) -> list[tuple[int | None, str, Any]]:
-        """Each parameter with a default that can be passed by keyword, as ``(position,
-        name, default)``: its position among the positional parameters (None for a
-        keyword-only one), so that a call can tell whether it was passed."""
-        try:
-            signature = inspect.signature(function)
-        except (TypeError, ValueError):
-            return []
-        found: list[tuple[int | None, str, Any]] = []
-        position = 0
-        for p in signature.parameters.values():
-            if p.kind in _POSITIONAL:
-                if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is not p.empty:
-                    found.append((position, p.name, p.default))
-                position += 1
-            elif p.kind == inspect.Parameter.KEYWORD_ONLY and p.default is not p.empty:
-                found.append((None, p.name, p.default))
-        return found
 
     def argument_name(self, where: int | str | None, offset: int) -> str:
         """How a message names an argument: by position in ``args``, by key, or the instance.

@@ -123,7 +123,7 @@ class Plan:
         # leaves one out gets it passed, so that it is moved and checked as if written out.
         defaults = [
             (position, name, value)
-            for position, name, value in Params.defaults_of(function)
+            for position, name, value in self.params.defaults
             if next(_move.iter_tensors(value), None) is not None
         ]
         self.defaults = tuple(defaults) or None

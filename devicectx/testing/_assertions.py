@@ -221,9 +221,12 @@ def _compare(
         # A path through a set member starts list(...)[i], i the member's place in
         # iteration order, which follows hashes (ids, for tensors): another order in each
         # output. Members are numbered instead as the reference's members they equal.
-        leaves = paired(outputs, 0, _Differs(tolerances))
+        def differs(path: str, actual: torch.Tensor, expected: torch.Tensor) -> bool:
+            return _value_problem(path, actual, expected, tolerances) is not None
+
+        leaves = paired(outputs, 0, differs)
         if value_index is not None and value_index > 0:
-            value_leaves = paired(outputs, value_index, _Differs(tolerances))
+            value_leaves = paired(outputs, value_index, differs)
         else:
             value_leaves = leaves
     sections: list[str] = []
@@ -269,17 +272,6 @@ _FIXES = {
         "allow it: assert_device_agnostic({name}, ..., rtol=1e-4, atol=1e-5)"
     ),
 }
-
-
-class _Differs:
-    """Whether two tensors' values differ, by :func:`_value_problem` with ``tolerances``:
-    what pairs a set's members (:func:`~devicectx.testing._sets.paired`)."""
-
-    def __init__(self, tolerances: tuple[float, float] | None) -> None:
-        self.tolerances = tolerances
-
-    def __call__(self, path: str, actual: torch.Tensor, expected: torch.Tensor) -> bool:
-        return _value_problem(path, actual, expected, self.tolerances) is not None
 
 
 def _placement_problems(leaves: dict[str, torch.Tensor], device: torch.device) -> list[str]:
