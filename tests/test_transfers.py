@@ -322,6 +322,61 @@ def test_to_device_warns_per_calling_line(recorded: list[warnings.WarningMessage
     )
 
 
+def test_a_batch_of_constants_is_one_warning(recorded: list[warnings.WarningMessage]) -> None:
+    """A cached batch moved again is one warning that names three of its tensors and counts
+    the rest, with their bytes in all; a constant added later gets a warning of its own."""
+    batch = {f"t{index}": torch.ones(2) for index in range(10)}
+
+    def move() -> None:
+        to_device(batch, META)
+
+    line = move.__code__.co_firstlineno + 1
+    for _ in range(2):
+        move()
+    (warning,) = _repeats(recorded)
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    tensors = ", ".join(f"obj['t{index}'] (shape (2,), torch.float32, 8 B)" for index in range(3))
+    first, fix = str(warning.message).splitlines()
+    assert first.endswith(f"{HERE}:{line} copied the same 10 unchanged tensors {tensors} and 7 more from cpu to "
+        "meta again: 80 B crosses on every call"
+    )
+    assert fix == (
+        "fix: call to_device on them once, before the loop, and reuse the result; for a "
+        "model's constant, register it as a buffer (self.register_buffer(name, tensor)) so "
+        "that model.to() moves it once"
+    )
+    recorded.clear()
+    batch["late"] = torch.zeros(3)
+    for _ in range(2):
+        move()
+    (warning,) = _repeats(recorded)
+    assert "the same unchanged tensor obj['late'] (shape (3,)" in str(warning.message)
+
+
+def test_constants_of_a_decorated_call_are_one_warning_with_each_fix(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """Two constant arguments of a decorated call: one warning, the fix for each."""
+
+    @device_agnostic(device="meta")
+    def loss(logits: torch.Tensor, weight: torch.Tensor, table: torch.Tensor) -> None:
+        return None
+
+    weight, table = torch.ones(2), torch.ones(4)
+    for _ in range(3):
+        loss(torch.zeros(2), weight, table)
+    (warning,) = _repeats(recorded)
+    first, fix = str(warning.message).splitlines()
+    assert first.endswith(
+        "copied the same 2 unchanged tensors weight (shape (2,), torch.float32, 8 B), table "
+        "(shape (4,), torch.float32, 16 B) from cpu to meta again: 24 B crosses on every call"
+    )
+    assert fix.startswith(
+        "fix: pass them on meta already, each moved once before the loop: "
+        "weight = weight.to('meta'), table = table.to('meta'); "
+    )
+
+
 @given(st.lists(st.sampled_from(["same", "new", "bumped"]), min_size=1, max_size=8))
 def test_the_warning_follows_identity_and_version(steps: list[str]) -> None:
     """Over any sequence of calls, the warning comes exactly when a tensor is moved twice

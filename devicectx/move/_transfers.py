@@ -11,7 +11,8 @@ the move is done. Two things read it:
   off: each place keeps the sources of its last checked move (by weak reference, with
   their version counters), and a source moved again by the same place, the same object
   with the same version, is a tensor that never changes but crosses to the device on
-  every call. :class:`~devicectx.RepeatedMoveWarning` says so, once per place and path.
+  every call. :class:`~devicectx.RepeatedMoveWarning` says so, once per place and path, in
+  one warning per move however many tensors it names.
   A place's first 9 moves are all checked, then one in 8 (see ``_EVERY``).
 
 A *place* is the decorated function (``"train.step()"``, ``"train.step() -> result"`` for
@@ -384,33 +385,57 @@ def _warn(
     name: str,
     decorated: bool,
 ) -> None:
+    """One warning for the tensors of a move not yet reported at their place and path: a
+    batch of constants (a cached validation batch) is one warning, not one per tensor."""
+    fresh: list[tuple[str, torch.Tensor]] = []
+    with _WARNED_LOCK:
+        for tensor in repeated:
+            path = paths.get(id(tensor), name or "?")
+            if (where, target, path) not in _WARNED:
+                _WARNED.add((where, target, path))
+                fresh.append((path, tensor))
+    if not fresh:
+        return
+    message = _message(fresh, where, target, decorated)
     frame = _user_frame()
-    for tensor in repeated:
-        path = paths.get(id(tensor), name or "?")
-        with _WARNED_LOCK:
-            if (where, target, path) in _WARNED:
-                continue
-            _WARNED.add((where, target, path))
-        message = _message(tensor, path, where, target, decorated)
-        if frame is None:
-            warnings.warn(message, RepeatedMoveWarning, stacklevel=2)
-        else:
-            warn_at(frame, message, RepeatedMoveWarning)
+    if frame is None:
+        warnings.warn(message, RepeatedMoveWarning, stacklevel=2)
+    else:
+        warn_at(frame, message, RepeatedMoveWarning)
+
+
+_NAMED = 3  # the tensors a warning about several names; the rest are counted
 
 
 def _message(
-    tensor: torch.Tensor, path: str, where: str, target: torch.device, decorated: bool
+    fresh: list[tuple[str, torch.Tensor]], where: str, target: torch.device, decorated: bool
 ) -> str:
-    size = _size(tensor.nbytes)
     device = str(target)
-    what = f"{path} (shape {tuple(tensor.shape)}, {tensor.dtype}, {size})"
-    if decorated:  # the path is the argument as the caller passes it
+    named = fresh[:_NAMED]
+    what = ", ".join(
+        f"{path} (shape {tuple(tensor.shape)}, {tensor.dtype}, {_size(tensor.nbytes)})"
+        for path, tensor in named
+    )
+    sources = " and ".join(sorted({str(tensor.device) for _, tensor in fresh}))
+    size = _size(sum(tensor.nbytes for _, tensor in fresh))
+    if len(fresh) == 1:
+        copied = f"the same unchanged tensor {what}"
+    else:
+        more = f" and {len(fresh) - len(named)} more" if len(fresh) > len(named) else ""
+        copied = f"the same {len(fresh)} unchanged tensors {what}{more}"
+    if not decorated:
+        them = "it" if len(fresh) == 1 else "them"
+        fix = f"call to_device on {them} once, before the loop, and reuse the result"
+    elif len(fresh) == 1:
+        path = named[0][0]
         fix = f"pass it on {device} already: {path} = {path}.to({device!r}) once, before the loop"
     else:
-        fix = "call to_device on it once, before the loop, and reuse the result"
+        moves = ", ".join(f"{path} = {path}.to({device!r})" for path, _ in named)
+        rest = ", ..." if len(fresh) > len(named) else ""
+        fix = f"pass them on {device} already, each moved once before the loop: {moves}{rest}"
     return (
-        f"{where} copied the same unchanged tensor {what} from {tensor.device} to {device} "
-        f"again: {size} crosses on every call\n"
+        f"{where} copied {copied} from {sources} to {device} again: {size} crosses on every "
+        f"call\n"
         f"fix: {fix}; for a model's constant, register it as a buffer "
         f"(self.register_buffer(name, tensor)) so that model.to() moves it once"
     )
