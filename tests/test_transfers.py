@@ -337,8 +337,9 @@ def test_a_batch_of_constants_is_one_warning(recorded: list[warnings.WarningMess
     assert (warning.filename, warning.lineno) == (__file__, line)
     tensors = ", ".join(f"obj['t{index}'] (shape (2,), torch.float32, 8 B)" for index in range(3))
     first, fix = str(warning.message).splitlines()
-    assert first.endswith(f"{HERE}:{line} copied the same 10 unchanged tensors {tensors} and 7 more from cpu to "
-        "meta again: 80 B crosses on every call"
+    assert first.endswith(
+        f"{HERE}:{line} copied the same 10 unchanged tensors {tensors} and 7 more from cpu "
+        "to meta again: 80 B crosses on every call"
     )
     assert fix == (
         "fix: call to_device on them once, before the loop, and reuse the result; for a "

@@ -330,6 +330,13 @@ def _unpack(region: torch.Tensor, run: _Run, results: dict[int, torch.Tensor]) -
     with below_autograd():  # fresh tensors that need no autograd: see below_autograd
         if shape is not None and stride is not None:
             nbytes = members[0].nbytes
+            if stride == _ONE_DIMENSION:
+                # new(storage) is the tensor of every element of the storage, in one call:
+                # what set_ makes of a 1-D contiguous tensor, without parsing its arguments.
+                for member in members:
+                    results[id(member)] = new(storage_slice(storage, at, at + nbytes))
+                    at += nbytes
+                return
             for member in members:
                 results[id(member)] = new().set_(
                     storage_slice(storage, at, at + nbytes), 0, shape, stride
@@ -341,6 +348,9 @@ def _unpack(region: torch.Tensor, run: _Run, results: dict[int, torch.Tensor]) -
             part = storage_slice(storage, at, at + nbytes)
             results[id(member)] = new().set_(part, 0, member.shape, member.stride())
             at += nbytes
+
+
+_ONE_DIMENSION = (1,)
 
 
 class _Typed:
