@@ -5,7 +5,9 @@ and each kind of source memory (pageable,
 as a ``DataLoader`` without ``pin_memory`` gives it, and pinned): ``to_device`` (staged),
 ``to_device(coalesce=False)``, accelerate's ``send_to_device``, ``TensorDict.to``,
 ``TensorDict.consolidate()`` then ``.to``, torch's own C++ ops through pinned memory (see
-``THROUGH_PINNED``), and the bound: one contiguous pinned tensor of the same bytes. Every move is ``non_blocking=True`` and followed by
+``THROUGH_PINNED``), and the bounds: one contiguous pinned tensor of the same bytes (the
+link's), and for pageable batches one host copy of the bytes into pinned memory (the
+host's, ``HOST_COPY``). Every move is ``non_blocking=True`` and followed by
 ``torch.accelerator.synchronize()``, so it is timed until it has landed. Rates are printed
 in a unit that fits (GB/s, MB/s or kB/s); ``--nominal-gbps`` adds the fraction of the
 datasheet figure, which torch cannot query.
@@ -89,8 +91,12 @@ def section_transfer(
                 out["per_leaf"], row = _per_leaf(config, tree, device)
                 rows.append(row)
             reference = _reference(config, tree, device)
+            host_copy = _host_copy(config, tree)
             for pinned in (False, True):
-                case = _case(config, tree, device, pinned, reference, nominal_gbps)
+                references = {REFERENCE: reference}
+                if not pinned:
+                    references[HOST_COPY] = host_copy
+                case = _case(config, tree, device, pinned, references, nominal_gbps)
                 out["cases"][f"{tree.key}/{'pinned' if pinned else 'pageable'}"] = case
                 rows.append(_row(tree, device, pinned, case))
     return out, rows
@@ -186,7 +192,7 @@ def _case(
     tree: Tree,
     device: torch.device,
     pinned: bool,
-    reference: Measurement,
+    references: dict[str, Measurement],
     nominal_gbps: float | None,
 ) -> dict[str, Any]:
     source = _pinned(tree.tree) if pinned else tree.tree
@@ -206,7 +212,7 @@ def _case(
         name: Subject(functools.partial(_synced, make, sync)) for name, make in makers.items()
     }
     measured = measure_group(subjects, config)
-    measured[REFERENCE] = reference
+    measured.update(references)
     subjects_json = as_json(measured)
     rates = {}
     for name, m in measured.items():
@@ -251,6 +257,21 @@ def _through_pinned(tree: Any, device: torch.device) -> Callable[[], Any]:
         return results
 
     return move
+
+
+# From pageable memory every byte is copied on the host into pinned memory before the link
+# takes it: the batch's bytes as one such copy, with every thread the process has, is the
+# host's bound, as the pinned copy is the link's; a staged move overlaps the two, and takes
+# at least the longer.
+HOST_COPY = "one host copy into pinned memory"
+
+
+def _host_copy(config: Config, tree: Tree) -> Measurement:
+    """The host's bound for a pageable batch: its bytes copied once into pinned memory."""
+    source = torch.ones(_nbytes(tree), dtype=torch.uint8)
+    pinned = torch.empty_like(source).pin_memory()
+    make = functools.partial(pinned.copy_, source)
+    return measure_group({HOST_COPY: Subject(lambda: make)}, config)[HOST_COPY]
 
 
 def _reference(config: Config, tree: Tree, device: torch.device) -> Measurement:
