@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import staged_counts, step_ahead
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -107,6 +107,9 @@ class Recording:
 
     def landed(self, token: tuple[Any, int]) -> None:
         self.log.append(f"landed {token[1]}")
+
+    def sources_read(self, token: tuple[Any, int]) -> None:
+        pass  # moved at once, in send
 
     def close(self) -> None:
         pass
@@ -1052,6 +1055,36 @@ def test_property_every_batch_is_its_source_moved_and_no_memory_is_reused_early(
     except KeyError:
         assert case["raise_at"] == len(handed)
     assert list(range(len(handed))) == handed
+
+
+def refilled(layout: str, steps: int) -> Iterator[dict[str, Any]]:
+    """A loader that refills one set of pageable host buffers for each batch it yields."""
+    sizes = {"one small": [1_000], "many small": [16] * 8, "large": [1 << 20, 4]}[layout]
+    buffers = [torch.zeros(size) for size in sizes]
+    for step in range(steps):
+        for buffer in buffers:
+            buffer.fill_(step)
+        yield {"step": step, "x": buffers}
+
+
+@needs_accelerator
+@settings(max_examples=12, deadline=None)
+@given(
+    st.sampled_from(["one small", "many small", "large"]),
+    st.integers(min_value=1, max_value=3),
+    st.integers(min_value=2, max_value=6),
+)
+def test_property_a_loader_may_refill_its_pageable_buffers_at_once(
+    layout: str, depth: int, steps: int
+) -> None:
+    """A loader that reuses one pageable buffer per batch (refilled when read again) hands
+    over batches that each hold their own step's values, at any depth: the loader is read
+    again only once the last batch's move has read its sources."""
+    device = accelerator()
+    for batch in prefetch(refilled(layout, steps), device, depth=depth):
+        values = {float(tensor.min()) for tensor in batch["x"]}
+        values |= {float(tensor.max()) for tensor in batch["x"]}
+        assert {float(batch["step"])} == values
 
 
 @needs_accelerator

@@ -43,6 +43,10 @@ class Ticket:
         self._value: Any = None
         self._error: BaseException | None = None
 
+    def wait(self) -> None:
+        """Wait for the job to have run, leaving its result (or exception) to :meth:`take`."""
+        self._done.wait()
+
     def take(self) -> Any:
         """Wait for the job; its result, or its exception raised. The ticket lets go of
         either: a second take returns None."""

@@ -29,7 +29,10 @@ pin-memory thread pins, with the caller's context (``track_transfers``' logs, ``
 and the caller's current stream taken at that ``next()``. Collecting, casting and packing
 a batch (host copies into pinned memory, which release the GIL) then overlap the
 caller's next step instead of delaying it; the caller waits only for a batch whose move
-has not finished when its turn comes. Errors of a move are raised at its batch.
+has not finished when its turn comes. Errors of a move are raised at its batch. The loader
+is read again only once the move of the batch it gave last has read that batch's host
+sources (it ran during the caller's step, mostly): a loader may refill one pageable buffer
+for every batch.
 
 Elsewhere (the CPU, ``meta``, MPS, whose one queue copies in order anyway, a device
 without streams, events or ``record_stream``), each batch is moved when it is asked for:
@@ -340,6 +343,7 @@ class _Pass(Iterator[T]):
         self._read = 0  # the index of the next batch read from the source
         self._queue: collections.deque[_InFlight | _Raised] = collections.deque()
         self._raised = 0  # how many _Raised are in the queue: no reading past one
+        self._last: Any = None  # the token of the batch read last, till its move has run
 
     def __iter__(self) -> _Pass[T]:
         return self
@@ -375,6 +379,12 @@ class _Pass(Iterator[T]):
         after it), the source ends, or a batch raised."""
         queue = self._queue
         while len(queue) <= self._depth and not self._raised and self._source is not None:
+            if self._last is not None:
+                # The loader may refill the memory of the batch it handed out last (one
+                # host buffer reused per batch): read it again only once that batch's move
+                # has read its pageable sources. It ran during the caller's step, mostly.
+                streams.sources_read(self._last)
+                self._last = None
             index = self._read
             batch, error = _attempt(next, self._source)
             if isinstance(error, StopIteration):
@@ -391,6 +401,7 @@ class _Pass(Iterator[T]):
                 queue.append(_Raised(error))
                 return
             queue.append(_InFlight(token))
+            self._last = token
             # Not kept in this frame: a loader error raised next holds it (its traceback
             # reaches this frame), and with it this batch, until the collector runs.
             token = None
@@ -401,6 +412,7 @@ class _Pass(Iterator[T]):
         self._source = None
         queue, self._queue = self._queue, collections.deque()
         self._raised = 0
+        self._last = None
         streams = self._streams
         for item in queue:
             if isinstance(item, _InFlight) and streams is not None:
@@ -503,6 +515,12 @@ class Streams:
         sent = _Sent(copy.record_event(), handed.regions, caller)
         self._record(moved, sent.regions, caller)
         return moved, sent
+
+    def sources_read(self, token: Ticket) -> None:
+        """Wait until the move of a batch sent has read its host sources: a pageable one
+        is then in the staging buffer or on its way, and the loader may write it again
+        (pinned sources larger than the staged ones are read by their copies, later)."""
+        token.wait()
 
     def hand_over(self, token: Ticket) -> Any:
         """The moved batch, made safe on the caller's current stream: it waits for the
