@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 import torch
 
@@ -166,12 +167,24 @@ del _public
 def warn_at(frame: FrameType, message: str, category: type[DeviceWarning]) -> None:
     """Warn as from ``frame`` (the user's line), through its module's warning registry,
     so that warnings filters and Python's own once-per-line rule apply there."""
-    scope = frame.f_globals
+    warn_explicit_at(frame.f_code.co_filename, frame.f_lineno, frame.f_globals, message, category)
+
+
+def warn_explicit_at(
+    filename: str,
+    line: int,
+    scope: dict[str, Any],
+    message: str,
+    category: type[DeviceWarning],
+) -> None:
+    """Warn as from ``line`` of ``filename``, a module whose globals are ``scope``: as
+    :func:`warn_at`, for a line whose frame has returned (a warning given on another
+    thread, about that line)."""
     warnings.warn_explicit(
         message,
         category,
-        frame.f_code.co_filename,
-        frame.f_lineno,
+        filename,
+        line,
         module=scope.get("__name__", "<string>"),
         registry=scope.setdefault("__warningregistry__", {}),
     )

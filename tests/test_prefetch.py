@@ -16,6 +16,7 @@ import inspect
 import re
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from devicectx import (
     MoveError,
+    RepeatedMoveWarning,
     device_agnostic,
     on_device,
     prefetch,
@@ -1055,6 +1057,21 @@ def test_property_every_batch_is_its_source_moved_and_no_memory_is_reused_early(
     except KeyError:
         assert case["raise_at"] == len(handed)
     assert list(range(len(handed))) == handed
+
+
+@needs_accelerator
+def test_a_repeated_move_warning_points_at_the_prefetch_line() -> None:
+    """The batches' moves run on the prefetcher's thread; their repeated-move warning is
+    given at the line that called prefetch, so filters on the user's module apply."""
+    batch = {"x": torch.ones(8, 4)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        for _ in prefetch([batch] * 4, accelerator()):
+            pass
+    (warning,) = [w for w in caught if issubclass(w.category, RepeatedMoveWarning)]
+    assert (__file__, line) == (warning.filename, warning.lineno)
+    assert str(warning.message).startswith(f"{_transfers._short(__file__)}:{line} copied")
 
 
 def refilled(layout: str, steps: int) -> Iterator[dict[str, Any]]:

@@ -38,7 +38,7 @@ from devicectx.decorator._target import (
     unwrap,
 )
 from devicectx.devices._resolve import DeviceLike
-from devicectx.move import _move
+from devicectx.move import _move, _transfers
 from devicectx.move._distributed import wrapper_name
 from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
 from devicectx.move._walk import NotPlain, plain_device_uncast
@@ -91,6 +91,8 @@ class Plan:
         "to_input",
         "traceable",
         "when_traced",
+        "where",
+        "where_result",
     )
 
     def __init__(
@@ -127,6 +129,15 @@ class Plan:
             if next(_move.iter_tensors(value), None) is not None
         ]
         self.defaults = tuple(defaults) or None
+        # The places that move, for the repeated-move check: this function's own, whatever
+        # its name, and knowing which tensors are its defaults (their fix is the default).
+        default_tensors = {
+            id(tensor): name
+            for _, name, value in defaults
+            for _, tensor in _move.iter_tensors(value)
+        }
+        self.where = _transfers.Place(f"{self.name}()", default_tensors)
+        self.where_result = _transfers.Place(f"{self.name}() -> result")
         mapping = check_dtypes(dtypes)
         if dtypes is not None and not move:
             msg = (
@@ -355,7 +366,7 @@ class Plan:
                     non_blocking=self.non_blocking,
                     skip=_Module,
                     coalesce=self.coalesce,
-                    where=f"{self.name}()",
+                    where=self.where,
                     dtypes=self.dtypes,
                 )
                 args, kwargs = moved if held is None else held.merge(*moved)
@@ -517,7 +528,7 @@ class Plan:
             skip=_Module,
             name="result",
             coalesce=self.coalesce,
-            where=f"{self.name}() -> result",
+            where=self.where_result,
         )
 
     def _start(

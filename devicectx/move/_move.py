@@ -114,7 +114,8 @@ def to_device(
             wherever it is (already on ``device`` too), so a program gets the same
             dtypes on every device. Casts are made before the move, where each tensor
             is (a batch on the host is cast there and sends fewer bytes); skipped
-            tensors, modules and objects with their own ``.to`` are not cast.
+            tensors, modules and objects with their own ``.to`` are not cast (a module
+            that holds a dtype ``device`` cannot hold is refused, whatever ``dtypes``).
 
     Returns:
         A structure like ``obj``: the same types (a namedtuple stays that namedtuple, a
@@ -128,7 +129,10 @@ def to_device(
         InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here; raised
             before any tensor is touched.
         DtypeUnsupportedError: with ``dtypes=None``, tensors of a dtype ``device``
-            cannot hold; its ``paths`` lists every one, by dtype. Nothing was copied.
+            cannot hold; with any ``dtypes``, a module holding a parameter or buffer of
+            such a dtype (modules are not cast: the fix is the module's ``.float()``).
+            Its ``paths`` lists every one, by dtype. Nothing was copied, and no module
+            moved.
         ValueError, TypeError: ``dtypes`` is no dtype policy.
         MoveError: a tensor or object could not be moved, or a container could not be
             rebuilt with every view of it showing the moved tensors (a ``Mapping`` whose
@@ -196,7 +200,8 @@ def to_device(
 
     Caveats:
         - ``nn.Module`` objects are moved with ``module.to``, which moves them in place;
-          pass ``skip=torch.nn.Module`` to leave them alone.
+          pass ``skip=torch.nn.Module`` to leave them alone. A module is never left
+          half-moved by a dtype the device cannot hold: that is refused before the move.
         - Objects with their own ``.to`` are moved with it (on a shallow copy, so that a
           ``.to`` that works in place leaves the input alone): they keep their own
           rules, so a tensor they share with the rest of ``obj`` is copied twice. What
@@ -250,7 +255,7 @@ def move_to(
     skip: SkipLike = None,
     name: str = "obj",
     coalesce: bool = True,
-    where: str | None = None,
+    where: _transfers.Place | None = None,
     dtypes: DtypesLike = None,
     suggest: Suggest | None = None,
 ) -> T:
@@ -302,7 +307,7 @@ def move_call(
     skip: SkipLike = None,
     who: str = "@device_agnostic",
     coalesce: bool = True,
-    where: str | None = None,
+    where: _transfers.Place | None = None,
     check_repeats: bool = True,
     dtypes: DtypesLike = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -355,7 +360,7 @@ def _move(
     fix: Fix,
     who: str = "to_device()",
     coalesce: bool = True,
-    where: str | None = None,
+    where: _transfers.Place | None = None,
     check_repeats: bool = True,
     handed: _staging.HandedTo | None = None,
 ) -> T:

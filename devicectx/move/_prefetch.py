@@ -186,7 +186,7 @@ def prefetch(
         device = active_device() or "auto"
     target = resolve_device(device)
     compiled = compile_skip(skip, _NAME)
-    prefetcher = Prefetcher(batches, target, depth, compiled, _transfers._caller_line())
+    prefetcher = Prefetcher(batches, target, depth, compiled, _transfers.caller_place())
     check_dtypes(dtypes)
     prefetcher._dtypes = dtypes
     return prefetcher
@@ -205,7 +205,12 @@ class Prefetcher(Generic[T]):
     """
 
     def __init__(
-        self, batches: Iterable[T], device: torch.device, depth: int, skip: Skip | None, where: str
+        self,
+        batches: Iterable[T],
+        device: torch.device,
+        depth: int,
+        skip: Skip | None,
+        where: _transfers.Place,
     ) -> None:
         self.batches = batches
         self.device = device
@@ -428,7 +433,7 @@ class _Pass(Iterator[T]):
 def _move_batch(
     device: torch.device,
     skip: Skip | None,
-    where: str,
+    where: _transfers.Place,
     non_blocking: bool,
     batch: Any,
     index: int,

@@ -13,12 +13,13 @@ the move is done. Two things read it:
   with the same version, is a tensor that never changes but crosses to the device on
   every call. :class:`~devicectx.RepeatedMoveWarning` says so, once per place and path, in
   one warning per move however many tensors it names.
-  A place's first 9 moves are all checked, then one in 8 (see ``_EVERY``).
+  A place's first 9 moves are all checked, then two in a row in every 8 (see ``_EVERY``).
 
-A *place* is the decorated function (``"train.step()"``, ``"train.step() -> result"`` for
-the move of its result), or the line that called :func:`~devicectx.to_device`
-(``"train.py:42"``). A move that copies nothing costs nothing here: the engine returns
-before it copies, and this module is never reached.
+A *place* is the decorated function (a :class:`Place`, printed ``"train.step()"``, or
+``"train.step() -> result"`` for the move of its result), the line that made a prefetcher,
+or the line that called :func:`~devicectx.to_device` (``"train.py:42"``). A move that
+copies nothing costs nothing here: the engine returns before it copies, and this module is
+never reached.
 """
 
 from __future__ import annotations
@@ -36,19 +37,61 @@ from typing import Any
 
 import torch
 
-from devicectx._errors import RepeatedMoveWarning, warn_at
+from devicectx._errors import RepeatedMoveWarning, warn_at, warn_explicit_at
 from devicectx._torch.tensors import version_of
 from devicectx.move._walk import iter_tensors
 
 __all__ = [
+    "Place",
     "Transfer",
     "TransferLog",
     "account",
+    "caller_place",
     "set_repeated_move_warning",
     "track_transfers",
 ]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # not move/
+
+
+class Place:
+    """A place that moves, other than the line that called ``to_device``: a decorated
+    function, or the line that made a prefetcher.
+
+    One place per object, whatever its ``label`` (how it prints): two functions named
+    ``loss_fn()`` in two modules are two places, and the same tensor moved by both is no
+    repeat. ``defaults``: the ids of the tensors in the function's defaults, which a call
+    that leaves them out moves (the fix is then to the default). ``origin``: the file,
+    line and module globals its warnings are given at, where the moves run on another
+    thread than the caller's (a prefetcher's); None: the caller's line at the move.
+    """
+
+    __slots__ = ("defaults", "label", "origin")
+
+    def __init__(
+        self,
+        label: str,
+        defaults: dict[int, str] | None = None,
+        origin: tuple[str, int, dict[str, Any]] | None = None,
+    ) -> None:
+        self.label = label
+        self.defaults = defaults or {}  # id(tensor) -> the parameter it is the default of
+        self.origin = origin
+
+    def __str__(self) -> str:
+        return self.label
+
+    def __repr__(self) -> str:
+        return f"Place({self.label!r})"
+
+
+def caller_place() -> Place:
+    """The caller's line (outside devicectx) as a place whose warnings are given there."""
+    frame = _user_frame()
+    if frame is None:
+        return Place("?")
+    filename, line = frame.f_code.co_filename, frame.f_lineno
+    return Place(f"{_short(filename)}:{line}", origin=(filename, line, frame.f_globals))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,9 +315,9 @@ _EVERY_FROM = 8
 _EVERY = 8
 _Seen = tuple["weakref.ref[torch.Tensor]", int, bool]  # the tensor, its version, reported
 # Per place: [how many moves it made, what its last checked move copied, by id].
-_LAST: dict[tuple[str, torch.device], list[Any]] = {}
+_LAST: dict[tuple[Place | str, torch.device], list[Any]] = {}
 _NONE: list[torch.Tensor] = []  # no repeats (never appended to)
-_WARNED: set[tuple[str, torch.device, str]] = set()
+_WARNED: set[tuple[Place | str, torch.device, str]] = set()
 _WARNED_LOCK = threading.Lock()
 
 
@@ -309,7 +352,7 @@ def account(
     target: torch.device,
     obj: object,
     name: str,
-    where: str | None,
+    where: Place | None,
     check: bool = True,
     paths: dict[int, str] | None = None,
 ) -> None:
@@ -323,36 +366,45 @@ def account(
     check = check and _CHECK[0]
     if not (logs or check):
         return
-    decorated = where is not None
-    if where is None:
-        where = _caller_line()
-    repeated = _repeated(where, target, sent) if check else None
+    place: Place | str = _caller_line() if where is None else where
+    repeated = _repeated(place, target, sent) if check else None
     if paths is None and (logs or repeated):
         paths = _paths(obj, name)
     if repeated:
         assert paths is not None
-        _warn(repeated, where, target, paths, name, decorated)
+        _warn(repeated, place, target, paths, name)
     if logs:
         assert paths is not None
+        label = str(place)
         # An object's own .to may leave tensors to the walk, which lists them again.
         for tensor in {id(tensor): tensor for tensor in sent}.values():
             path = paths.get(id(tensor), name or "?")
             nbytes = tensor.nbytes
             for log in logs:
-                log.add(where, path, tensor.device, target, nbytes)
+                log.add(label, path, tensor.device, target, nbytes)
 
 
-def _repeated(where: str, target: torch.device, sent: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of ``sent`` that this place moved, unchanged, at its last checked move,
+def _repeated(
+    where: Place | str, target: torch.device, sent: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The tensors of ``sent`` that this place moved, unchanged, at its move just before,
     and not yet reported; and remember ``sent`` for the next check (weakly: the batch of a
-    past step is not kept alive)."""
+    past step is not kept alive).
+
+    Past the first moves, a place's moves are looked at in pairs of two in a row, one pair
+    in ``_EVERY``: the first of a pair is remembered, the second compared with it. A
+    tensor moved again by the very next move crosses on every call; one that comes back
+    every few moves (a list of a few batches, cycled) is no such constant."""
     key = (where, target)
     state = _LAST.get(key)
-    count, get = 0, None
+    count, get, compare = 0, None, True
     if state is not None:
         count = state[0] = state[0] + 1  # in place: a move not checked allocates nothing
-        if count > _EVERY_FROM and count % _EVERY:
-            return _NONE
+        if count > _EVERY_FROM:
+            phase = count % _EVERY
+            if phase and phase != _EVERY - 1:
+                return _NONE
+            compare = not phase  # the pair's first is remembered, not compared
         get = state[1].get
     now: dict[int, _Seen] = {}
     repeated: list[torch.Tensor] = []
@@ -366,7 +418,7 @@ def _repeated(where: str, target: torch.device, sent: list[torch.Tensor]) -> lis
             seen = get(id(tensor))
             if seen is not None and seen[1] == version and seen[0]() is tensor:
                 now[id(tensor)] = seen
-                if not seen[2]:
+                if compare and not seen[2]:
                     repeated.append(tensor)
                 continue
         now[id(tensor)] = (ref(tensor), version, False)
@@ -379,11 +431,10 @@ def _repeated(where: str, target: torch.device, sent: list[torch.Tensor]) -> lis
 
 def _warn(
     repeated: list[torch.Tensor],
-    where: str,
+    where: Place | str,
     target: torch.device,
     paths: dict[int, str],
     name: str,
-    decorated: bool,
 ) -> None:
     """One warning for the tensors of a move not yet reported at their place and path: a
     batch of constants (a cached validation batch) is one warning, not one per tensor."""
@@ -396,7 +447,11 @@ def _warn(
                 fresh.append((path, tensor))
     if not fresh:
         return
-    message = _message(fresh, where, target, decorated)
+    message = _message(fresh, where, target)
+    origin = where.origin if isinstance(where, Place) else None
+    if origin is not None:  # a prefetcher's line: its moves run on a thread of its own
+        warn_explicit_at(*origin, message, RepeatedMoveWarning)
+        return
     frame = _user_frame()
     if frame is None:
         warnings.warn(message, RepeatedMoveWarning, stacklevel=2)
@@ -408,7 +463,7 @@ _NAMED = 3  # the tensors a warning about several names; the rest are counted
 
 
 def _message(
-    fresh: list[tuple[str, torch.Tensor]], where: str, target: torch.device, decorated: bool
+    fresh: list[tuple[str, torch.Tensor]], where: Place | str, target: torch.device
 ) -> str:
     device = str(target)
     named = fresh[:_NAMED]
@@ -423,21 +478,42 @@ def _message(
     else:
         more = f" and {len(fresh) - len(named)} more" if len(fresh) > len(named) else ""
         copied = f"the same {len(fresh)} unchanged tensors {what}{more}"
-    if not decorated:
-        them = "it" if len(fresh) == 1 else "them"
-        fix = f"call to_device on {them} once, before the loop, and reuse the result"
-    elif len(fresh) == 1:
-        path = named[0][0]
-        fix = f"pass it on {device} already: {path} = {path}.to({device!r}) once, before the loop"
-    else:
-        moves = ", ".join(f"{path} = {path}.to({device!r})" for path, _ in named)
-        rest = ", ..." if len(fresh) > len(named) else ""
-        fix = f"pass them on {device} already, each moved once before the loop: {moves}{rest}"
     return (
         f"{where} copied {copied} from {sources} to {device} again: {size} crosses on every "
         f"call\n"
-        f"fix: {fix}; for a model's constant, register it as a buffer "
+        f"fix: {_fix(fresh, where, device)}; for a model's constant, register it as a buffer "
         f"(self.register_buffer(name, tensor)) so that model.to() moves it once"
+    )
+
+
+def _fix(fresh: list[tuple[str, torch.Tensor]], where: Place | str, device: str) -> str:
+    """How to move them once: the caller's ``to_device``, an argument passed already on the
+    device, or a default made on it (rebinding an argument cannot reach a default)."""
+    if not isinstance(where, Place):
+        them = "it" if len(fresh) == 1 else "them"
+        return f"call to_device on {them} once, before the loop, and reuse the result"
+    defaults = where.defaults
+    steps = []
+    for path, tensor in fresh[:_NAMED]:
+        parameter = defaults.get(id(tensor))
+        if parameter is None:
+            steps.append(f"{path} = {path}.to({device!r})")
+        else:
+            steps.append(f"{parameter}'s default made on {device} in the def")
+    rest = ", ..." if len(fresh) > _NAMED else ""
+    if len(fresh) > 1:
+        verb = "have" if any(id(tensor) in defaults for _, tensor in fresh) else "pass"
+        return f"{verb} them on {device} already, each moved once before the loop: " + (
+            ", ".join(steps) + rest
+        )
+    path, tensor = fresh[0]
+    parameter = defaults.get(id(tensor))
+    if parameter is None:
+        return f"pass it on {device} already: {steps[0]} once, before the loop"
+    return (
+        f"it is {parameter}'s default, which stays where it is: make the default on "
+        f"{device} where the function is defined ({parameter}=<the tensor>.to({device!r})), "
+        f"or pass {parameter} on {device} already"
     )
 
 
