@@ -60,7 +60,7 @@ def test_off_target_with_decorator_device() -> None:
         "    cpu  <- batch['labels'][0], batch['labels'][1], target",
         'target meta (from @device_agnostic(device="meta"))',
         'fix: pass to_device(batch, "meta"), target.to("meta"), '
-        "or use @device_agnostic(move=True) to move inputs",
+        "or use @device_agnostic(move=True) to move the arguments",
     ] == lines_of(error)
     assert {
         META: ["pred", "batch['mask']"],
@@ -81,7 +81,7 @@ def test_off_target_from_the_module() -> None:
         "    cpu  <- x, extra[1], k",
         "target meta (from the parameters of self (Model))",
         'fix: pass x.to("meta"), to_device(extra, "meta"), k.to("meta"), '
-        "or use @device_agnostic(move=True) to move inputs",
+        "or use @device_agnostic(move=True) to move the arguments",
     ] == lines_of(error)
     assert "the parameters of self (Model)" == error.value.reason
 
@@ -101,7 +101,7 @@ def test_off_target_from_on_device() -> None:
         "    cpu <- pred, target",
         "target meta (from the innermost on_device block)",
         'fix: pass pred.to("meta"), target.to("meta"), '
-        "or use @device_agnostic(move=True) to move inputs",
+        "or use @device_agnostic(move=True) to move the arguments",
     ] == lines_of(error)
 
 
@@ -120,7 +120,7 @@ def test_off_target_with_auto_says_why() -> None:
         "test_off_target_with_auto_says_why.<locals>.run() got tensors on meta, not on its target:",
         "    meta <- x",
         f'target {auto} (from @device_agnostic(device="auto"): {why})',
-        f'fix: pass x.to("{auto}"), or use @device_agnostic(move=True) to move inputs',
+        f'fix: pass x.to("{auto}"), or use @device_agnostic(move=True) to move the arguments',
     ] == lines_of(error)
 
 
@@ -148,8 +148,27 @@ def test_many_fixes_are_cut() -> None:
         run(*[torch.ones(1)] * 4)
     assert (
         'fix: pass a.to("meta"), b.to("meta"), c.to("meta"), ..., '
-        "or use @device_agnostic(move=True) to move inputs"
+        "or use @device_agnostic(move=True) to move the arguments"
     ) == lines_of(error)[-1]
+
+
+def test_off_target_fix_names_no_parameter_it_does_not_mean() -> None:
+    """The fix's closing words are prose, not a parameter name, beside a parameter ``inputs``."""
+
+    @device_agnostic(move=False)
+    def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as error:
+        loss(nn.Linear(2, 2, device="meta"), on_meta(2), torch.ones(2))
+    assert [
+        "test_off_target_fix_names_no_parameter_it_does_not_mean.<locals>.loss() got tensors "
+        "on 2 devices:",
+        "    meta <- inputs",
+        "    cpu  <- targets",
+        "target meta (from the parameters of model (Linear))",
+        'fix: pass targets.to("meta"), or use @device_agnostic(move=True) to move the arguments',
+    ] == lines_of(error)
 
 
 def test_inputs_disagree_with_nothing_to_choose() -> None:
@@ -485,6 +504,49 @@ def test_a_module_tensor_that_is_no_buffer_is_named_with_the_buffer_fix() -> Non
         "torch said: Tensor on device cpu is not on the expected device meta!",
         'fix: self.register_buffer("offset", ...) in Offset.__init__, not self.offset = ..., '
         "so that self.to(...) moves it",
+    ] == lines_of(error)
+
+
+class Shifted(nn.Module):
+    """A block with a plain tensor attribute, not a buffer, kept in a list by :class:`Stack`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.shift = torch.ones(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.shift
+
+
+class Stack(nn.Module):
+    """Blocks in an ``nn.ModuleList``, which Python reaches as ``blocks[0]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Shifted()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x)  # type: ignore[no-any-return]
+
+
+def test_the_buffer_fix_names_a_listed_block_by_its_index() -> None:
+    """A block in a ModuleList is written ``model.blocks[0]``, as code reaches it."""
+
+    @device_agnostic
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    with pytest.raises(DeviceMismatchError) as error:
+        step(Stack().to("meta"), on_meta(2))
+    assert [
+        "test_the_buffer_fix_names_a_listed_block_by_its_index.<locals>.step() failed in torch "
+        "on tensors @device_agnostic cannot see into:",
+        "    cpu <- model.blocks[0].shift (a plain attribute of Shifted, not a buffer)",
+        "target meta (from the parameters of model (Stack))",
+        "torch said: Tensor on device cpu is not on the expected device meta!",
+        'fix: self.register_buffer("shift", ...) in Shifted.__init__, not self.shift = ..., '
+        "so that model.blocks[0].to(...) moves it",
     ] == lines_of(error)
 
 

@@ -53,6 +53,29 @@ def test_find_devices_paths_as_a_user_writes_them() -> None:
     }
 
 
+def test_find_devices_writes_module_paths_python_can_evaluate() -> None:
+    """Indices as [0], identifier names and keys as .name, any other ModuleDict key as ['key']."""
+    model = nn.ModuleDict(
+        {
+            "layers": nn.Sequential(nn.Sequential(nn.Linear(1, 1, bias=False))),
+            "heads": nn.ModuleDict(
+                {name: nn.Linear(1, 1, bias=False) for name in ("cls", "cls-head", "class")}
+            ),
+        }
+    )
+    model.register_parameter("weight", nn.Parameter(torch.zeros(1)))
+    expected = [
+        "model.weight",
+        "model.layers[0][0].weight",
+        "model.heads.cls.weight",
+        "model.heads['cls-head'].weight",
+        "model.heads['class'].weight",
+    ]
+    assert {CPU: expected} == find_devices(model, name="model")
+    for path, tensor in iter_tensors(model, "model", modules=True):
+        assert eval(path, {"model": model}) is tensor, path
+
+
 def test_find_devices_of_a_bare_tensor_and_of_nothing() -> None:
     """A bare tensor's path is the name; a structure without tensors finds nothing."""
     assert find_devices(torch.zeros(1), name="x") == {CPU: ["x"]}

@@ -560,7 +560,8 @@ def test_mismatch_message_for_a_batch_encoding() -> None:
         "not on its target:",
         "    cpu <- batch['input_ids'], batch['token_type_ids']",
         "target meta (from the parameters of model (BertModel))",
-        'fix: pass to_device(batch, "meta"), or use @device_agnostic(move=True) to move inputs',
+        'fix: pass to_device(batch, "meta"), '
+        "or use @device_agnostic(move=True) to move the arguments",
     ] == str(error.value).splitlines()
 
 

@@ -138,7 +138,7 @@ def test_move_false_checks_the_inputs_against_where_a_dispatched_model_starts(
         "    cpu <- x",
         f"target {first} (from model (Net), spread over 2 devices ({first}, {second}) by "
         "accelerate: where its top-level hook runs it)",
-        f'fix: pass x.to("{first}"), or use @device_agnostic(move=True) to move inputs',
+        f'fix: pass x.to("{first}"), or use @device_agnostic(move=True) to move the arguments',
     ] == lines(error)
     assert first == error.value.target
 
@@ -567,7 +567,7 @@ def test_a_declared_split_with_inputs_says_so_when_move_false_refuses() -> None:
         "    cpu <- x",
         "target meta (from model (Split), spread over 2 devices (cpu, meta) on purpose: "
         'declare_spread(model, inputs="meta"))',
-        'fix: pass x.to("meta"), or use @device_agnostic(move=True) to move inputs',
+        'fix: pass x.to("meta"), or use @device_agnostic(move=True) to move the arguments',
     ] == lines(error)
 
 

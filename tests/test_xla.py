@@ -207,7 +207,8 @@ def test_move_false_names_the_path_off_the_models_device() -> None:
         "    xla:0 <- batch['y']",
         "    cpu   <- batch['x']",
         "target xla:0 (from the parameters of model (Net))",
-        'fix: pass to_device(batch, "xla:0"), or use @device_agnostic(move=True) to move inputs',
+        'fix: pass to_device(batch, "xla:0"), '
+        "or use @device_agnostic(move=True) to move the arguments",
     ] == str(error.value).splitlines()
     assert {XLA: ["batch['y']"], CPU: ["batch['x']"]} == error.value.devices
 

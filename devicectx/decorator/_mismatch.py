@@ -6,7 +6,7 @@ Every message has the same four parts, so a reader learns the shape once::
         meta <- pred, batch['mask']
         cpu  <- target
     target meta (from the parameters of model (Net))
-    fix: pass target.to("meta"), or use @device_agnostic(move=True) to move inputs
+    fix: pass target.to("meta"), or use @device_agnostic(move=True) to move the arguments
 
 Only plain values (names, paths, devices) come in, so the same functions build the
 message in eager code and, at trace time, for :mod:`devicectx.decorator._compiled`.
@@ -43,7 +43,7 @@ def tensors_off_target(
     """
     off = [path for device, paths in found.items() if device != target for path in paths]
     calls = _to_calls(off, target)
-    fix = f"pass {calls}, or use @device_agnostic(move=True) to move inputs"
+    fix = f"pass {calls}, or use @device_agnostic(move=True) to move the arguments"
     if len(found) == 1:  # all on one device, the wrong one
         what = f"tensors on {next(iter(found))}, not on its target"
         return _error(function, what, found, target, reason, fix, count=False)

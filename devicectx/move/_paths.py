@@ -78,14 +78,17 @@ def build(root: str, parts: Iterable[tuple[int, object]]) -> str:
 
 
 def module_path(parent: str, qualified_name: str) -> str:
-    """The path of a parameter or buffer of the module at ``parent``.
+    """The path of a submodule, parameter or buffer of the module at ``parent``.
 
     ``layers.0.weight`` becomes ``model.layers[0].weight``: the digits are indices of a
-    ``ModuleList`` or ``Sequential``, which Python code writes with brackets.
+    ``ModuleList`` or ``Sequential``, which Python code writes with brackets. A name that
+    is no identifier (a ``ModuleDict`` key such as ``cls-head``) is written as a key,
+    ``model.heads['cls-head'].weight``, as ``getattr`` is the only other way to reach it.
     """
     parts = [parent]
     for part in qualified_name.split("."):
-        parts.append(f"[{part}]" if part.isdigit() else f".{part}")
+        # ASCII only: "²".isdigit() is True, but no ModuleList index is written so.
+        parts.append(f"[{part}]" if part.isascii() and part.isdigit() else _dual(part))
     return "".join(parts)
 
 

@@ -35,7 +35,7 @@ from devicectx.move._containers import (
     kind_for,
     slot_names,
 )
-from devicectx.move._paths import ATTR, join
+from devicectx.move._paths import ATTR, join, module_path
 
 # torch's words for tensors on different devices, across its releases and backends.
 _MISMATCH_WORDS = (
@@ -174,8 +174,9 @@ def _module_children(
         for name, value in vars(module).items()
         if name not in _MODULE_STATE and depth < _MAX_DEPTH
     ]
+    # Written as find_devices writes them (model.enc[0]), so that a fix names code that runs.
     children += [
-        (child, join(path, ATTR, name), depth, None) for name, child in module.named_children()
+        (child, module_path(path, name), depth, None) for name, child in module.named_children()
     ]
     return children
 
