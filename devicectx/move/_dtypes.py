@@ -19,17 +19,22 @@ loader, so the copy sends the smaller dtype, and the staged path packs it like a
 tensor). It keeps what a move keeps (:mod:`devicectx.move._alias` does it, with the
 target's dtype instead of its device): each tensor cast once, views of a cast tensor
 still views of its cast, autograd history (``.to(dtype)``); the input is never changed.
-Modules are not looked into; an object with its own ``.to`` is cast where the engine can
-rebuild it (a registered or known protocol: ``TensorDict``, ``BatchEncoding``), and is
-otherwise left to its ``.to`` (torch_geometric's ``Data``), which cannot cast.
+Modules are not cast (``module.to`` moves them in place, as they are), but they are
+checked: a parameter or buffer of a dtype the target cannot hold is refused with the rest,
+before anything moves, with ``module.float()`` as the fix, so a module is never left
+half-moved. An object with its own ``.to`` is cast where the engine can rebuild it (a
+registered or known protocol: ``TensorDict``, ``BatchEncoding``), and is otherwise left to
+its ``.to`` (torch_geometric's ``Data``), which cannot cast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from itertools import chain
 from typing import Any, Literal, TypeAlias, TypeVar
 
 import torch
+from torch import nn
 
 from devicectx._errors import DtypeUnsupportedError
 from devicectx.devices._capabilities import (
@@ -39,7 +44,7 @@ from devicectx.devices._capabilities import (
     nearest_dtype,
 )
 from devicectx.move._alias import TensorMover
-from devicectx.move._containers import _CACHE, LEAF_KIND
+from devicectx.move._containers import _CACHE, LEAF_KIND, MODULE_KIND
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip
 from devicectx.move._walk import iter_tensors
@@ -48,6 +53,8 @@ __all__ = ["DtypesLike", "Policy", "cast_batch", "check_dtypes", "holds_any", "p
 
 T = TypeVar("T")
 _Tensor = torch.Tensor
+_Module = nn.Module
+_NO_DTYPES: frozenset[torch.dtype] = frozenset()
 
 DtypesLike: TypeAlias = "Literal['device'] | Mapping[torch.dtype, torch.dtype] | None"
 """What ``dtypes=`` takes: ``None``, ``"device"``, or ``{from dtype: to dtype}``."""
@@ -64,23 +71,27 @@ class Policy:
         cast: ``{dtype: dtype}``: every tensor of a key's dtype becomes its value.
         missing: the dtypes the target cannot hold that ``cast`` does not change: tensors
             of these that would move are refused.
+        unheld: every dtype the target cannot hold: a module's parameters and buffers of
+            these are refused, as ``module.to`` moves them uncast.
         device: the target.
     """
 
-    __slots__ = ("cast", "device", "missing", "spec", "wanted")
+    __slots__ = ("cast", "device", "missing", "spec", "unheld", "wanted")
 
     def __init__(
         self,
         spec: DtypesLike,
         cast: dict[torch.dtype, torch.dtype],
-        missing: frozenset[torch.dtype],
+        unheld: frozenset[torch.dtype],
         device: torch.device,
     ) -> None:
         self.spec = spec
         self.cast = cast
-        self.missing = missing
+        self.missing = unheld - cast.keys()
+        self.unheld = unheld
         self.device = device
-        self.wanted = frozenset(cast) | missing  # the dtypes that make a walk worth it
+        # The dtypes that make a walk worth it; a superset of `unheld`.
+        self.wanted = frozenset(cast) | unheld
 
     def apply(
         self,
@@ -96,26 +107,45 @@ class Policy:
 
         Raises:
             DtypeUnsupportedError: a tensor that would move is of a dtype the target
-                cannot hold (after the casts); every such path is named.
+                cannot hold (after the casts), or a module that would move holds one
+                (modules are not cast); every such path is named.
 
         ``values``: what ``obj`` holds, for the quick look (default: ``obj`` itself).
         """
+        skip_types = () if skip is None else skip.types
         # A quick look first (a batch with nothing to cast is the common case): the walk
         # that rebuilds costs several times more than one that only reads.
-        if not holds_any((obj,) if values is None else values, self.wanted):
+        look = (obj,) if values is None else values
+        if not holds_any(look, self.wanted, self.unheld, skip_types):
             return obj
         caster = _Caster(self)
         walk = Rebuild.moving(None, caster, skip, name, fix, who)
         # Rebuild's hot loops copy a plain tensor with .to(device) themselves, which is a
         # move's work: here every tensor goes to the caster, which picks the ones to cast.
         walk.moved = None
+        met: list[nn.Module] = []
+        walk.modules = met
         result = walk.run(obj)
         replace = caster.finish()
         if replace:  # views met before the tensor they belong to: made views of its cast
             result = Rebuild.replacing(replace, name, fix, who).run(result)
-        if caster.refused:
-            raise _refused(self, obj, name, who, caster.refused, suggest)
+        # module.to would stop at the first tensor the target refuses, with the module's
+        # earlier tensors already moved in place: refused here, before anything moves.
+        in_modules = self._unheld_in(met)
+        if caster.refused or in_modules:
+            raise _refused(self, obj, name, who, caster.refused, in_modules, suggest)
         return result  # type: ignore[no-any-return]
+
+    def _unheld_in(self, modules: list[nn.Module]) -> dict[int, torch.dtype]:
+        """``{id(tensor): dtype}`` of the parameters and buffers of ``modules`` that
+        ``module.to`` would send to the target, which cannot hold their dtype."""
+        unheld, device = self.unheld, self.device
+        refused: dict[int, torch.dtype] = {}
+        for module in modules:
+            for tensor in chain(module.parameters(), module.buffers()):
+                if tensor.dtype in unheld and tensor.device != device:
+                    refused[id(tensor)] = tensor.dtype
+        return refused
 
 
 class _Caster(TensorMover):
@@ -140,13 +170,26 @@ class _Caster(TensorMover):
         return tensor if to is dtype else super().move(tensor)
 
 
-def holds_any(values: Iterable[Any], wanted: frozenset[torch.dtype]) -> bool:
-    """Whether a tensor of a ``wanted`` dtype is in ``values``: plain dicts, lists and
-    tuples read recursively, without paths; anything else read by the full walk."""
+def holds_any(
+    values: Iterable[Any],
+    wanted: frozenset[torch.dtype],
+    modules: frozenset[torch.dtype] = _NO_DTYPES,
+    skip_types: tuple[type, ...] = (),
+) -> bool:
+    """Whether a tensor of a ``wanted`` dtype is in ``values``, or one of a ``modules``
+    dtype among the parameters and buffers of a module there that is none of
+    ``skip_types``: plain dicts, lists and tuples read recursively, without paths;
+    anything else read by the full walk, which reads a module's tensors against ``wanted``
+    (with ``modules`` a part of it, as in a policy, the answer errs only towards yes)."""
     try:
-        return _plain_holds(values, wanted, _PLAIN_DEPTH)
+        return _plain_holds(values, wanted, modules, skip_types, _PLAIN_DEPTH)
     except _NotPlain:
-        return any(tensor.dtype in wanted for v in values for _, tensor in iter_tensors(v, ""))
+        into = bool(modules) and not (skip_types and issubclass(_Module, skip_types))
+        return any(
+            tensor.dtype in wanted
+            for v in values
+            for _, tensor in iter_tensors(v, "", modules=into)
+        )
 
 
 class _NotPlain(Exception):
@@ -156,7 +199,13 @@ class _NotPlain(Exception):
 _PLAIN_DEPTH = 8
 
 
-def _plain_holds(items: Iterable[Any], wanted: frozenset[torch.dtype], depth: int) -> bool:
+def _plain_holds(
+    items: Iterable[Any],
+    wanted: frozenset[torch.dtype],
+    modules: frozenset[torch.dtype],
+    skip_types: tuple[type, ...],
+    depth: int,
+) -> bool:
     for item in items:
         tp = type(item)
         if tp is _Tensor:
@@ -165,10 +214,20 @@ def _plain_holds(items: Iterable[Any], wanted: frozenset[torch.dtype], depth: in
         elif tp is dict or tp is list or tp is tuple:
             if not depth:
                 raise _NotPlain
-            if _plain_holds(item.values() if tp is dict else item, wanted, depth - 1):
+            inner = item.values() if tp is dict else item
+            if _plain_holds(inner, wanted, modules, skip_types, depth - 1):
                 return True
-        elif _CACHE.get(tp) is not LEAF_KIND:
-            raise _NotPlain
+        else:
+            kind = _CACHE.get(tp)
+            if kind is MODULE_KIND:
+                if (
+                    modules
+                    and not (skip_types and isinstance(item, skip_types))
+                    and any(t.dtype in modules for t in chain(item.parameters(), item.buffers()))
+                ):
+                    return True
+            elif kind is not LEAF_KIND:
+                raise _NotPlain
     return False
 
 
@@ -192,7 +251,7 @@ def policy_for(dtypes: DtypesLike, device: torch.device) -> Policy | None:
     missing = missing_dtypes(device)
     if not cast and not missing:
         return None
-    return Policy(dtypes, cast, missing - cast.keys(), device)
+    return Policy(dtypes, cast, missing, device)
 
 
 # The policies of None and "device" on a device that lacks some dtype are worked out once
@@ -210,7 +269,7 @@ def _named(spec: str | None, device: torch.device) -> Policy:
             nearest = nearest_dtype(device, dtype)
             if nearest is not None:
                 cast[dtype] = nearest
-    return Policy(spec, cast, missing - cast.keys(), device)  # type: ignore[arg-type]
+    return Policy(spec, cast, missing, device)  # type: ignore[arg-type]
 
 
 def cast_batch(
@@ -273,28 +332,61 @@ def _refused(
     name: str,
     who: str,
     refused: dict[int, torch.dtype],
+    in_modules: dict[int, torch.dtype],
     suggest: Suggest,
 ) -> DtypeUnsupportedError:
-    """The error naming every path of a tensor the target cannot hold, by dtype."""
-    paths: dict[torch.dtype, list[str]] = {}
+    """The error naming every path of a tensor the target cannot hold, by dtype: those the
+    policy would have moved, then those of modules."""
+    plain: dict[torch.dtype, list[str]] = {}
+    seen: set[str] = set()
     for path, tensor in iter_tensors(obj, name):
+        seen.add(path)
         dtype = refused.get(id(tensor))
         if dtype is not None:
-            paths.setdefault(dtype, []).append(path)
+            plain.setdefault(dtype, []).append(path)
+    held: dict[torch.dtype, list[str]] = {}
+    casts: dict[str, None] = {}  # the fix's lines, in order, each once
+    if in_modules:
+        for path, tensor in iter_tensors(obj, name, modules=True):
+            dtype = in_modules.get(id(tensor))
+            if dtype is not None and path not in seen:
+                held.setdefault(dtype, []).append(path)
+                casts[_module_cast(policy.device, path, dtype)] = None
+    paths = {d: [*plain.get(d, ()), *held.get(d, ())] for d in (*plain, *held)}
     device = policy.device
-    count = len(refused)
+    count = len(refused.keys() | in_modules.keys())
     held_not = " or ".join(str(d) for d in paths)
     width = max(len(str(d)) for d in paths)
     lines = [f"    {d!s:<{width}} <- {', '.join(p)}" for d, p in paths.items()]
     what = "a tensor" if count == 1 else f"{count} tensors"
+    if casts:
+        fix = f"{'; '.join(casts)} before the move (dtypes= casts no module's tensors)"
+        if plain:
+            fix = f"{fix}, and {suggest(_fix_argument(policy, plain))}"
+    else:
+        fix = suggest(_fix_argument(policy, plain))
     msg = "\n".join(
         [
             f"{who} cannot move {what} to {device}, which holds no {held_not}:",
             *lines,
-            f"fix: {suggest(_fix_argument(policy, paths))}",
+            f"fix: {fix}",
         ]
     )
     return DtypeUnsupportedError(msg, device=device, paths=paths)
+
+
+def _module_cast(device: torch.device, path: str, dtype: torch.dtype) -> str:
+    """The line that casts a module's tensor at ``path`` to a dtype ``device`` holds: its
+    module's ``.float()`` for a floating point one (which leaves complex ones alone), else
+    the tensor's own ``.data`` (``module.to(torch.complex64)`` would make the module's
+    real tensors complex too)."""
+    # A parameter's or buffer's name is the last part of its path (`.weight`, or `['a-b']`
+    # for a name that is no identifier): what comes before is its module's path.
+    cut = path.rfind("[") if path.endswith("]") else path.rfind(".")
+    if dtype.is_floating_point and cut > 0:
+        return f"{path[:cut]}.float()"
+    to = nearest_dtype(device, dtype) or _fallback(device, dtype)
+    return f"{path}.data = {path}.data.to({_code(to)})"
 
 
 def _fix_argument(policy: Policy, paths: Mapping[torch.dtype, list[str]]) -> str:

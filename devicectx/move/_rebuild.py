@@ -104,6 +104,7 @@ class Rebuild:
         "groups",
         "keep",
         "memo",
+        "modules",
         "moved",
         "mover",
         "name",
@@ -142,6 +143,9 @@ class Rebuild:
         self.groups = mover.groups if mover is not None else {}
         self.sent: list[torch.Tensor] = mover.sent if mover is not None else []
         self.fast = (_containers.FAST_DICT, _containers.FAST_LIST, _containers.FAST_TUPLE)
+        # The dtype policy's cast walk lists the modules it meets here: module.to moves
+        # them in place, uncast, so their tensors are checked before anything moves.
+        self.modules: list[Any] | None = None
 
     @classmethod
     def moving(
@@ -465,7 +469,11 @@ class Rebuild:
         """A module (in place) or an object with its own ``.to``, moved."""
         mover, device = self.mover, self.device
         if mover is None or device is None:  # replacing: only what the engine itself moved
-            if kind.role == MODULE or kind.rebuild is None:
+            if kind.role == MODULE:
+                if self.modules is not None:
+                    self.modules.append(obj)
+                return obj
+            if kind.rebuild is None:
                 return obj
             return self._container(obj, kind, 0)
         try:

@@ -1,0 +1,250 @@
+"""Modules moved to a device that cannot hold some of their dtypes (float64 on MPS).
+
+``dtypes=`` casts no module's tensors (``module.to`` moves a module in place, as it is), so
+a module holding a tensor the target cannot hold is refused before anything moves, with the
+cast to make as the fix, and never left half-moved. The device without float64 is the
+emulated accelerator playing MPS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import accelerator
+from torch import nn
+
+from devicectx import (
+    DeviceMismatchError,
+    DtypeUnsupportedError,
+    device_agnostic,
+    find_devices,
+    to_device,
+)
+
+needs_accelerator = pytest.mark.requires_device("accelerator")
+F64, F32, C128 = torch.float64, torch.float32, torch.complex128
+CPU = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def mps_like() -> Iterator[torch.device]:
+    """The emulated accelerator playing MPS in the block: no float64, no complex128."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the device without float64 is the emulated one (--devicectx-accelerator)")
+    from devicectx.testing import emulated
+
+    with emulated.profile("mps"):
+        yield device
+
+
+def float64_stats() -> nn.Sequential:
+    """A model whose last tensors, a BatchNorm's running stats, are float64: module.to
+    moves the others before it meets them."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model[1].running_mean = model[1].running_mean.double()
+    model[1].running_var = model[1].running_var.double()
+    return model
+
+
+def tensors(module: nn.Module) -> list[tuple[str, torch.Tensor, torch.device, torch.dtype]]:
+    """Each parameter and buffer of ``module``: its name, the object, device and dtype."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [(name, t, t.device, t.dtype) for name, t in named]
+
+
+def unchanged(module: nn.Module, before: list[Any]) -> None:
+    """``module`` holds the same tensor objects, on the CPU, with the same dtypes."""
+    after = tensors(module)
+    assert [(n, id(t), d, dt) for n, t, d, dt in before] == [
+        (n, id(t), d, dt) for n, t, d, dt in after
+    ]
+    assert {CPU} == {d for _, _, d, _ in after}
+
+
+def fix_code(message: str) -> str:
+    """The code of a module fix line, without the reason after it."""
+    fix = message.splitlines()[-1]
+    assert fix.startswith("fix: ")
+    return fix.removeprefix("fix: ").split(" before the move")[0]
+
+
+@dataclasses.dataclass
+class Run:
+    """A model and a tensor, in a container the quick look does not read itself."""
+
+    model: nn.Module
+    other: torch.Tensor
+
+
+# Refused before anything moves
+
+
+@needs_accelerator
+def test_device_policy_refuses_a_module_with_float64_and_leaves_it_whole() -> None:
+    """dtypes="device" on a model with float64 buffers: refused naming each one, with the
+    module's .float() as the fix; no tensor of the model moved (it was left half-moved)."""
+    with mps_like() as device:
+        model = float64_stats()
+        before = tensors(model)
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(model, device, dtypes="device")
+        unchanged(model, before)
+    assert [
+        f"to_device() cannot move 2 tensors to {device}, which holds no torch.float64:",
+        "    torch.float64 <- obj[1].running_mean, obj[1].running_var",
+        "fix: obj[1].float() before the move (dtypes= casts no module's tensors)",
+    ] == str(raised.value).splitlines()
+    assert {F64: ["obj[1].running_mean", "obj[1].running_var"]} == raised.value.paths
+    assert raised.value.device == device
+
+
+@needs_accelerator
+def test_default_names_a_module_and_a_batch_tensor_in_one_refusal() -> None:
+    """dtypes=None on a model and a float64 tensor: one refusal names both, and the fix
+    casts the module and casts the batch with dtypes="device"."""
+    with mps_like() as device:
+        model = float64_stats()
+        before = tensors(model)
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device({"model": model, "x": torch.ones(2, dtype=F64)}, device)
+        unchanged(model, before)
+    assert [
+        f"to_device() cannot move 3 tensors to {device}, which holds no torch.float64:",
+        "    torch.float64 <- obj['x'], obj['model'][1].running_mean, obj['model'][1].running_var",
+        "fix: obj['model'][1].float() before the move (dtypes= casts no module's tensors), "
+        f'and to_device(obj, {str(device)!r}, dtypes="device")',
+    ] == str(raised.value).splitlines()
+
+
+@needs_accelerator
+def test_a_mapping_does_not_cast_a_module_either() -> None:
+    """A mapping that casts float64 casts the batch, not the model in it: the model is
+    refused as it stands, the batch left as it was."""
+    with mps_like() as device:
+        model, x = float64_stats(), torch.ones(2, dtype=F64)
+        before = tensors(model)
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device({"model": model, "x": x}, device, dtypes={F64: F32})
+        unchanged(model, before)
+    assert {F64: ["obj['model'][1].running_mean", "obj['model'][1].running_var"]} == (
+        raised.value.paths
+    )
+    assert (CPU, F64) == (x.device, x.dtype)
+
+
+@needs_accelerator
+def test_a_module_off_the_plain_walk_is_checked_too() -> None:
+    """A model in a dataclass, moved with a skip given as a path (the walks that take paths
+    and other containers): refused the same, and left whole."""
+    with mps_like() as device:
+        model = float64_stats()
+        before = tensors(model)
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(Run(model, torch.ones(2)), device, skip=["obj.other"], dtypes="device")
+        unchanged(model, before)
+    named = str(raised.value).splitlines()[1]
+    assert "    torch.float64 <- obj.model[1].running_mean, obj.model[1].running_var" == named
+
+
+@needs_accelerator
+def test_a_float64_parameter_nested_in_a_submodule_is_named_by_its_module() -> None:
+    """A float64 parameter deep in the model: its own module is the one the fix casts."""
+    with mps_like() as device:
+        encoder = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        encoder[1].double()
+        model = nn.ModuleDict({"encoder": encoder})
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(model, device)
+    assert [
+        f"to_device() cannot move 2 tensors to {device}, which holds no torch.float64:",
+        "    torch.float64 <- obj.encoder[1].weight, obj.encoder[1].bias",
+        "fix: obj.encoder[1].float() before the move (dtypes= casts no module's tensors)",
+    ] == str(raised.value).splitlines()
+
+
+# The fix works
+
+
+@needs_accelerator
+def test_the_fix_line_run_as_written_lets_the_module_move() -> None:
+    """The fix line, run as code with the model as obj, makes the move go through: every
+    tensor of the model on the device."""
+    with mps_like() as device:
+        model = float64_stats()
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(model, device, dtypes="device")
+        exec(fix_code(str(raised.value)), {"obj": model, "torch": torch})
+        assert to_device(model, device, dtypes="device") is model
+        assert {device} == set(find_devices(model))
+        assert F32 == model[1].running_mean.dtype
+
+
+@needs_accelerator
+def test_a_complex128_buffer_is_cast_alone_by_the_fix() -> None:
+    """A complex128 buffer: the fix casts that buffer to complex64 (a module's
+    .to(torch.complex64) would make its real tensors complex), then the module moves."""
+    with mps_like() as device:
+        model = nn.Linear(2, 2)
+        model.register_buffer("phase", torch.zeros(2, dtype=C128))
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(model, device)
+        assert [
+            f"to_device() cannot move a tensor to {device}, which holds no torch.complex128:",
+            "    torch.complex128 <- obj.phase",
+            "fix: obj.phase.data = obj.phase.data.to(torch.complex64) before the move "
+            "(dtypes= casts no module's tensors)",
+        ] == str(raised.value).splitlines()
+        exec(fix_code(str(raised.value)), {"obj": model, "torch": torch})
+        to_device(model, device)
+        assert {device} == set(find_devices(model))
+        assert (F32, torch.complex64) == (model.weight.dtype, model.phase.dtype)
+
+
+# What is not refused
+
+
+@needs_accelerator
+def test_a_skipped_module_is_neither_cast_nor_refused() -> None:
+    """skip=nn.Module leaves the float64 model where it is, and moves the rest."""
+    with mps_like() as device:
+        model = float64_stats()
+        before = tensors(model)
+        moved = to_device({"model": model, "x": torch.ones(2)}, device, skip=nn.Module)
+        unchanged(model, before)
+        assert moved["model"] is model
+        assert ["moved['x']"] == find_devices(moved, name="moved")[device]
+
+
+@needs_accelerator
+def test_a_float32_module_moves_under_every_policy() -> None:
+    """A model the device can hold moves whole, with and without dtypes=, and a second
+    move of it changes nothing."""
+    with mps_like() as device:
+        for dtypes in (None, "device", {F64: F32}):
+            model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+            assert to_device(model, device, dtypes=dtypes) is model
+            assert {device} == set(find_devices(model))
+            assert to_device(model, device, dtypes=dtypes) is model
+
+
+@needs_accelerator
+def test_decorator_leaves_a_float64_model_off_the_target_whole() -> None:
+    """@device_agnostic never moves a module: a float64 model off the target is refused
+    as any module off its target (that message is the decorator's), and left as it was."""
+    with mps_like() as device:
+        model = float64_stats()
+        before = tensors(model)
+
+        @device_agnostic(device=device, dtypes="device")
+        def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        with pytest.raises(DeviceMismatchError):
+            step(model, torch.ones(2, dtype=F64))
+        unchanged(model, before)
