@@ -217,6 +217,15 @@ def test_small_tensors_share_regions_of_bounded_size() -> None:
     regions = 1 + sum(b - a != 16 for a, b in pairwise(addresses))
     assert 3 == regions  # 256, 256 and 128 bytes
     assert all(torch.equal(t, results[id(t)]) for t in sources)
+    # As .to makes them: nobody's view, at version 0, with their shape and strides.
+    for source in sources:
+        result = results[id(source)]
+        assert (None, 0, (4,), (1,)) == (
+            result._base,
+            result._version,
+            result.shape,
+            result.stride(),
+        )
 
 
 def test_runs_of_mixed_dtypes_and_shapes_are_aligned() -> None:
