@@ -168,6 +168,55 @@ def test_views_are_differentiable() -> None:
     assert type(moved_view.grad_fn).__name__ == "AsStridedBackward0"
 
 
+def geometry(tensor: torch.Tensor) -> tuple[torch.Size, tuple[int, ...], int]:
+    """Shape, strides and storage offset: where a view lies in its base."""
+    return tensor.shape, tensor.stride(), tensor.storage_offset()
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("base_first", [True, False])
+def test_empty_views_of_an_empty_base_stay_linked(base_first: bool, requires_grad: bool) -> None:
+    """Views of an empty base arrive as views of the moved base, in place and with autograd."""
+    base = torch.randn(0, 3, requires_grad=requires_grad)
+    views = [base.unsqueeze(0), base[:, 1:], base.expand(2, 0, 3), base.t()]
+    moved = to_device([base, *views] if base_first else [*views, base], "meta")
+    moved_base, moved_views = (moved[0], moved[1:]) if base_first else (moved[-1], moved[:-1])
+    for view, moved_view in zip(views, moved_views, strict=True):
+        assert moved_view._base is moved_base
+        assert geometry(view) == geometry(moved_view)
+        assert requires_grad == moved_view.requires_grad
+        assert requires_grad == (moved_view.grad_fn is not None)
+
+
+@pytest.mark.parametrize("base_first", [True, False])
+def test_empty_views_of_a_base_with_elements_stay_linked(base_first: bool) -> None:
+    """Empty slices of a base, even one past its end, arrive as views of the moved base."""
+    base = torch.zeros(2, 3)
+    views = [base[2:], base[1:1], base[:, :0], base[:, 3:], base[2:, 3:]]
+    moved = to_device([base, *views] if base_first else [*views, base], "meta")
+    moved_base, moved_views = (moved[0], moved[1:]) if base_first else (moved[-1], moved[:-1])
+    for view, moved_view in zip(views, moved_views, strict=True):
+        assert moved_view._base is moved_base
+        assert geometry(view) == geometry(moved_view)
+
+
+def test_empty_tensors_that_are_no_views_stay_apart() -> None:
+    """Empty tensors that are not views of one another arrive as separate tensors."""
+    tensor = torch.zeros(0)
+    moved = to_device([tensor, torch.zeros(0), tensor.detach(), torch.zeros(0, 2)], "meta")
+    assert [None, None, None, None] == [t._base for t in moved]
+    assert 4 == len({id(t) for t in moved})
+
+
+def test_empty_view_of_an_empty_parameter_links_to_the_moved_parameter() -> None:
+    """A view of an empty parameter is a view of the moved parameter, which stays one."""
+    param = nn.Parameter(torch.zeros(0))
+    moved_view, moved_param = to_device([param.unsqueeze(0), param], "meta")
+    assert type(moved_param) is nn.Parameter
+    assert moved_view._base is moved_param
+    assert moved_view.requires_grad
+
+
 def test_cycle_does_not_loop() -> None:
     """A list that holds itself is moved; the inner reference is the original list."""
     cyclic: list[Any] = [torch.zeros(1)]
@@ -332,6 +381,32 @@ def test_accelerator_round_trip_keeps_values_views_and_gradients() -> None:
     back[1].sum().backward()
     assert leaf.grad is not None
     assert leaf.grad.tolist() == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_accelerator_round_trip_keeps_empty_views(coalesce: bool) -> None:
+    """Empty views, among many small tensors, stay views of their moved base both ways."""
+    device = accelerator()
+    empty, full = torch.zeros(0, 4, requires_grad=True), torch.arange(8.0)
+    batch = {
+        "ids": [torch.arange(i + 1) for i in range(32)],
+        "alone": [torch.zeros(0) for _ in range(4)],
+        "empty": [empty, empty.unsqueeze(0), empty[:, 2:]],
+        "full": [full, full[8:], full[3:3], full[1:3]],
+    }
+    there = to_device(batch, device, coalesce=coalesce)
+    back = to_device(there, "cpu", coalesce=coalesce)
+    for moved in (there, back):
+        for key in ("empty", "full"):
+            base, *views = moved[key]
+            assert [base] * len(views) == [view._base for view in views]
+        assert [None] * 4 == [t._base for t in moved["alone"]]
+        assert 4 == len({id(t) for t in moved["alone"]})
+    assert all(torch.equal(a, b) for a, b in zip(batch["ids"], back["ids"], strict=True))
+    back["empty"][1].sum().backward()
+    assert empty.grad is not None
+    assert empty.shape == empty.grad.shape
 
 
 # coalesce= (staged moves are tested in test_staging.py).

@@ -6,8 +6,10 @@ another tensor of the same structure (a view and its base, a slice and a larger 
 the same base) arrives as a view of that tensor's copy, via ``as_strided``, which autograd
 differentiates. Tensors are grouped by their base (``tensor._base``, or the tensor itself
 for one that is no view); within a group the *anchor* of a member is the largest dense
-tensor that covers its memory (the base, when it is there). A tensor covered by none is
-copied alone, as ``.to`` copies it: only its own elements, never the rest of its base.
+tensor that covers its memory (the base, when it is there). An empty tensor has no memory
+to cover, so every anchor of its kind covers it, and its anchor is the largest (the base,
+empty or not). A tensor covered by none is copied alone, as ``.to`` copies it: only its
+own elements, never the rest of its base.
 Tensors that share memory without being views (``x.data``, ``x.detach()``) are copied
 apart, as ``.to`` would copy them. A view on XLA is copied alone too: XLA tensors report
 their base but not where in it they lie (every one says offset 0, contiguous strides).
@@ -184,7 +186,17 @@ def _parameter(tensor: _Tensor, data: _Tensor) -> _Tensor:
 class _Span:
     """Where a tensor's elements lie in its storage, in bytes, and whether it can anchor."""
 
-    __slots__ = ("anchor", "hi", "index", "linkable", "lo", "sort_key", "tensor", "what")
+    __slots__ = (
+        "anchor",
+        "empty",
+        "hi",
+        "index",
+        "linkable",
+        "lo",
+        "sort_key",
+        "tensor",
+        "what",
+    )
 
     def __init__(self, tensor: _Tensor, index: int) -> None:
         self.tensor = tensor
@@ -193,29 +205,42 @@ class _Span:
         self.linkable = type(tensor) is _Tensor
         self.what: tuple[Any, ...] | None = None
         self.anchor = False
+        self.empty = False
         self.lo = self.hi = 0
         self.sort_key: tuple[int, int, bool, bool, int] = (0, 0, self.linkable, False, index)
-        if tensor.layout != torch.strided or tensor.numel() == 0:
+        if tensor.layout != torch.strided:
             return
         size, stride, itemsize = tensor.size(), tensor.stride(), tensor.element_size()
         start = int(tensor.storage_offset())
-        self.lo = start * itemsize
-        extent = sum((n - 1) * s for n, s in zip(size, stride, strict=True))
-        self.hi = (start + int(extent) + 1) * itemsize
+        self.lo = self.hi = start * itemsize
         self.what = (tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg())
-        self.anchor = (self.linkable or isinstance(tensor, nn.Parameter)) and dense(size, stride)
+        can_anchor = self.linkable or isinstance(tensor, nn.Parameter)
+        if tensor.numel() == 0:
+            # No elements: its offset and strides say nothing of memory it holds (the
+            # extent below would give a (3, 0) tensor two elements, a (0,) one a negative
+            # length; an empty view's offset may lie past its base's end). It covers only
+            # other empty tensors, and any anchor of its kind covers it: a view of any
+            # copy, at any offset, that reads nothing.
+            self.empty = True
+            self.anchor = can_anchor
+        else:
+            extent = sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+            self.hi = (start + int(extent) + 1) * itemsize
+            self.anchor = can_anchor and dense(size, stride)
         # Among anchors of equal memory: a parameter first (it must stay one), then the base
         # itself (so views stay views of it), then the first met.
         self.sort_key = (self.lo, -self.hi, self.linkable, base_of(tensor) is not None, index)
 
     def covers(self, other: _Span) -> bool:
-        return (
-            self.anchor
-            and self.what is not None
-            and self.what == other.what
-            and self.lo <= other.lo
-            and other.hi <= self.hi
-        )
+        if not self.anchor or self.what is None or self.what != other.what:
+            return False
+        if other.empty:
+            return True
+        return not self.empty and self.lo <= other.lo and other.hi <= self.hi
+
+    def preference(self) -> tuple[int, bool, bool, int]:
+        """The order in which anchors are chosen: the largest, then as in ``sort_key``."""
+        return (self.lo - self.hi, *self.sort_key[2:])
 
 
 class _Group:
@@ -235,7 +260,7 @@ class _Group:
         moved: _Tensor | None = None
         # Linked to the first member when that one covers it, unless it would be the better
         # anchor of the two (the same memory, and it is the base while the first is a view).
-        better = span.covers(first) and span.sort_key < first.sort_key
+        better = span.covers(first) and span.preference() < first.preference()
         if span.linkable and first.covers(span) and not better:
             moved = _view_of(first.tensor, self.results[0], tensor)
         link: int | None = 0
@@ -285,10 +310,13 @@ def _best_anchors(spans: list[_Span]) -> list[int | None]:
         if span.what is not None:
             kinds.setdefault(span.what, []).append(span)
     for members in kinds.values():
+        anchors = [s for s in members if s.anchor]
+        largest = min(anchors, key=_Span.preference) if anchors else None
         # Keep only the anchors no other anchor covers: sorted by start, their ends rise.
+        # Empty ones cover no tensor that has elements.
         maximal: list[_Span] = []
         reach = -1
-        for span in sorted((s for s in members if s.anchor), key=lambda s: s.sort_key):
+        for span in sorted((s for s in anchors if not s.empty), key=lambda s: s.sort_key):
             if span.hi > reach:
                 maximal.append(span)
                 reach = span.hi
@@ -296,8 +324,8 @@ def _best_anchors(spans: list[_Span]) -> list[int | None]:
         for span in members:
             if not span.linkable and not span.anchor:
                 continue
-            chosen: _Span | None = None
-            at = bisect_right(starts, span.lo) - 1
+            chosen: _Span | None = largest if span.empty else None
+            at = -1 if span.empty else bisect_right(starts, span.lo) - 1
             while at >= 0 and maximal[at].hi >= span.hi:
                 candidate = maximal[at]
                 if chosen is None or candidate.hi - candidate.lo > chosen.hi - chosen.lo:
@@ -329,6 +357,8 @@ def _same_layout(tensor: _Tensor, moved: _Tensor) -> bool:
     """Whether ``moved`` lays its elements out in memory as ``tensor`` does."""
     if tensor.size() != moved.size():
         return False
+    if tensor.numel() == 0:  # nothing to lay out: any view of it reads no element
+        return True
     layouts = zip(tensor.size(), tensor.stride(), moved.stride(), strict=True)
     return all(a == b or n <= 1 for n, a, b in layouts)
 
