@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import pytest
@@ -186,7 +188,7 @@ def test_tolerances_are_applied() -> None:
     with pytest.raises(AssertionError) as raised:
         assert_device_agnostic(count_up, torch.ones(1), devices=["cpu", "cpu"])
     assert [
-        "    out: 3 of 4 values differ (75.0%), rtol=0, atol=0",
+        "    out: 3 of 4 values differ (75.0%), torch.int64 compared exactly",
         "      max abs diff 3 at index (1, 1)",
         "      max rel diff inf at index (0, 1)",
     ] == message_lines(raised)[2:5]
@@ -218,8 +220,8 @@ def test_catches_a_dtype_shape_and_structure_that_differ() -> None:
         return [x.double()]
 
     def shaped(x: torch.Tensor) -> dict[str, torch.Tensor]:
-        on_meta = x.device.type == "meta"
-        return {"a": x.double() if on_meta else x, "b": x.t() if on_meta else x, "c": x}
+        on_meta, y = x.device.type == "meta", x * 1
+        return {"a": y.double() if on_meta else y * 1, "b": y.t() if on_meta else y * 1, "c": x}
 
     with pytest.raises(AssertionError) as raised:
         assert_device_agnostic(shaped, torch.ones(2, 3), devices=CPU_META)
@@ -228,7 +230,8 @@ def test_catches_a_dtype_shape_and_structure_that_differ() -> None:
         "  on meta, compared with cpu:",
         "    out['a']: dtype torch.float64, expected torch.float32",
         "    out['b']: shape (3, 2), expected (2, 3)",
-        "fix: make shaped return the same tensors, dtypes and shapes on every device",
+        "fix: make shaped return the same containers and tensors, dtypes, shapes and layouts "
+        "on every device",
     ] == message_lines(raised)
     with pytest.raises(AssertionError) as raised:
         assert_device_agnostic(differs_on_meta, torch.ones(2), devices=CPU_META)
@@ -240,7 +243,8 @@ def test_catches_a_dtype_shape_and_structure_that_differ() -> None:
         "    out['b']: missing",
         "    out['c']: missing",
         "    out[0]: unexpected tensor",
-        "fix: make differs_on_meta return the same tensors, dtypes and shapes on every device",
+        "fix: make differs_on_meta return the same containers and tensors, dtypes, shapes and "
+        "layouts on every device",
     ] == message_lines(raised)
 
 
@@ -364,7 +368,8 @@ def test_a_set_member_that_differs_is_named() -> None:
         "      max rel diff 0.333333 at index (0,)",
         "  on meta, compared with cpu:",
         "    list(out['stats'])[2]: missing",
-        "fix: make drifting_stats return the same tensors, dtypes and shapes on every device",
+        "fix: make drifting_stats return the same containers and tensors, dtypes, shapes and "
+        "layouts on every device",
         "fix: if the difference is expected (float sums in another order, TF32), allow it: "
         "assert_device_agnostic(drifting_stats, ..., rtol=1e-4, atol=1e-5)",
     ] == message_lines(raised)
@@ -417,14 +422,72 @@ def test_raising_on_the_first_device_propagates() -> None:
             "they depend on the dtype, as in torch.testing.assert_close)\n"
             "fix: assert_device_agnostic(fn, ..., rtol=1e-5, atol=1e-8)",
         ),
+        (
+            {"rtol": -1.0, "atol": 0.0},
+            ValueError,
+            "assert_device_agnostic(rtol=-1.0): rtol must be 0 or more, as in "
+            "torch.testing.assert_close\n"
+            "fix: assert_device_agnostic(fn, ..., rtol=1e-5, atol=1e-8)",
+        ),
+        (
+            {"rtol": 0.0, "atol": float("nan")},
+            ValueError,
+            "assert_device_agnostic(atol=nan): atol must be 0 or more, as in "
+            "torch.testing.assert_close\n"
+            "fix: assert_device_agnostic(fn, ..., rtol=1e-5, atol=1e-8)",
+        ),
+        (
+            {"rtol": "1e-5", "atol": 1e-8},
+            TypeError,
+            "assert_device_agnostic(rtol='1e-5'): rtol takes a float, got a str\n"
+            "fix: assert_device_agnostic(fn, ..., rtol=1e-5, atol=1e-8)",
+        ),
+        (
+            {"dtypes": "cuda"},
+            ValueError,
+            "assert_device_agnostic: dtypes='cuda' is no dtype policy: it takes None, "
+            '"device" or a mapping\n'
+            'fix: dtypes="device" (what the target cannot hold becomes the nearest dtype it '
+            "holds), or dtypes={torch.float64: torch.float32}",
+        ),
     ],
-    ids=["devices-one-string", "devices-empty", "rtol-alone"],
+    ids=[
+        "devices-one-string",
+        "devices-empty",
+        "rtol-alone",
+        "rtol-negative",
+        "atol-nan",
+        "rtol-string",
+        "dtypes-unknown",
+    ],
 )
 def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], expected: str) -> None:
-    """Unusable devices=, rtol= or atol= raise before fn runs, saying what to write."""
+    """Unusable devices=, rtol=, atol= or dtypes= raise before fn runs, saying what to write."""
+    ran: list[torch.device] = []
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        ran.append(x.device)
+        return x
+
     with pytest.raises(error) as raised:
-        assert_device_agnostic(agnostic, torch.ones(1), **kwargs)  # type: ignore[arg-type]
+        assert_device_agnostic(record, torch.ones(1), **kwargs)  # type: ignore[arg-type]
     assert expected == str(raised.value)
+    assert [] == ran
+
+
+@pytest.mark.parametrize("given", [0, "cpu", "meta", "auto"])
+def test_one_device_for_devices_gets_a_fix_that_runs(given: str | int) -> None:
+    """One device where a list is due gets a fix of two devices, the CPU and another that
+    is here (that device, an accelerator, or meta), and the fix runs."""
+    others = [d for d in devicectx.available_devices() if d.type != "cpu"]
+    second = "meta" if given == "meta" or not others else str(others[0])
+    with pytest.raises(TypeError) as raised:
+        assert_device_agnostic(agnostic, torch.ones(1), devices=given)  # type: ignore[arg-type]
+    assert [
+        f"assert_device_agnostic(devices={given!r}): devices takes a list of devices",
+        f"fix: devices=['cpu', {second!r}]",
+    ] == str(raised.value).splitlines()
+    assert_device_agnostic(agnostic, torch.ones(1), devices=["cpu", second])
 
 
 def test_unknown_device_raises_resolve_devices_error() -> None:
@@ -503,3 +566,251 @@ def test_an_unseen_tensor_on_the_first_device_is_named_too() -> None:
     lines = str(raised.value).splitlines()
     assert "scaled is not device-agnostic: it raised on meta:" == lines[0]
     assert "    cpu <- scales.factor (in Scales)" == lines[3]
+
+
+# The structure: containers, shared tensors and requires_grad are compared, strides are not.
+
+
+def test_nested_container_types_are_compared() -> None:
+    """A container of another type at any depth is named by path; other values are not
+    compared."""
+
+    def nested(x: torch.Tensor) -> dict[str, object]:
+        if x.device.type == "meta":
+            return {"out": [(x,)], "n": 0, "label": "meta", "extra": [x]}
+        return {"out": [[x]], "n": int(x.sum()), "label": "cpu", "extra": None}
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(nested, torch.ones(3), devices=CPU_META)
+    assert [
+        "nested is not device-agnostic (ran on cpu, meta):",
+        "  on meta, compared with cpu:",
+        "    out['out'][0]: a tuple, expected a list",
+        "    out['extra']: a list, expected None",
+        "    out['extra'][0]: unexpected tensor",
+        "fix: make nested return the same containers and tensors, dtypes, shapes and layouts "
+        "on every device",
+    ] == message_lines(raised)
+
+
+def test_tensors_shared_between_paths_are_compared() -> None:
+    """The same tensor, or a view, at two paths on one device and copies on another is
+    named by path (an in-place write by the caller would differ); a view of an input is
+    not compared, as the move may copy input views apart."""
+
+    def shared(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * 2
+        if x.device.type == "meta":
+            return y, y, y[0], x.clone()
+        return y, y.clone(), y[0].clone(), x.reshape(-1)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(shared, torch.ones(2), devices=CPU_META)
+    assert [
+        "shared is not device-agnostic (ran on cpu, meta):",
+        "  on meta, compared with cpu:",
+        "    out[1]: the same tensor as out[0], expected a tensor with its own memory",
+        "    out[2]: a view sharing memory with out[0], expected a tensor with its own memory",
+        "fix: where shared means a copy, make one on every device: x.clone() (reshape() and "
+        "contiguous() return their input, or a view of it, where the strides allow)",
+    ] == message_lines(raised)
+
+
+def test_requires_grad_is_compared() -> None:
+    """An output that requires grad on one device only is named, with the fix."""
+
+    def detached(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = x * 2
+        return {"y": y.detach() if x.device.type == "meta" else y}
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(detached, torch.ones(2, requires_grad=True), devices=CPU_META)
+    assert [
+        "detached is not device-agnostic (ran on cpu, meta):",
+        "  on meta, compared with cpu:",
+        "    out['y']: requires_grad=False, expected True",
+        "fix: make detached record autograd alike on every device: the same ops, no .detach() "
+        "or torch.no_grad() on one device only",
+    ] == message_lines(raised)
+
+
+def test_shared_tensors_and_views_that_agree_pass() -> None:
+    """Outputs sharing tensors alike on every device pass, with the input among them."""
+
+    def views(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x, x, x[0], x.t(), x.clone(), x.sum()
+
+    assert_device_agnostic(views, torch.ones(2, 2, requires_grad=True), devices=CPU_META)
+
+
+# Integer and bool values: compared exactly, whatever rtol and atol.
+
+
+def test_integers_are_compared_exactly_with_a_fix_that_works() -> None:
+    """An integer difference says it is compared exactly, not within rtol/atol, and its
+    fix (a float, with atol) passes."""
+    calls = itertools.count()
+
+    def count(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"n": (x > 0).sum() + next(calls), "mask": x > 0}
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(count, torch.ones(4), devices=["cpu", "cpu"], rtol=1.0, atol=10.0)
+    assert [
+        "count is not device-agnostic (ran on cpu, cpu):",
+        "  on cpu, compared with cpu:",
+        "    out['n']: 1 of 1 values differ (100.0%), torch.int64 compared exactly",
+        "      max abs diff 1",
+        "      max rel diff 0.25",
+        "fix: integer and bool values are compared exactly, whatever rtol and atol; where "
+        "out['n'] may differ, make count return it as a float and allow the difference: "
+        "assert_device_agnostic(count, ..., rtol=0, atol=1)",
+    ] == message_lines(raised)
+    calls = itertools.count()
+
+    def count_as_float(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"n": ((x > 0).sum() + next(calls)).float(), "mask": x > 0}
+
+    assert_device_agnostic(count_as_float, torch.ones(4), devices=["cpu", "cpu"], rtol=0, atol=1)
+
+
+# Sparse outputs: compared as the dense tensors they stand for.
+
+
+def test_sparse_outputs_are_compared_as_dense() -> None:
+    """Sparse outputs that agree pass; values that differ are named as dense ones, and a
+    layout that differs is a structure difference."""
+    assert_device_agnostic(lambda x: x.to_sparse(), torch.eye(2), devices=["cpu", "cpu"])
+    calls = itertools.count()
+
+    def sparse(x: torch.Tensor) -> torch.Tensor:
+        return (x * (1 + next(calls))).to_sparse()
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(sparse, torch.eye(2), devices=["cpu", "cpu"])
+    assert [
+        "sparse is not device-agnostic (ran on cpu, cpu):",
+        "  on cpu, compared with cpu:",
+        "    out: 2 of 4 values differ (50.0%), rtol=1.3e-06, atol=1e-05",
+        "      max abs diff 1 at index (0, 0)",
+        "      max rel diff 1 at index (0, 0)",
+    ] == message_lines(raised)[:5]
+    calls = itertools.count()
+
+    def sometimes_sparse(x: torch.Tensor) -> torch.Tensor:
+        return x.to_sparse() if next(calls) else x * 1
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(sometimes_sparse, torch.eye(2), devices=["cpu", "cpu"])
+    assert ["    out: layout torch.sparse_coo, expected torch.strided"] == message_lines(raised)[
+        2:3
+    ]
+
+
+# Modules anywhere in the arguments are copied for each device.
+
+
+@dataclasses.dataclass
+class Batch:
+    """A dataclass argument holding a model and its input."""
+
+    model: nn.Module
+    x: torch.Tensor
+
+
+def test_a_module_inside_a_container_is_copied_for_each_device() -> None:
+    """A module in a dict, a dataclass or a list (twice: one copy) runs on each device as
+    a copy; the caller's module keeps its parameters, values and device."""
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    parameters = list(model.parameters())
+    values = [p.detach().clone() for p in parameters]
+    devices = ["cpu", "meta", *map(str, devicectx.available_devices()[1:])]
+
+    def twice(models: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        assert models[0] is models[1]
+        out: torch.Tensor = models[0](x)
+        return out
+
+    assert_device_agnostic(lambda d: d["m"](d["x"]), {"m": model, "x": x}, devices=devices)
+    assert_device_agnostic(lambda b: b.model(b.x), Batch(model, x), devices=devices)
+    assert_device_agnostic(twice, [model, model], x, devices=devices)
+    assert all(p is q for p, q in zip(parameters, model.parameters(), strict=True))
+    assert all(torch.equal(p, v) for p, v in zip(parameters, values, strict=True))
+    assert {torch.device("cpu")} == {p.device for p in model.parameters()}
+
+
+# dtypes=: inputs of a dtype a device cannot hold (float64 on MPS).
+
+
+@contextlib.contextmanager
+def mps_like() -> Iterator[torch.device]:
+    """The emulated accelerator playing MPS in the block: no float64, no complex128."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the device without float64 is the emulated one (--devicectx-accelerator)")
+    from devicectx.testing import emulated
+
+    with emulated.profile("mps"):
+        yield device
+
+
+def scale(x: torch.Tensor) -> torch.Tensor:
+    """A device-agnostic function of one tensor."""
+    return x * 2
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_dtype_the_device_cannot_hold_is_refused_with_a_fix_that_works() -> None:
+    """A float64 input for a device without float64 is refused before fn runs, naming
+    assert_device_agnostic, the path and a fix; the fix (dtypes="device") passes."""
+    x = torch.ones(3, dtype=torch.float64)
+    with mps_like() as device:
+        with pytest.raises(devicectx.DtypeUnsupportedError) as raised:
+            assert_device_agnostic(scale, x, devices=["cpu", device])
+        assert [
+            f"assert_device_agnostic(scale) cannot move a tensor to {device}, which holds no "
+            "torch.float64:",
+            "    torch.float64 <- x",
+            'fix: assert_device_agnostic(scale, ..., dtypes="device"), which casts '
+            f"torch.float64 to torch.float32 on {device} only, or leave {device} out: "
+            "devices=['cpu', 'meta']",
+        ] == str(raised.value).splitlines()
+        assert_device_agnostic(scale, x, devices=["cpu", device], dtypes="device")
+        assert_device_agnostic(scale, x, devices=[device, "cpu"], dtypes="device")
+        decorated = devicectx.device_agnostic(dtypes="device")(scale)
+        assert_device_agnostic(decorated, x, devices=["cpu", device], dtypes="device")
+
+
+@pytest.mark.requires_device("accelerator")
+def test_dtypes_device_compares_within_the_narrower_dtype() -> None:
+    """With dtypes="device", float32 on the device stands for float64 on the CPU, within
+    float32's tolerance; a larger difference is still caught; a float64 module argument's
+    copy is cast, the caller's module is not."""
+    model = nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def off(x: torch.Tensor) -> torch.Tensor:
+        return x + 1e-3 if x.device.type == "emu" else x
+
+    with mps_like() as device:
+        assert_device_agnostic(model, x, devices=["cpu", device], dtypes="device")
+        with pytest.raises(AssertionError) as raised:
+            assert_device_agnostic(off, x[0], devices=["cpu", device], dtypes="device")
+    assert f"  on {device}, compared with cpu:" == message_lines(raised)[1]
+    assert "rtol=1.3e-06, atol=1e-05" == message_lines(raised)[2].rpartition("%), ")[2]
+    assert {(torch.float64, torch.device("cpu"))} == {
+        (p.dtype, p.device) for p in model.parameters()
+    }
+
+
+def test_a_dtype_mapping_casts_on_every_device() -> None:
+    """dtypes= as a mapping casts the inputs on every device, the reference included."""
+    seen: list[tuple[torch.device, torch.dtype]] = []
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        seen.append((x.device, x.dtype))
+        return x
+
+    x = torch.ones(2, dtype=torch.float64)
+    assert_device_agnostic(record, x, devices=CPU_META, dtypes={torch.float64: torch.float32})
+    assert [(torch.device(d), torch.float32) for d in CPU_META] == seen

@@ -2,36 +2,19 @@
 
 from __future__ import annotations
 
-import copy
-import inspect
 import math
+import numbers
 from collections.abc import Callable, Iterable
 
 import torch
-from torch import nn
 
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
-from devicectx.move._move import iter_tensors, move_call
+from devicectx.move._dtypes import DtypesLike, check_dtypes
 from devicectx.move._unseen import Unseen, fix_for, is_device_mismatch, unseen_tensors
-from devicectx.testing._sets import paired
+from devicectx.testing._compare import Run, compare, memory_of
+from devicectx.testing._inputs import holds_for, inputs_for, name_of, named_arguments
 
 _META = torch.device("meta")
-
-# torch.testing.assert_close's default tolerances by dtype (private there, as
-# torch.testing._comparison._DTYPE_PRECISIONS; checked on torch 2.13). Any other
-# dtype (integers, bool) must match exactly.
-_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float64: (1e-7, 1e-7),
-    torch.complex32: (1e-3, 1e-5),
-    torch.complex64: (1.3e-6, 1e-5),
-    torch.complex128: (1e-7, 1e-7),
-}
-
-# A failure lists at most this many problems per device: the first few say what is wrong.
-_MAX_PROBLEMS = 10
 
 
 def assert_device_agnostic(
@@ -41,14 +24,17 @@ def assert_device_agnostic(
     devices: Iterable[DeviceLike] | None = None,
     rtol: float | None = None,
     atol: float | None = None,
+    dtypes: DtypesLike = None,
     **kwargs: object,
 ) -> None:
     """Assert that ``fn`` gives the same result on every device, each time on that device.
 
     ``fn(*args, **kwargs)`` is called once per device, with every tensor in ``args`` and
     ``kwargs`` moved there by :func:`devicectx.to_device`; each output is compared with the
-    first device's: the same tensors at the same paths, each on the device it ran on, with
-    the same dtype and shape, and values within ``rtol``/``atol``.
+    first device's: the same containers and tensors at the same paths, each tensor on the
+    device it ran on, with the same dtype, shape, layout and ``requires_grad``, the same
+    tensors shared between paths (the same object, or views of one tensor), and values
+    within ``rtol``/``atol``.
 
     Example:
         >>> import torch
@@ -63,20 +49,35 @@ def assert_device_agnostic(
         devices: the devices to run on, in order; the first is the reference. Default:
             :func:`devicectx.available_devices` (the CPU and every accelerator index).
             ``"meta"`` may be listed: there only structure, dtype and shape are compared.
-        rtol: relative tolerance; with ``atol``, as in ``torch.testing.assert_close``.
-            Default: by dtype, ``torch.testing``'s defaults (``1.3e-6`` for float32).
+        rtol: relative tolerance for floating point values; with ``atol``, as in
+            ``torch.testing.assert_close``. Default: by dtype, ``torch.testing``'s defaults
+            (``1.3e-6`` for float32). Integer and bool values are compared exactly.
         atol: absolute tolerance. Give both or neither.
+        dtypes: what to do with inputs of a dtype a device cannot hold (float64 on MPS),
+            as in :func:`devicectx.to_device`: ``None`` refuses them, before ``fn`` runs;
+            ``"device"`` casts them, for that device only, to the nearest dtype it holds
+            (float64 to float32), and then accepts there the dtype it holds where the
+            reference has the other (float32 for float64), with the values compared
+            within the wider tolerance of the two dtypes (float32's), as
+            ``torch.testing.assert_close`` does for two dtypes; a mapping
+            (``{torch.float64: torch.float32}``) casts on every device, the reference
+            included. Module arguments' copies are cast too.
         **kwargs: its keyword arguments.
 
     Raises:
         AssertionError: an output differs. The message names each device that differed,
             each output path (``out['logits'][1]``) and what differs: missing or extra
-            tensors, the device, dtype, shape, or how many values differ and by how much
-            (max abs and rel diff). Also raised when ``fn`` raises on a device other than
-            the first, chained to that exception, and on any device where torch's device
-            mismatch comes from tensors the move could not see (in attributes of a plain
-            object, or a module's attribute that is no buffer): the message names them.
-        TypeError, ValueError: ``devices``, ``rtol`` or ``atol`` are not usable.
+            tensors, a container's type, the device, dtype, shape, layout,
+            ``requires_grad``, which tensors are one or share memory, or how many values
+            differ and by how much (max abs and rel diff). Also raised when ``fn`` raises on
+            a device other than the first, chained to that exception, and on any device
+            where torch's device mismatch comes from tensors the move could not see (in
+            attributes of a plain object, or a module's attribute that is no buffer): the
+            message names them.
+        TypeError, ValueError: ``devices``, ``rtol``, ``atol`` or ``dtypes`` are not usable
+            (a tolerance that is no number, negative or NaN), before ``fn`` runs.
+        devicectx.DtypeUnsupportedError: a device cannot hold an input's dtype, and
+            ``dtypes`` casts it to none it holds; raised before ``fn`` runs.
         devicectx.InvalidDeviceError, devicectx.DeviceUnavailableError: a listed device
             is malformed or not on this machine.
 
@@ -87,25 +88,35 @@ def assert_device_agnostic(
         - Every device's inputs are made before the first call, so an in-place write by
           ``fn`` cannot leak into another device's run; tensors already on a device are
           passed as they are (by identity), as ``to_device`` does.
-        - ``nn.Module`` objects passed as ``fn``, as an argument or as a keyword argument are
-          deep-copied for each device, so the caller's model is never moved. A module nested
-          inside a container argument is moved in place by ``to_device``: pass it directly.
-        - Only tensors are compared (found with the move engine's walk, so every container
-          it supports); other values in the output are not. ``fn`` must be deterministic:
-          a random op draws different numbers on each device.
+        - Every ``nn.Module`` in the call (``fn`` itself, an argument, or one inside a
+          container argument: a dict, a list, a dataclass) is deep-copied for each device,
+          one copy per module, so the caller's model is never moved or changed. One inside
+          an object with its own ``.to`` is left to that ``.to``.
+        - Only tensors and the types of containers are compared (found with the move
+          engine's walk, so every container it supports); other values in the output (an
+          ``int``, a ``str``) are not. ``fn`` must be deterministic: a random op draws
+          different numbers on each device.
+        - Strides are not compared: they may differ between backends. So may what
+          ``reshape()`` and ``contiguous()`` return (their input, a view of it, or a copy,
+          as the strides allow), and that shows as tensors shared on one device only:
+          return ``x.clone()`` where a copy is meant. Which outputs are views of the
+          inputs' memory is not compared (the move to a device copies some views apart:
+          empty ones, slices that overlap without their base); which are the same tensor is.
         - A set (or frozenset) has no order: its iteration order follows hashes, ids for
           tensors, so it differs between runs. Each member is compared with the member of
           the reference's set it equals, whatever the order; a member that equals none is
           reported at ``list(out)[i]``, ``i`` the place of a reference member left over.
-        - ``devices``, ``rtol`` and ``atol`` are this function's own; to pass arguments with
-          those names to ``fn``, wrap it: ``assert_device_agnostic(lambda x: fn(x, atol=1), x)``.
+        - ``devices``, ``rtol``, ``atol`` and ``dtypes`` are this function's own; to pass
+          arguments with those names to ``fn``, wrap it:
+          ``assert_device_agnostic(lambda x: fn(x, atol=1), x)``.
     """
     __tracebackhide__ = True
     targets = _resolve_devices(devices)
     tolerances = _check_tolerances(rtol, atol)
-    name = _name(fn)
+    _check_dtypes(dtypes)
+    name = name_of(fn)
     # Every run's inputs are built from the caller's untouched objects before any run.
-    calls = [(device, _inputs_for(device, fn, args, kwargs)) for device in targets]
+    calls = [(device, inputs_for(device, fn, args, kwargs, dtypes, targets)) for device in targets]
     outputs: list[tuple[torch.device, object]] = []
     for device, (call_fn, call_args, call_kwargs) in calls:
         try:
@@ -117,7 +128,8 @@ def assert_device_agnostic(
             reference = outputs[0][0] if outputs else None
             raised = _raised_message(name, device, reference, error, unseen)
             raise AssertionError(raised) from error
-    message = _compare(name, outputs, tolerances)
+    runs = [Run(device, holds_for(dtypes, device), memory_of(call)) for device, call in calls]
+    message = compare(name, outputs, tolerances, runs)
     if message is not None:
         raise AssertionError(message)
 
@@ -126,9 +138,10 @@ def _resolve_devices(devices: Iterable[DeviceLike] | None) -> list[torch.device]
     if devices is None:
         return available_devices()
     if isinstance(devices, (str, torch.device, int)):
+        pair = ", ".join(repr(str(device)) for device in _pair_for(devices))
         msg = (
             f"assert_device_agnostic(devices={devices!r}): devices takes a list of devices\n"
-            f"fix: devices=['cpu', {str(devices)!r}]"
+            f"fix: devices=[{pair}]"
         )
         raise TypeError(msg)
     resolved = [resolve_device(device) for device in devices]
@@ -140,6 +153,19 @@ def _resolve_devices(devices: Iterable[DeviceLike] | None) -> list[torch.device]
     return resolved
 
 
+def _pair_for(device: DeviceLike) -> list[torch.device]:
+    """The CPU and a device to compare it with, for one device given where a list is due:
+    that device, else (the CPU itself, or no device here) an accelerator, else ``meta``."""
+    try:
+        target = resolve_device(device)
+    except Exception:  # malformed or absent: the fix must name a device that is here
+        target = torch.device("cpu")
+    if target.type == "cpu":
+        others = [d for d in available_devices() if d.type != "cpu"]
+        target = others[0] if others else _META
+    return [torch.device("cpu"), target]
+
+
 def _check_tolerances(rtol: float | None, atol: float | None) -> tuple[float, float] | None:
     if (rtol is None) != (atol is None):
         given = f"rtol={rtol!r}" if atol is None else f"atol={atol!r}"
@@ -149,222 +175,34 @@ def _check_tolerances(rtol: float | None, atol: float | None) -> tuple[float, fl
             f"fix: assert_device_agnostic(fn, ..., rtol=1e-5, atol=1e-8)"
         )
         raise ValueError(msg)
-    return None if rtol is None or atol is None else (rtol, atol)
-
-
-def _name(fn: object) -> str:
-    qualname = getattr(fn, "__qualname__", None)
-    if not isinstance(qualname, str):
-        qualname = type(fn).__qualname__
-    # A function defined in a test reads better as `scale` than `test_x.<locals>.scale`.
-    return qualname.rpartition("<locals>.")[2]
-
-
-def _inputs_for(
-    device: torch.device,
-    fn: Callable[..., object],
-    args: tuple[object, ...],
-    kwargs: dict[str, object],
-) -> tuple[Callable[..., object], tuple[object, ...], dict[str, object]]:
-    """``fn``, ``args`` and ``kwargs`` for one run on ``device``, leaving the caller's alone."""
-    call_fn = _copy_callable(fn, device)
-    call_args = tuple(_copy_module(arg, device) for arg in args)
-    call_kwargs = {key: _copy_module(value, device) for key, value in kwargs.items()}
-    # Moved as one structure, so a tensor passed twice stays one tensor.
-    # The same inputs go to each device on purpose: no repeated-move warning.
-    moved_args, moved_kwargs = move_call(call_args, call_kwargs, device, check_repeats=False)
-    return call_fn, moved_args, moved_kwargs
-
-
-def _copy_module(value: object, device: torch.device) -> object:
-    # to_device moves a module in place; a copy keeps the caller's model where it is, and
-    # intact (moving to meta drops the weights).
-    if not isinstance(value, nn.Module):
-        return value
-    try:
-        return copy.deepcopy(value).to(device)
-    except Exception as error:
-        kind = type(value).__qualname__
-        msg = (
-            f"assert_device_agnostic copies each nn.Module argument to each device; copying "
-            f"the {kind} to {device} failed: {type(error).__name__}: {error}\n"
-            f"fix: make the module deep-copyable, or create it inside fn"
-        )
-        raise TypeError(msg) from error
-
-
-def _copy_callable(fn: Callable[..., object], device: torch.device) -> Callable[..., object]:
-    if isinstance(fn, nn.Module):
-        module: Callable[..., object] = _copy_module(fn, device)  # type: ignore[assignment]
-        return module
-    owner = getattr(fn, "__self__", None)
-    method_name = getattr(fn, "__name__", None)
-    if isinstance(owner, nn.Module) and isinstance(method_name, str):
-        # Looked up again on the copy, so a decorated method keeps its decorator.
-        bound: Callable[..., object] = getattr(_copy_module(owner, device), method_name)
-        return bound
-    return fn
-
-
-def _compare(
-    name: str,
-    outputs: list[tuple[torch.device, object]],
-    tolerances: tuple[float, float] | None,
-) -> str | None:
-    """The failure message for ``outputs`` (one per device, the first the reference), or None."""
-    reference = outputs[0][1]
-    leaves = [dict(iter_tensors(output, name="out")) for _, output in outputs]
-    # Values are compared with the first device that has any: meta has none.
-    value_index = next((i for i, (d, _) in enumerate(outputs) if d != _META), None)
-    value_leaves = leaves
-    if any(path.startswith("list(") for found in leaves for path in found):
-        # A path through a set member starts list(...)[i], i the member's place in
-        # iteration order, which follows hashes (ids, for tensors): another order in each
-        # output. Members are numbered instead as the reference's members they equal.
-        def differs(path: str, actual: torch.Tensor, expected: torch.Tensor) -> bool:
-            return _value_problem(path, actual, expected, tolerances) is not None
-
-        leaves = paired(outputs, 0, differs)
-        if value_index is not None and value_index > 0:
-            value_leaves = paired(outputs, value_index, differs)
-        else:
-            value_leaves = leaves
-    sections: list[str] = []
-    kinds: set[str] = set()
-    for index, (device, output) in enumerate(outputs):
-        problems = _placement_problems(leaves[index], device)
-        if problems:
-            kinds.add("device")
-        if index > 0:
-            structure = _structure_problems(reference, output, leaves[0], leaves[index])
-            if structure:
-                kinds.add("structure")
-            problems += structure
-        if value_index is not None and index > value_index and device != _META:
-            values = _value_problems(value_leaves[value_index], value_leaves[index], tolerances)
-            if values:
-                kinds.add("values")
-            problems += values
-        if problems:
-            shown = problems[:_MAX_PROBLEMS]
-            if len(problems) > len(shown):
-                shown.append(f"... and {len(problems) - len(shown)} more")
-            compared = [str(outputs[i][0]) for i in sorted({0, value_index or 0}) if i < index]
-            against = f", compared with {' and '.join(compared)}" if compared else ""
-            body = "\n".join(f"    {problem}" for problem in shown)
-            sections.append(f"  on {device}{against}:\n{body}")
-    if not sections:
+    if rtol is None or atol is None:
         return None
-    ran = ", ".join(str(device) for device, _ in outputs)
-    lines = [f"{name} is not device-agnostic (ran on {ran}):", *sections]
-    lines += [_FIXES[kind].format(name=name) for kind in _FIXES if kind in kinds]
-    return "\n".join(lines)
-
-
-_FIXES = {
-    "device": (
-        "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), "
-        "or decorate {name} with @devicectx.device_agnostic so they land there"
-    ),
-    "structure": "fix: make {name} return the same tensors, dtypes and shapes on every device",
-    "values": (
-        "fix: if the difference is expected (float sums in another order, TF32), "
-        "allow it: assert_device_agnostic({name}, ..., rtol=1e-4, atol=1e-5)"
-    ),
-}
-
-
-def _placement_problems(leaves: dict[str, torch.Tensor], device: torch.device) -> list[str]:
-    return [
-        f"{path}: on {t.device}, expected {device}"
-        for path, t in leaves.items()
-        if t.device != device
-    ]
-
-
-def _structure_problems(
-    reference: object,
-    output: object,
-    reference_leaves: dict[str, torch.Tensor],
-    leaves: dict[str, torch.Tensor],
-) -> list[str]:
-    problems: list[str] = []
-    if type(output) is not type(reference):
-        problems.append(f"out: a {_type(output)}, expected a {_type(reference)}")
-    problems += [f"{path}: missing" for path in reference_leaves if path not in leaves]
-    problems += [f"{path}: unexpected tensor" for path in leaves if path not in reference_leaves]
-    for path, expected in reference_leaves.items():
-        actual = leaves.get(path)
-        if actual is None:
-            continue
-        if actual.dtype != expected.dtype:
-            problems.append(f"{path}: dtype {actual.dtype}, expected {expected.dtype}")
-        if actual.shape != expected.shape:
-            problems.append(
-                f"{path}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    # Checked before fn runs: torch would refuse them only in the comparison, after every
+    # device's run, and never for integer outputs, which ignore tolerances.
+    for label, value in (("rtol", rtol), ("atol", atol)):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            msg = (
+                f"assert_device_agnostic({label}={value!r}): {label} takes a float, "
+                f"got a {type(value).__qualname__}\n"
+                f"fix: assert_device_agnostic(fn, ..., rtol=1e-5, atol=1e-8)"
             )
-    return problems
+            raise TypeError(msg)
+        if math.isnan(value) or value < 0:
+            msg = (
+                f"assert_device_agnostic({label}={value!r}): {label} must be 0 or more, "
+                f"as in torch.testing.assert_close\n"
+                f"fix: assert_device_agnostic(fn, ..., rtol=1e-5, atol=1e-8)"
+            )
+            raise ValueError(msg)
+    return float(rtol), float(atol)
 
 
-def _type(value: object) -> str:
-    return type(value).__qualname__
-
-
-def _value_problems(
-    expected_leaves: dict[str, torch.Tensor],
-    leaves: dict[str, torch.Tensor],
-    tolerances: tuple[float, float] | None,
-) -> list[str]:
-    problems: list[str] = []
-    for path, actual in leaves.items():
-        expected = expected_leaves.get(path)
-        if expected is None or expected.dtype != actual.dtype or expected.shape != actual.shape:
-            continue  # reported as a structure problem
-        problem = _value_problem(path, actual, expected, tolerances)
-        if problem is not None:
-            problems.append(problem)
-    return problems
-
-
-def _value_problem(
-    path: str,
-    actual: torch.Tensor,
-    expected: torch.Tensor,
-    tolerances: tuple[float, float] | None,
-) -> str | None:
-    rtol, atol = tolerances if tolerances is not None else _TOLERANCES.get(actual.dtype, (0.0, 0.0))
-    wide = torch.complex128 if actual.is_complex() else torch.float64
-    a = actual.detach().to("cpu").resolve_conj().resolve_neg().to(wide)
-    e = expected.detach().to("cpu").resolve_conj().resolve_neg().to(wide)
-    if actual.is_floating_point() or actual.is_complex():
-        close = torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)
-    else:
-        close = actual.detach().to("cpu") == expected.detach().to("cpu")
-    if bool(close.all()):
-        return None
-    wrong = ~close
-    count, total = int(wrong.sum()), close.numel()
-    abs_diff = (a - e).abs()
-    rel_diff = abs_diff / e.abs()
-    lines = [
-        f"{path}: {count} of {total} values differ ({100 * count / total:.1f}%), "
-        f"rtol={rtol:g}, atol={atol:g}",
-        _largest("max abs diff", abs_diff, wrong),
-        _largest("max rel diff", rel_diff, wrong),
-    ]
-    return "\n      ".join(lines)
-
-
-def _largest(label: str, diff: torch.Tensor, wrong: torch.Tensor) -> str:
-    """The largest ``diff`` among the ``wrong`` elements, and where (NaN counts as largest)."""
-    score = torch.where(wrong, diff, torch.full_like(diff, -1.0))
-    score = torch.where(score.isnan(), torch.full_like(score, math.inf), score)
-    flat = int(score.flatten().argmax())
-    value = float(diff.flatten()[flat])
-    if diff.dim() == 0:
-        return f"{label} {value:.6g}"
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
-    return f"{label} {value:.6g} at index {index}"
+def _check_dtypes(dtypes: DtypesLike) -> None:
+    try:
+        check_dtypes(dtypes)
+    except (TypeError, ValueError) as error:
+        msg = f"assert_device_agnostic: {error}"
+        raise type(error)(msg) from None
 
 
 def _unseen(
@@ -378,32 +216,8 @@ def _unseen(
     not see (in attributes of plain objects); None where there are none."""
     if not is_device_mismatch(error):
         return None
-    unseen = [u for u in unseen_tensors(_named(fn, args, kwargs)) if u.device != device]
+    unseen = [u for u in unseen_tensors(named_arguments(fn, args, kwargs)) if u.device != device]
     return unseen or None
-
-
-def _named(
-    fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
-) -> list[tuple[str, object]]:
-    """Each argument by the name ``fn`` gives it (``args[0]`` where it cannot be told)."""
-    named: list[tuple[str, object]] = []
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, nn.Module) or isinstance(fn, nn.Module):
-        named.append(("self", fn if isinstance(fn, nn.Module) else owner))
-    try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        named += [(f"args[{i}]", value) for i, value in enumerate(args)]
-        return named + list(kwargs.items())
-    for parameter, value in bound.arguments.items():
-        kind = bound.signature.parameters[parameter].kind
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            named += [(f"{parameter}[{i}]", item) for i, item in enumerate(value)]
-        elif kind is inspect.Parameter.VAR_KEYWORD:
-            named += list(value.items())
-        else:
-            named.append((parameter, value))
-    return named
 
 
 def _raised_message(

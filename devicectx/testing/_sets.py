@@ -3,13 +3,15 @@
 A set iterates in the order of its members' hashes, ids for tensors: another order on
 each device. Its members are numbered here as the members of the reference output's set
 that they equal, so that the comparison's paths (``list(out['stats'])[2]``) name the same
-member on every device.
+member on every device. The same walk, without sets to pair, gives every other output's
+tensors by path and the types of its other values (:func:`walked`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,29 +23,68 @@ _META = torch.device("meta")
 Differs = Callable[[str, torch.Tensor, torch.Tensor], bool]
 """Whether the values of two tensors at a path differ (within the comparison's tolerance)."""
 
+Holds = Mapping[torch.dtype, torch.dtype]
+"""What a device holds of each dtype it cannot hold, where the inputs were cast to it
+(``dtypes="device"``: float32 for float64 on MPS); empty elsewhere."""
+_HOLDS_ALL: Holds = MappingProxyType({})
+
+
+class Walked(NamedTuple):
+    """One output, walked: its tensors by path, and the type of every other value met."""
+
+    tensors: dict[str, torch.Tensor]
+    types: dict[str, type]
+
+
+def walked(output: object) -> Walked:
+    """``output``'s tensors by path, as :func:`iter_tensors` gives them, with the types."""
+    return Pairing(_never, False).leaves(output, None, "out")
+
 
 def paired(
     outputs: list[tuple[torch.device, object]],
     against: int,
     differs: Differs,
-) -> list[dict[str, torch.Tensor]]:
-    """Each output's tensors by path, as :func:`iter_tensors` gives them, except that in
-    the outputs after ``outputs[against]`` each set member is numbered as the member of
-    ``outputs[against]``'s set that it equals."""
+    holds: Sequence[Holds],
+) -> list[Walked]:
+    """Each output walked, as :func:`walked` does, except that in the outputs after
+    ``outputs[against]`` each set member is numbered as the member of ``outputs[against]``'s
+    set that it equals. ``holds`` is each output's device's, for :func:`same_dtype`."""
     reference_device, reference = outputs[against]
-    paired: list[dict[str, torch.Tensor]] = []
+    paired: list[Walked] = []
     for index, (device, output) in enumerate(outputs):
         values = _META not in (device, reference_device)
-        pairing = Pairing(differs, values)
+        pairing = Pairing(differs, values, holds[index], holds[against])
         # The reference, and the outputs not compared with it, keep iteration order.
         paired.append(pairing.leaves(output, reference if index > against else None, "out"))
     return paired
 
 
+def same_dtype(
+    actual: torch.dtype, expected: torch.dtype, actual_holds: Holds, expected_holds: Holds
+) -> bool:
+    """Whether ``actual`` is ``expected``, or each is what the other's device holds of the
+    other (float32 on a device that holds no float64, for float64 on the CPU)."""
+    return actual == expected or (
+        actual_holds.get(expected, expected) == expected_holds.get(actual, actual)
+    )
+
+
+def is_container(tp: type) -> bool:
+    """Whether the comparison looks into values of type ``tp`` (and compares their type)."""
+    kind = kind_for(tp)
+    return kind.role != TENSOR and kind.split is not None
+
+
+def _never(path: str, actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    return False
+
+
 class Pairing:
     """A walk of an output beside the reference output that numbers each member of a set
     as the member of the reference's set, at the same path, that it equals: the same
-    tensors, dtypes and shapes, and values within tolerance where both devices hold values.
+    containers, tensors, dtypes and shapes, and values within tolerance where both devices
+    hold values.
 
     Members are paired by a largest matching, not each with the first it equals: within
     a tolerance, "equals" is no equivalence (a member may equal two of the reference's,
@@ -52,28 +93,38 @@ class Pairing:
     reference itself), members keep their iteration order, as in :func:`iter_tensors`.
     """
 
-    def __init__(self, differs: Differs, values: bool) -> None:
+    def __init__(
+        self,
+        differs: Differs,
+        values: bool,
+        holds: Holds = _HOLDS_ALL,
+        reference_holds: Holds = _HOLDS_ALL,
+    ) -> None:
         self.differs = differs
         self.values = values
+        self.holds = holds
+        self.reference_holds = reference_holds
 
-    def leaves(self, obj: object, reference: object, path: str) -> dict[str, torch.Tensor]:
-        """The tensors of ``obj`` by path; a container met again is not looked into again."""
-        found: dict[str, torch.Tensor] = {}
-        self._walk(obj, reference, path, found, set())
-        return found
+    def leaves(self, obj: object, reference: object, path: str) -> Walked:
+        """The tensors of ``obj`` by path, and the types of its other values; a container
+        met again is not looked into again."""
+        walked = Walked({}, {})
+        self._walk(obj, reference, path, walked, set())
+        return walked
 
     def _walk(
         self,
         obj: Any,
         reference: Any,
         path: str,
-        found: dict[str, torch.Tensor],
+        found: Walked,
         seen: set[int],
     ) -> None:
         kind = kind_for(type(obj))
         if kind.role == TENSOR:
-            found[path] = obj
+            found.tensors[path] = obj
             return
+        found.types[path] = type(obj)
         if kind.split is None or id(obj) in seen:  # a module, a leaf, or met already
             return
         seen.add(id(obj))
@@ -117,25 +168,30 @@ class Pairing:
         left = (n for n in range(len(references) + len(members)) if n not in taken)
         return [paired[m] if m in paired else next(left) for m in range(len(members))]
 
-    def _trial(
-        self, obj: object, reference: object, path: str, seen: set[int]
-    ) -> dict[str, torch.Tensor]:
-        found: dict[str, torch.Tensor] = {}
+    def _trial(self, obj: object, reference: object, path: str, seen: set[int]) -> Walked:
+        found = Walked({}, {})
         self._walk(obj, reference, path, found, set(seen))
         return found
 
-    def _same(self, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
-        if actual.keys() != expected.keys():
+    def _same(self, walked: Walked, expected_walked: Walked) -> bool:
+        actual, expected = walked.tensors, expected_walked.tensors
+        if actual.keys() != expected.keys() or _containers(walked) != _containers(expected_walked):
             return False
         for path, want in expected.items():
             got = actual[path]
-            if got.dtype != want.dtype or got.shape != want.shape:
+            if got.shape != want.shape:
+                return False
+            if not same_dtype(got.dtype, want.dtype, self.holds, self.reference_holds):
                 return False
             if not self.values or got.is_meta or want.is_meta:
                 continue
             if self.differs(path, got, want):
                 return False
         return True
+
+
+def _containers(walked: Walked) -> dict[str, type]:
+    return {path: tp for path, tp in walked.types.items() if is_container(tp)}
 
 
 def _partners(keys: Any, count: int, reference: Any, split: Split) -> list[Any]:

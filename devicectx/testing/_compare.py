@@ -1,0 +1,357 @@
+"""What ``assert_device_agnostic`` compares between the outputs of its runs: where the
+tensors are, the structure (container types, dtypes, shapes, layouts, autograd, which
+outputs share memory) and the values, within tolerances; one failure message for all."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from devicectx._torch.tensors import base_of
+from devicectx.move._move import iter_tensors
+from devicectx.testing._sets import Holds, Walked, is_container, paired, same_dtype, walked
+
+_META = torch.device("meta")
+
+# torch.testing.assert_close's default tolerances by dtype (private there, as
+# torch.testing._comparison._DTYPE_PRECISIONS; checked on torch 2.13). Any other
+# dtype (integers, bool) must match exactly.
+_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+    torch.complex32: (1e-3, 1e-5),
+    torch.complex64: (1.3e-6, 1e-5),
+    torch.complex128: (1e-7, 1e-7),
+}
+
+# A failure lists at most this many problems per device: the first few say what is wrong.
+_MAX_PROBLEMS = 10
+
+
+class Run(NamedTuple):
+    """What the comparison knows of one device's run besides its output."""
+
+    device: torch.device
+    holds: Holds
+    inputs: frozenset[int]
+    """The ids of the memory of its input tensors (each one's base, or itself)."""
+
+
+def memory_of(call: tuple[object, ...]) -> frozenset[int]:
+    return frozenset(id(_root(t)) for _, t in iter_tensors(call, modules=True))
+
+
+class Problem(NamedTuple):
+    """One difference: its kind (a key of ``_FIXES``), its output path, its message line."""
+
+    kind: str
+    path: str
+    line: str
+
+
+def compare(
+    name: str,
+    outputs: list[tuple[torch.device, object]],
+    tolerances: tuple[float, float] | None,
+    runs: list[Run],
+) -> str | None:
+    """The failure message for ``outputs`` (one per device, the first the reference), or None."""
+    walks = [walked(output) for _, output in outputs]
+    holds = [run.holds for run in runs]
+    # Values are compared with the first device that has any: meta has none.
+    value_index = next((i for i, (d, _) in enumerate(outputs) if d != _META), None)
+    value_walks = walks
+    if any(path.startswith("list(") for walk in walks for path in (*walk.tensors, *walk.types)):
+        # A path through a set member starts list(...)[i], i the member's place in
+        # iteration order, which follows hashes (ids, for tensors): another order in each
+        # output. Members are numbered instead as the reference's members they equal.
+        def differs(path: str, actual: torch.Tensor, expected: torch.Tensor) -> bool:
+            return _value_problem(path, actual, expected, tolerances) is not None
+
+        walks = paired(outputs, 0, differs, holds)
+        if value_index is not None and value_index > 0:
+            value_walks = paired(outputs, value_index, differs, holds)
+        else:
+            value_walks = walks
+    sections: list[str] = []
+    found: dict[str, str] = {}  # each kind of problem met, with its first line's path
+    for index, (device, _) in enumerate(outputs):
+        problems = _placement_problems(walks[index].tensors, device)
+        if index > 0:
+            problems += _structure_problems(walks[0], walks[index], runs[0], runs[index])
+        if value_index is not None and index > value_index and device != _META:
+            problems += _value_problems(
+                value_walks[value_index].tensors,
+                value_walks[index].tensors,
+                tolerances,
+                holds[index],
+                holds[value_index],
+            )
+        if problems:
+            for problem in problems:
+                found.setdefault(problem.kind, problem.path)
+            shown = [problem.line for problem in problems[:_MAX_PROBLEMS]]
+            if len(problems) > len(shown):
+                shown.append(f"... and {len(problems) - len(shown)} more")
+            compared = [str(outputs[i][0]) for i in sorted({0, value_index or 0}) if i < index]
+            against = f", compared with {' and '.join(compared)}" if compared else ""
+            body = "\n".join(f"    {problem}" for problem in shown)
+            sections.append(f"  on {device}{against}:\n{body}")
+    if not sections:
+        return None
+    ran = ", ".join(str(device) for device, _ in outputs)
+    lines = [f"{name} is not device-agnostic (ran on {ran}):", *sections]
+    lines += [
+        fix.format(name=name, path=found[kind]) for kind, fix in _FIXES.items() if kind in found
+    ]
+    return "\n".join(lines)
+
+
+_FIXES = {
+    "device": (
+        "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), "
+        "or decorate {name} with @devicectx.device_agnostic so they land there"
+    ),
+    "structure": (
+        "fix: make {name} return the same containers and tensors, dtypes, shapes and layouts "
+        "on every device"
+    ),
+    "grad": (
+        "fix: make {name} record autograd alike on every device: the same ops, no .detach() "
+        "or torch.no_grad() on one device only"
+    ),
+    "aliasing": (
+        "fix: where {name} means a copy, make one on every device: x.clone() (reshape() and "
+        "contiguous() return their input, or a view of it, where the strides allow)"
+    ),
+    "values": (
+        "fix: if the difference is expected (float sums in another order, TF32), "
+        "allow it: assert_device_agnostic({name}, ..., rtol=1e-4, atol=1e-5)"
+    ),
+    "exact": (
+        "fix: integer and bool values are compared exactly, whatever rtol and atol; where "
+        "{path} may differ, make {name} return it as a float and allow the difference: "
+        "assert_device_agnostic({name}, ..., rtol=0, atol=1)"
+    ),
+}
+
+
+def _placement_problems(leaves: dict[str, torch.Tensor], device: torch.device) -> list[Problem]:
+    return [
+        Problem("device", path, f"{path}: on {t.device}, expected {device}")
+        for path, t in leaves.items()
+        if t.device != device
+    ]
+
+
+def _structure_problems(
+    reference: Walked, output: Walked, reference_run: Run, run: Run
+) -> list[Problem]:
+    problems: list[Problem] = []
+    for path, expected_type in reference.types.items():
+        actual_type = output.types.get(path)
+        # Other values (an int, a str) are not compared: only where a container stands.
+        if actual_type is None or actual_type is expected_type:
+            continue
+        if is_container(actual_type) or is_container(expected_type):
+            line = f"{path}: {_a(actual_type)}, expected {_a(expected_type)}"
+            problems.append(Problem("structure", path, line))
+    reference_leaves, leaves = reference.tensors, output.tensors
+    problems += [
+        Problem("structure", path, f"{path}: missing")
+        for path in reference_leaves
+        if path not in leaves
+    ]
+    problems += [
+        Problem("structure", path, f"{path}: unexpected tensor")
+        for path in leaves
+        if path not in reference_leaves
+    ]
+    for path, expected in reference_leaves.items():
+        actual = leaves.get(path)
+        if actual is None:
+            continue
+        if not same_dtype(actual.dtype, expected.dtype, run.holds, reference_run.holds):
+            problems.append(
+                Problem(
+                    "structure", path, f"{path}: dtype {actual.dtype}, expected {expected.dtype}"
+                )
+            )
+        if actual.shape != expected.shape:
+            shapes = f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+            problems.append(Problem("structure", path, f"{path}: {shapes}"))
+        if actual.layout != expected.layout:
+            problems.append(
+                Problem(
+                    "structure", path, f"{path}: layout {actual.layout}, expected {expected.layout}"
+                )
+            )
+        if actual.requires_grad != expected.requires_grad:
+            grad = f"requires_grad={actual.requires_grad}, expected {expected.requires_grad}"
+            problems.append(Problem("grad", path, f"{path}: {grad}"))
+    return problems + _aliasing_problems(reference_leaves, leaves, reference_run, run)
+
+
+def _a(tp: type) -> str:
+    return "None" if tp is type(None) else f"a {tp.__qualname__}"
+
+
+def _aliasing_problems(
+    reference: dict[str, torch.Tensor],
+    leaves: dict[str, torch.Tensor],
+    reference_run: Run,
+    run: Run,
+) -> list[Problem]:
+    """Where the output's tensors are one, or share memory, unlike the reference's: a
+    caller's in-place write to one then changes the other on some devices only."""
+    # Left out: a tensor on the wrong device (reported as such: its .to() made the
+    # difference), and set members, which may pair with any equal member (on meta, any
+    # of the same dtype and shape).
+    paths = [
+        path
+        for path, expected in reference.items()
+        if path in leaves
+        and expected.device == reference_run.device
+        and leaves[path].device == run.device
+        and "list(" not in path
+    ]
+    expected = _aliases(reference, paths, reference_run.inputs)
+    actual = _aliases(leaves, paths, run.inputs)
+    return [
+        Problem("aliasing", path, f"{path}: {_said(got)}, expected {_said(want)}")
+        for path, want, got in zip(paths, expected, actual, strict=True)
+        if want != got
+    ]
+
+
+def _aliases(
+    leaves: dict[str, torch.Tensor], paths: list[str], inputs: frozenset[int]
+) -> list[tuple[str, str] | None]:
+    """For each path, the first path before it that holds the same tensor, else the first
+    that shares its memory (a view of one tensor), else None. The memory of the inputs is
+    left out: the move to a device copies some of their views apart (an empty one, slices
+    that overlap without their base), so fn is not answerable for what they share."""
+    same: dict[int, str] = {}
+    shared: dict[int, str] = {}
+    found: list[tuple[str, str] | None] = []
+    for path in paths:
+        tensor = leaves[path]
+        root = _root(tensor)
+        if id(tensor) in same:
+            found.append(("same", same[id(tensor)]))
+        elif id(root) in shared:
+            found.append(("view", shared[id(root)]))
+        else:
+            found.append(None)
+        same.setdefault(id(tensor), path)
+        if id(root) not in inputs:
+            shared.setdefault(id(root), path)
+    return found
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``tensor`` is a view of (torch keeps the first base), or
+    ``tensor`` itself; tensors sharing memory otherwise (``x.detach()``) are not told."""
+    try:
+        base = base_of(tensor)
+    except Exception:  # a tensor subclass without _base
+        return tensor
+    return tensor if base is None else base
+
+
+def _said(alias: tuple[str, str] | None) -> str:
+    if alias is None:
+        return "a tensor with its own memory"
+    kind, path = alias
+    return f"the same tensor as {path}" if kind == "same" else f"a view sharing memory with {path}"
+
+
+def _value_problems(
+    expected_leaves: dict[str, torch.Tensor],
+    leaves: dict[str, torch.Tensor],
+    tolerances: tuple[float, float] | None,
+    holds: Holds,
+    expected_holds: Holds,
+) -> list[Problem]:
+    problems: list[Problem] = []
+    for path, actual in leaves.items():
+        expected = expected_leaves.get(path)
+        if (
+            expected is None
+            or expected.shape != actual.shape
+            or not same_dtype(actual.dtype, expected.dtype, holds, expected_holds)
+        ):
+            continue  # reported as a structure problem
+        problem = _value_problem(path, actual, expected, tolerances)
+        if problem is not None:
+            kind = "values" if _inexact(actual, expected) else "exact"
+            problems.append(Problem(kind, path, problem))
+    return problems
+
+
+def _inexact(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether the values are compared within tolerances: floating point or complex."""
+    return any(t.is_floating_point() or t.is_complex() for t in (actual, expected))
+
+
+def _value_problem(
+    path: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tolerances: tuple[float, float] | None,
+) -> str | None:
+    wide = torch.complex128 if actual.is_complex() or expected.is_complex() else torch.float64
+    a, e = _dense(actual), _dense(expected)
+    if _inexact(actual, expected):
+        # Two dtypes (dtypes="device": float32 for float64) get the wider tolerance of the
+        # two, as torch.testing.assert_close gives them.
+        rtol, atol = tolerances or _default_tolerances(actual.dtype, expected.dtype)
+        compared = f"rtol={rtol:g}, atol={atol:g}"
+        a, e = a.to(wide), e.to(wide)
+        close = torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)
+    else:  # integers and bools: exact, whatever rtol and atol (a count, an index, a mask)
+        compared = f"{actual.dtype} compared exactly"
+        close = a == e
+        a, e = a.to(wide), e.to(wide)
+    if bool(close.all()):
+        return None
+    wrong = ~close
+    count, total = int(wrong.sum()), close.numel()
+    abs_diff = (a - e).abs()
+    rel_diff = abs_diff / e.abs()
+    lines = [
+        f"{path}: {count} of {total} values differ ({100 * count / total:.1f}%), {compared}",
+        _largest("max abs diff", abs_diff, wrong),
+        _largest("max rel diff", rel_diff, wrong),
+    ]
+    return "\n      ".join(lines)
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU, strided, with no pending conjugation or negation: sparse
+    tensors are compared as the dense tensors they stand for."""
+    cpu = tensor.detach().to("cpu")
+    if cpu.layout != torch.strided:
+        cpu = cpu.to_dense()
+    return cpu.resolve_conj().resolve_neg()
+
+
+def _default_tolerances(*dtypes: torch.dtype) -> tuple[float, float]:
+    found = [_TOLERANCES.get(dtype, (0.0, 0.0)) for dtype in dtypes]
+    return max(rtol for rtol, _ in found), max(atol for _, atol in found)
+
+
+def _largest(label: str, diff: torch.Tensor, wrong: torch.Tensor) -> str:
+    """The largest ``diff`` among the ``wrong`` elements, and where (NaN counts as largest)."""
+    score = torch.where(wrong, diff, torch.full_like(diff, -1.0))
+    score = torch.where(score.isnan(), torch.full_like(score, math.inf), score)
+    flat = int(score.flatten().argmax())
+    value = float(diff.flatten()[flat])
+    if diff.dim() == 0:
+        return f"{label} {value:.6g}"
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    return f"{label} {value:.6g} at index {index}"
