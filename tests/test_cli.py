@@ -147,6 +147,7 @@ def test_json_holds_every_fact_of_the_report() -> None:
         "local_world_size": None,
         "backend": None,
         "prefix": "",
+        "malformed": {},
     }
     assert expected_job == report["job"]
 
@@ -295,6 +296,7 @@ def test_report_json_under_torchrun_carries_the_job() -> None:
         "local_world_size": 2,
         "backend": None,
         "prefix": "[rank 1] ",
+        "malformed": {},
     }
     assert expected == json.loads(result.stdout)["job"]
 
@@ -306,6 +308,54 @@ def test_report_of_a_one_process_world_has_no_prefix() -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith("devicectx ")
     assert "job          rank 0 of 1, local rank 0 of 1, no process group initialised" == lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {"WORLD_SIZE": "abc"},
+            "job          rank ?, local rank ?, no process group initialised; "
+            "WORLD_SIZE='abc' is not a world size: torchrun sets it to 1, 2, ...",
+        ),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "-1"},
+            "[rank 1] job          rank 1 of 2, local rank 0, no process group initialised; "
+            "LOCAL_WORLD_SIZE='-1' is not a world size: torchrun sets it to 1, 2, ...",
+        ),
+        (
+            {"RANK": "x"},
+            "job          rank ?, local rank ?, no process group initialised; "
+            "RANK='x' is not a rank: torchrun sets it to 0, 1, 2, ...",
+        ),
+    ],
+    ids=["world-size", "local-world-size", "rank"],
+)
+def test_a_malformed_job_variable_is_shown_on_the_job_line(
+    env: dict[str, str], expected: str
+) -> None:
+    """A torchrun variable that is not a whole number still gives the job line, which says
+    so in the words of a malformed LOCAL_RANK's error; "auto" is not affected (exit 0)."""
+    result = run_cli(**env)
+
+    assert EXIT_OK == result.returncode
+    assert expected == result.stdout.splitlines()[-1]
+
+
+def test_report_json_lists_malformed_job_variables() -> None:
+    """--json carries the malformed variables by name, with their values as set."""
+    result = run_cli("--json", WORLD_SIZE="abc")
+
+    expected = {
+        "rank": None,
+        "world_size": None,
+        "local_rank": None,
+        "local_world_size": None,
+        "backend": None,
+        "prefix": "",
+        "malformed": {"WORLD_SIZE": "abc"},
+    }
+    assert expected == json.loads(result.stdout)["job"]
 
 
 def test_report_outside_a_job_has_no_job_line() -> None:

@@ -55,6 +55,28 @@ def test_without_a_script_it_says_what_to_give() -> None:
 
 
 @pytest.mark.parametrize(
+    ("option", "problem"),
+    [
+        (["--devices", "0"], "argument --devices: 0 is not between 1 and 16 (fix: --devices 2)"),
+        (
+            ["--devices", "two"],
+            "argument --devices: 'two' is not a whole number (fix: --devices 2)",
+        ),
+        (["--delay-ms", "-1"], "argument --delay-ms: -1.0 is not 0 or more (fix: --delay-ms 2)"),
+    ],
+    ids=["no-devices", "not-a-number", "negative-delay"],
+)
+def test_a_bad_option_value_is_a_usage_error(option: list[str], problem: str) -> None:
+    """A device count or delay enable() would refuse is a usage error (exit 2) that says
+    what to write, before the build, not a traceback."""
+    done = subprocess.run(
+        [*RUNNER, *option, "-m", "devicectx"], capture_output=True, text=True, check=False
+    )
+    assert (2, "") == (done.returncode, done.stdout)
+    assert f"python -m devicectx.testing.emulate: error: {problem}" == done.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
     ("body", "status", "stderr_end"),
     [
         ("pass", 0, None),

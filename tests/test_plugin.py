@@ -605,3 +605,100 @@ def test_emulated_build_failure_skips_with_the_reason(
         *marker_skip,
         f"SKIPPED [2] test_it.py: the emulated accelerator is unavailable: {reason}",
     ] == skipped
+
+
+EMULATED_MARKED = """
+    import pytest
+
+    @pytest.mark.requires_device("emu:1")
+    def test_second(device):
+        assert device.index == 1
+
+    @pytest.mark.requires_device("emu")
+    def test_any_emulated():
+        pass
+"""
+
+
+def test_emulated_device_marker_skips_without_the_option(pytester: pytest.Pytester) -> None:
+    """requires_device('emu:1') in a run without the emulated accelerator skips, saying
+    how to turn it on, with or without the `device` fixture (in a process of its own:
+    this one may have it enabled)."""
+    pytester.makepyfile(test_it=EMULATED_MARKED)
+    result = pytester.runpytest_subprocess("-rs")
+    result.assert_outcomes(skipped=2)
+    how = "the emulated accelerator is not enabled (run pytest --devicectx-accelerator=emulated)"
+    assert [
+        f"SKIPPED [1] test_it.py:3: requires_device('emu:1'): {how}",
+        f"SKIPPED [1] test_it.py:7: requires_device('emu'): {how}",
+    ] == [line for line in result.outlines if line.startswith("SKIPPED")]
+
+
+def test_emulated_device_marker_skips_when_the_build_fails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the emulated accelerator cannot be built, a test that takes `device` and
+    requires an emulated device or any accelerator is skipped with the build's reason,
+    not a collection error."""
+    pytester.makepyfile(
+        test_it=EMULATED_MARKED
+        + """
+    @pytest.mark.requires_device("accelerator")
+    def test_accelerator(device):
+        pass
+"""
+    )
+    if torch.accelerator.is_available() and not emulated.enabled():
+        pytest.skip("checks a machine whose only accelerator would be the emulated one")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    result = pytester.runpytest_subprocess("--devicectx-accelerator=emulated", "-rs")
+    result.assert_outcomes(skipped=4)
+    why = (
+        "the emulated accelerator is unavailable: the emulated accelerator is built at first "
+        "use and needs a C++17 compiler: '/nonexistent/c++' is not on PATH"
+    )
+    assert [
+        f"SKIPPED [1] test_it.py:3: {why}",
+        f"SKIPPED [1] test_it.py:7: requires_device('emu'): {why}",
+        f"SKIPPED [2] test_it.py:11: {why}",
+    ] == sorted(line for line in result.outlines if line.startswith("SKIPPED"))
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            ["--devicectx-emulated-devices=4"],
+            [
+                "ERROR: --devicectx-emulated-devices=4: sets the emulated accelerator's device "
+                "count, and --devicectx-accelerator=emulated is not given",
+                "fix: pytest --devicectx-accelerator=emulated --devicectx-emulated-devices=4",
+            ],
+        ),
+        (
+            ["--devicectx-accelerator=emulated:foo"],
+            [
+                "ERROR: --devicectx-accelerator: emulated profile 'foo' does not exist: the "
+                "profiles are 'cuda', 'mps'",
+                "fix: --devicectx-accelerator=emulated:mps",
+            ],
+        ),
+        (
+            ["--devicectx-accelerator=emulated", "--devicectx-emulated-devices=0"],
+            [
+                "ERROR: --devicectx-emulated-devices=0: between 1 and 16 emulated devices",
+                "fix: --devicectx-emulated-devices=4",
+            ],
+        ),
+    ],
+    ids=["count-without-accelerator", "unknown-profile", "count-out-of-range"],
+)
+def test_bad_emulated_options_are_usage_errors(
+    pytester: pytest.Pytester, options: list[str], expected: list[str]
+) -> None:
+    """A device count without the emulated accelerator, an unknown profile or a count out
+    of range stops the run before any build, with the fix as command-line options."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    result = pytester.runpytest_inprocess(*options)
+    assert pytest.ExitCode.USAGE_ERROR == result.ret
+    assert expected == [line for line in result.errlines if line]

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
 
 from devicectx import available_devices
+from devicectx.testing import emulated
 from devicectx.testing.strategies import KINDS, devices, kind_of, nested, tensors
 
 DEFAULT_EXAMPLES = settings.get_profile("default").max_examples
@@ -129,6 +130,114 @@ def test_nested_refuses_a_negative_depth() -> None:
     assert [
         "nested(max_depth=-1): the depth cannot be negative",
         "fix: max_depth=3",
+    ] == str(raised.value).splitlines()
+
+
+def drawn(strategy: st.SearchStrategy[Any], examples: int = 30) -> list[Any]:
+    """What ``strategy`` draws in ``examples`` derandomized examples."""
+    found: list[Any] = []
+
+    @settings(max_examples=examples, derandomize=True, database=None)
+    @given(strategy)
+    def collect(value: Any) -> None:
+        found.append(value)
+
+    collect()
+    return found
+
+
+@pytest.mark.parametrize(
+    ("devices_given", "dtypes_given"),
+    [("cpu", torch.int32), (torch.device("cpu"), [torch.int32]), (["cpu"], torch.int32)],
+    ids=["str-and-dtype", "torch.device", "list-and-dtype"],
+)
+def test_tensors_take_one_device_or_one_dtype(devices_given: Any, dtypes_given: Any) -> None:
+    """One device (a str or torch.device) or one dtype is taken as a list of one."""
+    found = drawn(tensors(devices=devices_given, dtypes=dtypes_given), examples=10)
+    assert {(torch.device("cpu"), torch.int32)} == {(t.device, t.dtype) for t in found}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "expected"),
+    [
+        (
+            {"devices": []},
+            ValueError,
+            ["tensors(devices=[]): nothing to draw from", "fix: tensors(devices=['cpu'])"],
+        ),
+        (
+            {"dtypes": ()},
+            ValueError,
+            ["tensors(dtypes=()): nothing to draw from", "fix: tensors(dtypes=[torch.float32])"],
+        ),
+        (
+            {"devices": 3.5},
+            TypeError,
+            [
+                "tensors(devices=3.5): takes a hypothesis strategy, one value or a list, not "
+                "a float",
+                "fix: tensors(devices=['cpu'])",
+            ],
+        ),
+    ],
+    ids=["no-device", "no-dtype", "float-device"],
+)
+def test_tensors_refuse_what_they_cannot_draw_from(
+    arguments: dict[str, Any], error: type[Exception], expected: list[str]
+) -> None:
+    """An empty list, or a value that is no device, is refused with the fix."""
+    with pytest.raises(error) as raised:
+        tensors(**arguments)
+    assert expected == str(raised.value).splitlines()
+
+
+@pytest.fixture
+def mps_like() -> Iterator[torch.device]:
+    """emu:0 playing MPS (no float64, no complex128) for the test."""
+    if not emulated.enabled():
+        pytest.skip("needs the emulated accelerator (--devicectx-accelerator=emulated)")
+    with emulated.profile("mps"):
+        yield torch.device(emulated.DEVICE_TYPE, 0)
+
+
+def test_tensors_on_an_mps_like_device_draw_only_dtypes_it_holds(mps_like: torch.device) -> None:
+    """On a device without float64, tensors() draws the other default dtypes there, and
+    float64 only on the devices that hold it."""
+    found = drawn(tensors(devices=devices()), examples=100)
+    on_it = {t.dtype for t in found if t.device == mps_like}
+    elsewhere = {t.dtype for t in found if t.device.type == "cpu"}
+    assert {torch.float32, torch.float16, torch.int64, torch.int32, torch.bool} == on_it
+    assert torch.float64 in elsewhere
+
+
+def test_a_dtype_strategy_is_filtered_to_what_the_device_holds(mps_like: torch.device) -> None:
+    """A strategy of dtypes gives, on an MPS-like device, only the dtypes it holds."""
+    strategy = tensors(devices=mps_like, dtypes=st.sampled_from([torch.float64, torch.complex64]))
+    assert {torch.complex64} == {t.dtype for t in drawn(strategy)}
+
+
+def test_nested_on_an_mps_like_device_holds_no_float64_there(mps_like: torch.device) -> None:
+    """nested() over tensors() on every device puts no float64 tensor (nor a view of one)
+    on an MPS-like device."""
+    batches = drawn(nested(tensors(devices=devices())), examples=50)
+    on_it = {
+        o.dtype
+        for batch in batches
+        for o in preorder(batch)
+        if isinstance(o, torch.Tensor) and o.device == mps_like
+    }
+    assert torch.float32 in on_it
+    assert set() == on_it & {torch.float64, torch.complex128}
+
+
+def test_a_device_that_holds_no_listed_dtype_is_named(mps_like: torch.device) -> None:
+    """Listed dtypes an MPS-like device holds none of: the draw fails naming the device,
+    with a list that adds the nearest dtype it holds."""
+    with pytest.raises(ValueError, match="holds none") as raised:
+        drawn(tensors(devices=mps_like, dtypes=[torch.float64]), examples=1)
+    assert [
+        f"tensors(): {mps_like} holds none of the dtypes listed: torch.float64",
+        "fix: list one it holds too, tensors(dtypes=[torch.float64, torch.float32])",
     ] == str(raised.value).splitlines()
 
 

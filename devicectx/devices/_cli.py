@@ -104,13 +104,22 @@ def _job_line(job: JobInfo) -> str:
         return f"{what} {shown}" + ("" if size is None else f" of {size}")
 
     backend = f"process group {job.backend}" if job.backend else "no process group initialised"
-    return ", ".join(
+    line = ", ".join(
         [
             of("rank", job.rank, job.world_size),
             of("local rank", job.local_rank, job.local_world_size),
             backend,
         ]
     )
+    return "; ".join([line, *(_malformed(name, value) for name, value in job.malformed.items())])
+
+
+def _malformed(name: str, value: str) -> str:
+    """``WORLD_SIZE='abc' is not a world size: torchrun sets it to 1, 2, ...``, worded as
+    resolve_device's error for a malformed LOCAL_RANK."""
+    if name.endswith("RANK"):
+        return f"{name}={value!r} is not a rank: torchrun sets it to 0, 1, 2, ..."
+    return f"{name}={value!r} is not a world size: torchrun sets it to 1, 2, ..."
 
 
 def _device_lines(report: DeviceReport) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version as _version
 from typing import Any, TypeVar
 
@@ -30,6 +30,9 @@ ENV_VARS = (
     "CUDA_VISIBLE_DEVICES",
     "HIP_VISIBLE_DEVICES",
 )
+
+# torchrun's variables that place a process in its job (whole numbers).
+JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 _T = TypeVar("_T")
 
@@ -115,6 +118,8 @@ class JobInfo:
             initialised in this process, else ``None``.
         prefix: what starts every line of the text report: ``"[rank 1] "`` where the
             world is larger than one, so that the ranks' reports can be told apart.
+        malformed: the torchrun variables set to something that is not a whole number
+            (``{"WORLD_SIZE": "abc"}``), by name, with their values as set.
     """
 
     rank: int | None
@@ -123,6 +128,7 @@ class JobInfo:
     local_world_size: int | None
     backend: str | None
     prefix: str
+    malformed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -141,8 +147,8 @@ class DeviceReport:
             ``LOCAL_RANK``, ``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES``), ``None`` if unset.
         problem: what is wrong with the set-up, or ``None`` when nothing is.
         job: the ranks and sizes of a distributed job and its process group's backend
-            (:class:`JobInfo`); ``None`` outside one (no torchrun variable set, no
-            process group initialised).
+            (:class:`JobInfo`); ``None`` outside one (no torchrun variable set, malformed
+            or not, and no process group initialised).
     """
 
     devicectx: str
@@ -193,9 +199,16 @@ def gather_report() -> DeviceReport:
 
 def _job_info() -> JobInfo | None:
     found = _guarded(job)
-    if found is None or all(value is None for value in found):
+    # A variable set to what job() cannot read is still a sign of a job, and of a broken
+    # one: shown, not dropped (job() reads whole numbers only).
+    malformed = {}
+    for name in JOB_VARS:
+        value = os.environ.get(name, "")
+        if value.strip() and not value.strip().isdigit():
+            malformed[name] = value
+    if found is None or (all(value is None for value in found) and not malformed):
         return None
-    return JobInfo(*found, prefix=found.prefix)
+    return JobInfo(*found, prefix=found.prefix, malformed=malformed)
 
 
 def _build_info() -> BuildInfo:

@@ -104,10 +104,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--devicectx-emulated-devices",
         dest=_EMULATED_DEVICES_DEST,
-        default=2,
+        default=None,
         type=int,
         metavar="N",
-        help="how many devices --devicectx-accelerator=emulated gives (1 to 16, default 2)",
+        help=(
+            "how many devices --devicectx-accelerator=emulated gives (1 to 16, default 2); "
+            "only with that option"
+        ),
     )
 
 
@@ -119,6 +122,15 @@ def pytest_configure(config: pytest.Config) -> None:
         "for any accelerator torch.accelerator reports (devicectx)",
     )
     accelerator = config.getoption(_ACCELERATOR_DEST, default=None)
+    count = config.getoption(_EMULATED_DEVICES_DEST, default=None)
+    if count is not None and accelerator is None:
+        # Silently ignored, it would leave the run on the machine's own devices.
+        msg = (
+            f"--devicectx-emulated-devices={count}: sets the emulated accelerator's device "
+            f"count, and --devicectx-accelerator=emulated is not given\n"
+            f"fix: pytest --devicectx-accelerator=emulated --devicectx-emulated-devices={count}"
+        )
+        raise pytest.UsageError(msg)
     if accelerator is not None:
         # Before --devices is parsed (it may name emu:1) and before collection (the
         # fixture's parameters). With xdist, the controller builds first, under a file
@@ -130,8 +142,8 @@ def pytest_configure(config: pytest.Config) -> None:
                 f"emulated:PROFILE\nfix: --devicectx-accelerator=emulated:mps"
             )
             raise pytest.UsageError(msg)
-        devices = config.getoption(_EMULATED_DEVICES_DEST, default=2)
-        config.stash[_EMULATED_STATE] = _enable_emulated(devices, profile or None)
+        _check_emulated_options(profile or None, count)
+        config.stash[_EMULATED_STATE] = _enable_emulated(_emulated_count(config), profile or None)
     text = config.getoption(_OPTION_DEST, default=None)
     if text is not None:
         # Parsed here, not at first use, so a bad spec stops the run before any test.
@@ -145,7 +157,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if _FIXTURE not in metafunc.fixturenames or not _fixture_is_ours(metafunc):
         return
     markers = list(metafunc.definition.iter_markers(name=_MARKER))
-    choices = _meeting(_choices(metafunc.config), markers)
+    choices = _meeting(_choices(metafunc.config), markers, _emulated_failure(metafunc.config))
     params = [
         pytest.param(
             choice.device,
@@ -225,10 +237,35 @@ def _choices(config: pytest.Config) -> list[_Choice]:
         if failure is not None:
             reason = f"the emulated accelerator is unavailable: {_first_line(failure)}"
             # The ids the devices would have, skipped.
-            count = config.getoption(_EMULATED_DEVICES_DEST, default=2)
+            count = _emulated_count(config)
             choices += [_Choice(f"emu:{index}", None, reason) for index in range(count)]
         config.stash[_CHOICES] = choices
     return choices
+
+
+def _emulated_count(config: pytest.Config) -> int:
+    count: int | None = config.getoption(_EMULATED_DEVICES_DEST, default=None)
+    return 2 if count is None else count
+
+
+def _check_emulated_options(profile: str | None, count: int | None) -> None:
+    """Refuse a profile or device count that enable() would refuse, in the command line's
+    words, before the build (a minute at first use)."""
+    from devicectx.testing import emulated
+
+    if profile is not None and profile not in emulated.PROFILES:
+        names = ", ".join(map(repr, emulated.PROFILES))
+        msg = (
+            f"--devicectx-accelerator: emulated profile {profile!r} does not exist: the "
+            f"profiles are {names}\nfix: --devicectx-accelerator=emulated:mps"
+        )
+        raise pytest.UsageError(msg)
+    if count is not None and not 1 <= count <= 16:
+        msg = (
+            f"--devicectx-emulated-devices={count}: between 1 and 16 emulated devices\n"
+            f"fix: --devicectx-emulated-devices=4"
+        )
+        raise pytest.UsageError(msg)
 
 
 def _enable_emulated(devices: int, profile: str | None) -> _Emulated:
@@ -237,7 +274,7 @@ def _enable_emulated(devices: int, profile: str | None) -> _Emulated:
     started = time.perf_counter()
     try:
         emulated.enable(devices, profile=profile)
-    except ValueError as error:  # a bad profile or device count: the command line's
+    except ValueError as error:  # what _check_emulated_options does not know of
         raise pytest.UsageError(f"--devicectx-accelerator: {error}") from None
     except emulated.EmulatedUnavailable as error:
         return _Emulated(time.perf_counter() - started, str(error))
@@ -287,6 +324,8 @@ def _missing_device(marker: pytest.Mark, emulated_failure: str | None) -> str | 
     if _marker_problem(marker) is not None:
         return None
     spec = marker.args[0]
+    if _names_emulated_off(spec):
+        return _emulated_off_reason(spec, emulated_failure)
     if spec == _ANY_ACCELERATOR:
         if accelerator_type() is not None:
             return None
@@ -316,7 +355,7 @@ def _marker_problem(marker: pytest.Mark) -> str | None:
             f"fix: @pytest.mark.{_MARKER}('cuda')"
         )
     spec = marker.args[0]
-    if spec == _ANY_ACCELERATOR:
+    if spec == _ANY_ACCELERATOR or _names_emulated_off(spec):
         return None
     try:
         resolve_device(spec)
@@ -327,11 +366,14 @@ def _marker_problem(marker: pytest.Mark) -> str | None:
     return None
 
 
-def _meeting(choices: list[_Choice], markers: list[pytest.Mark]) -> list[_Choice]:
+def _meeting(
+    choices: list[_Choice], markers: list[pytest.Mark], emulated_failure: str | None
+) -> list[_Choice]:
     """The devices of ``choices`` that every ``requires_device`` marker accepts: a test that
     requires an accelerator runs on accelerators only, never as ``[cpu]``. Where none is
     left, one skipped choice that says why (the marker's own skip covers a machine
-    without the device; this, devices chosen with ``--devices`` that leave it out)."""
+    without the device; this, devices chosen with ``--devices`` that leave it out, or an
+    emulated device in a run without the emulated accelerator)."""
     wanted = [marker.args[0] for marker in markers if _marker_problem(marker) is None]
     if not wanted:
         return choices
@@ -341,6 +383,9 @@ def _meeting(choices: list[_Choice], markers: list[pytest.Mark]) -> list[_Choice
     listed = ", ".join(choice.id for choice in choices) or "none"
     specs = ", ".join(f"{_MARKER}({spec!r})" for spec in wanted)
     reason = f"{specs}: none of the devices to test on is one (they are: {listed})"
+    emulated_off = [spec for spec in wanted if _names_emulated_off(spec)]
+    if emulated_off:  # its skip reason says how to turn it on, which --devices cannot
+        reason = _emulated_off_reason(emulated_off[0], emulated_failure)
     return [_Choice("-".join(str(spec) for spec in wanted), None, reason)]
 
 
@@ -348,13 +393,50 @@ def _accepts(spec: object, device_id: str) -> bool:
     """Whether the device of this id is what a ``requires_device(spec)`` marker asks for."""
     import torch
 
-    device = torch.device(device_id)
+    # Split as text, not by torch.device: an emulated device's id ("emu:0", skipped where
+    # the build failed) and spec name a type torch does not know until it is enabled.
+    kind, index = _type_and_index(device_id)
     if spec == _ANY_ACCELERATOR:
-        return device.type not in ("cpu", "meta")
-    required = torch.device(spec) if isinstance(spec, (str, torch.device)) else None
-    if required is None:  # an int: an index on the current accelerator
-        return device.type not in ("cpu", "meta") and device.index == spec
-    return device.type == required.type and required.index in (None, device.index)
+        return kind not in ("cpu", "meta")
+    if isinstance(spec, torch.device):
+        required: tuple[str, int | None] | None = (spec.type, spec.index)
+    elif isinstance(spec, str):
+        required = _type_and_index(spec)
+    else:  # an int: an index on the current accelerator
+        required = None
+    if required is None:
+        return kind not in ("cpu", "meta") and index == spec
+    return kind == required[0] and required[1] in (None, index)
+
+
+def _emulated_off_reason(spec: object, emulated_failure: str | None) -> str:
+    """Why a test that requires an emulated device is skipped in this run."""
+    if emulated_failure is not None:
+        why = f"the emulated accelerator is unavailable: {_first_line(emulated_failure)}"
+    else:
+        why = (
+            "the emulated accelerator is not enabled "
+            f"(run pytest --devicectx-accelerator={_EMULATED})"
+        )
+    return f"{_MARKER}({spec!r}): {why}"
+
+
+def _type_and_index(text: str) -> tuple[str, int | None]:
+    """``"cuda:1"`` as ``("cuda", 1)``, ``"cpu"`` as ``("cpu", None)``."""
+    kind, _, index = text.strip().partition(":")
+    return kind, int(index) if index else None
+
+
+def _names_emulated_off(spec: object) -> bool:
+    """Whether ``spec`` names an emulated device (``"emu"``, ``"emu:1"``) in a process where
+    the emulated accelerator is not registered, so torch does not know its type."""
+    if not isinstance(spec, str):
+        return False
+    from devicectx.testing import emulated
+
+    kind, _, index = spec.strip().partition(":")
+    named = kind == emulated.DEVICE_TYPE and (index == "" or index.isdigit())
+    return named and not emulated.enabled()
 
 
 def _fixture_is_ours(metafunc: pytest.Metafunc) -> bool:

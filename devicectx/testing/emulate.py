@@ -37,11 +37,12 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from devicectx.testing import emulated
 
 _TAKE_A_VALUE = ("--devices", "--delay-ms", "--profile")
+_N = TypeVar("_N", int, float)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,9 +61,11 @@ def main(argv: list[str] | None = None) -> None:
         ),
         description="Run a script or module with devicectx's emulated accelerator enabled.",
     )
-    parser.add_argument("--devices", type=int, default=2, help="emulated devices (default 2)")
     parser.add_argument(
-        "--delay-ms", type=float, default=2.0, help="delay of a non_blocking pinned copy"
+        "--devices", type=_device_count, default=2, help="emulated devices, 1 to 16 (default 2)"
+    )
+    parser.add_argument(
+        "--delay-ms", type=_delay, default=2.0, help="delay of a non_blocking pinned copy"
     )
     parser.add_argument(
         "--profile", choices=sorted(emulated.PROFILES), help="the device to play (default cuda)"
@@ -83,6 +86,34 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
     _run_then_exit(lambda: runpy.run_path(script, run_name="__main__"))
+
+
+# Checked here, as enable() checks them, so that a bad value is a usage error (exit 2)
+# before the build, not enable()'s ValueError and its traceback after it.
+
+
+def _device_count(text: str) -> int:
+    count = _number(text, int, "a whole number", "--devices 2")
+    if not 1 <= count <= 16:
+        msg = f"{count} is not between 1 and 16 (fix: --devices 2)"
+        raise argparse.ArgumentTypeError(msg)
+    return count
+
+
+def _delay(text: str) -> float:
+    delay = _number(text, float, "a number", "--delay-ms 2")
+    if not delay >= 0:  # NaN too
+        msg = f"{delay} is not 0 or more (fix: --delay-ms 2)"
+        raise argparse.ArgumentTypeError(msg)
+    return delay
+
+
+def _number(text: str, kind: Callable[[str], _N], what: str, example: str) -> _N:
+    try:
+        return kind(text)
+    except ValueError:
+        msg = f"{text!r} is not {what} (fix: {example})"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def _run_then_exit(run: Callable[[], object]) -> NoReturn:

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
 
+from devicectx.devices._capabilities import nearest_dtype, supports_dtype
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 
 __all__ = [
@@ -60,29 +61,56 @@ _machine_devices = devices  # tensors() takes a parameter of that name
 
 
 def tensors(
-    devices: st.SearchStrategy[torch.device] | Sequence[DeviceLike] | None = None,
-    dtypes: st.SearchStrategy[torch.dtype] | Sequence[torch.dtype] | None = None,
+    devices: st.SearchStrategy[torch.device] | DeviceLike | Sequence[DeviceLike] = None,
+    dtypes: st.SearchStrategy[torch.dtype] | torch.dtype | Sequence[torch.dtype] | None = None,
     shapes: st.SearchStrategy[tuple[int, ...]] | None = None,
     *,
     requires_grad: bool = False,
 ) -> st.SearchStrategy[torch.Tensor]:
-    """Fresh tensors (no views) with seeded random values.
+    """Fresh tensors (no views) with seeded random values, in dtypes their device holds.
+
+    Example:
+        >>> import torch
+        >>> from hypothesis import given
+        >>> @given(tensors(devices="cpu", dtypes=torch.float32))
+        ... def test_float32_on_the_cpu(tensor):
+        ...     assert (tensor.device.type, tensor.dtype) == ("cpu", torch.float32)
+        >>> test_float32_on_the_cpu()
 
     Args:
-        devices: a strategy of devices, or a list of device specs; default
-            :func:`devices` (this machine's devices, no ``meta``).
-        dtypes: a strategy of dtypes, or a list; default float32/64/16, int64/32, bool.
+        devices: a strategy of devices, one device spec (``"cpu"``, ``torch.device``),
+            or a list of them; default :func:`devices` (this machine's devices, no
+            ``meta``).
+        dtypes: a strategy of dtypes, one dtype, or a list; default float32/64/16,
+            int64/32, bool. Each tensor gets one its device holds
+            (:func:`~devicectx.supports_dtype`): on an MPS-like device (MPS, or the
+            emulated accelerator's ``"mps"`` profile), no float64 or complex128.
         shapes: a strategy of shapes; default 0 to 3 dimensions of 0 to 4 each.
         requires_grad: make floating-point tensors leaves that require grad.
+
+    Raises:
+        TypeError: ``devices`` or ``dtypes`` is neither a strategy, one value, nor a list.
+        ValueError: ``devices`` or ``dtypes`` is an empty list; or, when drawn, a device
+            holds none of the listed dtypes.
     """
-    device_strategy = _strategy(devices, default=_machine_devices(), convert=resolve_device)
-    dtype_strategy = _strategy(dtypes, default=st.sampled_from(_DTYPES))
+    if devices is None:
+        device_strategy = _machine_devices()
+    elif isinstance(devices, st.SearchStrategy):
+        device_strategy = devices
+    else:
+        listed = _listed("devices", devices, (str, torch.device, int), example="['cpu']")
+        device_strategy = st.sampled_from([resolve_device(spec) for spec in listed])
+    if dtypes is None:
+        dtype_choice: st.SearchStrategy[torch.dtype] | list[torch.dtype] = list(_DTYPES)
+    elif isinstance(dtypes, st.SearchStrategy):
+        dtype_choice = dtypes
+    else:
+        dtype_choice = _listed("dtypes", dtypes, (torch.dtype,), example="[torch.float32]")
     shape_strategy = shapes if shapes is not None else _SHAPES
     return st.builds(
         _make_tensor,
         shape_strategy,
-        dtype_strategy,
-        device_strategy,
+        _placed_dtypes(device_strategy, dtype_choice),
         st.integers(0, 2**31 - 1),
         st.just(requires_grad),
     )
@@ -236,24 +264,57 @@ def kind_of(obj: object) -> str | None:
 _SHAPES = st.lists(st.integers(0, 4), max_size=3).map(tuple)
 
 
-def _strategy(
-    given: Any, *, default: st.SearchStrategy[Any], convert: Callable[[Any], Any] | None = None
-) -> st.SearchStrategy[Any]:
-    if given is None:
-        return default
-    if isinstance(given, st.SearchStrategy):
-        return given
-    values = [convert(v) if convert else v for v in given]
-    return st.sampled_from(values)
+def _listed(name: str, given: Any, one: tuple[type, ...], *, example: str) -> list[Any]:
+    """``given`` as a list: one value of the types ``one`` (a str is one device, not its
+    characters), or the items of a sequence."""
+    if isinstance(given, one):
+        return [given]
+    if isinstance(given, (bytes, Mapping)) or not isinstance(given, Iterable):
+        msg = (
+            f"tensors({name}={given!r}): takes a hypothesis strategy, one value or a list, "
+            f"not a {type(given).__name__}\nfix: tensors({name}={example})"
+        )
+        raise TypeError(msg)
+    values = list(given)
+    if not values:
+        msg = f"tensors({name}={given!r}): nothing to draw from\nfix: tensors({name}={example})"
+        raise ValueError(msg)
+    return values
+
+
+@st.composite
+def _placed_dtypes(
+    draw: st.DrawFn,
+    devices: st.SearchStrategy[torch.device],
+    dtypes: st.SearchStrategy[torch.dtype] | list[torch.dtype],
+) -> tuple[torch.device, torch.dtype]:
+    """A device, and a dtype it holds: asked at each draw, since what a device holds can
+    change in a run (the emulated accelerator's profiles)."""
+    device = draw(devices)
+    if isinstance(dtypes, st.SearchStrategy):
+        return device, draw(dtypes.filter(lambda dtype: supports_dtype(device, dtype)))
+    held = [dtype for dtype in dtypes if supports_dtype(device, dtype)]
+    if not held:
+        target = resolve_device(device)
+        nearest = [nearest_dtype(target, dtype) for dtype in dtypes]
+        added = [dtype for dtype in nearest if dtype is not None and dtype not in dtypes]
+        names = ", ".join(map(str, dtypes))
+        suggested = ", ".join(map(str, [*dtypes, *dict.fromkeys(added or [torch.float32])]))
+        msg = (
+            f"tensors(): {device} holds none of the dtypes listed: {names}\n"
+            f"fix: list one it holds too, tensors(dtypes=[{suggested}])"
+        )
+        raise ValueError(msg)
+    return device, draw(st.sampled_from(held))
 
 
 def _make_tensor(
     shape: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device,
+    placed: tuple[torch.device, torch.dtype],
     seed: int,
     requires_grad: bool,
 ) -> torch.Tensor:
+    device, dtype = placed
     if device.type == "meta":
         tensor = torch.empty(shape, dtype=dtype, device=device)
     else:
