@@ -284,6 +284,7 @@ def device_report_json_carries_the_job() -> None:
         "local_world_size": 2,
         "backend": "gloo",
         "prefix": f"[rank {rank}] ",
+        "malformed": {},
     }
     assert 0 == status
     job = json.loads(out.getvalue())["job"]
