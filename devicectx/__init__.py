@@ -50,12 +50,8 @@ from devicectx.move._distributed import Layout
 from devicectx.move._move import find_devices, register_container, to_device
 from devicectx.move._pinned import release_staging, staging_memory
 from devicectx.move._prefetch import prefetch
-from devicectx.move._transfers import (
-    Transfer,
-    TransferLog,
-    set_repeated_move_warning,
-    track_transfers,
-)
+from devicectx.move._repeats import set_repeated_move_warning
+from devicectx.move._transfers import Transfer, TransferLog, track_transfers
 from devicectx.move._walk import find_layouts
 from devicectx.scope._context import on_device
 from devicectx.scope._precision import Precision, PrecisionName, choose_precision, precision_scope

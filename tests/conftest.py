@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from torch.overrides import _get_current_function_mode_stack
 
 from devicectx._torch.modes import clear_default_device
-from devicectx.move import _transfers
+from devicectx.move import _repeats
 
 # Tensor work is slow next to plain Python, so no per-example deadline; "ci" runs the
 # default number of examples, "dev" fewer for a quick loop, "thorough" many more.
@@ -44,7 +44,7 @@ def _clean_device_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("DEVICECTX_DEVICE", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert _get_current_function_mode_stack() == [], "a torch mode leaked into this test"
-    _transfers._reset_for_tests()  # no repeated-move memory from an earlier test
+    _repeats._reset_for_tests()  # no repeated-move memory from an earlier test
     yield
     leaked = _get_current_function_mode_stack()
     # Also after tests that called set_default_device(None): on torch 2.6 to 2.9 that leaves

@@ -37,7 +37,7 @@ from devicectx import (
     to_device,
     track_transfers,
 )
-from devicectx.move import _prefetch, _staging, _streams, _transfers
+from devicectx.move import _prefetch, _repeats, _staging, _streams
 from devicectx.move._staging._state import StagingState, swapped
 from devicectx.move._walk import iter_tensors
 from devicectx.testing import emulated
@@ -377,7 +377,7 @@ def test_skip_paths_are_rooted_at_batch() -> None:
 def test_track_transfers_names_the_prefetch_line() -> None:
     """The copies are recorded under the line that called prefetch, by path in the batch."""
     line = inspect.currentframe().f_lineno + 3  # type: ignore[union-attr]
-    place = f"{_transfers._short(__file__)}:{line}"
+    place = f"{_repeats._short(__file__)}:{line}"
     with track_transfers() as transfers:
         batches = prefetch(numbered(3), "meta")
         for _ in batches:
@@ -402,7 +402,7 @@ def test_decorated_step_finds_its_inputs_on_the_device() -> None:
         results = [step(batch) for batch in batches]
 
     assert [META] * 3 == [r.device for r in results]
-    assert {_transfers._short(__file__)} == {row.where.split(":")[0] for row in transfers.rows}
+    assert {_repeats._short(__file__)} == {row.where.split(":")[0] for row in transfers.rows}
 
 
 # The lookahead, through a recording stand-in for the streams.
@@ -951,7 +951,7 @@ def test_stream_path_records_transfers_at_the_prefetch_line() -> None:
     """On the stream path too, track_transfers names the line that called prefetch."""
     device = accelerator()
     line = inspect.currentframe().f_lineno + 3  # type: ignore[union-attr]
-    place = f"{_transfers._short(__file__)}:{line}"
+    place = f"{_repeats._short(__file__)}:{line}"
     with track_transfers() as transfers:
         batches = prefetch([detection_like(i) for i in range(3)], device)
         for _ in batches:
@@ -1071,7 +1071,7 @@ def test_a_repeated_move_warning_points_at_the_prefetch_line() -> None:
             pass
     (warning,) = [w for w in caught if issubclass(w.category, RepeatedMoveWarning)]
     assert (__file__, line) == (warning.filename, warning.lineno)
-    assert str(warning.message).startswith(f"{_transfers._short(__file__)}:{line} copied")
+    assert str(warning.message).startswith(f"{_repeats._short(__file__)}:{line} copied")
 
 
 def refilled(layout: str, steps: int) -> Iterator[dict[str, Any]]:

@@ -38,7 +38,7 @@ from devicectx.decorator._target import (
     unwrap,
 )
 from devicectx.devices._resolve import DeviceLike
-from devicectx.move import _move, _transfers
+from devicectx.move import _move, _repeats
 from devicectx.move._distributed import wrapper_name
 from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
 from devicectx.move._walk import NotPlain, plain_device_uncast
@@ -136,8 +136,8 @@ class Plan:
             for _, name, value in defaults
             for _, tensor in _move.iter_tensors(value)
         }
-        self.where = _transfers.Place(f"{self.name}()", default_tensors)
-        self.where_result = _transfers.Place(f"{self.name}() -> result")
+        self.where = _repeats.Place(f"{self.name}()", default_tensors)
+        self.where_result = _repeats.Place(f"{self.name}() -> result")
         mapping = check_dtypes(dtypes)
         if dtypes is not None and not move:
             msg = (

@@ -9,7 +9,8 @@
 - ``_skip``: ``skip=``, what a move leaves where it is;
 - ``_staging`` and ``_pinned``: small tensors moved in one copy through pinned buffers;
 - ``_streams``: the copy stream of each accelerator device (non-blocking moves, ``prefetch``);
-- ``_transfers``: ``track_transfers`` and the repeated-move warning;
+- ``_transfers``: ``track_transfers``, and what reads every move's copies;
+- ``_repeats``: the repeated-move warning (a constant copied to the device every step);
 - ``_prefetch``: ``prefetch``, batches moved ahead of the step on a copy stream;
 - ``_background``: the thread of its own a prefetcher moves its batches on;
 - ``_distributed``: DTensor and FSDP2 parameters (``Layout``).

@@ -34,7 +34,7 @@ import torch
 
 from devicectx.devices._capabilities import holds_every_dtype
 from devicectx.devices._resolve import DeviceLike, resolve_device
-from devicectx.move import _containers, _staging, _transfers
+from devicectx.move import _containers, _repeats, _staging, _transfers
 from devicectx.move._alias import TensorMover
 from devicectx.move._containers import CONTAINER, Kind
 from devicectx.move._containers import register_container as register_container
@@ -255,7 +255,7 @@ def move_to(
     skip: SkipLike = None,
     name: str = "obj",
     coalesce: bool = True,
-    where: _transfers.Place | None = None,
+    where: _repeats.Place | None = None,
     dtypes: DtypesLike = None,
     suggest: Suggest | None = None,
 ) -> T:
@@ -270,7 +270,7 @@ def move_to(
             type or tuple of types (``skip=nn.Module``, to never move modules) is
             compiled once and kept, and costs nothing on the way to the fast check.
         name: the root of the paths in errors (and of paths given in ``skip``).
-        where: the place that moves, for :mod:`devicectx.move._transfers` (the decorated
+        where: the place that moves, for :mod:`devicectx.move._repeats` (the decorated
             function); None for the line that called.
         suggest: the fix line of a :class:`~devicectx.DtypeUnsupportedError`, given the
             ``dtypes=`` to write; None: ``to_device(name, device, dtypes=...)``.
@@ -307,7 +307,7 @@ def move_call(
     skip: SkipLike = None,
     who: str = "@device_agnostic",
     coalesce: bool = True,
-    where: _transfers.Place | None = None,
+    where: _repeats.Place | None = None,
     check_repeats: bool = True,
     dtypes: DtypesLike = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -360,7 +360,7 @@ def _move(
     fix: Fix,
     who: str = "to_device()",
     coalesce: bool = True,
-    where: _transfers.Place | None = None,
+    where: _repeats.Place | None = None,
     check_repeats: bool = True,
     handed: _staging.HandedTo | None = None,
 ) -> T:

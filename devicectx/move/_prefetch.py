@@ -52,7 +52,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from devicectx.devices._resolve import DeviceLike, accelerator_type, resolve_device
-from devicectx.move import _transfers
+from devicectx.move import _repeats
 from devicectx.move._background import Ticket, Worker
 from devicectx.move._dtypes import DtypesLike, cast_batch, check_dtypes
 from devicectx.move._move import _move, _nothing_to_move
@@ -186,7 +186,7 @@ def prefetch(
         device = active_device() or "auto"
     target = resolve_device(device)
     compiled = compile_skip(skip, _NAME)
-    prefetcher = Prefetcher(batches, target, depth, compiled, _transfers.caller_place())
+    prefetcher = Prefetcher(batches, target, depth, compiled, _repeats.caller_place())
     check_dtypes(dtypes)
     prefetcher._dtypes = dtypes
     return prefetcher
@@ -210,7 +210,7 @@ class Prefetcher(Generic[T]):
         device: torch.device,
         depth: int,
         skip: Skip | None,
-        where: _transfers.Place,
+        where: _repeats.Place,
     ) -> None:
         self.batches = batches
         self.device = device
@@ -433,7 +433,7 @@ class _Pass(Iterator[T]):
 def _move_batch(
     device: torch.device,
     skip: Skip | None,
-    where: _transfers.Place,
+    where: _repeats.Place,
     non_blocking: bool,
     batch: Any,
     index: int,

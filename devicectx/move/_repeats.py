@@ -1,0 +1,309 @@
+"""The repeated-move warning: a tensor that never changes, copied to the device again by
+the same place.
+
+Each place keeps the sources of its last checked move (by weak reference, with their
+version counters); a source moved again by the same place, the same object with the same
+version, is a tensor that never changes but crosses to the device on every call.
+:class:`~devicectx.RepeatedMoveWarning` says so, once per place and path, in one warning
+per move however many tensors it names. A place's first 9 moves are all checked, then two
+in a row in every 8 (see ``_EVERY``): a few batches cycled, each moved every few steps, are
+no constant.
+
+A *place* is a decorated function (a :class:`Place`, printed ``"train.step()"``, or
+``"train.step() -> result"`` for the move of its result), the line that made a prefetcher,
+or the line that called :func:`~devicectx.to_device` (``"train.py:42"``).
+:mod:`devicectx.move._transfers` calls :func:`repeated` and :func:`warn` after a move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from devicectx._errors import RepeatedMoveWarning, warn_at, warn_explicit_at
+from devicectx._torch.tensors import version_of
+
+__all__ = [
+    "Place",
+    "caller_line",
+    "caller_place",
+    "checking",
+    "repeated",
+    "set_repeated_move_warning",
+    "size_text",
+    "warn",
+]
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # not move/
+
+
+class Place:
+    """A place that moves, other than the line that called ``to_device``: a decorated
+    function, or the line that made a prefetcher.
+
+    One place per object, whatever its ``label`` (how it prints): two functions named
+    ``loss_fn()`` in two modules are two places, and the same tensor moved by both is no
+    repeat. ``defaults``: ``id(tensor) -> parameter`` for the tensors in the function's
+    defaults, which a call that leaves them out moves (the fix is then to the default).
+    ``origin``: the file, line and module globals its warnings are given at, where the
+    moves run on another thread than the caller's (a prefetcher's); None: the caller's
+    line at the move.
+    """
+
+    __slots__ = ("defaults", "label", "origin")
+
+    def __init__(
+        self,
+        label: str,
+        defaults: dict[int, str] | None = None,
+        origin: tuple[str, int, dict[str, Any]] | None = None,
+    ) -> None:
+        self.label = label
+        self.defaults = defaults or {}  # id(tensor) -> the parameter it is the default of
+        self.origin = origin
+
+    def __str__(self) -> str:
+        return self.label
+
+    def __repr__(self) -> str:
+        return f"Place({self.label!r})"
+
+
+def caller_place() -> Place:
+    """The caller's line (outside devicectx) as a place whose warnings are given there."""
+    frame = _user_frame()
+    if frame is None:
+        return Place("?")
+    filename, line = frame.f_code.co_filename, frame.f_lineno
+    return Place(f"{_short(filename)}:{line}", origin=(filename, line, frame.f_globals))
+
+
+_CHECK = [True]  # one cell, read on every move that copied something
+# The check costs a weak reference and a version counter read per tensor copied
+# (docs/performance.md). So it looks at the first 256 copies of a move (in the order of
+# the structure), and, past a place's first 9 moves, at two moves in a row in every 8, the
+# second compared with the first: a tensor copied on every step is still reported within
+# 8 steps, at a quarter of the cost.
+_CHECKED = 256
+_EVERY_FROM = 8
+_EVERY = 8
+_Seen = tuple["weakref.ref[torch.Tensor]", int, bool]  # the tensor, its version, reported
+# Per place: [how many moves it made, what its last checked move copied, by id].
+_LAST: dict[tuple[Place | str, torch.device], list[Any]] = {}
+_NONE: list[torch.Tensor] = []  # no repeats (never appended to)
+_WARNED: set[tuple[Place | str, torch.device, str]] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def set_repeated_move_warning(enabled: bool) -> bool:
+    """Turn the repeated-move check (and its :class:`~devicectx.RepeatedMoveWarning`) on or off.
+
+    Example:
+        >>> from devicectx import set_repeated_move_warning
+        >>> previous = set_repeated_move_warning(False)
+        >>> _ = set_repeated_move_warning(previous)
+
+    Off, moves skip the check altogether; a warnings filter
+    (``warnings.filterwarnings("ignore", category=devicectx.RepeatedMoveWarning)``) only
+    silences it. Returns the previous setting.
+    """
+    previous = _CHECK[0]
+    _CHECK[0] = bool(enabled)
+    if not enabled:
+        _LAST.clear()
+    return previous
+
+
+def checking() -> bool:
+    """Whether the check is on (:func:`set_repeated_move_warning`)."""
+    return _CHECK[0]
+
+
+def repeated(
+    where: Place | str, target: torch.device, sent: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The tensors of ``sent`` that this place moved, unchanged, at its move just before,
+    and not yet reported; and remember ``sent`` for the next check (weakly: the batch of a
+    past step is not kept alive).
+
+    Past the first moves, a place's moves are looked at in pairs of two in a row, one pair
+    in ``_EVERY``: the first of a pair is remembered, the second compared with it. A
+    tensor moved again by the very next move crosses on every call; one that comes back
+    every few moves (a list of a few batches, cycled) is no such constant."""
+    key = (where, target)
+    state = _LAST.get(key)
+    count, get, compare = 0, None, True
+    if state is not None:
+        count = state[0] = state[0] + 1  # in place: a move not checked allocates nothing
+        if count > _EVERY_FROM:
+            phase = count % _EVERY
+            if phase and phase != _EVERY - 1:
+                return _NONE
+            compare = not phase  # the pair's first is remembered, not compared
+        get = state[1].get
+    now: dict[int, _Seen] = {}
+    repeated: list[torch.Tensor] = []
+    ref = weakref.ref
+    for tensor in sent[:_CHECKED]:
+        try:
+            version = version_of(tensor)
+        except RuntimeError:  # an inference tensor keeps no version: it cannot be told
+            continue
+        if get is not None:
+            seen = get(id(tensor))
+            if seen is not None and seen[1] == version and seen[0]() is tensor:
+                now[id(tensor)] = seen
+                if compare and not seen[2]:
+                    repeated.append(tensor)
+                continue
+        now[id(tensor)] = (ref(tensor), version, False)
+    _LAST[key] = [count, now]
+    for tensor in repeated:  # reported below (or already, at its path): never again
+        weak, version, _ = now[id(tensor)]
+        now[id(tensor)] = (weak, version, True)
+    return repeated
+
+
+def warn(
+    repeated: list[torch.Tensor],
+    where: Place | str,
+    target: torch.device,
+    paths: dict[int, str],
+    name: str,
+) -> None:
+    """One warning for the tensors of a move not yet reported at their place and path: a
+    batch of constants (a cached validation batch) is one warning, not one per tensor."""
+    fresh: list[tuple[str, torch.Tensor]] = []
+    with _WARNED_LOCK:
+        for tensor in repeated:
+            path = paths.get(id(tensor), name or "?")
+            if (where, target, path) not in _WARNED:
+                _WARNED.add((where, target, path))
+                fresh.append((path, tensor))
+    if not fresh:
+        return
+    message = _message(fresh, where, target)
+    origin = where.origin if isinstance(where, Place) else None
+    if origin is not None:  # a prefetcher's line: its moves run on a thread of its own
+        warn_explicit_at(*origin, message, RepeatedMoveWarning)
+        return
+    frame = _user_frame()
+    if frame is None:
+        warnings.warn(message, RepeatedMoveWarning, stacklevel=2)
+    else:
+        warn_at(frame, message, RepeatedMoveWarning)
+
+
+_NAMED = 3  # the tensors a warning about several names; the rest are counted
+
+
+def _message(
+    fresh: list[tuple[str, torch.Tensor]], where: Place | str, target: torch.device
+) -> str:
+    device = str(target)
+    named = fresh[:_NAMED]
+    what = ", ".join(
+        f"{path} (shape {tuple(tensor.shape)}, {tensor.dtype}, {size_text(tensor.nbytes)})"
+        for path, tensor in named
+    )
+    sources = " and ".join(sorted({str(tensor.device) for _, tensor in fresh}))
+    size = size_text(sum(tensor.nbytes for _, tensor in fresh))
+    if len(fresh) == 1:
+        copied = f"the same unchanged tensor {what}"
+    else:
+        more = f" and {len(fresh) - len(named)} more" if len(fresh) > len(named) else ""
+        copied = f"the same {len(fresh)} unchanged tensors {what}{more}"
+    return (
+        f"{where} copied {copied} from {sources} to {device} again: {size} crosses on every "
+        f"call\n"
+        f"fix: {_fix(fresh, where, device)}; for a model's constant, register it as a buffer "
+        f"(self.register_buffer(name, tensor)) so that model.to() moves it once"
+    )
+
+
+def _fix(fresh: list[tuple[str, torch.Tensor]], where: Place | str, device: str) -> str:
+    """How to move them once: the caller's ``to_device``, an argument passed already on the
+    device, or a default made on it (rebinding an argument cannot reach a default)."""
+    if not isinstance(where, Place):
+        them = "it" if len(fresh) == 1 else "them"
+        return f"call to_device on {them} once, before the loop, and reuse the result"
+    defaults = where.defaults
+    steps = []
+    for path, tensor in fresh[:_NAMED]:
+        parameter = defaults.get(id(tensor))
+        if parameter is None:
+            steps.append(f"{path} = {path}.to({device!r})")
+        else:
+            steps.append(f"{parameter}'s default made on {device} in the def")
+    rest = ", ..." if len(fresh) > _NAMED else ""
+    if len(fresh) > 1:
+        verb = "have" if any(id(tensor) in defaults for _, tensor in fresh) else "pass"
+        return f"{verb} them on {device} already, each moved once before the loop: " + (
+            ", ".join(steps) + rest
+        )
+    path, tensor = fresh[0]
+    parameter = defaults.get(id(tensor))
+    if parameter is None:
+        return f"pass it on {device} already: {steps[0]} once, before the loop"
+    return (
+        f"it is {parameter}'s default, which stays where it is: make the default on "
+        f"{device} where the function is defined ({parameter}=<the tensor>.to({device!r})), "
+        f"or pass {parameter} on {device} already"
+    )
+
+
+def size_text(nbytes: int) -> str:
+    """Bytes for people: ``512 B``, ``4.0 KiB``, ``1.5 MiB``."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{nbytes} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def _user_frame() -> Any:
+    """The innermost frame outside devicectx: the caller of the move."""
+    frame: Any = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    return frame
+
+
+def caller_line() -> str:
+    """``file:line`` of the caller of the move."""
+    frame = _user_frame()
+    return "?" if frame is None else f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+_SHORT: dict[str, str] = {}
+
+
+def _short(filename: str) -> str:
+    """A file name as people read it: relative to the working directory when inside it
+    (worked out once per file: it is part of every place key of ``to_device``)."""
+    short = _SHORT.get(filename)
+    if short is None:
+        short = filename
+        with contextlib.suppress(ValueError):
+            relative = os.path.relpath(filename)
+            if not relative.startswith(".."):
+                short = relative
+        if len(_SHORT) < 1024:
+            _SHORT[filename] = short
+    return short
+
+
+def _reset_for_tests() -> None:
+    """Forget every place's last move and every warning given, and turn the check on."""
+    _CHECK[0] = True
+    _LAST.clear()
+    with _WARNED_LOCK:
+        _WARNED.clear()
