@@ -382,9 +382,9 @@ def test_constants_of_a_decorated_call_are_one_warning_with_each_fix(
 def test_the_warning_follows_identity_and_version(steps: list[str]) -> None:
     """Over any sequence of calls, the warning comes exactly when a tensor is moved twice
     in a row unchanged, and only the first time."""
-    from devicectx.move import _repeats
+    from devicectx.move._repeats import _reset_for_tests
 
-    _repeats._reset_for_tests()
+    _reset_for_tests()
     tensor = torch.ones(2)
     expected, previous = 0, False
     with warnings.catch_warnings(record=True) as caught:
