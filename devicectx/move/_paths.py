@@ -50,8 +50,13 @@ def join(parent: str, style: int, key: object) -> str:
     return str(key)
 
 
+# A tuple, not keyword.iskeyword (a frozenset's bound __contains__): module paths are also
+# written while torch.compile traces an error, and dynamo (torch 2.6) cannot trace that.
+_KEYWORDS = tuple(keyword.kwlist)
+
+
 def _dual(key: object) -> str:
-    if type(key) is str and key.isidentifier() and not keyword.iskeyword(key):
+    if type(key) is str and key.isidentifier() and key not in _KEYWORDS:
         return f".{key}"
     return f"[{key!r}]"
 
