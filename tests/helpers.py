@@ -23,6 +23,21 @@ def accelerator(index: int = 0) -> torch.device:
 
 
 @contextlib.contextmanager
+def mps_like() -> Iterator[torch.device]:
+    """The emulated accelerator playing MPS in the block: no float64, no complex128; the
+    test skips on any other accelerator (a real one keeps its dtypes)."""
+    import pytest
+
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the device without float64 is the emulated one (--devicectx-accelerator)")
+    from devicectx.testing import emulated
+
+    with emulated.profile("mps"):
+        yield device
+
+
+@contextlib.contextmanager
 def step_ahead(stream: torch.Stream) -> Iterator[torch.Stream]:
     """``stream`` (a device's) with work queued in the block, as a step queued ahead of a
     move: a wait for a blocker stream, held back (``emulated.paused``) till the end. The

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import pytest
 import torch
-from helpers import accelerator
+from helpers import accelerator, mps_like
 from hypothesis import given
 from torch import nn
 
@@ -740,18 +739,6 @@ def test_a_module_inside_a_container_is_copied_for_each_device() -> None:
 
 
 # dtypes=: inputs of a dtype a device cannot hold (float64 on MPS).
-
-
-@contextlib.contextmanager
-def mps_like() -> Iterator[torch.device]:
-    """The emulated accelerator playing MPS in the block: no float64, no complex128."""
-    device = accelerator()
-    if device.type != "emu":
-        pytest.skip("the device without float64 is the emulated one (--devicectx-accelerator)")
-    from devicectx.testing import emulated
-
-    with emulated.profile("mps"):
-        yield device
 
 
 def scale(x: torch.Tensor) -> torch.Tensor:

@@ -6,14 +6,13 @@ complex128): :func:`mps_like` gives it. The CPU and ``meta`` hold every dtype.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from helpers import accelerator, placed, staged_counts
+from helpers import accelerator, mps_like, placed, staged_counts
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -37,18 +36,6 @@ from devicectx.testing.strategies import nested, tensors
 needs_accelerator = pytest.mark.requires_device("accelerator")
 F64, F32, C128, C64 = torch.float64, torch.float32, torch.complex128, torch.complex64
 CPU, META = torch.device("cpu"), torch.device("meta")
-
-
-@contextlib.contextmanager
-def mps_like() -> Iterator[torch.device]:
-    """The emulated accelerator playing MPS in the block: no float64, no complex128."""
-    device = accelerator()
-    if device.type != "emu":
-        pytest.skip("the device without float64 is the emulated one (--devicectx-accelerator)")
-    from devicectx.testing import emulated
-
-    with emulated.profile("mps"):
-        yield device
 
 
 @pytest.fixture(autouse=True)

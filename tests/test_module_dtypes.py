@@ -8,14 +8,12 @@ emulated accelerator playing MPS.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from helpers import accelerator
+from helpers import mps_like
 from torch import nn
 
 from devicectx import (
@@ -29,18 +27,6 @@ from devicectx import (
 needs_accelerator = pytest.mark.requires_device("accelerator")
 F64, F32, C128 = torch.float64, torch.float32, torch.complex128
 CPU = torch.device("cpu")
-
-
-@contextlib.contextmanager
-def mps_like() -> Iterator[torch.device]:
-    """The emulated accelerator playing MPS in the block: no float64, no complex128."""
-    device = accelerator()
-    if device.type != "emu":
-        pytest.skip("the device without float64 is the emulated one (--devicectx-accelerator)")
-    from devicectx.testing import emulated
-
-    with emulated.profile("mps"):
-        yield device
 
 
 def float64_stats() -> nn.Sequential:

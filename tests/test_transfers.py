@@ -378,6 +378,28 @@ def test_constants_of_a_decorated_call_are_one_warning_with_each_fix(
     )
 
 
+def test_a_default_and_an_argument_that_cross_get_each_their_fix(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """A constant argument and a tensor default moved at every call: one warning, whose fix
+    moves the argument and makes the default on the device."""
+    weights = torch.ones(3)
+
+    @device_agnostic(device="meta")
+    def loss(table: torch.Tensor, weight: torch.Tensor = weights) -> None:
+        return None
+
+    table = torch.ones(2)
+    for _ in range(3):
+        loss(table)
+    (warning,) = _repeats(recorded)
+    fix = str(warning.message).splitlines()[1]
+    assert fix.startswith(
+        "fix: have them on meta already, each moved once before the loop: "
+        "table = table.to('meta'), weight's default made on meta in the def; "
+    )
+
+
 @given(st.lists(st.sampled_from(["same", "new", "bumped"]), min_size=1, max_size=8))
 def test_the_warning_follows_identity_and_version(steps: list[str]) -> None:
     """Over any sequence of calls, the warning comes exactly when a tensor is moved twice

@@ -235,6 +235,18 @@ def _fix(fresh: list[tuple[str, torch.Tensor]], where: Place | str, device: str)
         them = "it" if len(fresh) == 1 else "them"
         return f"call to_device on {them} once, before the loop, and reuse the result"
     defaults = where.defaults
+    if len(fresh) == 1:
+        path, tensor = fresh[0]
+        parameter = defaults.get(id(tensor))
+        if parameter is None:
+            return (
+                f"pass it on {device} already: {path} = {path}.to({device!r}) once, before the loop"
+            )
+        return (
+            f"it is {parameter}'s default, which stays where it is: make the default on "
+            f"{device} where the function is defined ({parameter}=<the tensor>.to({device!r})), "
+            f"or pass {parameter} on {device} already"
+        )
     steps = []
     for path, tensor in fresh[:_NAMED]:
         parameter = defaults.get(id(tensor))
@@ -243,19 +255,9 @@ def _fix(fresh: list[tuple[str, torch.Tensor]], where: Place | str, device: str)
         else:
             steps.append(f"{parameter}'s default made on {device} in the def")
     rest = ", ..." if len(fresh) > _NAMED else ""
-    if len(fresh) > 1:
-        verb = "have" if any(id(tensor) in defaults for _, tensor in fresh) else "pass"
-        return f"{verb} them on {device} already, each moved once before the loop: " + (
-            ", ".join(steps) + rest
-        )
-    path, tensor = fresh[0]
-    parameter = defaults.get(id(tensor))
-    if parameter is None:
-        return f"pass it on {device} already: {steps[0]} once, before the loop"
-    return (
-        f"it is {parameter}'s default, which stays where it is: make the default on "
-        f"{device} where the function is defined ({parameter}=<the tensor>.to({device!r})), "
-        f"or pass {parameter} on {device} already"
+    verb = "have" if any(id(tensor) in defaults for _, tensor in fresh) else "pass"
+    return f"{verb} them on {device} already, each moved once before the loop: " + (
+        ", ".join(steps) + rest
     )
 
 
