@@ -926,3 +926,23 @@ def test_the_build_folder_follows_the_build_inputs(
     }
     assert len(inputs) == len(others)
     assert here not in others
+
+
+def test_a_finished_build_is_imported_without_ninja(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that finds its build finished imports it without running ninja (which
+    rebuilt unchanged folders now and then, about 45 s each): here a ninja that fails comes
+    first on PATH, and the device is enabled all the same, the failing ninja never run."""
+    if not emulated.enabled():
+        pytest.skip("needs this environment's build: run with --devicectx-accelerator=emulated")
+    ran = tmp_path / "ninja-ran"
+    fake = tmp_path / "ninja"
+    fake.write_text(f"#!/bin/sh\ntouch {ran}\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    printed = python_output(
+        "from devicectx.testing import emulated\nprint(emulated.enable(devices=2))"
+    )
+    assert "emu:0" == printed
+    assert not ran.exists()

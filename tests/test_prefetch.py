@@ -17,6 +17,7 @@ import re
 import threading
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -664,8 +665,10 @@ def late_read(held: list[Any], device: torch.device) -> list[torch.Tensor]:
     stream = torch.accelerator.current_stream(device)
     with emulated.paused(device, stream=stream):
         copies = [t.to("cpu", non_blocking=True) for t in nonempty(held[0])]
+        alive = [weakref.ref(t) for _, t in iter_tensors(held[0])]
         held.clear()
-        gc.collect()
+        if any(ref() is not None for ref in alive):  # held in a cycle: a collection frees it
+            gc.collect()
     torch.accelerator.synchronize()
     return copies
 

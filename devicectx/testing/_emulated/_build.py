@@ -8,7 +8,11 @@ sources, the compiler, the flags, the include and library paths (torch's and Pyt
 each environment's own), and torch's build. Two environments with the same torch install
 share one build; two with their own installs get one each, and alternating between them
 rebuilds nothing: ninja rebuilds a folder whenever a compile command changes, so a folder
-shared by environments with different paths would be rebuilt by each in turn. A file lock
+shared by environments with different paths would be rebuilt by each in turn. A folder
+whose build finished holds a stamp (:data:`FINISHED`), and later processes import its
+module directly, without asking ninja: ninja rebuilt such a folder now and then with
+nothing changed (its log gave the same command two hashes in turn), about 45 s of compiler
+each time; the folder's name already covers everything the build reads. A file lock
 serialises processes that build at once (pytest-xdist workers): torch's own lock in the
 build folder is a plain file that a build killed midway leaves behind, and every later
 build then waits for it forever; under our lock no other build can be running, so a
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import os
 import shutil
@@ -34,6 +39,7 @@ from packaging.version import Version
 SOURCES = ("runtime.cpp", "backend.cpp", "autocast.cpp", "bindings.cpp")
 FILES = (*SOURCES, "runtime.h")
 EXTENSION = "devicectx_emulated"
+FINISHED = "devicectx-built"  # written in a build folder once its module has been imported
 FLOOR = Version("2.6")  # pyproject.toml's torch floor: older headers differ
 CFLAGS = ("-O2",)
 
@@ -91,12 +97,14 @@ def load() -> ModuleType:
         BuildFailed: no compiler, no ninja, no torch headers, an unsupported torch or
             platform, or a compile error (with the compiler's last lines).
     """
+    build = cache_dir()
+    if (build / FINISHED).exists():  # written last, under the lock: the module is whole
+        return _import(build)
     _check_prerequisites()
     from filelock import FileLock  # a dependency of torch
 
     cpp_extension = _cpp_extension()
 
-    build = cache_dir()
     build.mkdir(parents=True, exist_ok=True)
     with FileLock(str(build / "devicectx-build.lock")):
         (build / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
@@ -120,9 +128,30 @@ def load() -> ModuleType:
                 "headers are installed; remove the folder above to build from scratch"
             )
             raise BuildFailed(msg) from None
-    if not isinstance(module, ModuleType):  # load() returns the imported module
-        raise BuildFailed(f"building the emulated accelerator in {build} gave no module")
+        if not isinstance(module, ModuleType):  # load() returns the imported module
+            raise BuildFailed(f"building the emulated accelerator in {build} gave no module")
+        (build / FINISHED).touch()
     return module
+
+
+def _import(build: Path) -> ModuleType:
+    """The finished build's module, imported as ``cpp_extension.load`` imports it."""
+    path = build / f"{EXTENSION}.so"
+    spec = importlib.util.spec_from_file_location(EXTENSION, path)
+    failure = "no module there"
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except (ImportError, OSError) as error:
+            failure = str(error)
+        else:
+            return module
+    msg = (
+        f"the emulated accelerator's build in {build} cannot be imported: {failure}\n"
+        f"fix: remove {build} to build it again"
+    )
+    raise BuildFailed(msg)
 
 
 def _cpp_extension() -> ModuleType:
