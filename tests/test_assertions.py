@@ -673,6 +673,61 @@ def test_integers_are_compared_exactly_with_a_fix_that_works() -> None:
     assert_device_agnostic(count_as_float, torch.ones(4), devices=["cpu", "cpu"], rtol=0, atol=1)
 
 
+# Numbers in the output: integers exactly, others within the tolerances.
+
+
+def test_numbers_in_the_output_are_compared() -> None:
+    """A Python number that differs between devices is named (an int exactly, a float
+    within float32's tolerances by default, or rtol/atol); a str, which may name the
+    device, is not compared; NaN equals NaN."""
+    calls = itertools.count()
+
+    def stats(x: torch.Tensor) -> dict[str, object]:
+        n = next(calls)
+        return {
+            "loss": (x.sum() + 0.5 * n).item(),
+            "close": 1.0 + 1e-9 * n,
+            "steps": 3 + n,
+            "nan": float("nan"),
+            "where": f"ran on {x.device} (call {n})",
+        }
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(stats, torch.ones(4), devices=["cpu", "cpu"])
+    assert [
+        "stats is not device-agnostic (ran on cpu, cpu):",
+        "  on cpu, compared with cpu:",
+        "    out['loss']: 4.5, expected 4.0, rtol=1.3e-06, atol=1e-05",
+        "    out['steps']: 4, expected 3, integers compared exactly",
+        "fix: if the difference is expected (float sums in another order, TF32), allow it: "
+        "assert_device_agnostic(stats, ..., rtol=1e-4, atol=1e-5)",
+        "fix: integer and bool values are compared exactly, whatever rtol and atol; where "
+        "out['steps'] may differ, make stats return it as a float and allow the difference: "
+        "assert_device_agnostic(stats, ..., rtol=0, atol=1)",
+    ] == message_lines(raised)
+    calls = itertools.count()
+
+    def loss_only(x: torch.Tensor) -> dict[str, object]:
+        return {"loss": (x.sum() + 0.5 * next(calls)).item(), "steps": 3}
+
+    assert_device_agnostic(loss_only, torch.ones(4), devices=["cpu", "cpu"], rtol=0, atol=0.5)
+
+
+def test_a_number_where_the_reference_has_another_type_is_named() -> None:
+    """A number on one device where another has None (or another kind of number) is a
+    structure difference; values of meta's run are not compared, their types are."""
+
+    def maybe_count(x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        return x, None if x.is_meta else 3
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(maybe_count, torch.ones(2), devices=CPU_META)
+    assert "    out[1]: None, expected an int" in message_lines(raised)
+    assert_device_agnostic(
+        lambda x: (x, x.numel() * (2 if x.is_meta else 1)), torch.ones(2), devices=CPU_META
+    )
+
+
 # Sparse outputs: compared as the dense tensors they stand for.
 
 

@@ -234,3 +234,28 @@ def test_decorator_leaves_a_float64_model_off_the_target_whole() -> None:
         with pytest.raises(DeviceMismatchError):
             step(model, torch.ones(2, dtype=F64))
         unchanged(model, before)
+
+
+@needs_accelerator
+def test_the_decorators_fix_casts_before_the_move_and_runs_as_written() -> None:
+    """The decorator's fix for a float64 model off a device without float64 casts the
+    modules holding float64 before model.to (which alone stops at the first float64
+    tensor, the ones before it moved); run as written, the model moves whole and the
+    call goes through. Under torch.compile the fix is the same."""
+    with mps_like() as device:
+
+        @device_agnostic(device=device, dtypes="device")
+        def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return model(x)
+
+        for call in (step, torch.compile(step, backend="eager")):
+            model = float64_stats().eval()
+            with pytest.raises(DeviceMismatchError) as raised:
+                call(model, torch.ones(3, 2))
+            fix = str(raised.value).splitlines()[-1]
+            code, _, rest = fix.removeprefix("fix: ").partition(" before calling ")
+            assert f'model[1].float(); model.to("{device}")' == code
+            assert rest.endswith(f"modules are never moved implicitly ({device} holds no {F64})")
+            exec(code, {"model": model})
+            assert {device} == set(find_devices(model))
+            assert (3, 2) == tuple(step(model, torch.ones(3, 2)).shape)

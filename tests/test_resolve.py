@@ -176,6 +176,17 @@ def test_bad_local_rank(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     assert expected == str(info.value)
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_local_rank_is_unset(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """LOCAL_RANK set to nothing (an env file's LOCAL_RANK=) counts as unset, as
+    DEVICECTX_DEVICE and the device report's job line count it."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    unset = explain_device()
+    monkeypatch.setenv("LOCAL_RANK", value)
+    assert unset == explain_device()
+    assert "LOCAL_RANK" not in explain_device()
+
+
 def test_resolve_never_sets_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     """Resolution reads the environment and leaves it exactly as it was."""
     import os

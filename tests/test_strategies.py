@@ -210,10 +210,34 @@ def test_tensors_on_an_mps_like_device_draw_only_dtypes_it_holds(mps_like: torch
     assert torch.float64 in elsewhere
 
 
-def test_a_dtype_strategy_is_filtered_to_what_the_device_holds(mps_like: torch.device) -> None:
-    """A strategy of dtypes gives, on an MPS-like device, only the dtypes it holds."""
+def test_a_dtype_strategy_gives_the_nearest_dtype_the_device_holds(
+    mps_like: torch.device,
+) -> None:
+    """A strategy of dtypes gives, on an MPS-like device, the dtypes it holds, and for one
+    it cannot hold the nearest it holds: a strategy of float64 alone gives float32 (it ended
+    in hypothesis's "filtering too much" health check, which says nothing of dtypes)."""
     strategy = tensors(devices=mps_like, dtypes=st.sampled_from([torch.float64, torch.complex64]))
-    assert {torch.complex64} == {t.dtype for t in drawn(strategy)}
+    assert {torch.float32, torch.complex64} == {t.dtype for t in drawn(strategy)}
+    only_float64 = tensors(devices=mps_like, dtypes=st.just(torch.float64))
+    assert {torch.float32} == {t.dtype for t in drawn(only_float64)}
+
+
+def test_a_drawn_dtype_with_none_near_it_is_named(
+    mps_like: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the device holds neither the drawn dtype nor one near it, the draw fails
+    naming both, with a filter that works as the fix."""
+    from devicectx.testing import strategies
+
+    monkeypatch.setattr(strategies, "nearest_dtype", lambda device, dtype: None)
+    with pytest.raises(ValueError, match="holds neither") as raised:
+        drawn(tensors(devices=mps_like, dtypes=st.just(torch.float64)), examples=1)
+    assert [
+        f"tensors(): {mps_like} holds neither torch.float64, which dtypes= drew, nor any "
+        "dtype near it",
+        f"fix: draw only dtypes it holds: dtypes.filter(lambda d: "
+        f"devicectx.supports_dtype('{mps_like}', d))",
+    ] == str(raised.value).splitlines()
 
 
 def test_nested_on_an_mps_like_device_holds_no_float64_there(mps_like: torch.device) -> None:

@@ -53,7 +53,7 @@ from devicectx._torch.modes import DeviceContext
 from devicectx.decorator import _mismatch
 from devicectx.decorator._params import self_offset
 from devicectx.decorator._spread import marked
-from devicectx.decorator._target import involved_module, module_devices
+from devicectx.decorator._target import involved_module, module_devices, module_dtypes
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.scope._stack import active_device
 
@@ -322,7 +322,8 @@ def _trace_target(
             found = _frozen(module_devices(module, name))
             kind = type(module).__name__
             why = reason or "a module must be on one device"
-            message = _module_message(plan.name, name, kind, found, target, why)
+            dtypes = module_dtypes(module, name)
+            message = _module_message(plan.name, name, kind, found, target, why, dtypes)
             return target, reason, message, False
         if target is None and devices:
             target = _first(devices, None)
@@ -418,8 +419,11 @@ def _module_message(
     found: tuple[tuple[torch.device, tuple[str, ...]], ...],
     target: torch.device | None,
     reason: str,
+    dtypes: tuple[tuple[str, torch.dtype], ...],
 ) -> str:
-    error = _mismatch.module_off_target(function, module, kind, dict(found), target, reason)
+    error = _mismatch.module_off_target(
+        function, module, kind, dict(found), target, reason, dtypes=dtypes
+    )
     return _keep(error)
 
 

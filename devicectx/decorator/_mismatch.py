@@ -20,6 +20,8 @@ import torch
 
 from devicectx._errors import DeviceMismatchError
 from devicectx.decorator._spread import Part, path_of
+from devicectx.devices._capabilities import missing_dtypes
+from devicectx.move._dtypes import module_casts
 
 # Paths shown per device before "and N more": enough to find the culprit, short enough to read.
 _MAX_PATHS = 6
@@ -72,6 +74,7 @@ def module_off_target(
     target: torch.device | None,
     reason: str,
     wrapper: str | None = None,
+    dtypes: Sequence[tuple[str, torch.dtype]] = (),
 ) -> DeviceMismatchError:
     """The module involved is spread over several devices, or is not on ``target``.
 
@@ -85,23 +88,31 @@ def module_off_target(
         reason: why ``target`` (or, without one, why there is none), in words.
         wrapper: ``"DistributedDataParallel"``, ``"fully_shard"``, ...: what wrapped the
             module, which must be given a model already on its device.
+        dtypes: the module's tensors by path, with their dtypes: where the destination
+            cannot hold some (float64 on MPS), the fix casts their modules first.
     """
     destination = target if target is not None else next(iter(found))
+    # module.to stops at the first tensor the device cannot hold, with the tensors before
+    # it moved: the modules holding such tensors are cast first.
+    missing = missing_dtypes(destination)
+    unheld = [str(dtype) for dtype in dict.fromkeys(d for _, d in dtypes) if dtype in missing]
+    move = f"{module}.to({_quote(destination)})"
+    if unheld:
+        move = f"{'; '.join(module_casts(destination, dtypes))}; {move}"
     if len(found) > 1:
         what = f"{module} ({kind}) with parameters on {len(found)} devices"
     else:
         what = f"{module} ({kind}) on {next(iter(found))}, not on its target"
     if wrapper is None:
-        fix = (
-            f"{module}.to({_quote(destination)}) before calling {function}(): "
-            "modules are never moved implicitly"
-        )
+        fix = f"{move} before calling {function}(): modules are never moved implicitly"
     else:
         wrap = f"{wrapper}(model, ...)" if wrapper[:1].isupper() else f"{wrapper}(model)"
         fix = (
-            f"move the model before wrapping it: model.to({_quote(destination)}), then "
+            f"move the model before wrapping it: {move}, then "
             f"{wrap}; a wrapped model is not moved afterwards (and never implicitly)"
         )
+    if unheld:
+        fix = f"{fix} ({destination} holds no {' or '.join(unheld)})"
     shown = _target_first(found, target) if target is not None else found
     return _error(function, what, shown, target, reason, fix, count=False)
 

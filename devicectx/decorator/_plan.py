@@ -33,6 +33,7 @@ from devicectx.decorator._target import (
     Placed,
     module_device,
     module_devices,
+    module_dtypes,
     module_label,
     placed,
     unwrap,
@@ -474,8 +475,9 @@ class Plan:
         reason = option.reason() if option is not None else "a module must be on one device"
         found = module_devices(unwrap(module), called)
         wrapper = wrapper_name(module)
+        dtypes = module_dtypes(unwrap(module), called)
         raise _mismatch.module_off_target(
-            self.name, called, kind, found, requested, reason, wrapper
+            self.name, called, kind, found, requested, reason, wrapper, dtypes
         )
 
     def _module_name(

@@ -269,6 +269,13 @@ def module_devices(module: nn.Module, name: str) -> dict[torch.device, list[str]
     return found
 
 
+def module_dtypes(module: nn.Module, name: str) -> tuple[tuple[str, torch.dtype], ...]:
+    """Each of ``module``'s tensors by path, with its dtype: for a fix that casts what the
+    target cannot hold before moving the module (error messages only)."""
+    named = chain(module.named_parameters(), module.named_buffers())
+    return tuple((module_path(name, path), tensor.dtype) for path, tensor in named)
+
+
 def module_label(module: nn.Module, name: str) -> str:
     """``model (Linear)``: how a message names the module a target came from."""
     fsdp = fsdp_label(unwrap(module), name)

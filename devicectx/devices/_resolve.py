@@ -5,7 +5,8 @@ The rules, in the order ``"auto"`` tries them:
 1. the environment variable ``DEVICECTX_DEVICE``, when set and not empty;
 2. XLA, where ``torch_xla`` is installed and ``PJRT_DEVICE`` is set: torch_xla's default
    device for this process (:mod:`devicectx.devices._xla`);
-3. under ``torchrun`` (``LOCAL_RANK`` set), the accelerator at ``LOCAL_RANK % device_count``;
+3. under ``torchrun`` (``LOCAL_RANK`` set and not empty), the accelerator at
+   ``LOCAL_RANK % device_count``;
 4. the current accelerator (:mod:`torch.accelerator`) at its current index;
 5. the CPU.
 
@@ -173,8 +174,9 @@ def _auto() -> tuple[torch.device, str]:
         return _auto_xla()
 
     accelerator = accelerator_type()
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None:
+    # Empty counts as unset, as for DEVICECTX_DEVICE and in the device report's job line.
+    local_rank = os.environ.get("LOCAL_RANK", "").strip()
+    if local_rank:
         rank = _parse_local_rank(local_rank)
         if accelerator is None:
             return _CPU, f"LOCAL_RANK={rank} (torchrun) but no accelerator found, so the CPU"

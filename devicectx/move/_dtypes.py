@@ -351,7 +351,7 @@ def _refused(
             dtype = in_modules.get(id(tensor))
             if dtype is not None and path not in seen:
                 held.setdefault(dtype, []).append(path)
-                casts[_module_cast(policy.device, path, dtype)] = None
+                casts[module_cast(policy.device, path, dtype)] = None
     paths = {d: [*plain.get(d, ()), *held.get(d, ())] for d in (*plain, *held)}
     device = policy.device
     count = len(refused.keys() | in_modules.keys())
@@ -375,7 +375,19 @@ def _refused(
     return DtypeUnsupportedError(msg, device=device, paths=paths)
 
 
-def _module_cast(device: torch.device, path: str, dtype: torch.dtype) -> str:
+def module_casts(device: torch.device, tensors: Iterable[tuple[str, torch.dtype]]) -> list[str]:
+    """The lines that cast a module's tensors (``(path, dtype)``, as a message names them)
+    of dtypes ``device`` cannot hold, each once: what must come before ``module.to(device)``,
+    which would stop at the first with the tensors before it moved. Empty where it holds
+    them all."""
+    missing = missing_dtypes(device)
+    if not missing:
+        return []
+    casts = (module_cast(device, path, dtype) for path, dtype in tensors if dtype in missing)
+    return list(dict.fromkeys(casts))
+
+
+def module_cast(device: torch.device, path: str, dtype: torch.dtype) -> str:
     """The line that casts a module's tensor at ``path`` to a dtype ``device`` holds: its
     module's ``.float()`` for a floating point one (which leaves complex ones alone), else
     the tensor's own ``.data`` (``module.to(torch.complex64)`` would make the module's

@@ -69,7 +69,8 @@ def assert_device_agnostic(
             each output path (``out['logits'][1]``) and what differs: missing or extra
             tensors, a container's type, the device, dtype, shape, layout,
             ``requires_grad``, which tensors are one or share memory, or how many values
-            differ and by how much (max abs and rel diff). Also raised when ``fn`` raises on
+            differ and by how much (max abs and rel diff), or a number in the output that
+            differs (``out['loss']: 4.5, expected 4.0``). Also raised when ``fn`` raises on
             a device other than the first, chained to that exception, and on any device
             where torch's device mismatch comes from tensors the move could not see (in
             attributes of a plain object, or a module's attribute that is no buffer): the
@@ -92,10 +93,12 @@ def assert_device_agnostic(
           container argument: a dict, a list, a dataclass) is deep-copied for each device,
           one copy per module, so the caller's model is never moved or changed. One inside
           an object with its own ``.to`` is left to that ``.to``.
-        - Only tensors and the types of containers are compared (found with the move
-          engine's walk, so every container it supports); other values in the output (an
-          ``int``, a ``str``) are not. ``fn`` must be deterministic: a random op draws
-          different numbers on each device.
+        - Tensors, numbers (an ``int`` exactly, a ``float`` from ``loss.item()`` within
+          the tolerances, by default float32's) and the types of containers and numbers
+          are compared (found with the move engine's walk, so every container it
+          supports); other values in the output (a ``str``, which may name the device)
+          are not, nor numbers inside a set. ``fn`` must be deterministic: a random op
+          draws different numbers on each device.
         - Strides are not compared: they may differ between backends. So may what
           ``reshape()`` and ``contiguous()`` return (their input, a view of it, or a copy,
           as the strides allow), and that shows as tensors shared on one device only:

@@ -4,7 +4,9 @@ outputs share memory) and the values, within tolerances; one failure message for
 
 from __future__ import annotations
 
+import cmath
 import math
+from numbers import Complex, Integral
 from typing import NamedTuple
 
 import torch
@@ -91,6 +93,9 @@ def compare(
                 holds[index],
                 holds[value_index],
             )
+            problems += _number_problems(
+                value_walks[value_index].numbers, value_walks[index].numbers, tolerances
+            )
         if problems:
             for problem in problems:
                 found.setdefault(problem.kind, problem.path)
@@ -154,10 +159,11 @@ def _structure_problems(
     problems: list[Problem] = []
     for path, expected_type in reference.types.items():
         actual_type = output.types.get(path)
-        # Other values (an int, a str) are not compared: only where a container stands.
+        # Other values' types are compared where a container or a number stands (a str
+        # may name the device it ran on).
         if actual_type is None or actual_type is expected_type:
             continue
-        if is_container(actual_type) or is_container(expected_type):
+        if any(is_container(tp) or issubclass(tp, Complex) for tp in (actual_type, expected_type)):
             line = f"{path}: {_a(actual_type)}, expected {_a(expected_type)}"
             problems.append(Problem("structure", path, line))
     reference_leaves, leaves = reference.tensors, output.tensors
@@ -197,7 +203,10 @@ def _structure_problems(
 
 
 def _a(tp: type) -> str:
-    return "None" if tp is type(None) else f"a {tp.__qualname__}"
+    if tp is type(None):
+        return "None"
+    name = tp.__qualname__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _aliasing_problems(
@@ -290,6 +299,33 @@ def _value_problems(
         if problem is not None:
             kind = "values" if _inexact(actual, expected) else "exact"
             problems.append(Problem(kind, path, problem))
+    return problems
+
+
+def _number_problems(
+    expected_numbers: dict[str, Complex],
+    numbers: dict[str, Complex],
+    tolerances: tuple[float, float] | None,
+) -> list[Problem]:
+    """Numbers in the output (``loss.item()``, a count): integers and bools exactly, others
+    within the tolerances, by default float32's (a Python float mostly comes from a float32
+    tensor's ``.item()``). Set members are left out: their paths follow their order."""
+    problems: list[Problem] = []
+    for path, expected in expected_numbers.items():
+        actual = numbers.get(path)
+        if actual is None or "list(" in path:
+            continue  # another type there: reported as a structure problem
+        if isinstance(actual, Integral) and isinstance(expected, Integral):
+            if actual != expected:
+                line = f"{path}: {actual!r}, expected {expected!r}, integers compared exactly"
+                problems.append(Problem("exact", path, line))
+            continue
+        rtol, atol = tolerances or _TOLERANCES[torch.float32]
+        a, e = complex(actual), complex(expected)
+        both_nan = cmath.isnan(a) and cmath.isnan(e)
+        if not both_nan and not (a == e or abs(a - e) <= atol + rtol * abs(e)):
+            line = f"{path}: {actual!r}, expected {expected!r}, rtol={rtol:g}, atol={atol:g}"
+            problems.append(Problem("values", path, line))
     return problems
 
 

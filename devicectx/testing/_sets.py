@@ -4,12 +4,13 @@ A set iterates in the order of its members' hashes, ids for tensors: another ord
 each device. Its members are numbered here as the members of the reference output's set
 that they equal, so that the comparison's paths (``list(out['stats'])[2]``) name the same
 member on every device. The same walk, without sets to pair, gives every other output's
-tensors by path and the types of its other values (:func:`walked`).
+tensors by path, the types of its other values and its numbers (:func:`walked`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from numbers import Complex
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -30,10 +31,12 @@ _HOLDS_ALL: Holds = MappingProxyType({})
 
 
 class Walked(NamedTuple):
-    """One output, walked: its tensors by path, and the type of every other value met."""
+    """One output, walked: its tensors by path, the type of every other value met, and
+    the numbers among them (an ``int``, a ``float`` from ``loss.item()``) by path."""
 
     tensors: dict[str, torch.Tensor]
     types: dict[str, type]
+    numbers: dict[str, Complex]
 
 
 def walked(output: object) -> Walked:
@@ -108,7 +111,7 @@ class Pairing:
     def leaves(self, obj: object, reference: object, path: str) -> Walked:
         """The tensors of ``obj`` by path, and the types of its other values; a container
         met again is not looked into again."""
-        walked = Walked({}, {})
+        walked = Walked({}, {}, {})
         self._walk(obj, reference, path, walked, set())
         return walked
 
@@ -125,6 +128,8 @@ class Pairing:
             found.tensors[path] = obj
             return
         found.types[path] = type(obj)
+        if kind.split is None and isinstance(obj, Complex):
+            found.numbers[path] = obj
         if kind.split is None or id(obj) in seen:  # a module, a leaf, or met already
             return
         seen.add(id(obj))
@@ -169,7 +174,7 @@ class Pairing:
         return [paired[m] if m in paired else next(left) for m in range(len(members))]
 
     def _trial(self, obj: object, reference: object, path: str, seen: set[int]) -> Walked:
-        found = Walked({}, {})
+        found = Walked({}, {}, {})
         self._walk(obj, reference, path, found, set(seen))
         return found
 

@@ -84,14 +84,16 @@ def tensors(
         dtypes: a strategy of dtypes, one dtype, or a list; default float32/64/16,
             int64/32, bool. Each tensor gets one its device holds
             (:func:`~devicectx.supports_dtype`): on an MPS-like device (MPS, or the
-            emulated accelerator's ``"mps"`` profile), no float64 or complex128.
+            emulated accelerator's ``"mps"`` profile), no float64 or complex128. From a
+            list, the dtypes it cannot hold are left out; from a strategy, one it cannot
+            hold is replaced by the nearest it holds (float32 for float64).
         shapes: a strategy of shapes; default 0 to 3 dimensions of 0 to 4 each.
         requires_grad: make floating-point tensors leaves that require grad.
 
     Raises:
         TypeError: ``devices`` or ``dtypes`` is neither a strategy, one value, nor a list.
         ValueError: ``devices`` or ``dtypes`` is an empty list; or, when drawn, a device
-            holds none of the listed dtypes.
+            holds none of the listed dtypes, or neither a drawn dtype nor one near it.
     """
     if devices is None:
         device_strategy = _machine_devices()
@@ -292,7 +294,20 @@ def _placed_dtypes(
     change in a run (the emulated accelerator's profiles)."""
     device = draw(devices)
     if isinstance(dtypes, st.SearchStrategy):
-        return device, draw(dtypes.filter(lambda dtype: supports_dtype(device, dtype)))
+        # Replaced, not filtered out: a strategy of dtypes the device cannot hold would end
+        # in hypothesis's "filtering too much", which says nothing of dtypes.
+        dtype = draw(dtypes)
+        if supports_dtype(device, dtype):
+            return device, dtype
+        replaced = nearest_dtype(resolve_device(device), dtype)
+        if replaced is None:
+            msg = (
+                f"tensors(): {device} holds neither {dtype}, which dtypes= drew, nor any "
+                f"dtype near it\nfix: draw only dtypes it holds: "
+                f"dtypes.filter(lambda d: devicectx.supports_dtype({str(device)!r}, d))"
+            )
+            raise ValueError(msg)
+        return device, replaced
     held = [dtype for dtype in dtypes if supports_dtype(device, dtype)]
     if not held:
         target = resolve_device(device)
