@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -311,11 +312,14 @@ def held_reads(batches: list[list[torch.Tensor]], device: torch.device) -> list[
     # already complete queues nothing, and left the stream idle now and then).
     with step_ahead(stream):
         reads = []
+        alive = []
         for batch in batches:
             moved = to_device(batch, device, non_blocking=True)
             reads.extend(t.to("cpu", non_blocking=True) for t in moved)
+            alive.extend(weakref.ref(t) for t in moved)
             del moved
-        gc.collect()
+        if any(ref() is not None for ref in alive):  # held in a cycle: a collection frees it
+            gc.collect()
     torch.accelerator.synchronize()
     return reads
 
