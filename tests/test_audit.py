@@ -168,8 +168,9 @@ def _new(name: str) -> str:
 
 OPS: list[tuple[str, Callable[[], object], str]] = [
     ("torch.from_numpy", _from_numpy,
-     'torch.from_numpy(array).to("meta"), or torch.as_tensor(array, device="meta")'),
-    ("torch.frombuffer", _frombuffer, 'torch.frombuffer(buffer, dtype=...).to("meta")'),
+     'torch.as_tensor(array, device="meta")'),
+    ("torch.frombuffer", _frombuffer,
+     'torch.frombuffer(buffer, dtype=...) before the block, then .to("meta") inside it'),
     ("torch.as_tensor", _as_tensor, 'torch.as_tensor(..., device="meta")' + _GIVEN),
     ("torch.as_tensor", _as_tensor_held, 'torch.as_tensor(..., device="meta")' + _UNFILLED),
     ("torch.asarray", _asarray, 'torch.asarray(..., device="meta")' + _GIVEN),
@@ -225,6 +226,17 @@ def test_raise_says_the_same_every_time(op: str, make: Callable[[], object], fix
     assert made is None
 
 
+def test_the_fixes_for_from_numpy_and_frombuffer_pass_the_audit() -> None:
+    """Applied as written, the fixes for an array and a buffer make no stray tensor: the
+    audit stays silent (a fix that still made a CPU tensor in the block was reported again)."""
+    buffer = bytearray(8)
+    held = torch.frombuffer(buffer, dtype=torch.float32)  # before the block
+    with on_device("meta", audit="raise"):
+        from_array = torch.as_tensor(A, device="meta")
+        from_buffer = held.to("meta")
+    assert {"meta"} == {from_array.device.type, from_buffer.device.type}
+
+
 def test_once_per_line_and_op() -> None:
     """Two calls from one line warn once; the same op on another line warns again."""
     with warnings.catch_warnings(record=True) as caught, on_device("meta", audit=True):
@@ -234,7 +246,7 @@ def test_once_per_line_and_op() -> None:
             torch.from_numpy(A)
         second = next_line()
         torch.from_numpy(A)
-    fix = 'torch.from_numpy(array).to("meta"), or torch.as_tensor(array, device="meta")'
+    fix = 'torch.as_tensor(array, device="meta")'
     expected = [
         message("torch.from_numpy", line, "made a tensor on cpu", "meta", fix)
         for line in (first, second)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import pickle
 import threading
@@ -471,16 +472,86 @@ def test_get_default_device_in_a_task_answers_for_that_task() -> None:
 
 
 def test_task_created_inside_a_block_inherits_it() -> None:
-    """A task created inside a block starts with it, as with every context variable."""
+    """A task created inside a block starts with it while the block is open; run after
+    the block has closed, it allocates on the default (a context variable set in the block
+    keeps its value there: the block's device does not outlive the block)."""
+    variable: contextvars.ContextVar[str] = contextvars.ContextVar("variable", default="")
 
-    async def main() -> torch.device:
-        async def child() -> torch.device:
-            return allocated()
+    async def main() -> list[object]:
+        async def child() -> tuple[torch.device, str]:
+            return allocated(), variable.get()
 
         with on_device("meta"):
-            return await asyncio.create_task(child())
+            during = await asyncio.create_task(child())
+            variable.set("inner")
+            late = asyncio.create_task(child())
+        return [during, await late]
 
-    assert META == asyncio.run(main())
+    assert [(META, ""), (CPU, "inner")] == asyncio.run(main())
+
+
+@pytest.mark.parametrize("options", [{}, {"exact": True}, {"audit": True}])
+def test_one_object_shared_by_tasks_whose_blocks_interleave(options: dict[str, bool]) -> None:
+    """One on_device object (a module-level `GPU = on_device(...)`) entered by two tasks
+    whose blocks close in the order they opened: each task's exit ends its own block, so
+    the other still allocates on the device inside, and neither does after (the exits had
+    ended each other's blocks: one task on the CPU inside, the other on meta after)."""
+    shared = on_device("meta", **options)
+
+    async def main() -> list[tuple[str, torch.device]]:
+        seen: list[tuple[str, torch.device]] = []
+        first_in, second_in, first_out = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def first() -> None:
+            with shared:
+                first_in.set()
+                await second_in.wait()
+            seen.append(("first after", allocated()))
+            first_out.set()
+
+        async def second() -> None:
+            await first_in.wait()
+            with shared:
+                second_in.set()
+                await first_out.wait()
+                seen.append(("second inside", allocated()))
+            seen.append(("second after", allocated()))
+
+        await asyncio.gather(first(), second())
+        return seen
+
+    assert [("first after", CPU), ("second inside", META), ("second after", CPU)] == asyncio.run(
+        main()
+    )
+
+
+def test_one_object_shared_by_threads_whose_blocks_interleave() -> None:
+    """The same with threads: each thread's exit ends its own block."""
+    shared = on_device("meta")
+    seen: dict[str, torch.device] = {}
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with shared:
+            first_in.set()
+            second_in.wait()
+        seen["first after"] = allocated()
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait()
+        with shared:
+            second_in.set()
+            first_out.wait()
+            seen["second inside"] = allocated()
+        seen["second after"] = allocated()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {"first after": CPU, "second inside": META, "second after": CPU} == seen
 
 
 # ---- the decorator form ----

@@ -316,7 +316,9 @@ def test_where_the_bytes_go_finds_the_constant_and_the_stray() -> None:
     assert not any("class_weights" in line for line in second)
     assert lines[-2].startswith("StrayTensorError: torch.frombuffer at ")
     assert lines[-2].endswith(f"made a tensor on cpu inside an audited on_device block on {device}")
-    assert f'fix: torch.frombuffer(buffer, dtype=...).to("{device}")' in lines[-1]
+    assert (
+        f'fix: torch.frombuffer(buffer, dtype=...) before the block, then .to("{device}") inside it'
+    ) in lines[-1]
 
 
 def _prefetch_lines(lines: list[str], device: str, streams: bool) -> None:

@@ -241,7 +241,8 @@ def test_unavailable_devices(spec: object, problem: str) -> None:
     expected = (
         f"device {shown} is not available: {problem}\n"
         f"available here: {HERE}\n"
-        "fix: pass one of those, or run on the CPU with DEVICECTX_DEVICE=cpu"
+        'fix: pass one of those, or "auto", which picks the accelerator here, else the CPU '
+        "(DEVICECTX_DEVICE overrides it)"
     )
     assert expected == str(info.value)
     assert isinstance(info.value, RuntimeError)

@@ -138,7 +138,8 @@ def device_agnostic(
           tensors is checked at every call; tensors written around torch's hooks
           (``module._parameters[name] = t``) are noticed at the next such report.
         - ``output="input"`` with inputs on several devices: the device of the first
-          tensor argument (0-dim CPU tensors aside).
+          tensor argument (0-dim CPU tensors aside); with no tensor argument, the result
+          is left where it is (no input says where the caller is).
         - A generator's or async function's inputs are moved or checked at the call; its
           body is scoped at every resume, and left at every yield.
         - Under ``torch.compile`` the target is chosen while tracing, and with

@@ -389,12 +389,19 @@ def device_name(device_type: str, index: int | None = None) -> str:
     return ""
 
 
+# Not "set DEVICECTX_DEVICE=cpu": the variable is read by "auto" only, never for a named device.
+_FIX_UNAVAILABLE = (
+    f'pass one of those, or "auto", which picks the accelerator here, else the CPU '
+    f"({ENV_VAR} overrides it)"
+)
+
+
 def _unavailable(spec: object, problem: str, fix: str | None = None) -> DeviceUnavailableError:
     here = ", ".join(str(d) for d in [*available_devices(), _META])
     msg = (
         f"device {_show(spec)} is not available: {problem}\n"
         f"available here: {here}\n"
-        f"fix: {fix or f'pass one of those, or run on the CPU with {ENV_VAR}=cpu'}"
+        f"fix: {fix or _FIX_UNAVAILABLE}"
     )
     return DeviceUnavailableError(msg)
 

@@ -210,10 +210,11 @@ class Auditor:
         level, block = state
         landed = _stray(result, block)
         if landed is not None:
-            source = "array" if op == "torch.from_numpy" else "buffer, dtype=..."
-            fix = f'{op}({source}).to("{block}")'
+            # A fix that makes no CPU tensor inside the block, or the audit reports it again.
             if op == "torch.from_numpy":
-                fix += f', or torch.as_tensor(array, device="{block}")'
+                fix = f'torch.as_tensor(array, device="{block}")'
+            else:  # frombuffer takes no device=
+                fix = f'{op}(buffer, dtype=...) before the block, then .to("{block}") inside it'
             _report(level, op, f"made a tensor on {landed}", block, fix, user_calls=True)
 
     def _report_generator(

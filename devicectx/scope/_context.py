@@ -30,6 +30,7 @@ from devicectx.scope._stack import (
     Scope,
     active_device,
     current_device,
+    open_here,
     pop_device,
     push_block,
     push_device,
@@ -112,7 +113,7 @@ class on_device:
         Traceback (most recent call last):
         ...
         devicectx.StrayTensorError: torch.from_numpy at ...:2 made a tensor on cpu ...
-        fix: torch.from_numpy(array).to("meta"), or torch.as_tensor(array, device="meta")
+        fix: torch.as_tensor(array, device="meta")
 
     Inside, torch factory functions called without ``device=`` (``torch.zeros``,
     ``torch.arange``, ``torch.tensor``, ...) allocate on ``device`` and
@@ -160,7 +161,8 @@ class on_device:
 
     Caveats:
         - Each thread and each asyncio task sees only its own blocks; a task created inside
-          a block inherits it, as it inherits every context variable.
+          a block sees it while the block is open, not after it has closed (unlike a
+          context variable's value, which the task keeps).
         - A generator that yields inside a ``with on_device(...)`` block leaks the device to
           its caller between items, as any context manager would; decorate the generator
           function instead: the device is then entered at every resume and left at every
@@ -171,8 +173,8 @@ class on_device:
           a default argument since before the first block (``self.op = torch.ones``) is
           torch's own function and allocates on torch's default: call the constructor by
           its name, or pass ``exact=True``. Module-level names, in any module, are covered.
-        - One ``on_device`` object may be re-entered (nested), but not entered from several
-          threads at once: create one per block, or use the decorator form.
+        - One ``on_device`` object may be re-entered (nested) and shared: threads and
+          tasks that enter it at once each leave their own block on exit.
         - Audit: nested blocks audit against the innermost block's device, audited or
           not, while any enclosing block of the task audits (the innermost audited block
           sets warn or raise). ``with torch.device`` and ``set_default_device`` inside do
@@ -254,7 +256,7 @@ class on_device:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        entered = self._entered.pop()
+        entered = self._entered.pop() if len(self._entered) == 1 else self._own_entry()
         if type(entered) is Block:
             pop_device(entered)
         elif type(entered) is tuple:
@@ -263,6 +265,16 @@ class on_device:
             _EAGERLY["exit"]()
         else:
             entered.__exit__(exc_type, exc, traceback)  # type: ignore[union-attr]
+
+    def _own_entry(self) -> Block | tuple[Scope, _Amp | None] | DeviceContext | None:
+        """The latest entry of this object made in this thread or task: one object shared
+        by tasks (or threads) is entered by each in turn, and their exits interleave."""
+        for index in range(len(self._entered) - 1, -1, -1):
+            entry = self._entered[index]
+            scope = entry if type(entry) is Block else entry[0] if type(entry) is tuple else None
+            if scope is not None and open_here(scope):
+                return self._entered.pop(index)
+        return self._entered.pop()  # traced entries: the latest, as nesting makes it
 
     def __call__(self, func: _F) -> _F:
         if inspect.isclass(func):

@@ -449,6 +449,11 @@ PrivateUse1 backend registers (the emulated accelerator's ``enable()`` clears it
 _index_reader = INDEX_READERS.get
 
 
+def open_here(scope: Scope) -> bool:
+    """Whether ``scope`` is among the scopes open in this thread's or task's context."""
+    return any(open_scope is scope for open_scope in _active())
+
+
 def pop_device(scope: Scope) -> None:
     """Leave a scope entered with :func:`push_device` or :func:`push_nested`, whatever was
     entered since."""
