@@ -17,6 +17,7 @@ from devicectx import (
     explain_device,
     on_device,
 )
+from devicectx.decorator._target import module_devices
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -689,3 +690,54 @@ def test_public_exceptions_print_under_the_package_name() -> None:
         )
     )
     assert text.startswith("devicectx.DeviceMismatchError: x")
+
+
+class Keyed(nn.Module):
+    """Children reached by string keys that are digits: a ModuleDict's and a
+    ParameterDict's (``heads[1]`` would be a KeyError), beside a ModuleList's indices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleDict({"0": nn.Linear(2, 2), "1": nn.Linear(2, 2)})
+        self.scales = nn.ParameterDict({"0": torch.ones(2), "1": torch.ones(2)})
+        self.layers = nn.ModuleList([nn.Linear(2, 2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads["1"](self.layers[0](x)) * self.scales["0"]
+
+
+def reached(model: nn.Module, path: str) -> set[torch.device]:
+    """The devices of what ``path`` (``model.heads['1']``), evaluated, reaches."""
+    found = eval(path, {"model": model})
+    if isinstance(found, torch.Tensor):
+        return {found.device}
+    return {tensor.device for tensor in (*found.parameters(), *found.buffers())}
+
+
+def test_paths_of_dict_keys_that_are_digits_reach_what_they_name() -> None:
+    """A ModuleDict's (or ParameterDict's) keys are strings, digits or not: each path a
+    message lists reaches what it names, and the fix, run as written, moves the strays."""
+    model = Keyed()
+    model.heads["0"].to("meta")
+    model.layers.to("meta")
+    model.scales["1"] = nn.Parameter(torch.ones(2, device="meta"))
+
+    @device_agnostic
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    with pytest.raises(DeviceMismatchError) as error:
+        step(model, torch.ones(2))
+    assert {
+        META: ["model.heads['0']", "model.scales['1']", "model.layers"],
+        CPU: ["model.heads['1']", "model.scales['0']"],
+    } == error.value.devices
+    for device, paths in error.value.devices.items():
+        assert all({device} == reached(model, path) for path in paths)
+    # The listing of tensors a traced call writes (torch.compile), from the same paths.
+    for device, paths in module_devices(model, "model").items():
+        assert all({device} == reached(model, path) for path in paths)
+    fix = lines_of(error)[-1].removeprefix("fix: ").partition(" before calling ")[0]
+    assert """model.heads['1'].to("meta"), model.scales.to("meta")""" == fix
+    exec(fix, {"model": model})
+    assert (2,) == step(model, torch.ones(2)).shape

@@ -259,3 +259,74 @@ def test_the_decorators_fix_casts_before_the_move_and_runs_as_written() -> None:
             exec(code, {"model": model})
             assert {device} == set(find_devices(model))
             assert (3, 2) == tuple(step(model, torch.ones(3, 2)).shape)
+
+
+class Rope(nn.Module):
+    """Rotary frequencies kept in float64, as some models keep them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(1.0, 3.0, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.inv_freq.float().sum()
+
+
+@needs_accelerator
+def test_the_fix_for_a_stray_part_casts_it_before_its_move_and_runs_as_written() -> None:
+    """A model spread by mistake, its stray part holding float64: on a device without
+    float64 the fix casts that part before its .to (which alone would raise), says why,
+    and parts the moves after it with "; " too; run as written, the call goes through.
+    Under torch.compile (the eager call raises) the fix runs as well."""
+    with mps_like() as device:
+
+        @device_agnostic
+        def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return model(x)  # type: ignore[no-any-return]
+
+        cast = f'model[2].float(); model[2].to("{device}")'
+        for call in (step, torch.compile(step, backend="eager")):
+            for off, fix in (((2,), cast), ((1, 2), f'model[1].to("{device}"); {cast}')):
+                model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Rope(), nn.Linear(4, 4))
+                for index in {0, 1, 3} - set(off):
+                    model[index].to(device)
+                with pytest.raises(DeviceMismatchError) as raised:
+                    call(model, torch.ones(3, 4))
+                code, _, rest = str(raised.value).splitlines()[-1].partition(" before calling ")
+                if call is step:
+                    assert f"fix: {fix}" == code
+                    assert f"implicitly; {device} holds no {F64}), or declare_spread" in rest
+                exec(code.removeprefix("fix: "), {"model": model})
+                assert {device} == set(find_devices(model))
+                assert (3, 4) == tuple(call(model, torch.ones(3, 4)).shape)
+
+
+class Tasks(nn.Module):
+    """A body and a head per task, in a ModuleDict keyed by digits; the head holds float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.heads = nn.ModuleDict({"0": Rope()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads["0"](self.body(x))  # type: ignore[no-any-return]
+
+
+@needs_accelerator
+def test_the_cast_names_a_moduledict_entry_by_its_string_key() -> None:
+    """The module a cast names is reached as the user reaches it: a ModuleDict's key is a
+    string, digits or not (model.heads[0] is a KeyError); run as written, the fix goes."""
+    with mps_like() as device:
+
+        @device_agnostic(device=device)
+        def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return model(x)  # type: ignore[no-any-return]
+
+        model = Tasks()
+        with pytest.raises(DeviceMismatchError) as raised:
+            step(model, torch.ones(3, 4))
+        code = str(raised.value).splitlines()[-1].partition(" before calling ")[0]
+        assert f"""fix: model.heads['0'].float(); model.to("{device}")""" == code
+        exec(code.removeprefix("fix: "), {"model": model})
+        assert (3, 4) == tuple(step(model, torch.ones(3, 4)).shape)

@@ -687,3 +687,45 @@ def test_a_split_made_by_mistake_names_what_is_off_the_largest_share(module: nn.
     assert {d: sorted(p) for d, p in module_placement(module).items()} == {
         d: sorted(p) for d, p in error.value.devices.items()
     }
+
+
+class Heads(nn.Module):
+    """A body and a head per task, in a ModuleDict keyed by digits (strings still)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.heads = nn.ModuleDict({"0": nn.Linear(4, 2), "1": nn.Linear(4, 2)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads["1"](self.body(x))  # type: ignore[no-any-return]
+
+
+@pytest.mark.torch_internals
+def test_a_stray_keyed_by_digits_is_named_by_its_key_under_torch_compile() -> None:
+    """A head left behind under the ModuleDict key "1" is model.heads['1'] (heads[1] is
+    a KeyError): traced or not, each path the error lists reaches what it names, and its
+    fix, run as written, lets the call through. With fullgraph=True, torch's error quotes
+    the traced message, which lists the head's tensors by the same paths."""
+    for fullgraph in (False, True):
+        model = Heads()
+        model.body.to("meta")
+        model.heads["0"].to("meta")
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend="eager", fullgraph=fullgraph)
+        raised = torch._dynamo.exc.Unsupported if fullgraph else DeviceMismatchError
+        with pytest.raises(raised) as error:
+            compiled(model, torch.ones(3, 4))
+        if fullgraph:
+            if "msg" in inspect.signature(torch._dynamo.graph_break).parameters:
+                assert "cpu  <- model.heads['1'].weight, model.heads['1'].bias" in str(error.value)
+            continue
+        assert isinstance(error.value, DeviceMismatchError)
+        for device, paths in error.value.devices.items():
+            for path in paths:
+                found = eval(path, {"model": model})
+                tensors = [found] if isinstance(found, torch.Tensor) else [*found.parameters()]
+                assert {device} == {tensor.device for tensor in tensors}, path
+        code = str(error.value).splitlines()[-1].removeprefix("fix: ")
+        exec(code.partition(" before calling ")[0], {"model": model})
+        assert META == compiled(model, torch.ones(3, 4)).device

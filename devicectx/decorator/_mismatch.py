@@ -14,7 +14,7 @@ message in eager code and, at trace time, for :mod:`devicectx.decorator._compile
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -92,13 +92,7 @@ def module_off_target(
             cannot hold some (float64 on MPS), the fix casts their modules first.
     """
     destination = target if target is not None else next(iter(found))
-    # module.to stops at the first tensor the device cannot hold, with the tensors before
-    # it moved: the modules holding such tensors are cast first.
-    missing = missing_dtypes(destination)
-    unheld = [str(dtype) for dtype in dict.fromkeys(d for _, d in dtypes) if dtype in missing]
-    move = f"{module}.to({_quote(destination)})"
-    if unheld:
-        move = f"{'; '.join(module_casts(destination, dtypes))}; {move}"
+    move, unheld = _cast_and_move(module, destination, dtypes)
     if len(found) > 1:
         what = f"{module} ({kind}) with parameters on {len(found)} devices"
     else:
@@ -112,7 +106,7 @@ def module_off_target(
             f"{wrap}; a wrapped model is not moved afterwards (and never implicitly)"
         )
     if unheld:
-        fix = f"{fix} ({destination} holds no {' or '.join(unheld)})"
+        fix = f"{fix} ({unheld})"
     shown = _target_first(found, target) if target is not None else found
     return _error(function, what, shown, target, reason, fix, count=False)
 
@@ -125,6 +119,8 @@ def spread_strays(
     target: torch.device,
     reason: str,
     on_purpose: bool,
+    keyed: Collection[str] = (),
+    dtypes: Sequence[tuple[str, torch.dtype]] = (),
 ) -> DeviceMismatchError:
     """A module on several devices with parts off where they should be: a split nothing
     declares (``on_purpose`` False), or a part moved off the device its hook runs it on.
@@ -137,10 +133,14 @@ def spread_strays(
         target: the device the call runs on.
         reason: the rule that chose ``target``, in words.
         on_purpose: accelerate's hooks or a declaration place the parts.
+        keyed: the module's ``ModuleDict`` and ``ParameterDict`` modules, by qualified
+            name (:attr:`SpreadModel.keyed`), for the paths.
+        dtypes: the module's tensors by path, with their dtypes: where a part's destination
+            cannot hold some (float64 on MPS), the fix casts them before moving the part.
     """
     found: dict[torch.device, list[str]] = {}
     for part in parts:
-        path = path_of(module, part.path)
+        path = path_of(module, part.path, keyed)
         if on_purpose and part.expected is not None and part.hooked:
             path = f"{path} (its hook runs it on {part.expected})"
         elif on_purpose and part.expected is not None:
@@ -152,15 +152,17 @@ def spread_strays(
     # A tied weight in place for some of its modules: moving it would move theirs.
     movable = [part for part in strays if not part.tied]
     if not on_purpose and (len(strays) == len(parts) or len(strays) > _MAX_FIXES):
-        moves = f"{module}.to({_quote(target)})"  # (nearly) every part is off: the module
+        destinations = [(module, target)]  # (nearly) every part is off: the module
     else:
-        calls = list(
-            dict.fromkeys(
-                f"{path_of(module, p.owner)}.to({_quote(p.expected)})"  # type: ignore[arg-type]
-                for p in movable
-            )
-        )
-        moves = ", ".join(calls[:_MAX_FIXES]) + (", ..." if len(calls) > _MAX_FIXES else "")
+        destinations = [
+            (path_of(module, p.owner, keyed), p.expected) for p in movable if p.expected is not None
+        ]
+    calls = dict(_cast_and_move(path, to, dtypes) for path, to in dict.fromkeys(destinations))
+    unheld = "; ".join(dict.fromkeys(why for why in list(calls.values())[:_MAX_FIXES] if why))
+    # Casts are statements parted by "; ": the moves are then parted so too, not by commas.
+    parted = "; " if unheld else ", "
+    moves = parted.join(list(calls)[:_MAX_FIXES])
+    moves += f"{parted}..." if len(calls) > _MAX_FIXES else ""
     n = len({part.device for part in parts})
     if on_purpose:
         off = len(strays)
@@ -170,13 +172,15 @@ def spread_strays(
             if all(p.hooked for p in movable)
             else "where it runs"
         )
-        fixes = [f"{moves} before calling {function}(): each part {where}"] if movable else []
-        fixes.extend(_untie(module, part) for part in strays if part.tied)
+        held = f" ({unheld})" if unheld else ""
+        fixes = [f"{moves} before calling {function}(): each part {where}{held}"] if movable else []
+        fixes.extend(_untie(module, part, keyed) for part in strays if part.tied)
         fix = "; ".join(dict.fromkeys(fixes))
     else:
         what = f"{module} ({kind}) with parameters on {n} devices"
+        held = f"; {unheld}" if unheld else ""
         fix = (
-            f"{moves} before calling {function}() (modules are never moved implicitly), "
+            f"{moves} before calling {function}() (modules are never moved implicitly{held}), "
             f"or declare_spread({module}) if the split is on purpose"
         )
     shown = _target_first(found, target)
@@ -219,12 +223,35 @@ def _error(
     return DeviceMismatchError("\n".join(lines), devices=found, target=target, reason=reason)
 
 
-def _untie(module: str, part: Part) -> str:
+def _cast_and_move(
+    path: str, destination: torch.device, dtypes: Sequence[tuple[str, torch.dtype]]
+) -> tuple[str, str]:
+    """The code that moves the module at ``path`` to ``destination``, and why it casts
+    first (``""`` where it need not): ``destination`` holds no dtype of some of the
+    tensors under ``path`` (``"mps:0 holds no torch.float64"``), and ``module.to`` stops
+    at the first of them, with the tensors before it moved, so their modules are cast
+    before."""
+    under = [(at, dtype) for at, dtype in dtypes if _within(at, path)]
+    missing = missing_dtypes(destination)
+    unheld = [str(dtype) for dtype in dict.fromkeys(d for _, d in under) if dtype in missing]
+    move = f"{path}.to({_quote(destination)})"
+    if not unheld:
+        return move, ""
+    casts = "; ".join(module_casts(destination, under))
+    return f"{casts}; {move}", f"{destination} holds no {' or '.join(unheld)}"
+
+
+def _within(path: str, ancestor: str) -> bool:
+    """Whether ``path`` is ``ancestor`` or under it (``model.a[0]`` under ``model.a``)."""
+    return path.startswith(ancestor) and path[len(ancestor) : len(ancestor) + 1] in ("", ".", "[")
+
+
+def _untie(module: str, part: Part, keyed: Collection[str]) -> str:
     """The fix for a tied weight a device map split: its modules on one device."""
-    others = [path_of(module, path) for path in part.tied]
+    others = [path_of(module, path, keyed) for path in part.tied]
     shared = ", ".join(others[:-1]) + (" and " if len(others) > 1 else "") + others[-1]
     return (
-        f"{path_of(module, part.owner)} shares its weight with {shared} (tied): give them "
+        f"{path_of(module, part.owner, keyed)} shares its weight with {shared} (tied): give them "
         'one device in the device map (device_map="auto" keeps tied weights together)'
     )
 

@@ -465,8 +465,9 @@ class Plan:
             reason = option.reason() if option is not None else device.rule(called)
             parts = device.parts(requested)
             on_purpose = device.entry is not None
+            dtypes = module_dtypes(unwrap(module), called)
             raise _mismatch.spread_strays(
-                self.name, called, kind, parts, target, reason, on_purpose
+                self.name, called, kind, parts, target, reason, on_purpose, device.keyed, dtypes
             )
         if isinstance(device, Unmaterialised):
             target = requested if requested is not None else device.compute

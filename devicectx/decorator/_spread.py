@@ -28,7 +28,7 @@ and ``.offload``; a ``SequentialHook``'s ``.hooks``), as in accelerate 0.20 to 1
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import NamedTuple
 
 import torch
@@ -38,7 +38,7 @@ from devicectx._errors import DeviceError
 from devicectx._torch.module_tree import submodules, tensors
 from devicectx.decorator._module_watch import note_change
 from devicectx.devices._resolve import DeviceLike, resolve_device
-from devicectx.move._paths import module_path
+from devicectx.move._paths import keyed_modules, module_path
 
 __all__ = [
     "Cover",
@@ -144,9 +144,11 @@ class SpreadModel:
         first: the qualified name of what chose ``entry``: the hooked submodule, or the
             first parameter of a declared module (``""``: the top-level hook, or
             ``inputs=``).
+        keyed: the qualified names of its ``ModuleDict`` and ``ParameterDict`` modules,
+            to write paths with (:func:`path_of`): the module itself is not kept.
     """
 
-    __slots__ = ("_on_purpose_strays", "entry", "first", "kind", "kind_name", "seen")
+    __slots__ = ("_on_purpose_strays", "entry", "first", "keyed", "kind", "kind_name", "seen")
 
     def __init__(
         self,
@@ -155,12 +157,14 @@ class SpreadModel:
         first: str,
         kind_name: str,
         seen: tuple[_Seen, ...],
+        keyed: tuple[str, ...] = (),
     ) -> None:
         self.entry = entry
         self.kind = kind
         self.first = first
         self.kind_name = kind_name  # the class name of the module, for messages
         self.seen = seen
+        self.keyed = keyed
         self._on_purpose_strays: tuple[Part, ...] | None = None
 
     def home(self, requested: torch.device | None) -> torch.device:
@@ -235,7 +239,7 @@ class SpreadModel:
         the device the model starts on first."""
         found: dict[torch.device, list[str]] = {} if self.entry is None else {self.entry: []}
         for part in self.parts():
-            found.setdefault(part.device, []).append(path_of(name, part.path))
+            found.setdefault(part.device, []).append(path_of(name, part.path, self.keyed))
         return {device: paths for device, paths in found.items() if paths}
 
     def devices(self) -> list[torch.device]:
@@ -248,12 +252,12 @@ class SpreadModel:
         if self.kind == "accelerate":
             if not self.first:
                 return f"{what} by accelerate: where its top-level hook runs it"
-            first = path_of(name, self.first)
+            first = path_of(name, self.first, self.keyed)
             return f"{what} by accelerate: where {first}'s hook, its first hooked part, runs it"
         if self.kind == "declared":
             if not self.first:
                 return f'{what} on purpose: declare_spread({name}, inputs="{self.entry}")'
-            first = path_of(name, self.first)
+            first = path_of(name, self.first, self.keyed)
             return f"{what} on purpose (declare_spread): where its first parameter, {first}, is"
         _, count, total = self.majority()
         return (
@@ -328,9 +332,10 @@ def _listed(devices: list[torch.device]) -> str:
     return f"{len(devices)} devices ({', '.join(str(device) for device in devices)})"
 
 
-def path_of(name: str, qualified: str) -> str:
-    """``model.h[0].attn`` for ``h.0.attn`` under ``model``; ``model`` for ``""``."""
-    return module_path(name, qualified) if qualified else name
+def path_of(name: str, qualified: str, keyed: Collection[str] = ()) -> str:
+    """``model.h[0].attn`` for ``h.0.attn`` under ``model``; ``model`` for ``""``;
+    ``keyed`` as :func:`~devicectx.move._paths.module_path` reads it."""
+    return module_path(name, qualified, keyed) if qualified else name
 
 
 # Reading the module.
@@ -391,7 +396,8 @@ def analyse(module: nn.Module) -> SpreadModel | None:
     if not seen or (not covers and len(devices) <= 1):
         return None
     entry, kind, first = _entry(module, covers, seen)
-    return SpreadModel(entry, kind, first, type(module).__name__, tuple(seen))
+    keyed = keyed_modules(submodules(module, each_place=True))  # as tensors() walks
+    return SpreadModel(entry, kind, first, type(module).__name__, tuple(seen), keyed)
 
 
 def _judge(places: list[tuple[str, torch.Tensor]], covers: dict[str, Cover]) -> _Seen:

@@ -28,7 +28,7 @@ from devicectx.decorator._module_watch import ModuleCache, Sample
 from devicectx.decorator._spread import SpreadModel, Unmaterialised, analyse
 from devicectx.devices._resolve import DeviceLike, explain_device, resolve_device
 from devicectx.move._distributed import fsdp_compute_device, fsdp_label
-from devicectx.move._paths import module_path
+from devicectx.move._paths import keyed_modules, module_path
 
 # Their ``.module`` is the model the user wrote; the wrapper adds no parameters of its own.
 _PARALLEL_WRAPPERS: tuple[type[nn.Module], ...] = (
@@ -261,9 +261,10 @@ def module_devices(module: nn.Module, name: str) -> dict[torch.device, list[str]
     For error messages only: a module wholly on one device is listed by ``name`` alone.
     """
     found: dict[torch.device, list[str]] = {}
+    keyed = keyed_modules(module.named_modules())
     named = chain(module.named_parameters(), module.named_buffers())
     for path, tensor in named:
-        found.setdefault(tensor.device, []).append(module_path(name, path))
+        found.setdefault(tensor.device, []).append(module_path(name, path, keyed))
     if len(found) == 1:
         return {device: [name] for device in found}
     return found
@@ -272,8 +273,9 @@ def module_devices(module: nn.Module, name: str) -> dict[torch.device, list[str]
 def module_dtypes(module: nn.Module, name: str) -> tuple[tuple[str, torch.dtype], ...]:
     """Each of ``module``'s tensors by path, with its dtype: for a fix that casts what the
     target cannot hold before moving the module (error messages only)."""
+    keyed = keyed_modules(module.named_modules())
     named = chain(module.named_parameters(), module.named_buffers())
-    return tuple((module_path(name, path), tensor.dtype) for path, tensor in named)
+    return tuple((module_path(name, path, keyed), tensor.dtype) for path, tensor in named)
 
 
 def module_label(module: nn.Module, name: str) -> str:

@@ -12,7 +12,9 @@ or a ``skip`` given as paths.
 from __future__ import annotations
 
 import keyword
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+
+from torch import nn
 
 ITEM = 0
 """Children addressed by ``[key]``: mappings and sequences."""
@@ -82,19 +84,47 @@ def build(root: str, parts: Iterable[tuple[int, object]]) -> str:
     return "".join(pieces)
 
 
-def module_path(parent: str, qualified_name: str) -> str:
+def module_path(parent: str, qualified_name: str, keyed: Collection[str] = ()) -> str:
     """The path of a submodule, parameter or buffer of the module at ``parent``.
 
     ``layers.0.weight`` becomes ``model.layers[0].weight``: the digits are indices of a
     ``ModuleList`` or ``Sequential``, which Python code writes with brackets. A name that
     is no identifier (a ``ModuleDict`` key such as ``cls-head``) is written as a key,
     ``model.heads['cls-head'].weight``, as ``getattr`` is the only other way to reach it.
+
+    Args:
+        keyed: the qualified names (``""``: the module at ``parent`` itself) of the modules
+            whose children are a dict's keys (:func:`keyed_modules`): a ``ModuleDict``'s
+            ``heads.1`` is ``model.heads['1']``, as its keys are strings even when they
+            are digits (``heads[1]`` raises ``KeyError``).
     """
-    parts = [parent]
+    pieces = [parent]
+    owner = ""  # the qualified name of the module whose child is the part
     for part in qualified_name.split("."):
+        if keyed and owner in keyed:
+            pieces.append(f"[{part!r}]")
         # ASCII only: "²".isdigit() is True, but no ModuleList index is written so.
-        parts.append(f"[{part}]" if part.isascii() and part.isdigit() else _dual(part))
-    return "".join(parts)
+        elif part.isascii() and part.isdigit():
+            pieces.append(f"[{part}]")
+        else:
+            pieces.append(_dual(part))
+        owner = f"{owner}.{part}" if owner else part
+    return "".join(pieces)
+
+
+# Modules whose children are reached by string key only: ``[1]`` is a KeyError there.
+_KEYED = (nn.ModuleDict, nn.ParameterDict)
+
+
+def keyed_modules(named: Iterable[tuple[str, nn.Module]]) -> tuple[str, ...]:
+    """The qualified names of the ``ModuleDict`` and ``ParameterDict`` modules among
+    ``named`` (a module's ``named_modules()``, or a walk that lists each place): what
+    :func:`module_path` needs to write their keys as keys.
+
+    A tuple, as :data:`_KEYWORDS`: module paths are also written while torch.compile traces
+    an error, and dynamo (torch 2.6) traces ``in`` on a tuple.
+    """
+    return tuple(path for path, module in named if isinstance(module, _KEYED))
 
 
 def is_path(text: str, root: str) -> bool:
