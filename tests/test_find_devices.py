@@ -54,12 +54,13 @@ def test_find_devices_paths_as_a_user_writes_them() -> None:
 
 
 def test_find_devices_writes_module_paths_python_can_evaluate() -> None:
-    """Indices as [0], identifier names and keys as .name, any other ModuleDict key as ['key']."""
+    """Indices as [0], identifier names and keys as .name, any other ModuleDict key (digits
+    too: its keys are strings) as ['key']."""
     model = nn.ModuleDict(
         {
             "layers": nn.Sequential(nn.Sequential(nn.Linear(1, 1, bias=False))),
             "heads": nn.ModuleDict(
-                {name: nn.Linear(1, 1, bias=False) for name in ("cls", "cls-head", "class")}
+                {name: nn.Linear(1, 1, bias=False) for name in ("cls", "cls-head", "class", "1")}
             ),
         }
     )
@@ -70,6 +71,7 @@ def test_find_devices_writes_module_paths_python_can_evaluate() -> None:
         "model.heads.cls.weight",
         "model.heads['cls-head'].weight",
         "model.heads['class'].weight",
+        "model.heads['1'].weight",
     ]
     assert {CPU: expected} == find_devices(model, name="model")
     for path, tensor in iter_tensors(model, "model", modules=True):

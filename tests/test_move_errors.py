@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import accelerator
 from move_subjects import CountingTo, Frozen, Holder, Pair
 from torch import nn
 
@@ -118,16 +119,21 @@ def test_move_error_from_a_registered_container(
         ] == str(raised.value).splitlines()
 
 
+class Pinned(nn.Linear):
+    """A module whose .to fails (a module on meta is refused before its .to runs)."""
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("pinned to this device")
+
+
 def test_move_error_from_a_module() -> None:
     """A module that cannot be moved raises MoveError naming where it sits."""
     with pytest.raises(MoveError) as raised:
-        to_device({"model": nn.Linear(1, 1, device="meta")}, "cpu")
+        to_device({"model": Pinned(1, 1)}, "meta")
     assert [
-        "to_device() could not move obj['model'] (a Linear) to cpu:",
-        "    NotImplementedError: Cannot copy out of meta tensor; no data! Please use "
-        "torch.nn.Module.to_empty() instead of torch.nn.Module.to() when moving module from "
-        "meta to a different device.",
-        "fix: leave it where it is: to_device(obj, 'cpu', skip=[\"obj['model']\"])",
+        "to_device() could not move obj['model'] (a Pinned) to meta:",
+        "    RuntimeError: pinned to this device",
+        "fix: leave it where it is: to_device(obj, 'meta', skip=[\"obj['model']\"])",
     ] == str(raised.value).splitlines()
 
 
@@ -186,7 +192,23 @@ def test_out_of_memory_is_caught_as_torchs_own_error(
     )
     assert found is not None, first
     assert cause.startswith("    OutOfMemoryError: emu out of memory. Tried to allocate ")
-    assert f"fix: leave it where it is: to_device(obj, 'emu:0', skip=[{found[1]!r}])" == fix
+    assert (
+        "fix: free memory on emu:0 (del what you no longer need there), or move less at once "
+        "(devicectx.shrink_batch_on_oom retries with smaller batches); or leave it where it "
+        f"is: to_device(obj, 'emu:0', skip=[{found[1]!r}])"
+    ) == fix
+
+
+@needs_emulated_memory_limit
+def test_out_of_memory_moving_one_tensor_offers_no_skip_of_it() -> None:
+    """A single tensor past the device's memory: the fix is memory, not a skip of the whole
+    object (which moves nothing, and which the move then refused the same way)."""
+    with emulated.configure(memory_limit=4 * MIB), pytest.raises(torch.OutOfMemoryError) as raised:
+        to_device(torch.ones(2 * MIB), "emu:0")
+    assert (
+        "fix: free memory on emu:0 (del what you no longer need there), or move less at once "
+        "(devicectx.shrink_batch_on_oom retries with smaller batches)"
+    ) == str(raised.value).splitlines()[-1]
 
 
 @needs_emulated_memory_limit
@@ -223,3 +245,93 @@ def test_a_real_cuda_out_of_memory_error_is_torchs_own_error() -> None:
         to_device({"x": huge}, "cuda")
     assert isinstance(raised.value, MoveError)
     assert str(raised.value).startswith("to_device() could not move obj['x'] (a Tensor of ")
+
+
+# Modules holding tensors on meta: module.to cannot copy them, and stops at the first with
+# the tensors before it moved in place; the move is refused before any module moves.
+
+
+def where(module: nn.Module) -> list[tuple[str, int, torch.device]]:
+    """Each parameter and buffer of ``module``: its name, the object, its device."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [(name, id(tensor), tensor.device) for name, tensor in named]
+
+
+def half_on_meta() -> nn.Sequential:
+    """A model whose second layer is on meta: module.to moves the first before failing."""
+    return nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+
+
+def test_a_module_on_meta_is_refused_naming_its_part_on_meta() -> None:
+    """To the CPU: refused naming the part on meta and its tensors, with to_empty as the
+    fix; a move to meta takes it."""
+    model, x = half_on_meta(), torch.ones(1)
+    before = where(model)
+    with pytest.raises(MoveError) as raised:
+        to_device({"model": model, "x": x}, "cpu")
+    assert before == where(model)
+    assert [
+        "to_device() cannot move obj['model'] (a Sequential) to cpu, and moved nothing: 2 of "
+        "its tensors are on meta, with no data to copy:",
+        "    obj['model'][1] (Linear): weight, bias",
+        "fix: obj['model'][1].to_empty(device='cpu'), then initialise it (load a state dict, "
+        "or obj['model'][1].reset_parameters()), before the move; or leave it where it is: "
+        "to_device(obj, 'cpu', skip=[\"obj['model']\"])",
+    ] == str(raised.value).splitlines()
+    assert {META} == {device for _, _, device in where(to_device(model, "meta"))}
+
+
+def test_modules_on_meta_are_named_each_with_a_few_tensors_then_a_count() -> None:
+    """Two modules on meta, one wholly (named whole, as to_empty makes it anew): each is
+    named with its first tensors and a count of the rest, on the walk that takes paths."""
+    whole = nn.Sequential(nn.BatchNorm1d(2), nn.Linear(2, 2)).to("meta")
+    batch = {"a": nn.Linear(2, 2, device="meta"), "b": [whole], "x": torch.ones(1)}
+    with pytest.raises(MoveError) as raised:
+        to_device(batch, "cpu", skip=["obj['x']"])
+    assert [
+        "to_device() cannot move 2 modules to cpu, and moved nothing: 9 of their tensors are "
+        "on meta, with no data to copy:",
+        "    obj['a'] (Linear): weight, bias",
+        "    obj['b'][0] (Sequential): 0.weight, 0.bias, 1.weight and 4 more",
+        "fix: obj['a'].to_empty(device='cpu'); obj['b'][0].to_empty(device='cpu'), then "
+        "initialise them (load a state dict), before the move",
+    ] == str(raised.value).splitlines()
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_module_on_meta_leaves_every_module_where_it_was() -> None:
+    """To the accelerator, where module.to would have moved a module met before and the
+    first layer: every parameter is where it was, the same objects. The skip the fix offers
+    moves the rest; its to_empty, the whole."""
+    device = accelerator()
+    first, model = nn.Linear(2, 2), half_on_meta()
+    before = where(first), where(model)
+    with pytest.raises(MoveError) as raised:
+        to_device({"first": first, "model": model}, device)
+    assert before == (where(first), where(model))
+    assert {CPU} == {d for _, _, d in where(first) + where(model)[:2]}
+    assert [
+        f"to_device() cannot move obj['model'] (a Sequential) to {device}, and moved nothing: "
+        "2 of its tensors are on meta, with no data to copy:",
+        "    obj['model'][1] (Linear): weight, bias",
+        f"fix: obj['model'][1].to_empty(device={str(device)!r}), then initialise it (load a "
+        "state dict, or obj['model'][1].reset_parameters()), before the move; or leave it "
+        f"where it is: to_device(obj, {str(device)!r}, skip=[\"obj['model']\"])",
+    ] == str(raised.value).splitlines()
+    to_device({"first": first, "model": model}, device, skip=["obj['model']"])
+    assert ({device}, before[1]) == ({d for _, _, d in where(first)}, where(model))
+    model[1].to_empty(device=device)
+    model[1].reset_parameters()
+    to_device({"first": first, "model": model}, device)
+    assert {device} == {d for _, _, d in where(first) + where(model)}
+
+
+def test_a_model_offloaded_by_accelerate_is_left_to_its_own_refusal() -> None:
+    """accelerate keeps offloaded weights on meta behind its hooks, on purpose: no to_empty
+    is offered for it (that would throw its weights away); the move fails as its .to does."""
+    accelerate = pytest.importorskip("accelerate")
+    model = accelerate.cpu_offload(nn.Linear(2, 2), execution_device=CPU)
+    with pytest.raises(MoveError) as raised:
+        to_device(model, "cpu")
+    assert "to_empty" not in str(raised.value).splitlines()[-1]
+    assert str(raised.value).startswith("to_device() could not move obj (a Linear) to cpu:")

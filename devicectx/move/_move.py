@@ -139,7 +139,10 @@ def to_device(
             type takes neither item assignment nor a dict, say); the message names its
             path and the fix, and the original error is chained. Also when a ``skip``
             predicate raises: the message names the predicate and the signature it
-            must have.
+            must have. And when a module to move holds tensors on ``meta`` (not
+            materialised: ``module.to`` has nothing to copy), to another device: refused
+            before any module moves, naming each such module and its tensors, with
+            ``to_empty`` as the fix.
         TypeError: ``skip`` holds something that is no type, path, key or predicate.
 
     What is kept:
@@ -201,7 +204,8 @@ def to_device(
     Caveats:
         - ``nn.Module`` objects are moved with ``module.to``, which moves them in place;
           pass ``skip=torch.nn.Module`` to leave them alone. A module is never left
-          half-moved by a dtype the device cannot hold: that is refused before the move.
+          half-moved by a dtype the device cannot hold, nor by tensors on ``meta``:
+          those are refused before any module moves.
         - Objects with their own ``.to`` are moved with it (on a shallow copy, so that a
           ``.to`` that works in place leaves the input alone): they keep their own
           rules, so a tensor they share with the rest of ``obj`` is copied twice. What

@@ -96,13 +96,14 @@ def module_path(parent: str, qualified_name: str, keyed: Collection[str] = ()) -
         keyed: the qualified names (``""``: the module at ``parent`` itself) of the modules
             whose children are a dict's keys (:func:`keyed_modules`): a ``ModuleDict``'s
             ``heads.1`` is ``model.heads['1']``, as its keys are strings even when they
-            are digits (``heads[1]`` raises ``KeyError``).
+            are digits (``heads[1]`` raises ``KeyError``); ``heads.cls`` stays
+            ``model.heads.cls``.
     """
     pieces = [parent]
     owner = ""  # the qualified name of the module whose child is the part
     for part in qualified_name.split("."):
-        if keyed and owner in keyed:
-            pieces.append(f"[{part!r}]")
+        if keyed and owner in keyed:  # a key: an attribute where it is an identifier
+            pieces.append(_dual(part))
         # ASCII only: "²".isdigit() is True, but no ModuleList index is written so.
         elif part.isascii() and part.isdigit():
             pieces.append(f"[{part}]")

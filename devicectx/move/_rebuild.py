@@ -13,6 +13,11 @@ level adding its key, and surfaces as a ``MoveError`` that names the whole path 
 want of memory is a ``torch.OutOfMemoryError`` too); so does a container that cannot be
 rebuilt faithfully, and an object whose own ``.to`` left tensors behind. A ``skip``
 predicate that raises is reported as the predicate's error.
+
+Modules move in place (``module.to``), which stops at the first tensor it cannot copy, the
+tensors before it moved: at the first module that moves, a walk that only reads finds
+every module the move will move, and :mod:`devicectx.move._unmaterialised` refuses the
+move as a whole where one holds tensors on ``meta``. A batch without modules never pays.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from devicectx.move._containers import (
 )
 from devicectx.move._paths import ITEM, MEMBER, build, join
 from devicectx.move._skip import PredicateFailed, Skip
+from devicectx.move._unmaterialised import unmaterialised
 from devicectx.move._walk import all_on, iter_tensors, module_on
 
 _Tensor = torch.Tensor
@@ -64,6 +70,13 @@ class _Failed(Exception):
         self.obj = obj
         self.error = error
         self.parts: list[tuple[int, Any]] = []
+
+
+class _Refused(_Failed):
+    """A move refused before anything moved: :meth:`Rebuild.run` raises its ``error``
+    as it is, each level's key unused (the error names its own paths)."""
+
+    error: MoveError
 
 
 def _failed(obj: object, error: Exception, style: int, key: Any) -> _Failed:
@@ -109,6 +122,7 @@ class Rebuild:
         "mover",
         "name",
         "replace",
+        "root",
         "sent",
         "skip",
         "skip_types",
@@ -146,6 +160,9 @@ class Rebuild:
         # The dtype policy's cast walk lists the modules it meets here: module.to moves
         # them in place, uncast, so their tensors are checked before anything moves.
         self.modules: list[Any] | None = None
+        # The root being moved, until the modules in it are checked (at the first module
+        # that moves, so that a batch with none never pays for it); then None.
+        self.root: Any = None
 
     @classmethod
     def moving(
@@ -172,12 +189,15 @@ class Rebuild:
 
     def run(self, root: Any) -> Any:
         """The rebuilt ``root``."""
+        self.root = root
         try:
             if self.skip is not None and self.skip.slow:
                 if self._skipped(None, False, self.name, root):
                     return root
                 return self._iterate(root, self.name)
             return self._any(root, 0)
+        except _Refused as refused:  # made before anything moved: no path of ours to add
+            raise refused.error from None
         except _Failed as failed:
             raise self._error(failed) from failed.error
         except PredicateFailed as failed:
@@ -479,6 +499,8 @@ class Rebuild:
         try:
             if kind.role == MODULE:
                 if not module_on(obj, device):
+                    if self.root is not None:
+                        self._check_modules(device)
                     self._sending(obj)
                     obj.to(device, non_blocking=mover.non_blocking)
                 return obj
@@ -504,6 +526,8 @@ class Rebuild:
                 result = target
             if kind.split is None or not _off(result, device):
                 return result
+        except _Refused:
+            raise
         except Exception as error:
             raise _Failed(obj, error) from error
         # Its .to left tensors behind (a BatchEncoding moves only the tensors it holds
@@ -517,6 +541,30 @@ class Rebuild:
         except Exception as error:
             raise _Failed(obj, error) from error
         return result
+
+    def _check_modules(self, device: torch.device) -> None:
+        """Before the first module moves: refuse the move if a module it would move holds
+        tensors on meta, which ``module.to`` cannot copy. ``module.to`` stops at the first
+        of them, the tensors before it moved in place, and so would this walk, the modules
+        before it moved: checked here, nothing in place has moved yet.
+
+        Raises:
+            _Refused: with the :class:`MoveError` naming each such module.
+        """
+        root, self.root = self.root, None
+        if device.type == "meta":  # anything goes to meta, meta tensors as they are
+            return
+        # The modules this walk will move: a walk that only reads, with the same skip.
+        met: list[Any] = []
+        reader = Rebuild(None, None, self.skip, self.name, self.fix, {}, self.who)
+        reader.modules = met
+        # A reading walk that fails fails where this one will: the modules met before
+        # that point are still all the modules this walk can move, and are checked.
+        with contextlib.suppress(MoveError):
+            reader.run(root)
+        error = unmaterialised(root, met, device, self.name, self.fix, self.who)
+        if error is not None:
+            raise _Refused(root, error)
 
     def _sending(self, obj: Any) -> None:
         """List the tensors a module's or an object's own ``.to`` is about to copy."""
@@ -549,6 +597,14 @@ class Rebuild:
             detail, _, fix = str(error).partition("\nfix: ")
         else:
             detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
+            if isinstance(error, torch.OutOfMemoryError):
+                # Memory first; leaving the whole batch where it is (its root) moves nothing.
+                room = (
+                    f"free memory on {self.device} (del what you no longer need there), or "
+                    "move less at once (devicectx.shrink_batch_on_oom retries with smaller "
+                    "batches)"
+                )
+                fix = room if path == self.name else f"{room}; or {fix}"
         # A walk with no device only casts (a dtype mapping where nothing moves).
         what = f"move {path}" if self.device is not None else f"cast {path}"
         where = f" to {self.device}" if self.device is not None else ""

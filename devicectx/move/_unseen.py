@@ -35,7 +35,7 @@ from devicectx.move._containers import (
     kind_for,
     slot_names,
 )
-from devicectx.move._paths import ATTR, join, module_path
+from devicectx.move._paths import ATTR, join, keyed_modules, module_path
 
 # torch's words for tensors on different devices, across its releases and backends.
 _MISMATCH_WORDS = (
@@ -175,8 +175,10 @@ def _module_children(
         if name not in _MODULE_STATE and depth < _MAX_DEPTH
     ]
     # Written as find_devices writes them (model.enc[0]), so that a fix names code that runs.
+    keyed = keyed_modules([("", module)])  # a ModuleDict's children are its keys
     children += [
-        (child, module_path(path, name), depth, None) for name, child in module.named_children()
+        (child, module_path(path, name, keyed), depth, None)
+        for name, child in module.named_children()
     ]
     return children
 

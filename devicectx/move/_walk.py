@@ -20,7 +20,7 @@ has, which hands over to the full walk at anything else.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -40,7 +40,7 @@ from devicectx.move._containers import (
     kind_for,
 )
 from devicectx.move._distributed import Layout, layout_of
-from devicectx.move._paths import ITEM, build, join, module_path
+from devicectx.move._paths import ITEM, build, join, keyed_modules, module_path
 
 _Tensor = torch.Tensor
 _CACHE = _containers._CACHE
@@ -552,9 +552,38 @@ def module_on(module: nn.Module, device: torch.device) -> bool:
     return all(t.device == device for t in chain(module.parameters(), module.buffers()))
 
 
+def module_paths(obj: object, wanted: Collection[int], name: str = "obj") -> dict[int, str]:
+    """The path of each module of ``wanted`` (ids) in ``obj``, where the walk of
+    :func:`iter_tensors` meets it first: for messages, as the moving walk keeps no paths.
+
+    A module in ``wanted`` that ``obj`` does not hold has none. Failure paths only: no
+    fast path, and each container read once.
+    """
+    found: dict[int, str] = {}
+    seen: set[int] = set()
+    # What a split made on the fly is kept till the end, so that no id in `seen` is
+    # reused meanwhile by another such container.
+    keep: list[Any] = []
+    stack: list[tuple[Any, str]] = [(obj, name)]
+    while stack and len(found) < len(wanted):
+        item, path = stack.pop()
+        kind = _CACHE.get(type(item)) or kind_for(type(item))
+        role = kind.role
+        if role == MODULE:
+            if id(item) in wanted and id(item) not in found:
+                found[id(item)] = path
+        elif role not in (LEAF, TENSOR) and kind.split is not None and id(item) not in seen:
+            seen.add(id(item))
+            children = list(_children(item, kind))
+            keep.append(children)
+            stack.extend((child, join(path, kind.style, key)) for key, child in reversed(children))
+    return found
+
+
 def _module_tensors(module: nn.Module, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    keyed = keyed_modules(module.named_modules())  # ModuleDict keys written as keys
     for name, tensor in chain(module.named_parameters(), module.named_buffers()):
-        yield module_path(path, name), tensor
+        yield module_path(path, name, keyed), tensor
 
 
 def collect(

@@ -1,0 +1,151 @@
+"""Refusing a move of modules that hold tensors on ``meta``, before any module moves.
+
+``module.to`` moves a module in place and stops at the first tensor it cannot copy, with
+the tensors before it already moved: a module holding tensors on ``meta`` (not
+materialised: no data to copy) would be left half-moved, and modules met earlier in the
+walk moved. :class:`~devicectx.move._rebuild.Rebuild` asks :func:`unmaterialised` before
+the first module moves, with every module the move would move, and raises what it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from devicectx._errors import MoveError
+from devicectx._torch.module_tree import buffers_of, parameters_of
+from devicectx.move._paths import module_path
+from devicectx.move._walk import module_paths
+
+Fix = Callable[[str], str]  # a failed move's fix for a path, as Rebuild takes it
+
+# How much a refusal of modules on meta shows: the names of a module's tensors there, and
+# the modules, before a count of the rest; and how many parts of one module its fix makes
+# anew one by one, before it makes the whole module anew.
+_SHOWN_TENSORS = 3
+_SHOWN_MODULES = 5
+_PARTS_FIXED = 3
+_HOOK = "_hf_hook"  # accelerate's hook, on each module it dispatched or offloaded
+
+
+def unmaterialised(
+    root: Any, modules: list[Any], device: torch.device, name: str, fix: Fix, who: str
+) -> MoveError | None:
+    """The refusal of a move of ``modules`` (those a walk of ``root`` will move) where some
+    hold tensors on meta; None where none does.
+
+    A module accelerate dispatched or offloaded is left out: its weights are on meta
+    behind its hooks, on purpose, and its own ``.to`` refuses the move before anything
+    moves (or it is a part of such a model, which is no model to make anew).
+    """
+    held = {id(m): m for m in modules if _holds_meta(m) and not _hooked(m)}
+    if not held:
+        return None
+    paths = module_paths(root, held, name)
+    lines: list[str] = []
+    made: list[tuple[str, nn.Module]] = []  # what the fix makes anew on the target
+    count = 0
+    for key, module in held.items():
+        path = paths.get(key, name)
+        parts: list[tuple[str, nn.Module, list[str]]] = []
+        _meta_parts(module, "", parts, set())
+        count += sum(len(names) for _, _, names in parts)
+        lines += [_meta_line(_below(path, q), part, names) for q, part, names in parts]
+        # A few parts are made anew one by one, keeping the weights beside them; past
+        # that, the whole module, whose weights are then all to load.
+        whole = len(parts) > _PARTS_FIXED
+        made += [(path, module)] if whole else [(_below(path, q), p) for q, p, _ in parts]
+    if len(lines) > _SHOWN_MODULES + 1:
+        lines[_SHOWN_MODULES:] = [f"    and {len(lines) - _SHOWN_MODULES} more modules"]
+    (key, first), one = next(iter(held.items())), len(held) == 1
+    what = (
+        f"{paths.get(key, name)} ({_a(type(first).__qualname__)})"
+        if one
+        else f"{len(held)} modules"
+    )
+    whose = "its" if one else "their"
+    tensors = f"one of {whose} tensors is" if count == 1 else f"{count} of {whose} tensors are"
+    remedy = _meta_fix(made, device)
+    if one:  # the fix a failed move gives, true now that nothing moved
+        remedy = f"{remedy}; or {fix(paths.get(key, name))}"
+    head = f"{who} cannot move {what} to {device}, and moved nothing: {tensors} on meta,"
+    return MoveError("\n".join([f"{head} with no data to copy:", *lines, f"fix: {remedy}"]))
+
+
+def _meta_line(path: str, part: nn.Module, names: list[str]) -> str:
+    """The line naming a part and (a few of) its tensors on meta."""
+    shown = ", ".join(names[:_SHOWN_TENSORS])
+    if len(names) > _SHOWN_TENSORS:
+        shown = f"{shown} and {len(names) - _SHOWN_TENSORS} more"
+    return f"    {path} ({type(part).__qualname__}): {shown}"
+
+
+def _meta_fix(made: list[tuple[str, nn.Module]], device: torch.device) -> str:
+    """The fix: each part made anew on ``device`` with ``to_empty`` (what torch's own error
+    asks for), then initialised, as a model built on meta is."""
+    remade = "; ".join(f"{path}.to_empty(device={str(device)!r})" for path, _ in made)
+    resettable = all(hasattr(part, "reset_parameters") for _, part in made)
+    if len(made) == 1:
+        path = made[0][0]
+        how = f"load a state dict, or {path}.reset_parameters()" if resettable else ""
+        init = f"initialise it ({how or 'load a state dict'})"
+    else:
+        how = "load a state dict, or each one's reset_parameters()" if resettable else ""
+        init = f"initialise them ({how or 'load a state dict'})"
+    return f"{remade}, then {init}, before the move"
+
+
+def _holds_meta(module: nn.Module) -> bool:
+    """Whether a parameter or buffer of ``module`` is on meta. Read from each module's own
+    tables, as ``module.to`` reads them: this runs at every move of a module, and
+    ``parameters()`` costs three times more."""
+    for part in module.modules():
+        for tensor in chain(parameters_of(part).values(), buffers_of(part).values()):
+            if tensor is not None and tensor.is_meta:
+                return True
+    return False
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether accelerate hooked ``module`` or a part of it."""
+    return any(_HOOK in vars(part) for part in module.modules())
+
+
+def _meta_parts(
+    module: nn.Module,
+    qualified: str,
+    parts: list[tuple[str, nn.Module, list[str]]],
+    seen: set[int],
+) -> None:
+    """Add to ``parts`` the parts of ``module`` (at ``qualified``) that hold tensors on meta,
+    as ``(qualified name, part, names of those tensors)``: a part whose tensors are all on
+    meta whole, as ``to_empty`` can make it anew with nothing lost; else each module's own
+    tensors there, its submodules looked into."""
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    named = list(chain(module.named_parameters(), module.named_buffers()))
+    if not any(t.is_meta for _, t in named):
+        return
+    if all(t.is_meta for _, t in named):
+        parts.append((qualified, module, [name for name, _ in named]))
+        return
+    own = chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False))
+    names = [name for name, t in own if t.is_meta]
+    if names:
+        parts.append((qualified, module, names))
+    for name, child in module.named_children():
+        _meta_parts(child, f"{qualified}.{name}" if qualified else name, parts, seen)
+
+
+def _below(path: str, qualified: str) -> str:
+    """The path of the submodule at ``qualified`` (``""``: itself) of the module at ``path``."""
+    return module_path(path, qualified) if qualified else path
+
+
+def _a(name: str) -> str:
+    return f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}"
