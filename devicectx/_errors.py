@@ -164,6 +164,11 @@ for _public in (
 del _public
 
 
+def with_article(name: str) -> str:
+    """``a Tensor``, ``an Embedding``: a type's name as messages write it."""
+    return f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}"
+
+
 def warn_at(frame: FrameType, message: str, category: type[DeviceWarning]) -> None:
     """Warn as from ``frame`` (the user's line), through its module's warning registry,
     so that warnings filters and Python's own once-per-line rule apply there."""

@@ -29,7 +29,12 @@ from typing import Any
 
 import torch
 
-from devicectx._errors import MoveError, MoveOutOfMemoryError, RegistrationError
+from devicectx._errors import (
+    MoveError,
+    MoveOutOfMemoryError,
+    RegistrationError,
+    with_article,
+)
 from devicectx._torch.tensors import base_of
 from devicectx.move import _containers
 from devicectx.move._alias import CannotCast, EngineBug, TensorMover
@@ -652,9 +657,5 @@ def _describe(obj: Any) -> str:
             count = obj.size(0)
             return f"a nested {type(obj).__name__} of {count} tensors, {obj.dtype}, on {obj.device}"
         shape = tuple(obj.shape)
-        return f"{_a(type(obj).__name__)} of shape {shape}, {obj.dtype}, on {obj.device}"
-    return _a(type(obj).__qualname__)
-
-
-def _a(name: str) -> str:
-    return f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}"
+        return f"{with_article(type(obj).__name__)} of shape {shape}, {obj.dtype}, on {obj.device}"
+    return with_article(type(obj).__qualname__)

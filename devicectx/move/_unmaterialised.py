@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from devicectx._errors import MoveError
+from devicectx._errors import MoveError, with_article
 from devicectx._torch.module_tree import buffers_of, parameters_of
 from devicectx.move._paths import module_path
 from devicectx.move._walk import module_paths
@@ -63,7 +63,7 @@ def unmaterialised(
         lines[_SHOWN_MODULES:] = [f"    and {len(lines) - _SHOWN_MODULES} more modules"]
     (key, first), one = next(iter(held.items())), len(held) == 1
     what = (
-        f"{paths.get(key, name)} ({_a(type(first).__qualname__)})"
+        f"{paths.get(key, name)} ({with_article(type(first).__qualname__)})"
         if one
         else f"{len(held)} modules"
     )
@@ -145,7 +145,3 @@ def _meta_parts(
 def _below(path: str, qualified: str) -> str:
     """The path of the submodule at ``qualified`` (``""``: itself) of the module at ``path``."""
     return module_path(path, qualified) if qualified else path
-
-
-def _a(name: str) -> str:
-    return f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}"

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from devicectx._errors import with_article
 from devicectx._torch.tensors import base_of
 from devicectx.move._move import iter_tensors
 from devicectx.testing._sets import Holds, Walked, is_container, paired, same_dtype, walked
@@ -205,8 +206,7 @@ def _structure_problems(
 def _a(tp: type) -> str:
     if tp is type(None):
         return "None"
-    name = tp.__qualname__
-    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+    return with_article(tp.__qualname__)
 
 
 def _aliasing_problems(
