@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from helpers import accelerator
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import devicectx
@@ -16,8 +22,11 @@ from devicectx import (
     device_agnostic,
     explain_device,
     on_device,
+    register_container,
+    unregister_container,
 )
 from devicectx.decorator._target import module_devices
+from devicectx.move._unseen import unseen_tensors
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -741,3 +750,322 @@ def test_paths_of_dict_keys_that_are_digits_reach_what_they_name() -> None:
     assert """model.heads['1'].to("meta"), model.scales.to("meta")""" == fix
     exec(fix, {"model": model})
     assert (2,) == step(model, torch.ones(2)).shape
+
+
+# Tensors in class bodies, and in plain objects inside plain objects: named, with a fix
+# that runs as printed.
+
+
+class Table(nn.Module):
+    """A module whose class body holds a tensor: one for every instance, never a buffer."""
+
+    table = torch.ones(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.table
+
+
+class Buffered(nn.Module):
+    """:class:`Table` as the fix rewrites it: the tensor a non-persistent buffer."""
+
+    table: torch.Tensor  # an annotation, not a class attribute: the buffer's type
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.ones(2, 2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.table
+
+
+@device_agnostic(device="meta")
+def applied(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Runs ``model`` on ``x``."""
+    return model(x)  # type: ignore[no-any-return]
+
+
+def test_a_tensor_in_a_module_class_body_is_named_with_the_buffer_fix() -> None:
+    """``table = tensor`` in a module's class body is read as ``model.table`` and moved by
+    nothing: the error names it, says the class holds it, and the fix registers a buffer in
+    its place (the class attribute must go: register_buffer refuses a name it has)."""
+    with pytest.raises(DeviceMismatchError) as error:
+        applied(Table(), on_meta(2, 2))
+    assert [
+        "applied() failed in torch on tensors @device_agnostic cannot see into:",
+        "    cpu <- model.table (a class attribute of Table, not a buffer)",
+        'target meta (from @device_agnostic(device="meta"))',
+        f"torch said: {error.value.__cause__}",
+        'fix: self.register_buffer("table", ..., persistent=False) in Table.__init__, in place '
+        "of the class attribute Table.table (one tensor, shared by every instance), so that "
+        "model.to(...) moves it",
+    ] == lines_of(error)
+    assert {CPU: ["model.table"]} == error.value.devices
+    with pytest.raises(KeyError, match="already exists"):
+        Table().register_buffer("table", torch.ones(2, 2), persistent=False)
+    fixed = Buffered().to("meta")
+    assert META == applied(fixed, on_meta(2, 2)).device
+    assert {} == fixed.state_dict()  # as with the class attribute: no checkpoint changes
+
+
+class Scaled(Table):
+    """A subclass: the class body holding the tensor is its base's."""
+
+
+class Blocks(nn.Module):
+    """Two instances of one class whose body holds a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Scaled(), Scaled()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x))  # type: ignore[no-any-return]
+
+
+def test_a_class_body_tensor_is_named_once_for_its_class() -> None:
+    """A tensor every instance shares is named once, at the first instance, by the class
+    whose body holds it; the fix registers the buffer in that class's ``__init__``."""
+    with pytest.raises(DeviceMismatchError) as error:
+        applied(Blocks(), on_meta(2, 2))
+    named = lines_of(error)[1]
+    assert "    cpu <- model.blocks[0].table (a class attribute of Table, not a buffer)" == named
+    assert lines_of(error)[-1] == (
+        'fix: self.register_buffer("table", ..., persistent=False) in Table.__init__, in place '
+        "of the class attribute Table.table (one tensor, shared by every instance), so that "
+        "model.blocks[0].to(...) moves it"
+    )
+
+
+class Lookup:
+    """A plain object whose class body holds a tensor."""
+
+    table = torch.ones(2, 2)
+
+
+@device_agnostic(device="meta")
+def looked_up(x: torch.Tensor, lookup: Any) -> torch.Tensor:
+    """Scales by the lookup's table."""
+    return x * lookup.table  # type: ignore[no-any-return]
+
+
+def test_a_tensor_in_a_plain_class_body_is_named_and_an_instance_one_shadows_it() -> None:
+    """A plain object's class attribute is named as one; set on the instance, the
+    instance's (here on the target) is what ``lookup.table`` reads, and nothing is named."""
+    with pytest.raises(DeviceMismatchError) as error:
+        looked_up(on_meta(2, 2), Lookup())
+    assert "    cpu <- lookup.table (a class attribute of Lookup)" == lines_of(error)[1]
+    assert lines_of(error)[-1] == (
+        'fix: register_container(Lookup, children=lambda obj: [("table", obj.table)], '
+        "rebuild=...), pass lookup.table as an argument, or give Lookup a .to(device) method"
+    )
+    shadowed = Lookup()
+    shadowed.table = on_meta(2, 2)
+    assert META == looked_up(on_meta(2, 2), shadowed).device
+    assert [("lookup.table", META)] == [
+        (u.path, u.device) for u in unseen_tensors([("lookup", shadowed)])
+    ]
+
+
+class Inner:
+    """A plain object holding a tensor, held by :class:`Outer`."""
+
+    def __init__(self) -> None:
+        self.t = torch.ones(2)
+
+
+class Outer:
+    """A plain object holding a plain object and a list with a tensor."""
+
+    def __init__(self) -> None:
+        self.inner = Inner()
+        self.k = [torch.ones(2)]
+        self.note = "kept"
+
+
+@device_agnostic(device="meta")
+def cached(x: torch.Tensor, cache: Outer) -> torch.Tensor:
+    """Adds what the cache holds."""
+    return x + cache.k[0] + cache.inner.t
+
+
+@contextlib.contextmanager
+def printed_fix_run(fix: str, types: dict[str, type]) -> Iterator[list[type]]:
+    """Runs the ``register_container(...)`` calls a fix line prints, as printed, with
+    ``rebuild=...`` (an Ellipsis) filled by a rebuild that copies the object and sets the
+    children's attributes; unregisters them when the block ends. Yields what it registered."""
+    calls = fix.removeprefix("fix: ").partition(", pass ")[0].partition(", or give ")[0]
+    registered: list[type] = []
+
+    def register(cls: type, children: Any, rebuild: Any) -> None:
+        def copied(obj: Any, new: list[Any]) -> Any:
+            clone = copy.copy(obj)
+            for (name, _), value in zip(children(obj), new, strict=True):
+                setattr(clone, name, value)
+            return clone
+
+        register_container(cls, children, copied if rebuild is Ellipsis else rebuild)
+        registered.append(cls)
+
+    try:
+        exec(calls, {"register_container": register, **types})
+        yield registered
+    finally:
+        for cls in registered:
+            unregister_container(cls)
+
+
+def test_a_nested_plain_object_fix_teaches_every_type_the_walk_passes() -> None:
+    """A tensor in a plain object inside the argument's: the walk enters ``Inner`` only
+    where it knows ``Outer``, so the fix registers both, the argument's type first, with
+    the attributes that lead to each tensor (a list inside ``Outer`` is walked as it is);
+    run as printed, the call succeeds. ``Inner`` alone would not do."""
+    with pytest.raises(DeviceMismatchError) as error:
+        cached(on_meta(2), Outer())
+    assert [
+        "cached() failed in torch on tensors @device_agnostic cannot see into:",
+        "    cpu <- cache.inner.t (in Inner), cache.k[0] (in Outer)",
+        'target meta (from @device_agnostic(device="meta"))',
+        f"torch said: {error.value.__cause__}",
+        'fix: register_container(Outer, children=lambda obj: [("inner", obj.inner), '
+        '("k", obj.k)], rebuild=...); register_container(Inner, children=lambda obj: '
+        '[("t", obj.t)], rebuild=...), or give Outer a .to(device) method',
+    ] == lines_of(error)
+    fix = lines_of(error)[-1]
+    with printed_fix_run(fix, {"Outer": Outer, "Inner": Inner}) as registered:
+        assert [Outer, Inner] == registered
+        assert META == cached(on_meta(2), Outer()).device
+    inner_only = fix.replace(fix.partition("; ")[0] + "; ", "fix: ")
+    with printed_fix_run(inner_only, {"Inner": Inner}), pytest.raises(DeviceMismatchError):
+        cached(on_meta(2), Outer())
+    assert fix.endswith(", or give Outer a .to(device) method")
+    assert META == cached(on_meta(2), OuterWithTo()).device
+
+
+class OuterWithTo(Outer):
+    """:class:`Outer` given the ``.to(device)`` the fix names: it moves what it holds."""
+
+    def to(self, device: torch.device) -> OuterWithTo:
+        """Moves the tensors it holds."""
+        self.inner.t = self.inner.t.to(device)
+        self.k = [t.to(device) for t in self.k]
+        return self
+
+
+class Settings:
+    """A plain object holding a tensor, kept in a module's plain attribute."""
+
+    def __init__(self) -> None:
+        self.scale = torch.ones(2)
+
+
+class Configured(nn.Module):
+    """A module holding a plain object with a tensor: ``.to`` moves neither."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = Settings()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cfg.scale
+
+
+class ConfiguredBuffer(nn.Module):
+    """:class:`Configured` as the fix rewrites it."""
+
+    scale: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def test_a_plain_object_in_a_module_attribute_gets_the_buffer_fix() -> None:
+    """A module's ``.to`` never looks into a plain attribute: registering the plain
+    object's type would not move it, so the fix makes the tensor a buffer of the module."""
+    with pytest.raises(DeviceMismatchError) as error:
+        applied(Configured(), on_meta(2))
+    assert "    cpu <- model.cfg.scale (in Settings)" == lines_of(error)[1]
+    assert lines_of(error)[-1] == (
+        'fix: self.register_buffer("scale", ...) in Configured.__init__, read as self.scale, '
+        "not self.cfg.scale, so that model.to(...) moves it (.to does not look into plain "
+        "attributes)"
+    )
+    assert META == applied(ConfiguredBuffer().to("meta"), on_meta(2)).device
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_class_body_tensor_in_a_matmul_is_named_on_an_accelerator() -> None:
+    """On an accelerator, torch's matmul mismatch ("mat2 is on cpu") is ours too."""
+    target = accelerator()
+
+    @device_agnostic(device=target)
+    def run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    class MatMul(nn.Module):
+        table = torch.ones(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.table
+
+    with pytest.raises(DeviceMismatchError) as error:
+        run(MatMul(), torch.ones(2, 2))
+    assert "    cpu <- model.table (a class attribute of " in lines_of(error)[1]
+    assert {CPU: ["model.table"]} == error.value.devices
+
+
+@st.composite
+def nestings(draw: st.DrawFn) -> tuple[list[str], int | None]:
+    """How each plain object of a chain holds the next (the last, its tensor): ``"attr"``,
+    ``"list"`` or ``"dict"``; and the level of a second tensor, ``extra``, or None."""
+    ways = draw(st.lists(st.sampled_from(["attr", "list", "dict"]), min_size=1, max_size=3))
+    return ways, draw(st.none() | st.integers(0, len(ways) - 1))
+
+
+def held_in(way: str, value: object) -> object:
+    """``value`` as a plain object holds it: itself, in a list, or in a dict."""
+    return value if way == "attr" else [value] if way == "list" else {"v": value}
+
+
+def taken_out(way: str, held: Any) -> Any:
+    """What :func:`held_in` put in."""
+    return held if way == "attr" else held[0] if way == "list" else held["v"]
+
+
+@given(nesting=nestings())
+def test_the_fix_for_nested_plain_objects_runs_as_printed(
+    nesting: tuple[list[str], int | None],
+) -> None:
+    """Plain objects in plain objects, through lists and dicts: every path the error names
+    reaches a tensor, and the register_container calls the fix prints, run
+    as printed, make the call succeed."""
+    ways, extra_at = nesting
+    classes = [type(f"Level{i}", (), {}) for i in range(len(ways))]
+    value: object = torch.ones(2)
+    for level in reversed(range(len(ways))):
+        obj = classes[level]()
+        obj.held = held_in(ways[level], value)
+        if level == extra_at:
+            obj.extra = torch.ones(2)
+        value = obj
+
+    @device_agnostic(device="meta")
+    def run(x: torch.Tensor, root: Any) -> torch.Tensor:
+        total, obj = x, root
+        for way in ways:
+            total = total + obj.extra if hasattr(obj, "extra") else total
+            obj = taken_out(way, obj.held)
+        return total + obj  # type: ignore[no-any-return]
+
+    with pytest.raises(DeviceMismatchError) as error:
+        run(on_meta(2), value)
+    paths = error.value.devices[CPU]
+    assert (1 if extra_at is None else 2) == len(paths)
+    assert all(isinstance(eval(path, {"root": value}), torch.Tensor) for path in paths)
+    fix = lines_of(error)[-1]
+    with printed_fix_run(fix, {cls.__qualname__: cls for cls in classes}) as registered:
+        assert classes == registered
+        assert META == run(on_meta(2), value).device

@@ -89,6 +89,11 @@ def _held_by(item: Unseen) -> str:
         if item.holder_path != item.path:
             return f"{kind}, in {item.holder.__qualname__}"
         return f"{kind}, a module @device_agnostic does not check"
-    if issubclass(item.holder, torch.nn.Module):
+    module = issubclass(item.holder, torch.nn.Module)
+    if item.shared_by is not None:
+        # Said so: the class holds it, so every instance shares it, and no move reaches it.
+        buffer = ", not a buffer" if module else ""
+        return f"a class attribute of {item.shared_by.__qualname__}{buffer}"
+    if module:
         return f"a plain attribute of {item.holder.__qualname__}, not a buffer"
     return f"in {item.holder.__qualname__}"

@@ -3,10 +3,11 @@
 The engine looks into containers it knows (:mod:`devicectx.move._containers`) and leaves
 every other object as it is, unmoved and unchecked. Where torch then fails with a device
 mismatch, :func:`unseen_tensors` looks into the attributes of those objects (``__dict__``
-and ``__slots__``, a few levels deep) and into the plain tensor attributes of modules (a
+and ``__slots__``, a few levels deep), into the plain tensor attributes of modules (a
 tensor set as ``self.scale = ...``, not registered as a buffer, which ``module.to`` does
-not move), so that the error can name them. It runs on the failure path only: a call that
-succeeds never takes it.
+not move), and at the tensors their classes hold (``table = torch.ones(2)`` in a class
+body, one tensor every instance shares), so that the error can name them. It runs on the
+failure path only: a call that succeeds never takes it.
 
 Example:
     >>> import torch
@@ -55,6 +56,8 @@ _MAX_DEPTH = 4
 # keeps (offloaded weights, the copies of a tied weight per device) are accelerate's, put
 # in place by the hook at each call; no move of the caller's reaches them.
 _MODULE_STATE = frozenset(vars(nn.Module())) | {"_hf_hook"}
+# Packages whose classes hold no tensor of the user's in their bodies.
+_NOT_USERS = frozenset({"builtins", "torch"})
 _MISSING = object()
 
 
@@ -72,6 +75,13 @@ class Unseen(NamedTuple):
     module: type | None = None
     """For a whole module that nothing checked (held by a plain object, or not read by the
     decorator's rules), with parameters or buffers on ``device``: its type; else None."""
+    holders: tuple[tuple[type, str], ...] = ()
+    """Each object whose attributes the path goes through, outermost first, with its path,
+    ending with ``holder``: what a walk must be taught to enter, from the argument (or the
+    module whose plain attribute starts it) down."""
+    shared_by: type | None = None
+    """For a class attribute (reached as ``self.table``, held in a class body): the class
+    that holds it, one tensor for every instance; else None."""
 
 
 def is_device_mismatch(error: BaseException) -> bool:
@@ -89,7 +99,8 @@ def unseen_tensors(
 
     A module held by a plain object is unseen as a whole: one entry per device its
     parameters and buffers are on, and those tensors are not listed again where something
-    else holds them too (an optimizer's ``param_groups``).
+    else holds them too (an optimizer's ``param_groups``). A tensor in a class body is
+    listed once, at the first instance met: every instance reads the same one.
 
     Args:
         named: ``(name, value)`` for each argument (``("self", model)`` for a method).
@@ -105,18 +116,25 @@ def unseen_tensors(
     owned: set[int] = set()  # the tensors of the modules listed whole
     covered: set[int] = set()  # those modules and their submodules
     seen: set[int] = set()
-    # (value, path, attribute depth, the plain object holding it and its path, or None)
-    stack: list[tuple[Any, str, int, tuple[type, str] | None]] = [
-        (value, name, 0, None) for name, value in reversed(list(named))
-    ]
+    shared: set[tuple[type, str]] = set()  # the class attributes named (once, not per instance)
+    held: dict[type, list[tuple[str, torch.Tensor, type]]] = {}  # per type, for this look
+    stack = [_Step(value, name, 0, ()) for name, value in reversed(list(named))]
     budget = _MAX_OBJECTS
     while stack and budget > 0:
-        value, path, depth, holder = stack.pop()
+        value, path, depth, holders, shared_by = stack.pop()
         kind = kind_for(type(value))
         role = kind.role
         if role == TENSOR:
-            if holder is not None:
-                found.append(Unseen(path, value.device, holder[0], holder[1]))
+            if shared_by is not None:
+                name = path.rpartition(".")[2]
+                if (shared_by, name) in shared:
+                    continue
+                shared.add((shared_by, name))
+            if holders:
+                holder, holder_path = holders[-1]
+                found.append(
+                    Unseen(path, value.device, holder, holder_path, None, holders, shared_by)
+                )
                 ids.append(id(value))
             continue
         if role == LEAF and is_plain_leaf(type(value)):
@@ -125,34 +143,47 @@ def unseen_tensors(
             continue
         seen.add(id(value))
         budget -= 1
-        children: Sequence[tuple[Any, str, int, tuple[type, str] | None]]
+        children: Sequence[_Step]
         if role == MODULE:
-            unchecked = holder is not None or (checked is not None and id(value) not in checked)
+            unchecked = bool(holders) or (checked is not None and id(value) not in checked)
             if unchecked and id(value) not in covered:
-                owner = holder if holder is not None else (type(value), path)
+                owner = holders[-1] if holders else (type(value), path)
                 for device, tensors in _by_device(value).items():
-                    found.append(Unseen(path, device, owner[0], owner[1], type(value)))
+                    found.append(Unseen(path, device, owner[0], owner[1], type(value), holders))
                     ids.append(0)
                     owned.update(tensors)
                 covered.update(id(module) for module in value.modules())
-            children = _module_children(value, path, depth)
+            children = _module_children(value, path, depth, held)
         elif role == CONTAINER and kind.split is not None:
             keys, values = kind.split(value)
             keys = range(len(values)) if keys is None else keys
             children = [
-                (child, join(path, kind.style, key), depth, holder)
+                _Step(child, join(path, kind.style, key), depth, holders)
                 for key, child in zip(keys, values, strict=True)
             ]
         elif role == LEAF and depth < _MAX_DEPTH:
-            here = (type(value), path)
+            here = (*holders, (type(value), path))
             children = [
-                (child, join(path, ATTR, name), depth + 1, here)
-                for name, child in _attributes(value)
+                _Step(child, join(path, ATTR, name), depth + 1, here, by)
+                for name, child, by in _attributes(value, held)
             ]
         else:  # an object with its own .to: what it holds is its .to's business
             continue
         stack.extend(reversed(children))
     return [item for item, tensor in zip(found, ids, strict=True) if tensor not in owned]
+
+
+class _Step(NamedTuple):
+    """An object for the look to visit: where it is, and what holds it."""
+
+    value: Any
+    path: str
+    depth: int
+    """Attribute levels below the argument."""
+    holders: tuple[tuple[type, str], ...]
+    """The objects whose attributes led here, outermost first (:attr:`Unseen.holders`)."""
+    shared_by: type | None = None
+    """The class holding ``value`` in its body, for a class attribute."""
 
 
 def _by_device(module: nn.Module) -> dict[torch.device, set[int]]:
@@ -164,27 +195,35 @@ def _by_device(module: nn.Module) -> dict[torch.device, set[int]]:
 
 
 def _module_children(
-    module: nn.Module, path: str, depth: int
-) -> list[tuple[Any, str, int, tuple[type, str] | None]]:
-    """A module's plain attributes (a tensor there is not moved by ``module.to``), then its
-    submodules. Parameters and buffers are seen: they are not listed."""
-    here = (type(module), path)
-    children: list[tuple[Any, str, int, tuple[type, str] | None]] = [
-        (value, join(path, ATTR, name), depth + 1, here)
-        for name, value in vars(module).items()
-        if name not in _MODULE_STATE and depth < _MAX_DEPTH
-    ]
+    module: nn.Module, path: str, depth: int, held: dict[type, list[tuple[str, torch.Tensor, type]]]
+) -> list[_Step]:
+    """A module's plain attributes and the tensors its class holds (``module.to`` moves
+    neither), then its submodules. Parameters and buffers are seen: they are not listed."""
+    here = ((type(module), path),)
+    state = vars(module)
+    children: list[_Step] = []
+    if depth < _MAX_DEPTH:
+        pairs: list[tuple[str, Any, type | None]] = [
+            (name, value, None) for name, value in state.items() if name not in _MODULE_STATE
+        ]
+        pairs += _class_tensors(type(module), state, held)
+        children = [
+            _Step(value, join(path, ATTR, name), depth + 1, here, by) for name, value, by in pairs
+        ]
     # Written as find_devices writes them (model.enc[0]), so that a fix names code that runs.
     keyed = keyed_modules([("", module)])  # a ModuleDict's children are its keys
     children += [
-        (child, module_path(path, name, keyed), depth, None)
+        _Step(child, module_path(path, name, keyed), depth, ())
         for name, child in module.named_children()
     ]
     return children
 
 
-def _attributes(obj: object) -> list[tuple[str, Any]]:
-    """An object's attributes: its ``__dict__``, then its ``__slots__`` that are set."""
+def _attributes(
+    obj: object, held: dict[type, list[tuple[str, torch.Tensor, type]]]
+) -> list[tuple[str, Any, type | None]]:
+    """An object's attributes: its ``__dict__``, then its ``__slots__`` that are set, then
+    the tensors its class holds; with the class holding each, for those."""
     state = getattr(obj, "__dict__", None)
     pairs = list(state.items()) if isinstance(state, dict) else []
     for name in slot_names(type(obj)):
@@ -193,20 +232,46 @@ def _attributes(obj: object) -> list[tuple[str, Any]]:
         except AttributeError:  # a slot never set
             continue
         pairs.append((name, value))
-    return [(name, value) for name, value in pairs if isinstance(name, str)]
+    own: list[tuple[str, Any, type | None]] = [
+        (name, value, None) for name, value in pairs if isinstance(name, str)
+    ]
+    return own + _class_tensors(type(obj), {name for name, _, _ in own}, held)
+
+
+def _class_tensors(
+    tp: type, own: Collection[str], held: dict[type, list[tuple[str, torch.Tensor, type]]]
+) -> list[tuple[str, Any, type | None]]:
+    """The tensors in the class bodies of ``tp``'s MRO that an instance reads as its own
+    attributes (not where ``own``, the instance's attributes, or a class before shadows
+    them), with the class holding each. torch's classes (``nn.Module``) hold none of the
+    user's; ``held`` keeps each type's answer for the rest of the look."""
+    tensors = held.get(tp)
+    if tensors is None:
+        tensors = []
+        names: set[str] = set()
+        for klass in tp.__mro__:
+            mine = str(getattr(klass, "__module__", "")).partition(".")[0] not in _NOT_USERS
+            for name, value in vars(klass).items():
+                if name not in names and mine and isinstance(value, torch.Tensor):
+                    tensors.append((name, value, klass))
+                names.add(name)
+        held[tp] = tensors
+    return [(name, value, klass) for name, value, klass in tensors if name not in own]
 
 
 def fix_for(
     unseen: Sequence[Unseen], target: torch.device | None = None, follow: bool = True
 ) -> str:
-    """The ``fix:`` text for tensors the engine cannot see (the first holder's).
+    """The ``fix:`` text for tensors the engine cannot see (those under the first one's
+    outermost holder).
 
     For a whole module: where the target was chosen (``follow`` False: a device named, a
     block, the module rule), the module goes to it; where the inputs chose it, the call
     names the module's device, or takes the module as an argument so that the inputs follow.
+    For tensors in plain objects: every type the walk must be taught to reach them, from
+    the argument's own down, since it enters a type only where it knows its parent.
     """
     first = unseen[0]
-    holder = first.holder
     if first.module is not None:
         if target is not None and not follow:
             return (
@@ -216,22 +281,54 @@ def fix_for(
             f'@device_agnostic(device="{first.device}"), or pass {first.path} as the first '
             "module argument, so that the inputs follow it"
         )
-    names = [
-        _attribute_of(u.path[len(first.holder_path) + 1 :])
+    holders = first.holders or ((first.holder, first.holder_path),)
+    root, root_path = holders[0]
+    if issubclass(root, nn.Module):
+        return _buffer_fix(first, root, root_path)
+    group = [
+        u
         for u in unseen
-        if u.holder_path == first.holder_path
+        if u.module is None and (u.holders or ((u.holder, u.holder_path),))[0][1] == root_path
     ]
-    if issubclass(holder, nn.Module):
-        name = names[0]
+    children: dict[type, list[str]] = {}
+    for u in group:
+        chain = u.holders or ((u.holder, u.holder_path),)
+        below = [path for _, path in chain[1:]] + [u.path]
+        for (tp, at), inner in zip(chain, below, strict=True):
+            names = children.setdefault(tp, [])
+            name = _attribute_of(inner[len(at) + 1 :])
+            if name not in names:
+                names.append(name)
+    calls = "; ".join(_register(tp, names) for tp, names in children.items())
+    passed = f", pass {first.path} as an argument" if len(group) == 1 else ""
+    return f"{calls}{passed}, or give {root.__qualname__} a .to(device) method"
+
+
+def _register(tp: type, names: Sequence[str]) -> str:
+    listed = ", ".join(f'("{name}", obj.{name})' for name in names)
+    return f"register_container({tp.__qualname__}, children=lambda obj: [{listed}], rebuild=...)"
+
+
+def _buffer_fix(first: Unseen, module: type, at: str) -> str:
+    """The fix for a tensor a module's ``.to`` does not move: a buffer of the module."""
+    name = _attribute_of(first.path[len(first.holder_path) + 1 :])
+    if first.holder is not module:  # in a plain object that a plain attribute holds
         return (
-            f'self.register_buffer("{name}", ...) in {holder.__qualname__}.__init__, not '
-            f"self.{name} = ..., so that {first.holder_path}.to(...) moves it"
+            f'self.register_buffer("{name}", ...) in {module.__qualname__}.__init__, read as '
+            f"self.{name}, not self{first.path[len(at) :]}, so that {at}.to(...) moves it "
+            f"(.to does not look into plain attributes)"
         )
-    listed = ", ".join(f'("{name}", obj.{name})' for name in dict.fromkeys(names))
+    if first.shared_by is not None:
+        owner = first.shared_by if issubclass(first.shared_by, nn.Module) else module
+        return (
+            f'self.register_buffer("{name}", ..., persistent=False) in '
+            f"{owner.__qualname__}.__init__, in place of the class attribute "
+            f"{first.shared_by.__qualname__}.{name} (one tensor, shared by every instance), "
+            f"so that {at}.to(...) moves it"
+        )
     return (
-        f"register_container({holder.__qualname__}, children=lambda obj: [{listed}], "
-        f"rebuild=...), pass {first.path} as an argument, or give {holder.__qualname__} a "
-        f".to(device) method"
+        f'self.register_buffer("{name}", ...) in {module.__qualname__}.__init__, not '
+        f"self.{name} = ..., so that {at}.to(...) moves it"
     )
 
 
