@@ -10,19 +10,30 @@ honours devicectx's hooks: dynamo traces the call, with ``fullgraph=True``) and
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+from helpers import accelerator, mps_like
+from hypothesis import given
 from torch import nn
 
-from devicectx import DeviceMismatchError, device_agnostic, on_device
+from devicectx import (
+    DeviceMismatchError,
+    DtypeUnsupportedError,
+    device_agnostic,
+    find_devices,
+    on_device,
+)
 from devicectx.decorator import _compiled, _probe, _wrappers
+from devicectx.testing.strategies import nested
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -436,3 +447,248 @@ def test_wrapt_without_its_extension() -> None:
     )
     assert 0 == done.returncode, done.stderr
     assert "['meta']" == done.stdout.strip()
+
+
+# --- what the traced call cannot walk, or never traces -----------------------------------
+
+needs_accelerator = pytest.mark.requires_device("accelerator")
+# torch 2.6's graph break takes no message: there torch's error names only the eager call.
+QUOTES = "msg" in inspect.signature(torch._dynamo.graph_break).parameters
+
+
+def quoted(message: str, error: BaseException) -> bool:
+    """Whether torch's error quotes ``message`` (as the repr of a string, in wrappings that
+    vary by release)."""
+    return repr(message)[1:-1] in str(error)
+
+
+@dataclasses.dataclass
+class Batch:
+    """A dataclass of tensors, which torch's pytree does not walk."""
+
+    x: torch.Tensor
+    note: str = "batch"
+
+
+class Walked(NamedTuple):
+    """A namedtuple of tensors, which torch's pytree walks."""
+
+    x: torch.Tensor
+
+
+@dataclasses.dataclass
+class Settings:
+    """A dataclass without tensors."""
+
+    scale: int = 2
+    name: str = "settings"
+
+
+@given(nested(max_depth=2))
+def test_a_leaf_the_traced_call_keeps_holds_no_tensor_the_eager_walk_finds(tree: Any) -> None:
+    """Every pytree leaf in which the eager walk finds a tensor sends the traced call to the
+    eager one (sets aside: dynamo traces no set of tensors)."""
+    for leaf in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            continue
+        paths = [path for paths in find_devices(leaf).values() for path in paths]
+        # A set member's path is written list(...)[i]: the set wraps all before it.
+        if any(not path.startswith("list(") for path in paths):
+            assert _compiled._unwalked(leaf, 0), f"{type(leaf).__name__} kept: {leaf!r}"
+
+
+@needs_accelerator
+def test_objects_pytree_does_not_walk_are_moved_by_the_eager_call() -> None:
+    """A BatchEncoding and a dataclass of tensors: a graph break, then the eager call moves
+    them, as without torch.compile."""
+    transformers = pytest.importorskip("transformers")
+    device = accelerator()
+
+    @device_agnostic(device=device)
+    def step(enc: Any, batch: Batch) -> tuple[torch.Tensor, list[torch.device]]:
+        return enc["ids"] * batch.x, [enc["ids"].device, batch.x.device]
+
+    def inputs() -> tuple[Any, Batch]:
+        return transformers.BatchEncoding({"ids": torch.arange(3.0)}), Batch(torch.ones(3))
+
+    expected, seen = step(*inputs())
+    got, seen_compiled = compiled(step, fullgraph=False)(*inputs())
+    assert [device, device] == seen == seen_compiled
+    assert device == got.device
+    assert expected.tolist() == got.tolist()
+
+
+@needs_accelerator
+def test_objects_pytree_does_not_walk_under_fullgraph_name_the_path_and_the_fix() -> None:
+    """fullgraph=True: torch's error quotes ours, with the argument's path and type and a
+    fix, which runs as written and keeps the call traced."""
+    transformers = pytest.importorskip("transformers")
+    device = accelerator()
+
+    @device_agnostic(device=device)
+    def step(inputs: dict[str, Any], batch: Any) -> torch.Tensor:
+        return inputs["enc"]["ids"] + batch.x  # type: ignore[no-any-return]
+
+    def enc() -> Any:
+        return transformers.BatchEncoding({"ids": torch.arange(3.0)})
+
+    def message(path: str, kind: str, fix: str) -> str:
+        return (
+            f"test_objects_pytree_does_not_walk_under_fullgraph_name_the_path_and_the_fix."
+            f"<locals>.step() got {path}, a {kind}, whose tensors only the eager call moves and "
+            f"checks: torch.compile's trace of the call walks only the containers torch's "
+            f"pytree knows, and a {kind} is none of them\n"
+            f"fix: {fix} (the call is then traced), or compile without fullgraph=True (this "
+            f"call then runs eagerly)"
+        )
+
+    with pytest.raises(Unsupported) as error:
+        compiled(step)({"enc": enc()}, Batch(torch.ones(3)))
+    assert not QUOTES or quoted(
+        message("inputs['enc']", "BatchEncoding", "pass dict(inputs['enc'])"), error.value
+    )
+    torch._dynamo.reset()
+    batch = Walked(torch.ones(3))  # the fix for the BatchEncoding, and a namedtuple
+    assert device == compiled(step)({"enc": dict(enc())}, batch).device
+
+    torch._dynamo.reset()
+    with pytest.raises(Unsupported) as error:
+        compiled(step)({"enc": {"ids": torch.arange(3.0)}}, Batch(torch.ones(3)))
+    # Where dynamo does not trace the walk of a registered dataclass (2.6), that fix is not given.
+    registers = _compiled._TORCH >= _compiled._TRACES_REGISTERED_DATACLASSES
+    register = "torch.export.register_dataclass(Batch)"
+    fix = f"{register} before compiling" if registers else "pass the tensors it holds as arguments"
+    assert not QUOTES or quoted(message("batch", "Batch", fix), error.value)
+    if registers:
+        exec(register, {"torch": torch, "Batch": Batch})
+        try:
+            torch._dynamo.reset()
+            assert device == compiled(step)({"enc": dict(enc())}, Batch(torch.ones(3))).device
+        finally:
+            torch.utils._pytree._deregister_pytree_node(Batch)
+
+
+@needs_accelerator
+def test_pytree_containers_and_a_dataclass_without_tensors_trace_whole() -> None:
+    """Containers pytree walks, a dataclass of settings and a set of names: no graph break."""
+    device = accelerator()
+
+    class Pair(NamedTuple):
+        first: torch.Tensor
+        second: torch.Tensor
+
+    @device_agnostic(device=device)
+    def step(
+        batch: dict[str, Any], pair: Pair, settings: Settings, keys: frozenset[str]
+    ) -> torch.Tensor:
+        out = batch["x"] * settings.scale + pair.first + batch["more"][0] + pair.second
+        return out if "x" in keys else -out
+
+    def inputs() -> tuple[Any, ...]:
+        tensors = torch.ones(2), torch.arange(2.0), torch.full((2,), 3.0)
+        batch = {"x": tensors[0], "more": [tensors[1]]}
+        return batch, Pair(tensors[2], tensors[0]), Settings(), frozenset({"x"})
+
+    expected = step(*inputs())
+    got = compiled(step)(*inputs())
+    assert (device, expected.tolist()) == (got.device, got.tolist())
+
+
+@needs_accelerator
+def test_float64_on_a_device_without_it_is_refused_before_the_body_when_compiled() -> None:
+    """On a device without float64, a float64 argument is refused as the eager call refuses
+    it (DtypeUnsupportedError, naming each path), not by the backend in the body;
+    fullgraph=True quotes it."""
+    with mps_like() as device:
+
+        @device_agnostic(device=device)
+        def step(x: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return x + batch["y"]
+
+        def inputs() -> tuple[Any, ...]:
+            x = torch.ones(2, dtype=torch.float64)
+            return x, {"y": torch.ones(2), "z": x, "s": torch.tensor(1.0, dtype=torch.float64)}
+
+        with pytest.raises(DtypeUnsupportedError) as eager:
+            step(*inputs())
+        assert {torch.float64: ["x", "batch['z']", "batch['s']"]} == eager.value.paths
+        with pytest.raises(DtypeUnsupportedError) as error:
+            compiled(step, fullgraph=False)(*inputs())
+        assert str(eager.value) == str(error.value)
+        assert (device, eager.value.paths) == (error.value.device, error.value.paths)
+        torch._dynamo.reset()
+        with pytest.raises(Unsupported) as refused:
+            compiled(step)(*inputs())
+        assert "DtypeUnsupportedError" in str(refused.value)
+        assert quoted(str(eager.value), refused.value)
+
+
+@needs_accelerator
+def test_a_float64_scalar_beside_inputs_on_a_device_without_float64_stays_when_compiled() -> None:
+    """Where the inputs choose the target, nothing moves, as in the eager call: a 0-dim
+    float64 CPU tensor beside them stays on the CPU, on a device without float64 too."""
+    with mps_like() as device:
+
+        @device_agnostic
+        def scale(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+            return x * factor
+
+        x, factor = torch.arange(3.0, device=device), torch.tensor(2.0, dtype=torch.float64)
+        expected = scale(x, factor)
+        got = compiled(scale)(x, factor)
+        assert (device, torch.float32) == (got.device, got.dtype)
+        assert expected.tolist() == got.tolist()
+
+
+def test_calls_that_run_eagerly_say_why_under_fullgraph() -> None:
+    """fullgraph=True refuses a call that runs eagerly (dtypes=, a generator, the fallback):
+    torch's error quotes why, and the fix."""
+
+    @device_agnostic(device="meta", dtypes="device")
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @device_agnostic(device="meta")
+    def generate(x: torch.Tensor) -> Iterator[torch.Tensor]:
+        yield x * 2
+
+    @device_agnostic(device="meta")
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    prefix = "test_calls_that_run_eagerly_say_why_under_fullgraph.<locals>."
+    fix = "fix: compile without fullgraph=True (its calls then run eagerly), or "
+    cases = [
+        (
+            cast,
+            f"{prefix}cast() is decorated with dtypes=, whose casts the traced call does not "
+            f"make: under torch.compile its calls run eagerly (a graph break)\n"
+            f"{fix}drop dtypes= and cast the inputs before the call (x.float())",
+            False,
+        ),
+        (
+            lambda x: next(generate(x)),
+            f"{prefix}generate() is a generator function: @device_agnostic runs its calls "
+            f"eagerly under torch.compile (a graph break), entering its scope at each resume\n"
+            f"{fix}call {prefix}generate() outside the compiled code",
+            False,
+        ),
+        (
+            plain,
+            f"@device_agnostic runs {prefix}plain() eagerly under torch.compile (a graph "
+            f"break): torch {torch.__version__} does not trace decorated calls as devicectx "
+            f"expects (the warning on the devicectx logger says why)\n"
+            f"{fix}call {prefix}plain() outside the compiled code",
+            True,
+        ),
+    ]
+    before = _compiled.fallback()
+    for fn, message, fallback in cases:
+        torch._dynamo.reset()
+        _wrappers.use_fallback(fallback)
+        try:
+            with pytest.raises(Unsupported) as error:
+                compiled(fn)(torch.ones(2))
+        finally:
+            _wrappers.use_fallback(before)
+        assert not QUOTES or quoted(message, error.value), str(error.value)

@@ -10,9 +10,9 @@ it makes the eager call.
 
 Where the installed torch cannot be trusted to trace it (the probe of
 :mod:`devicectx.decorator._probe` failed, or a test forced it: :func:`use_fallback`), and for
-generators and async functions, the call runs eagerly instead, behind
-``torch.compiler.disable``: a graph break, and the same meaning as without
-``torch.compile``.
+generators, async functions and calls with ``dtypes=``, the call runs eagerly instead,
+behind ``torch.compiler.disable``: a graph break, and the same meaning as without
+``torch.compile``; with ``fullgraph=True`` torch's error quotes why (:func:`_eager_message`).
 
 What differs from eager code, all decided while tracing (dynamo guards on the devices of
 tensors and on torch's default device, so a change there recompiles):
@@ -23,27 +23,38 @@ tensors and on torch's default device, so a change there recompiles):
   A decorated call's own scope does not count as ``on_device`` for decorated functions
   its body calls (their inputs decide; the tensors the outer body makes are on its target).
 - containers are those pytree knows (list, tuple, namedtuple, dict, OrderedDict,
-  defaultdict, deque); tensors in dataclasses and other objects are not moved or checked.
+  defaultdict, deque). An argument holding, as a pytree leaf, an object the eager walk
+  would look into for tensors (a dataclass holding tensors, an object with its own
+  ``.to`` such as ``BatchEncoding``, a registered type, another mapping or sequence) is a
+  graph break, and the eager call serves it (:func:`_unwalked`); a dataclass without
+  tensors, and a set (dynamo traces no set of tensors), are left as they are.
   A tensor passed twice is moved once. Each tensor is moved with its own ``.to``: moves
   are never staged (``coalesce=`` changes nothing here), since staging is host code,
-  with pinned buffers and events, that has no place in a graph.
+  with pinned buffers and events, that has no place in a graph. As in the eager call,
+  only a target a rule chose moves anything.
+- on a device that cannot hold a dtype (float64 on MPS), a tensor of it that would move
+  is refused as a mismatch is, below: the eager call raises the real
+  :class:`~devicectx.DtypeUnsupportedError`.
 - a mismatch found while tracing is a graph break, and the call then runs eagerly, which
   raises the real :class:`~devicectx.DeviceMismatchError`; with ``fullgraph=True`` the
   graph break is torch's ``Unsupported`` error, which quotes our message (:func:`_refuse`).
 - a model spread over devices on purpose (accelerate's hooks, ``declare_spread``: read
   with :func:`~devicectx.decorator._spread.marked`) is a graph break too, and the eager
-  call serves it; with ``fullgraph=True`` torch's error quotes why.
+  call serves it; with ``fullgraph=True`` torch's error quotes why (from torch 2.7: 2.6's
+  graph break takes no message, and its error names the eager call only).
 """
 
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from packaging.version import Version
 from torch import nn
 
 from devicectx import _errors
@@ -52,9 +63,14 @@ from devicectx._torch import pytree
 from devicectx._torch.modes import DeviceContext
 from devicectx.decorator import _mismatch
 from devicectx.decorator._params import self_offset
+from devicectx.decorator._plan import COROUTINE, FUNCTION, GENERATOR
 from devicectx.decorator._spread import marked
 from devicectx.decorator._target import involved_module, module_devices, module_dtypes
+from devicectx.devices._capabilities import missing_dtypes
 from devicectx.devices._resolve import DeviceLike, resolve_device
+from devicectx.move import _move
+from devicectx.move._containers import CONTAINER, OWN, is_registered, kind_for
+from devicectx.move._paths import ATTR, MEMBER
 from devicectx.scope._stack import active_device
 
 if TYPE_CHECKING:
@@ -158,11 +174,13 @@ def under_compile(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """A decorated call as dynamo traces it: :func:`traced_call`, or a graph break."""
+    """A decorated call as dynamo traces it: :func:`traced_call`, or a graph break whose
+    ``fullgraph=True`` error says why the call runs eagerly."""
     __tracebackhide__ = True
     if plan.traceable and not _FALLBACK:
         return traced_call(plan, wrapped, instance, args, kwargs)
-    return _run_disabled(plan, wrapped, instance, args, kwargs)
+    message = _eager_message(plan.name, plan.kind, plan.dtypes is not None)
+    return _break_to_eager(message, plan, wrapped, instance, args, kwargs)
 
 
 def _run_disabled(
@@ -208,12 +226,14 @@ def traced_call(
         for name, value, where in plan.params.named(args, kwargs, offset)
         if not _held(plan, value, where, offset)
     ]
-    leaves = [
-        (name + pytree.keystr(path), leaf)
-        for name, value in named
-        for path, leaf in pytree.tree_flatten_with_path(value)[0]
-        if isinstance(leaf, torch.Tensor)
-    ]
+    leaves: list[tuple[str, torch.Tensor]] = []
+    for name, value in named:
+        for keys, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                leaves.append((name + pytree.keystr(keys), leaf))
+            elif _unwalked(leaf, 0):  # served in eager code: a graph break, the eager call
+                message = _unwalked_message(plan.name, name + pytree.keystr(keys), type(leaf))
+                return _break_to_eager(message, plan, wrapped, instance, args, kwargs)
     found: dict[torch.device, list[str]] = {}
     for path, tensor in leaves:
         if not (tensor.device.type == "cpu" and tensor.dim() == 0):
@@ -221,24 +241,38 @@ def traced_call(
 
     target, reason, refusal, spread = _trace_target(plan, instance, args, kwargs, offset)
     if spread and refusal is not None:  # served in eager code: a graph break, the eager call
-        _dynamo_hooks.graph_break(refusal)  # else (torch 2.6) calling the eager one breaks
-        return _run_disabled(plan, wrapped, instance, args, kwargs)
+        return _break_to_eager(refusal, plan, wrapped, instance, args, kwargs)
     if refusal is not None:
-        return _refuse(refusal, plan, wrapped, instance, args, kwargs)
+        return _refuse(DeviceMismatchError, refusal, plan, wrapped, instance, args, kwargs)
+    # As in the eager call, only a target a rule chose moves anything: one the inputs agree
+    # on leaves them where they are (0-dim CPU tensors included).
+    chosen = target
     if target is None:
         if len(found) > 1:
             message = _message("common", plan.name, _frozen(found), None, "")
-            return _refuse(message, plan, wrapped, instance, args, kwargs)
+            return _refuse(DeviceMismatchError, message, plan, wrapped, instance, args, kwargs)
         target = _first(found, None)
     elif not plan.move and any(device != target for device in found):
         message = _message("off", plan.name, _frozen(found), target, reason)
-        return _refuse(message, plan, wrapped, instance, args, kwargs)
+        return _refuse(DeviceMismatchError, message, plan, wrapped, instance, args, kwargs)
     back = _first(found, target) if plan.to_input else None
     if plan.output is not None:
         back = _resolve_while_tracing(plan.output.spec)
 
-    if plan.move and target is not None:
-        args, kwargs = _traced_move(plan, (args, kwargs), target, offset)
+    if plan.move and chosen is not None:
+        missing = _missing_while_tracing(chosen)
+        if missing:  # a device without float64 (MPS): refused before the move, as eagerly
+            refused = [
+                (path, tensor)
+                for path, tensor in leaves
+                if tensor.dtype in missing and tensor.device != chosen
+            ]
+            if refused:
+                message = _dtype_message(chosen, _dtype_refusals(refused))
+                return _refuse(
+                    DtypeUnsupportedError, message, plan, wrapped, instance, args, kwargs
+                )
+        args, kwargs = _traced_move(plan, (args, kwargs), chosen, offset)
     if plan.precision is not None:
         if plan.scope and target is not None:
             with DeviceContext(target), plan.autocast(target):
@@ -257,6 +291,7 @@ def traced_call(
 
 
 def _refuse(
+    stand_in: type[DeviceMismatchError | DtypeUnsupportedError],
     message: str,
     plan: Plan,
     wrapped: Callable[..., Any],
@@ -264,8 +299,9 @@ def _refuse(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """A mismatch found while tracing: a graph break, then the eager call, which raises the
-    real :class:`~devicectx.DeviceMismatchError`.
+    """A refusal found while tracing: a graph break, then the eager call, which raises the
+    real error (:class:`~devicectx.DeviceMismatchError`, or
+    :class:`~devicectx.DtypeUnsupportedError`: ``stand_in`` names which).
 
     Not a ``raise`` in traced code: dynamo would give up on the frame and run it with the
     frames it calls compiled one by one, the decorator's own eager code among them (torch
@@ -275,9 +311,49 @@ def _refuse(
     message. torch 2.6's graph break takes no message: there the stand-in is raised.
     """
     __tracebackhide__ = True
-    if not _dynamo_hooks.graph_break(f"devicectx.DeviceMismatchError: {message}"):
-        raise DeviceMismatchError(message)
+    if not _dynamo_hooks.graph_break(f"devicectx.{stand_in.__name__}: {message}"):
+        raise stand_in(message)
     return _run_disabled(plan, wrapped, instance, args, kwargs)
+
+
+def _break_to_eager(
+    message: str,
+    plan: Plan,
+    wrapped: Callable[..., Any],
+    instance: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """A call served in eager code only: a graph break whose ``fullgraph=True`` error
+    quotes ``message`` (why, and the fix), then the eager call. On torch 2.6, whose graph
+    break takes no message, the eager call's own graph break is the only one."""
+    __tracebackhide__ = True
+    _dynamo_hooks.graph_break(message)
+    return _run_disabled(plan, wrapped, instance, args, kwargs)
+
+
+def _unwalked(leaf: Any, depth: int) -> bool:
+    """Whether the eager call would look for tensors in ``leaf``, a pytree leaf that is no
+    tensor, and may find one that the traced call, which walks only pytree's containers,
+    would leave unmoved and unchecked.
+
+    Told by its type (:func:`_entered`), and for a plain dataclass by its fields, read
+    here as the eager walk reads them: a dataclass of settings is no reason for a graph
+    break. Past :data:`_LOOK_DEPTH` dataclasses deep (a cycle, say) the answer is yes.
+    """
+    entered = _entered(type(leaf))
+    if entered is False:
+        return False
+    if entered is True or depth == _LOOK_DEPTH:
+        return True
+    for name in entered:
+        for _, value in pytree.tree_flatten_with_path(getattr(leaf, name, None))[0]:
+            if isinstance(value, torch.Tensor) or _unwalked(value, depth + 1):
+                return True
+    return False
+
+
+_LOOK_DEPTH = 4
 
 
 def _held(plan: Plan, value: Any, where: int | str, offset: int) -> bool:
@@ -445,12 +521,134 @@ def _spread_message(
     )
 
 
-# The errors the messages above were made from, by message, for the stand-in to answer
+@_dynamo_hooks.constant
+def _missing_while_tracing(device: torch.device) -> tuple[torch.dtype, ...]:
+    """The dtypes ``device`` cannot hold (float64 on MPS): most often none."""
+    return tuple(missing_dtypes(device))
+
+
+@_dynamo_hooks.constant
+def _dtype_message(target: torch.device, refused: tuple[tuple[str, torch.dtype, int], ...]) -> str:
+    """The message of the eager call's :class:`~devicectx.DtypeUnsupportedError`, made by
+    the eager move itself, given a stand-in for each tensor it refuses: an empty ``meta``
+    tensor of its dtype (one per ``int``, which tells tensors apart), named by its path."""
+    stand_ins: dict[int, torch.Tensor] = {}
+    for _, dtype, which in refused:
+        stand_ins.setdefault(which, torch.empty(0, dtype=dtype, device=_META))
+    tensors = tuple(stand_ins[which] for _, _, which in refused)
+    try:
+        _move.move_call(tensors, {}, target, names=[path for path, _, _ in refused])
+    except _errors.DtypeUnsupportedError as error:
+        return _keep(error)
+    msg = f"the move to {target} refused none of {refused}"  # pragma: no cover - a bug
+    raise AssertionError(msg)
+
+
+def _dtype_refusals(
+    refused: list[tuple[str, torch.Tensor]],
+) -> tuple[tuple[str, torch.dtype, int], ...]:
+    """``(path, dtype, which)`` of each refused tensor: constants for
+    :func:`_dtype_message`, ``which`` alike for a tensor passed twice (told by ``is``)."""
+    distinct: list[torch.Tensor] = []
+    found: list[tuple[str, torch.dtype, int]] = []
+    for path, tensor in refused:
+        which = len(distinct)
+        for index, other in enumerate(distinct):
+            if other is tensor:
+                which = index
+                break
+        else:
+            distinct.append(tensor)
+        found.append((path, tensor.dtype, which))
+    return tuple(found)
+
+
+@_dynamo_hooks.constant
+def _entered(tp: type) -> tuple[str, ...] | bool:
+    """What the eager walk does with a pytree leaf of type ``tp`` (no tensor): False where
+    it leaves it as it is too; the names of its fields for a plain dataclass, which traced
+    code reads as the eager walk does; True for anything else it enters or moves (a
+    registered type, an object with its own ``.to``, a mapping or sequence pytree does not
+    know, a dataclass that is also a mapping).
+
+    Sets and frozensets are left alone: dynamo traces no set of tensors (2.6 to 2.15), so
+    one left unmoved fails in the body's trace with dynamo's error, not silently.
+    """
+    try:
+        kind = kind_for(tp)
+    except Exception:  # the eager walk meets the same error, and says it
+        return True
+    if kind.role not in (CONTAINER, OWN) or kind.style == MEMBER:
+        return False
+    plain_dataclass = dataclasses.is_dataclass(tp) and not is_registered(tp)
+    if kind.role == CONTAINER and kind.style == ATTR and plain_dataclass:
+        # read by its fields, as the eager walk reads it
+        return tuple(field.name for field in dataclasses.fields(tp))
+    return True
+
+
+_TORCH = Version(Version(torch.__version__).base_version)
+# From where dynamo traces the walk of a dataclass registered by torch.export.register_dataclass
+# (2.6 skips it as torch.export's code; 2.13 traces it; those between are not checked).
+_TRACES_REGISTERED_DATACLASSES = Version("2.13")
+
+
+@_dynamo_hooks.constant
+def _unwalked_message(function: str, path: str, tp: type) -> str:
+    """Why a call given a ``tp`` at ``path`` makes a graph break (quoted under
+    ``fullgraph=True``), and how to keep the call traced."""
+    name = tp.__name__
+    if isinstance(_entered(tp), tuple) and _TORCH >= _TRACES_REGISTERED_DATACLASSES:
+        instead = f"torch.export.register_dataclass({name}) before compiling"
+    elif issubclass(tp, Mapping):
+        instead = f"pass dict({path})"
+    elif issubclass(tp, tuple):
+        instead = f"pass tuple({path})"
+    elif issubclass(tp, Sequence):
+        instead = f"pass list({path})"
+    else:
+        instead = "pass the tensors it holds as arguments"
+    return (
+        f"{function}() got {path}, {_errors.with_article(name)}, whose tensors only the eager "
+        f"call moves and checks: torch.compile's trace of the call walks only the containers "
+        f"torch's pytree knows, and {_errors.with_article(name)} is none of them\n"
+        f"fix: {instead} (the call is then traced), or compile without fullgraph=True "
+        f"(this call then runs eagerly)"
+    )
+
+
+@_dynamo_hooks.constant
+def _eager_message(function: str, kind: int, dtypes: bool) -> str:
+    """Why a call that is never traced makes a graph break (quoted under
+    ``fullgraph=True``), and the fix."""
+    outside = f"call {function}() outside the compiled code"
+    if kind != FUNCTION:
+        what = {GENERATOR: "a generator", COROUTINE: "an async"}.get(kind, "an async generator")
+        why = (
+            f"{function}() is {what} function: @device_agnostic runs its calls eagerly "
+            f"under torch.compile (a graph break), entering its scope at each resume"
+        )
+    elif dtypes:
+        why = (
+            f"{function}() is decorated with dtypes=, whose casts the traced call does not "
+            f"make: under torch.compile its calls run eagerly (a graph break)"
+        )
+        outside = "drop dtypes= and cast the inputs before the call (x.float())"
+    else:
+        why = (
+            f"@device_agnostic runs {function}() eagerly under torch.compile (a graph "
+            f"break): torch {torch.__version__} does not trace decorated calls as devicectx "
+            f"expects (the warning on the devicectx logger says why)"
+        )
+    return f"{why}\nfix: compile without fullgraph=True (its calls then run eagerly), or {outside}"
+
+
+# The errors the messages above were made from, by message, for the stand-ins to answer
 # with their attributes; the latest few only (a function has a few kinds of mismatch).
-_MADE: dict[str, _errors.DeviceMismatchError] = {}
+_MADE: dict[str, _errors.DeviceMismatchError | _errors.DtypeUnsupportedError] = {}
 
 
-def _keep(error: _errors.DeviceMismatchError) -> str:
+def _keep(error: _errors.DeviceMismatchError | _errors.DtypeUnsupportedError) -> str:
     message = str(error)
     _MADE.pop(message, None)
     _MADE[message] = error
@@ -472,14 +670,32 @@ class DeviceMismatchError(_errors.DeviceMismatchError):
     @property
     def devices(self) -> dict[torch.device, list[str]]:  # type: ignore[override]
         made = _MADE.get(str(self))
-        return {} if made is None else made.devices
+        return made.devices if isinstance(made, _errors.DeviceMismatchError) else {}
 
     @property
     def target(self) -> torch.device | None:  # type: ignore[override]
         made = _MADE.get(str(self))
-        return None if made is None else made.target
+        return made.target if isinstance(made, _errors.DeviceMismatchError) else None
 
     @property
     def reason(self) -> str:  # type: ignore[override]
         made = _MADE.get(str(self))
-        return "" if made is None else made.reason
+        return made.reason if isinstance(made, _errors.DeviceMismatchError) else ""
+
+
+class DtypeUnsupportedError(_errors.DtypeUnsupportedError):
+    """:class:`DeviceMismatchError`'s twin for a dtype the target cannot hold: the error as
+    traced code raises it (torch 2.6 only), answering ``device`` and ``paths`` as the error
+    its message was made from."""
+
+    __init__ = TypeError.__init__  # dynamo cannot trace the keyword-only __init__
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        made = _MADE.get(str(self))
+        return made.device if isinstance(made, _errors.DtypeUnsupportedError) else _META
+
+    @property
+    def paths(self) -> dict[torch.dtype, list[str]]:  # type: ignore[override]
+        made = _MADE.get(str(self))
+        return made.paths if isinstance(made, _errors.DtypeUnsupportedError) else {}

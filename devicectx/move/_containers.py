@@ -361,6 +361,11 @@ def unregister_container(cls: type) -> None:
         _reset_cache()
 
 
+def is_registered(tp: type) -> bool:
+    """Whether ``tp`` or a class it derives from was taught with :func:`register_container`."""
+    return any(klass in _REGISTRY for klass in tp.__mro__)
+
+
 def is_plain_leaf(tp: type) -> bool:
     """Whether objects of ``tp`` are leaves that hold no tensor: scalars, strings, types."""
     return tp in _PLAIN_LEAVES or issubclass(tp, _LEAF_BASES)
