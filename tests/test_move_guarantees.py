@@ -8,11 +8,14 @@ the CPU to meta is a real move.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import pytest
 import torch
 from helpers import accelerator
+from hypothesis import given
+from hypothesis import strategies as st
 from move_subjects import Pair, on_meta
 from torch import nn
 
@@ -21,6 +24,7 @@ from devicectx import (
     find_devices,
     to_device,
 )
+from devicectx.move import _staging
 from devicectx.move._alias import TensorMover
 from devicectx.move._move import all_on, iter_tensors, move_call, move_to
 
@@ -471,3 +475,265 @@ def test_traced_move_copies_a_shared_tensor_once_and_compiles_once_per_structure
     assert moved["t"] is moved["again"][0] is moved["again"][1][0]
     assert done is moved["done"]
     assert CPU == tensor.device
+
+
+# A module's own tensors held elsewhere in the structure.
+
+
+def owned_model() -> nn.Sequential:
+    """A module with parameters, buffers (one an integer) and a submodule's of each."""
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+
+
+#: What a structure may hold of :func:`owned_model`: (name of the module's tensor, how the
+#: structure's tensor is made of it): the tensor itself, or a view of it.
+OWNED: list[tuple[str, Any]] = [
+    ("0.weight", None),
+    ("0.bias", None),
+    ("1.weight", None),
+    ("1.running_mean", None),
+    ("1.running_var", None),
+    ("1.num_batches_tracked", None),
+    ("0.weight", lambda t: t[1]),
+    ("0.weight", lambda t: t.T),
+    ("0.weight", lambda t: t[:, 1:]),
+    ("0.bias", lambda t: t[2:2]),
+    ("1.running_mean", lambda t: t[1:]),
+]
+
+
+def owned_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` (a full name, ``"0.weight"``) of ``module``."""
+    owned = dict(module.named_parameters()) | dict(module.named_buffers())
+    return owned[name]
+
+
+def assert_owned(module: nn.Module, picks: list[int], held: list[torch.Tensor]) -> None:
+    """Each tensor ``held`` (made as ``OWNED[pick]`` says, before the move) is the module's
+    moved tensor, or a view of it at the same place."""
+    for pick, moved in zip(picks, held, strict=True):
+        name, view = OWNED[pick]
+        target = owned_tensor(module, name)
+        if view is None:
+            assert moved is target, name
+        else:
+            assert moved._base is target, name
+            assert geometry(view(target)) == geometry(moved), name
+
+
+@given(
+    st.lists(st.integers(0, len(OWNED) - 1), max_size=8),
+    st.integers(0, 8),
+    st.booleans(),
+    st.booleans(),
+)
+def test_a_modules_tensors_held_elsewhere_are_its_moved_tensors(
+    picks: list[int], module_at: int, nested: bool, submodule_first: bool
+) -> None:
+    """Parameters and buffers of a module (and of its submodules) that the structure also
+    holds, directly or in an optimizer-like dict, before or after the module (and after a
+    submodule of it the structure also holds), come back as the module's moved tensors, and
+    views of them as views of those, at the same places."""
+    model = owned_model()
+    held = []
+    for name, view in (OWNED[pick] for pick in picks):
+        tensor = owned_tensor(model, name)
+        held.append(tensor if view is None else view(tensor))
+    at = min(module_at, len(held))
+    before, after = held[:at], held[at:]
+    if nested:
+        before = [{"param_groups": [{"params": before}]}] if before else []
+    # A submodule met first moves first: the model then moves the rest of itself.
+    batch: dict[str, Any] = {"layer": model[1]} if submodule_first else {}
+    batch |= {"before": before, "model": model, "after": after}
+
+    moved = to_device(batch, "meta")
+
+    assert moved["model"] is model
+    assert {META} == {t.device for t in chain(model.parameters(), model.buffers())}
+    out = moved["before"][0]["param_groups"][0]["params"] if nested and at else moved["before"]
+    assert_owned(model, picks, [*out, *moved["after"]])
+
+
+@pytest.mark.parametrize("module_first", [True, False])
+def test_a_modules_tensors_held_elsewhere_with_swapped_parameters(module_first: bool) -> None:
+    """Where module.to keeps each parameter object and swaps its contents in
+    (torch.__future__'s swap_tensors), a parameter held elsewhere is still that parameter."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model = nn.Linear(3, 2)
+        weight = model.weight
+        batch = {"model": model, "w": model.weight, "b": model.bias}
+        if not module_first:
+            batch = {"w": model.weight, "b": model.bias, "model": model}
+        moved = to_device(batch, "meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert model.weight is weight
+    assert moved["w"] is model.weight
+    assert moved["b"] is model.bias
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("module_first", [True, False])
+@pytest.mark.parametrize("start", ["cpu", "accelerator"])
+def test_a_modules_tensors_held_elsewhere_on_the_accelerator(
+    module_first: bool, start: str
+) -> None:
+    """To the accelerator from the host (module.to makes new parameters), and from one
+    accelerator device to another (torch keeps each parameter object and swaps its memory:
+    set_data), a parameter, a buffer and views of them come back as the module's tensors
+    and views of them: a write into the module shows in the views."""
+    source, target = torch.device("cpu"), accelerator()
+    if start == "accelerator":
+        if torch.accelerator.device_count() < 2:
+            pytest.skip("needs two devices of the accelerator")
+        source, target = accelerator(0), accelerator(1)
+    model = nn.Module().to(source)
+    # A parameter at an offset in its memory: a view's place in it must be the old one's.
+    model.weight = nn.Parameter(torch.arange(12.0, device=source)[3:9].view(2, 3))
+    model.register_buffer("counts", torch.arange(4.0, device=source))
+    weight = model.weight
+    held = {
+        "w": model.weight,
+        "row": model.weight[1],
+        "t": model.weight.T,
+        "c": model.counts,
+        "tail": model.counts[2:],
+    }
+    values = {key: t.tolist() for key, t in held.items()}
+    batch = {"model": model, **held} if module_first else {**held, "model": model}
+
+    moved = to_device(batch, target)
+
+    assert start == "cpu" or model.weight is weight  # torch's own in-place move, tested
+    assert moved["w"] is model.weight
+    assert moved["c"] is model.counts
+    for key, base in [("row", model.weight), ("t", model.weight), ("tail", model.counts)]:
+        assert moved[key]._base is base, key
+    assert values == {key: moved[key].tolist() for key in held}
+    with torch.no_grad():
+        model.weight[1, 0] = 100.0
+    assert 100.0 == moved["row"][0].item() == moved["t"][0, 1].item()
+
+
+@pytest.mark.parametrize("rotation", [0, 1, 2])
+def test_a_buffer_that_is_a_view_is_the_modules_moved_buffer(rotation: int) -> None:
+    """A buffer registered as a view of a tensor the structure holds too comes back as the
+    module's moved buffer (module.to copies it alone), not as a view of that tensor's copy."""
+    memory = torch.arange(6.0)
+    module = nn.Module()
+    module.register_buffer("window", memory[1:3])
+    items = [("memory", memory), ("window", module.window), ("module", module)]
+    moved = to_device(dict(items[rotation:] + items[:rotation]), "meta")
+    assert moved["window"] is module.window
+    assert META == moved["memory"].device
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_parameter_two_modules_share_is_the_first_moved_modules(separate: bool) -> None:
+    """A parameter two modules share (tied weights), which module.to unties on meta, is
+    the moved parameter of the first module the move moves: of the first layer when one
+    model holds both, of the first module met when the structure holds each."""
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    second.weight = first.weight
+    if separate:
+        moved = to_device({"second": second, "first": first, "w": first.weight}, "meta")
+        owner = second
+    else:
+        moved = to_device({"w": first.weight, "model": nn.Sequential(first, second)}, "meta")
+        owner = first
+    assert moved["w"] is owner.weight
+
+
+@pytest.mark.parametrize("module_first", [True, False])
+def test_dtypes_casts_no_modules_tensor_held_elsewhere(module_first: bool) -> None:
+    """A dtypes= mapping casts no module's tensor where the structure holds it too (nor its
+    views): they come back as the module's own, uncast; the other tensors are cast."""
+    model = nn.Linear(2, 2)
+    held = {"w": model.weight, "row": model.weight[0], "x": torch.zeros(2)}
+    batch = {"model": model, **held} if module_first else {**held, "model": model}
+
+    moved = to_device(batch, "meta", dtypes={torch.float32: torch.float16})
+
+    assert moved["w"] is model.weight
+    assert torch.float32 == model.weight.dtype
+    assert moved["row"]._base is model.weight
+    assert torch.float16 == moved["x"].dtype
+
+
+def test_a_staged_move_leaves_a_modules_tensors_to_the_module() -> None:
+    """A staged move (many small tensors) stages no module's buffer held elsewhere, nor a
+    view of one: they come back as the module's moved buffer and a view of it."""
+    norm = nn.BatchNorm1d(3)
+    batch = {
+        "ids": [torch.zeros(3) for _ in range(8)],
+        "mean": norm.running_mean,
+        "var_tail": norm.running_var[1:],
+        "norm": norm,
+    }
+    with _staging.forced():
+        moved = to_device(batch, "meta")
+    assert moved["mean"] is norm.running_mean
+    assert moved["var_tail"]._base is norm.running_var
+
+
+# Empty views, and views made where autograd recorded nothing.
+
+
+@given(st.integers(0, 9), st.integers(1, 10), st.integers(0, 10), st.booleans())
+def test_an_empty_view_of_an_absent_base_is_a_view_only_of_what_it_lies_in(
+    start: int, length: int, at: int, empty_first: bool
+) -> None:
+    """An empty slice of an absent base becomes a view of the copy of a slice of that base
+    it lies in (its ends included), and is copied alone where it lies outside every one."""
+    base = torch.arange(10.0)
+    stop = min(start + length, 10)
+    full, empty = base[start:stop], base[at:at]
+    moved = to_device([empty, full] if empty_first else [full, empty], "meta")
+    moved_empty, moved_full = moved if empty_first else moved[::-1]
+    if start <= at <= stop:
+        assert moved_empty._base is moved_full
+        assert at - start == moved_empty.storage_offset() - moved_full.storage_offset()
+    else:
+        assert moved_empty._base is None
+    assert geometry(empty)[:2] == geometry(moved_empty)[:2]
+
+
+def reaches(tensor: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """Whether the gradient of ``tensor`` reaches the leaf ``leaf`` (its autograd graph)."""
+    stack = [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        if getattr(node, "variable", None) is leaf:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+@pytest.mark.parametrize("recorded_first", [True, False])
+def test_a_view_is_not_remade_on_a_view_autograd_did_not_record(
+    grad_enabled: bool, recorded_first: bool
+) -> None:
+    """A view with history is not made a view of a larger view of its (absent) base made
+    under no_grad, through whose copy its gradient would never reach the base: it is copied
+    alone, with its history. Where the move records no history either, it is linked."""
+    base = torch.arange(10.0, requires_grad=True)
+    with torch.no_grad():
+        unrecorded = base[2:8]
+    recorded = base[3:5]
+    batch = [recorded, unrecorded] if recorded_first else [unrecorded, recorded]
+
+    with torch.set_grad_enabled(grad_enabled):
+        moved = to_device(batch, "meta")
+
+    moved_recorded, moved_unrecorded = moved if recorded_first else moved[::-1]
+    if grad_enabled:
+        assert moved_recorded._base is None
+        assert reaches(moved_recorded, base)
+    else:
+        assert moved_recorded._base is moved_unrecorded

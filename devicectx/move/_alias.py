@@ -7,12 +7,20 @@ the same base) arrives as a view of that tensor's copy, via ``as_strided``, whic
 differentiates. Tensors are grouped by their base (``tensor._base``, or the tensor itself
 for one that is no view); within a group the *anchor* of a member is the largest dense
 tensor that covers its memory (the base, when it is there). An empty tensor has no memory
-to cover, so every anchor of its kind covers it, and its anchor is the largest (the base,
-empty or not). A tensor covered by none is copied alone, as ``.to`` copies it: only its
-own elements, never the rest of its base.
+to cover: the base covers it wherever it lies (a slice past the base's end too), another
+anchor of its kind only where it starts within that anchor's bytes (ends included), and its
+anchor is the largest of those. A tensor covered by none is copied alone, as ``.to`` copies
+it: only its own elements, never the rest of its base. Nor is a view re-made on a view that
+autograd did not record (made under ``no_grad``) where it has history of its own: its
+gradient would stop there instead of reaching their base.
 Tensors that share memory without being views (``x.data``, ``x.detach()``) are copied
 apart, as ``.to`` would copy them. A view on XLA is copied alone too: XLA tensors report
 their base but not where in it they lie (every one says offset 0, contiguous strides).
+
+A module is moved in place by its own ``module.to``, which makes its own copies: a tensor of
+the module that the structure also holds is *adopted* (:meth:`TensorMover.adopt`), its result
+the module's moved tensor, and views of it are made views of that, whether the walk meets
+them before the module or after it.
 
 The walk meets tensors in structure order, so it cannot know whether a larger tensor will
 come later. It links each member to the first member of its group when that one covers it
@@ -44,7 +52,16 @@ _NO_GEOMETRY = frozenset({"xla"})
 class TensorMover:
     """Moves the tensors of one call to ``device``; see the module docstring."""
 
-    __slots__ = ("device", "dtypes", "groups", "moved", "non_blocking", "sent", "unsettled")
+    __slots__ = (
+        "adopted",
+        "device",
+        "dtypes",
+        "groups",
+        "moved",
+        "non_blocking",
+        "sent",
+        "unsettled",
+    )
 
     def __init__(
         self,
@@ -67,6 +84,9 @@ class TensorMover:
         # Every tensor copied to the device, once each, for devicectx.move._transfers: a view
         # re-made as a view of another tensor's copy is no copy and is not listed.
         self.sent: list[_Tensor] = []
+        # id(original) -> the original as it was, for the tensors adopted (see adopt); None
+        # until a module moves, so that a move without modules pays nothing for it.
+        self.adopted: dict[int, _Tensor] | None = None
 
     def move(self, tensor: _Tensor) -> _Tensor:
         """``tensor`` (not on the target) on the target: the same copy every time."""
@@ -95,10 +115,46 @@ class TensorMover:
                     moved = self.moved[id(tensor)] = self.copy(tensor)
                     self.groups[id(base)] = _Group(tensor, moved)
                     return moved
-                group = self.groups[id(base)] = _Group(base, first)
+                was = None if self.adopted is None else self.adopted.get(id(base))
+                if was is None:
+                    group = self.groups[id(base)] = _Group(base, first)
+                else:  # a module's moved tensor: the anchor, whatever the views around it
+                    group = self.groups[id(base)] = _Group(was, first)
+                    group.given = {0: first}
             moved = group.add(self, tensor)
         self.moved[id(tensor)] = moved
         return moved
+
+    def adopt(self, original: _Tensor, was: _Tensor, result: _Tensor) -> None:
+        """Make ``result``, which ``module.to`` made of ``original`` (a parameter or buffer of
+        a module it moved in place), the result of ``original`` wherever the walk meets it.
+
+        ``was`` is ``original`` as it was before the module moved: ``original`` itself, or
+        where the module may have moved it in place (``param.data = ...``,
+        ``torch.utils.swap_tensors``) a ``detach()`` made before, which still has its place
+        in its old memory, for the views of it. What the walk gave ``original`` or its views
+        already is put right by :meth:`finish`. The first result adopted for a tensor stays:
+        a parameter two modules share, which ``module.to`` may untie, is the first one's.
+        """
+        key = id(original)
+        adopted = self.adopted
+        if adopted is None:
+            adopted = self.adopted = {}
+        elif key in adopted:
+            return
+        adopted[key] = was
+        previous = self.moved.get(key)
+        self.moved[key] = result
+        base = base_of(original)
+        group_key = key if base is None else id(base)
+        group = self.groups.get(group_key)
+        if group is None:
+            if previous is None or previous is result:
+                return  # not met yet: the walk finds the result in `moved`
+            group = self.groups[group_key] = _Group(was, previous)
+            group.adopt(self, was, was, result)
+        else:
+            group.adopt(self, original, was, result)
 
     def finish(self) -> dict[int, _Tensor]:
         """Settle the groups the walk could not: ``{id(result given): result to use}``."""
@@ -196,6 +252,7 @@ class _Span:
         "sort_key",
         "tensor",
         "what",
+        "whole",
     )
 
     def __init__(self, tensor: _Tensor, index: int) -> None:
@@ -206,6 +263,7 @@ class _Span:
         self.what: tuple[Any, ...] | None = None
         self.anchor = False
         self.empty = False
+        self.whole = False  # the base of its group (no view), which covers every empty member
         self.lo = self.hi = 0
         self.sort_key: tuple[int, int, bool, bool, int] = (0, 0, self.linkable, False, index)
         if tensor.layout != torch.strided:
@@ -215,12 +273,13 @@ class _Span:
         self.lo = self.hi = start * itemsize
         self.what = (tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg())
         can_anchor = self.linkable or isinstance(tensor, nn.Parameter)
+        self.whole = base_of(tensor) is None
         if tensor.numel() == 0:
             # No elements: its offset and strides say nothing of memory it holds (the
             # extent below would give a (3, 0) tensor two elements, a (0,) one a negative
             # length; an empty view's offset may lie past its base's end). It covers only
-            # other empty tensors, and any anchor of its kind covers it: a view of any
-            # copy, at any offset, that reads nothing.
+            # other empty tensors at its offset (or any, as the base), and is covered by
+            # what its offset lies in (see covers).
             self.empty = True
             self.anchor = can_anchor
         else:
@@ -229,13 +288,17 @@ class _Span:
             self.anchor = can_anchor and dense(size, stride)
         # Among anchors of equal memory: a parameter first (it must stay one), then the base
         # itself (so views stay views of it), then the first met.
-        self.sort_key = (self.lo, -self.hi, self.linkable, base_of(tensor) is not None, index)
+        self.sort_key = (self.lo, -self.hi, self.linkable, not self.whole, index)
 
     def covers(self, other: _Span) -> bool:
         if not self.anchor or self.what is None or self.what != other.what:
             return False
         if other.empty:
-            return True
+            # It reads nothing, so a view of any copy would do; but only the base holds it
+            # wherever it lies. Another tensor of the base holds it only where it starts in
+            # that one's bytes (a slice at its end included): an empty slice elsewhere of an
+            # absent base is copied alone, as any view of an absent base is.
+            return self.whole or self.lo <= other.lo <= self.hi
         return not self.empty and self.lo <= other.lo and other.hi <= self.hi
 
     def preference(self) -> tuple[int, bool, bool, int]:
@@ -246,13 +309,16 @@ class _Span:
 class _Group:
     """Tensors of one call on one base, with the results the walk gave them."""
 
-    __slots__ = ("links", "queued", "results", "spans")
+    __slots__ = ("given", "links", "queued", "results", "spans")
 
     def __init__(self, tensor: _Tensor, moved: _Tensor) -> None:
         self.spans = [_Span(tensor, 0)]
         self.results = [moved]
         self.links: list[int | None] = [None]  # the member whose copy each result views
         self.queued = False
+        # The members whose result was given from outside (a module's moved tensor): final,
+        # whatever the walk gave them, and what the views on them are views of.
+        self.given: dict[int, _Tensor] | None = None
 
     def add(self, mover: TensorMover, tensor: _Tensor) -> _Tensor:
         span = _Span(tensor, len(self.spans))
@@ -276,13 +342,38 @@ class _Group:
         self.links.append(link)
         return moved
 
+    def adopt(self, mover: TensorMover, member: _Tensor, was: _Tensor, result: _Tensor) -> None:
+        """Give ``member`` (added with ``was`` for its place, if the walk has not met it) the
+        final result ``result``; :meth:`settle` puts it, and the views on it, in place."""
+        for span in self.spans:
+            if span.tensor is member:
+                index = span.index
+                span.tensor = was  # its place in its old memory, for the views on it
+                break
+        else:
+            index = len(self.spans)
+            self.spans.append(_Span(was, index))
+            self.results.append(result)
+            self.links.append(None)
+        if self.given is None:
+            self.given = {}
+        self.given[index] = result
+        if not self.queued:
+            self.queued = True
+            mover.unsettled.append(self)
+
     def settle(self, mover: TensorMover, replace: dict[int, _Tensor]) -> None:
         """Make each member a view of its best anchor's copy; record the results that change."""
         best = _best_anchors(self.spans)
         alone: dict[int, _Tensor] = {}
+        given = self.given or {}
 
         def copy_of(index: int) -> _Tensor:
-            # The walk's result for a member it copied alone; else a new copy of its own.
+            # A given result; the walk's result for a member it copied alone; else a new
+            # copy of its own.
+            result = given.get(index)
+            if result is not None:
+                return result
             if self.links[index] is None:
                 return self.results[index]
             if index not in alone:
@@ -291,9 +382,9 @@ class _Group:
 
         for span in self.spans:
             index, anchor = span.index, best[span.index]
-            if anchor is None or anchor == index:
+            if anchor is None or anchor == index or index in given:
                 final = copy_of(index)
-            elif self.links[index] == anchor and self.links[anchor] is None:
+            elif self.links[index] == anchor and self.links[anchor] is None and anchor not in given:
                 continue  # the walk already made it a view of that anchor's copy
             else:
                 view = _view_of(self.spans[anchor].tensor, copy_of(anchor), span.tensor)
@@ -311,7 +402,6 @@ def _best_anchors(spans: list[_Span]) -> list[int | None]:
             kinds.setdefault(span.what, []).append(span)
     for members in kinds.values():
         anchors = [s for s in members if s.anchor]
-        largest = min(anchors, key=_Span.preference) if anchors else None
         # Keep only the anchors no other anchor covers: sorted by start, their ends rise.
         # Empty ones cover no tensor that has elements.
         maximal: list[_Span] = []
@@ -324,7 +414,10 @@ def _best_anchors(spans: list[_Span]) -> list[int | None]:
         for span in members:
             if not span.linkable and not span.anchor:
                 continue
-            chosen: _Span | None = largest if span.empty else None
+            chosen: _Span | None = None
+            if span.empty:  # rare: each anchor asked
+                covering = [anchor for anchor in anchors if anchor.covers(span)]
+                chosen = min(covering, key=_Span.preference, default=None)
             at = -1 if span.empty else bisect_right(starts, span.lo) - 1
             while at >= 0 and maximal[at].hi >= span.hi:
                 candidate = maximal[at]
@@ -339,6 +432,16 @@ def _best_anchors(spans: list[_Span]) -> list[int | None]:
 def _view_of(anchor: _Tensor, moved_anchor: _Tensor, tensor: _Tensor) -> _Tensor | None:
     """``tensor`` re-made as a view into ``moved_anchor``, or None where that cannot be."""
     if not _same_layout(anchor, moved_anchor):
+        return None
+    if (
+        tensor.requires_grad
+        and base_of(anchor) is not None
+        and anchor.grad_fn is None
+        and tensor.grad_fn is not None
+        and torch.is_grad_enabled()
+    ):
+        # The anchor is a view autograd did not record (made under no_grad): through its
+        # copy, this tensor's gradient would stop at it, not reach their base.
         return None
     offset = tensor.storage_offset() - anchor.storage_offset() + moved_anchor.storage_offset()
     source = moved_anchor

@@ -114,8 +114,9 @@ def to_device(
             wherever it is (already on ``device`` too), so a program gets the same
             dtypes on every device. Casts are made before the move, where each tensor
             is (a batch on the host is cast there and sends fewer bytes); skipped
-            tensors, modules and objects with their own ``.to`` are not cast (a module
-            that holds a dtype ``device`` cannot hold is refused, whatever ``dtypes``).
+            tensors, modules (and their parameters and buffers, wherever ``obj`` holds
+            them) and objects with their own ``.to`` are not cast (a module that holds a
+            dtype ``device`` cannot hold is refused, whatever ``dtypes``).
 
     Returns:
         A structure like ``obj``: the same types (a namedtuple stays that namedtuple, a
@@ -152,6 +153,11 @@ def to_device(
           whichever order they come in: writing into one shows in the other. A view whose
           base is not in ``obj`` is copied alone, as ``.to`` copies it (a staged small one
           into a region it shares with other small tensors, see below).
+        - A module's parameter or buffer that ``obj`` also holds outside the module
+          (``{"model": m, "w": m.weight}``, a list of its parameters) comes back as the
+          module's moved one (``moved["w"] is m.weight``), and a view of it as a view of
+          that, whichever comes first. A parameter two modules share (tied weights, which
+          ``module.to`` may untie) is the first moved module's.
         - dtype (unless ``dtypes=`` casts it), shape, ``requires_grad``, and autograd
           history: the move is ``.to`` (or ``as_strided`` for views), so gradients flow
           back to the originals; a cast keeps all of it too, views of a cast tensor

@@ -18,6 +18,10 @@ Modules move in place (``module.to``), which stops at the first tensor it cannot
 tensors before it moved: at the first module that moves, a walk that only reads finds
 every module the move will move, and :mod:`devicectx.move._unmaterialised` refuses the
 move as a whole where one holds tensors on ``meta``. A batch without modules never pays.
+A tensor of a module that the structure also holds (``{"model": m, "w": m.weight}``), or a
+view of one, comes back as the module's moved tensor (or a view of it), wherever the walk
+meets it: each module's tensors are adopted by the mover as it moves
+(:meth:`~devicectx.move._alias.TensorMover.adopt`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from devicectx._errors import (
     MoveError,
@@ -131,6 +136,7 @@ class Rebuild:
         "sent",
         "skip",
         "skip_types",
+        "top",
         "who",
     )
 
@@ -168,6 +174,9 @@ class Rebuild:
         # The root being moved, until the modules in it are checked (at the first module
         # that moves, so that a batch with none never pays for it); then None.
         self.root: Any = None
+        # The root, for good: a module that is the whole structure shares its tensors with
+        # nothing else in it.
+        self.top: Any = None
 
     @classmethod
     def moving(
@@ -194,7 +203,7 @@ class Rebuild:
 
     def run(self, root: Any) -> Any:
         """The rebuilt ``root``."""
-        self.root = root
+        self.root = self.top = root
         try:
             if self.skip is not None and self.skip.slow:
                 if self._skipped(None, False, self.name, root):
@@ -497,6 +506,10 @@ class Rebuild:
             if kind.role == MODULE:
                 if self.modules is not None:
                     self.modules.append(obj)
+                if mover is not None:  # the dtype policy's cast: modules are not cast, nor
+                    # their tensors where the structure holds them too
+                    for _, tensor in _owned(obj):
+                        mover.adopt(tensor, tensor, tensor)
                 return obj
             if kind.rebuild is None:
                 return obj
@@ -506,8 +519,7 @@ class Rebuild:
                 if not module_on(obj, device):
                     if self.root is not None:
                         self._check_modules(device)
-                    self._sending(obj)
-                    obj.to(device, non_blocking=mover.non_blocking)
+                    self._module_to(obj, device, mover)
                 return obj
             if kind.split is not None and all_on(kind.split(obj)[1], device):
                 return obj
@@ -571,8 +583,39 @@ class Rebuild:
         if error is not None:
             raise _Refused(root, error)
 
+    def _module_to(self, module: nn.Module, device: torch.device, mover: TensorMover) -> None:
+        """``module.to(device)``, in place; then each of its tensors that moved is adopted by
+        ``mover``, so that the structure's own references to them (and views of them) come
+        back as the module's moved tensors, wherever the walk meets them."""
+        held = module is not self.top  # as the root it is the whole structure
+        sent, seen = self.sent, set()
+        before: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for name, tensor in _owned(module):
+            if tensor.device == device:
+                continue
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                sent.append(tensor)
+            if held:
+                # A parameter that module.to keeps, moving it in place (set_data, as between
+                # two CUDA devices; swap_tensors), loses its place in its old memory, which
+                # its views still have: a detached alias made now keeps it. module.to
+                # never keeps a view (a buffer can be one).
+                was = tensor if base_of(tensor) is not None else tensor.detach()
+                before.append((name, tensor, was))
+        module.to(device, non_blocking=mover.non_blocking)
+        if not before:
+            return
+        self.keep.append(before)  # no id adopted is reused by a new object during the walk
+        after = dict(_owned(module))
+        for name, tensor, was in before:
+            result = after.get(name)
+            if result is not None and result.device == device:
+                mover.adopt(tensor, was if result is tensor else tensor, result)
+
     def _sending(self, obj: Any) -> None:
-        """List the tensors a module's or an object's own ``.to`` is about to copy."""
+        """List the tensors an object's own ``.to`` is about to copy (a module's are listed
+        by :meth:`_module_to`)."""
         seen: set[int] = set()
         for _, tensor in iter_tensors(obj, modules=True):
             if tensor.device != self.device and id(tensor) not in seen:
@@ -623,6 +666,15 @@ class Rebuild:
         if isinstance(error, torch.OutOfMemoryError):
             return MoveOutOfMemoryError(msg)
         return MoveError(msg)
+
+
+def _owned(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` by its full name, once per name (a tensor
+    two submodules share is listed under both: ``module.to`` may untie them)."""
+    return [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
 
 
 def _own_containers(clone: Any) -> None:

@@ -597,18 +597,25 @@ def collect(
     view elsewhere must stay a view of; ``keep``, what the walk made on the fly, to be
     held till the move ends so that no id above is reused meanwhile.
 
-    Modules are not looked into (``module.to`` moves them in place). Iterative, each
-    container looked into once, like :func:`shared_device`.
+    Modules are not looked into as containers (``module.to`` moves them in place), but
+    their parameters and buffers are in ``inside`` and never in ``found``: the move makes
+    the structure's references to them the module's moved tensors, and views of them views
+    of those. Iterative, each container looked into once, like :func:`shared_device`.
     """
     found: dict[int, torch.Tensor] = {}
     inside: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
     keep: list[Any] = []
-    owns = _gather([obj], found, seen, keep, skip_types, False)
+    modules: list[nn.Module] = []
+    owns = _gather([obj], found, seen, keep, skip_types, False, modules)
     if owns:
-        _gather(owns, inside, seen, keep, skip_types, True)
+        _gather(owns, inside, seen, keep, skip_types, True, modules)
         for key in found:
             inside.pop(key, None)
+    for module in modules:
+        for tensor in chain(module.parameters(), module.buffers()):
+            found.pop(id(tensor), None)
+            inside[id(tensor)] = tensor
     return found, inside, keep
 
 
@@ -619,9 +626,11 @@ def _gather(
     keep: list[Any],
     skip_types: tuple[type, ...],
     enter_own: bool,
+    modules: list[nn.Module],
 ) -> list[Any]:
-    """Tensors below ``stack`` into ``found``; the objects with their own ``.to`` met,
-    returned unopened (looked into, as containers, when ``enter_own``)."""
+    """Tensors below ``stack`` into ``found``, the modules met into ``modules``; the objects
+    with their own ``.to`` met, returned unopened (looked into, as containers, when
+    ``enter_own``)."""
     # Hand-specialised walk, its container cases written as shared_device's: change them
     # together; test_collect_finds_each_tensor_of_the_full_walk_once holds it to the full walk.
     fast_dict, fast_list, fast_tuple = (
@@ -645,10 +654,13 @@ def _gather(
         else:
             kind = _CACHE.get(tp) or kind_for(tp)
             role = kind.role
-            if role in (LEAF, MODULE) or (skip_types and isinstance(item, skip_types)):
+            if role == LEAF or (skip_types and isinstance(item, skip_types)):
                 continue
             if role == TENSOR:
                 found[id(item)] = item
+                continue
+            if role == MODULE:
+                modules.append(item)
                 continue
             if role == OWN and not enter_own:
                 owns.append(item)
