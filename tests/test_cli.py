@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -22,7 +23,7 @@ from devicectx import (
     resolve_device,
 )
 from devicectx.devices._cli import EXIT_BROKEN, EXIT_OK, EXIT_USAGE, format_report, main
-from devicectx.devices._report import ENV_VARS, gather_report
+from devicectx.devices._report import ENV_VARS, DeviceInfo, gather_report
 from devicectx.devices._resolve import accelerator_type
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -397,3 +398,41 @@ def test_problem_on_stderr_carries_the_rank() -> None:
 
     assert EXIT_BROKEN == result.returncode
     assert result.stderr.startswith("[rank 1] devicectx: ")
+
+
+def test_each_device_lists_the_dtypes_it_cannot_hold() -> None:
+    """The report gives each device the ordinary dtypes it cannot hold, by name: none for the
+    CPU; float64 and complex128 for a device playing MPS (the emulated accelerator's "mps"
+    profile), whose name and memory are listed too."""
+    assert () == gather_report().devices[0].missing_dtypes
+    runner = [sys.executable, "-m", "devicectx.testing.emulate", "--profile", "mps"]
+    done = subprocess.run(
+        [*runner, "-m", "devicectx", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode == 2 and "emulated accelerator" in done.stderr:
+        pytest.skip(done.stderr.splitlines()[0])
+    assert EXIT_OK == done.returncode, done.stderr
+    devices = json.loads(done.stdout)["devices"]
+    assert [
+        ("cpu", []),
+        ("emu:0", ["float64", "complex128"]),
+        ("emu:1", ["float64", "complex128"]),
+    ] == [(device["device"], device["missing_dtypes"]) for device in devices]
+    assert {"devicectx emulated accelerator"} == {device["name"] for device in devices[1:]}
+    assert all(isinstance(device["memory"], int) for device in devices[1:])
+
+
+def test_the_text_report_lists_missing_dtypes_and_a_small_memory_in_mib() -> None:
+    """A device line says which dtypes the device cannot hold, and a memory below 1 GiB (a
+    limit set for a test) in MiB, not as ``0.0 GiB``."""
+    report = gather_report()
+    mps_like = DeviceInfo("emu:0", "an MPS-like device", 64 * 2**20, None, ("float64",))
+    gpu = DeviceInfo("emu:1", "a GPU", 80 * 2**30, "9.0")
+    report = dataclasses.replace(report, devices=[report.devices[0], mps_like, gpu])
+    lines = format_report(report).splitlines()
+    assert any(line.endswith("emu:0  an MPS-like device, 64.0 MiB, no float64") for line in lines)
+    assert any(line.endswith("emu:1  a GPU, 80.0 GiB, capability 9.0") for line in lines)

@@ -105,3 +105,26 @@ def test_the_process_ends_as_python_ends_it(
     assert ["unflushed thread", "atexit"] == done.stdout.splitlines()
     if stderr_end is not None:
         assert done.stderr.rstrip().endswith(stderr_end)
+
+
+def test_a_missing_script_is_a_usage_error(tmp_path: Path) -> None:
+    """A script that does not exist: exit 2 and one line saying so, in python's words
+    (`python missing.py`), before the build, not runpy's traceback."""
+    missing = tmp_path / "missing.py"
+    done = subprocess.run(
+        [*RUNNER, "--devices", "1", str(missing), "--epochs", "1"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    python = subprocess.run(
+        [sys.executable, str(missing)], capture_output=True, text=True, check=False
+    )
+    assert (2, "") == (done.returncode, done.stdout)
+    assert [
+        f"python -m devicectx.testing.emulate: can't open file '{missing}': [Errno 2] No such "
+        "file or directory"
+    ] == done.stderr.splitlines()
+    assert python.stderr.partition(": ")[2] == done.stderr.partition(": ")[2]
+    assert python.returncode == done.returncode

@@ -10,6 +10,7 @@ sleeps or times anything: ``paused()`` holds queued work back.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -23,9 +24,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import python_output
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import devicectx
 from devicectx.testing import emulated
+from devicectx.testing import strategies as dst
 
 # The device's C++ meets torch's PrivateUse1 API, which changes between releases: CI builds
 # it and runs this file on every minor torch release.
@@ -946,3 +950,149 @@ def test_a_finished_build_is_imported_without_ninja(
     )
     assert "emu:0" == printed
     assert not ran.exists()
+
+
+# Printing on a device without float64.
+
+PRINTED = {
+    "float32": torch.tensor([1.5, -2.25, 3e-5]),
+    "float16": torch.tensor([1.5, 2.0, 1e4], dtype=torch.float16),
+    "bfloat16": torch.tensor([1.5, 1e9], dtype=torch.bfloat16),
+    "int64": torch.tensor([1, -20, 300]),
+    "int8": torch.tensor([[1, 2], [3, 4]], dtype=torch.int8),
+    "bool": torch.tensor([True, False]),
+    "complex64": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64),
+    "empty": torch.empty(0, 3),
+    "scalar": torch.tensor(2.5),
+    "int scalar": torch.tensor(7),
+    "not finite": torch.tensor([float("nan"), float("inf"), 0.0, 1.0]),
+    "summarized": torch.arange(2000.0).reshape(2, 1000),
+}
+
+
+@pytest.mark.parametrize("name", list(PRINTED))
+def test_the_mps_profile_prints_tensors_as_the_cuda_profile(emu: torch.device, name: str) -> None:
+    """Under "mps", repr() and str() of a tensor on the device print what they print under
+    "cuda" (torch's own printing, which computes in float64 there), as MPS prints its
+    tensors; float64 made by code on the device is still refused."""
+    tensor = PRINTED[name].to(emu)
+    parameter = torch.nn.Parameter(tensor, requires_grad=False)
+    with emulated.profile("cuda"):
+        expected = (repr(tensor), str(tensor), repr(parameter))
+    with emulated.profile("mps"):
+        printed = (repr(tensor), str(tensor), repr(parameter))
+        with pytest.raises(TypeError, match="doesn't support float64"):
+            tensor.double()
+    assert expected == printed
+    assert "device='emu:0'" in printed[0]
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=30)
+@given(
+    tensor=dst.tensors(
+        devices="cpu",
+        dtypes=[torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.complex64],
+        requires_grad=True,
+    )
+)
+def test_the_mps_profile_prints_any_tensor(emu: torch.device, tensor: torch.Tensor) -> None:
+    """Whatever the values, shape and dtype, a tensor on the device prints under "mps" as
+    under "cuda"."""
+    on_device = tensor.detach().to(emu).requires_grad_(tensor.requires_grad)
+    with emulated.profile("cuda"):
+        expected = repr(on_device)
+    with emulated.profile("mps"):
+        assert expected == repr(on_device)
+
+
+def test_a_failing_hypothesis_test_reports_its_failure_under_mps(emu: torch.device) -> None:
+    """A hypothesis test that fails on an example holding a tensor on the device reports
+    its own AssertionError, with the example printed, not a TypeError from printing it."""
+
+    @settings(max_examples=5, database=None, derandomize=True)
+    @given(x=dst.tensors(devices=str(emu), dtypes=[torch.float32], shapes=st.just((3,))))
+    def check(x: torch.Tensor) -> None:
+        assert (x > 5).any()
+
+    with emulated.profile("mps"), pytest.raises(AssertionError) as info:
+        check()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    # Hypothesis's words differ by release: "Falsifying example", "Failing test case".
+    assert re.search(r"(Falsifying example|Failing test case): check\(\n +x=tensor\(\[", notes)
+    assert "device='emu:0')" in notes
+
+
+# Random ops and generators.
+
+RANDOM_OPS = {
+    "randn": lambda g, d: torch.randn(3, generator=g, device=d),
+    "rand": lambda g, d: torch.rand(3, generator=g, device=d),
+    "randint": lambda g, d: torch.randint(0, 5, (3,), generator=g, device=d),
+    "randperm": lambda g, d: torch.randperm(5, generator=g, device=d),
+    "normal_": lambda g, d: torch.empty(3, device=d).normal_(generator=g),
+    "normal": lambda g, d: torch.normal(torch.zeros(3, device=d), 1.0, generator=g),
+    "uniform_": lambda g, d: torch.empty(3, device=d).uniform_(generator=g),
+    "bernoulli": lambda g, d: torch.bernoulli(torch.full((3,), 0.5, device=d), generator=g),
+    "multinomial": lambda g, d: torch.multinomial(torch.ones(4, device=d), 2, generator=g),
+    "exponential_": lambda g, d: torch.empty(3, device=d).exponential_(generator=g),
+    "poisson": lambda g, d: torch.poisson(torch.ones(3, device=d), generator=g),
+    "init.normal_": lambda g, d: torch.nn.init.normal_(torch.empty(3, device=d), generator=g),
+}
+
+
+@pytest.mark.parametrize("op", list(RANDOM_OPS))
+def test_a_random_op_refuses_a_cpu_generator(emu: torch.device, op: str) -> None:
+    """A random op on the device given a CPU torch.Generator raises RuntimeError, worded as
+    CUDA's ("Expected a 'cuda' device type for generator but found 'cpu'"), where the CPU
+    kernel it runs would take it; without generator=, it draws from the default one."""
+    make = RANDOM_OPS[op]
+    with pytest.raises(RuntimeError) as info:
+        make(torch.Generator().manual_seed(0), emu)
+    first, fix = str(info.value).splitlines()[:2]
+    assert first.startswith("Expected a 'emu' device type for generator but found 'cpu' (aten::")
+    assert first.endswith(
+        " on the emulated device, which refuses another device's generator as CUDA and MPS do)"
+    )
+    assert (
+        "fix: draw on the generator's device and move the numbers, "
+        "torch.randn(3, generator=g).to(device), or leave generator= out (the emulated device "
+        "has no torch.Generator of its own)"
+    ) == fix
+    assert emu == make(None, emu).device
+    assert make(torch.Generator(), "cpu").device.type == "cpu"
+
+
+def test_the_generator_fix_works(emu: torch.device) -> None:
+    """The fix the error prints runs: numbers drawn on the CPU's generator, then moved,
+    are the generator's numbers, on the device."""
+    g = torch.Generator().manual_seed(0)
+    drawn = torch.randn(3, generator=g).to(emu)
+    assert emu == drawn.device
+    assert torch.randn(3, generator=torch.Generator().manual_seed(0)).tolist() == drawn.tolist()
+
+
+# What the device report says of the device.
+
+
+@no_memory_limit_here
+def test_the_device_report_shows_missing_dtypes_and_the_memory_limit(emu: torch.device) -> None:
+    """The device report lists each emulated device with its name, the dtypes the profile
+    leaves out, and the memory limit (torch.emu.get_device_properties, as CUDA's)."""
+    from devicectx.devices._report import gather_report
+
+    with emulated.profile("mps"), emulated.configure(memory_limit=2**30):
+        report = gather_report()
+        properties = torch.emu.get_device_properties(EMU1)
+    emulated_devices = [info for info in report.devices if info.device.startswith("emu")]
+    assert [
+        ("emu:0", "devicectx emulated accelerator", 2**30, ("float64", "complex128")),
+        ("emu:1", "devicectx emulated accelerator", 2**30, ("float64", "complex128")),
+    ] == [(d.device, d.name, d.memory, d.missing_dtypes) for d in emulated_devices]
+    assert ("devicectx emulated accelerator", 2**30) == properties
+    report = gather_report()
+    assert [()] * 2 == [d.missing_dtypes for d in report.devices if d.device.startswith("emu")]
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert host == torch.emu.get_device_properties(emu).total_memory
+    with pytest.raises(ValueError, match="emu:2 does not exist") as info:
+        torch.emu.get_device_properties(2)
+    assert "fix: pass emu:0 to emu:1" == str(info.value).splitlines()[-1]

@@ -702,3 +702,50 @@ def test_bad_emulated_options_are_usage_errors(
     result = pytester.runpytest_inprocess(*options)
     assert pytest.ExitCode.USAGE_ERROR == result.ret
     assert expected == [line for line in result.errlines if line]
+
+
+def test_an_emulated_device_in_devices_without_the_option_says_how(
+    pytester: pytest.Pytester,
+) -> None:
+    """--devices=cpu,emu:0 in a run without the emulated accelerator stops with a usage error
+    whose fix turns it on (in a process of its own: this one may have it enabled)."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    result = pytester.runpytest_subprocess("--devices=cpu,emu:0")
+    assert pytest.ExitCode.USAGE_ERROR == result.ret
+    assert [
+        "ERROR: --devices=cpu,emu:0: 'emu:0' is a device of devicectx's emulated accelerator, "
+        "which is not enabled in this run",
+        "fix: pytest --devicectx-accelerator=emulated --devices=cpu,emu:0",
+    ] == [line for line in result.errlines if line]
+
+
+@pytest.mark.usefixtures("build_cache")
+def test_the_emulated_devices_option_fix_works(pytester: pytest.Pytester) -> None:
+    """The fix that error prints runs the test on the CPU and emu:0."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    result = pytester.runpytest_subprocess(
+        "--devicectx-accelerator=emulated", "--devices=cpu,emu:0", "-v"
+    )
+    if any("unavailable" in line for line in emulated_header(result)):
+        pytest.skip("\n".join(result.outlines[:12]))
+    result.assert_outcomes(passed=2)
+    for test_id in ["test_device[cpu]", "test_device[emu:0]"]:
+        assert any(f"{test_id} PASSED" in line for line in result.outlines), test_id
+
+
+def test_an_emulated_device_in_devices_is_skipped_when_the_build_fails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the emulated accelerator asked for and unbuildable, --devices=cpu,emu:0 runs the
+    CPU's test and skips emu:0's with the build's reason, as the fixture's own devices."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    result = pytester.runpytest_subprocess(
+        "--devicectx-accelerator=emulated", "--devices=cpu,emu:0", "-rs"
+    )
+    result.assert_outcomes(passed=1, skipped=1)
+    assert [
+        "SKIPPED [1] test_it.py: the emulated accelerator is unavailable: the emulated "
+        "accelerator is built at first use and needs a C++17 compiler: '/nonexistent/c++' is "
+        "not on PATH (--devices=cpu,emu:0)"
+    ] == [line for line in result.outlines if line.startswith("SKIPPED")]

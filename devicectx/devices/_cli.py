@@ -130,10 +130,18 @@ def _device_lines(report: DeviceReport) -> list[str]:
 def _describe(info: DeviceInfo) -> str:
     facts = [
         *([info.name] if info.name else []),
-        *([f"{info.memory / 2**30:.1f} GiB"] if info.memory is not None else []),
+        *([_memory_text(info.memory)] if info.memory is not None else []),
         *([f"capability {info.capability}"] if info.capability else []),
+        *([f"no {'/'.join(info.missing_dtypes)}"] if info.missing_dtypes else []),
     ]
     return ", ".join(facts)
+
+
+def _memory_text(nbytes: int) -> str:
+    # GiB for a GPU; a memory limit set for a test (the emulated device's) may be far less.
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.1f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _environment_line(environment: dict[str, str | None]) -> str:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch
 
 from devicectx._errors import DeviceError
 from devicectx.devices import _xla
+from devicectx.devices._capabilities import ORDINARY, missing_dtypes
 from devicectx.devices._resolve import ENV_VAR, _resolve, accelerator_type, available_devices
 from devicectx.move._distributed import job
 from devicectx.scope._stack import current_device
@@ -33,6 +35,11 @@ ENV_VARS = (
 
 # torchrun's variables that place a process in its job (whole numbers).
 JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+# Device types that hold every ordinary dtype, and whose devices are not asked: asking
+# (a one-element tensor per dtype) would create a context on every GPU, hundreds of MiB each,
+# in each process that prints the report (every rank of a job).
+_HOLDS_EVERY_DTYPE = frozenset({"cpu", "cuda"})
 
 _T = TypeVar("_T")
 
@@ -81,12 +88,17 @@ class DeviceInfo:
             (``torch.mps.recommended_max_memory()``); ``None`` for the CPU.
         capability: CUDA compute capability (``"9.0"``), ROCm architecture
             (``"gfx90a"``), or the CPU's vector extension (``"AVX2"``).
+        missing_dtypes: the ordinary dtypes the device cannot hold, by name
+            (``("float64", "complex128")`` on MPS), as :func:`~devicectx.supports_dtype`
+            answers; empty where it holds them all (the CPU, every CUDA and ROCm GPU), or
+            where the backend failed to answer.
     """
 
     device: str
     name: str | None
     memory: int | None
     capability: str | None
+    missing_dtypes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,6 +255,18 @@ def _cudnn_version() -> int | None:
 
 
 def _device_info(device: torch.device) -> DeviceInfo:
+    info = _properties(device)
+    missing = () if device.type in _HOLDS_EVERY_DTYPE else _guarded(lambda: _missing(device))
+    return dataclasses.replace(info, missing_dtypes=missing or ())
+
+
+def _missing(device: torch.device) -> tuple[str, ...]:
+    """The dtypes ``device`` cannot hold, by name, in :data:`ORDINARY`'s order."""
+    missing = missing_dtypes(device)
+    return tuple(str(dtype).removeprefix("torch.") for dtype in ORDINARY if dtype in missing)
+
+
+def _properties(device: torch.device) -> DeviceInfo:
     if device.type == "cpu":
         return DeviceInfo(
             device="cpu",

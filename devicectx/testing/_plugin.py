@@ -147,7 +147,7 @@ def pytest_configure(config: pytest.Config) -> None:
     text = config.getoption(_OPTION_DEST, default=None)
     if text is not None:
         # Parsed here, not at first use, so a bad spec stops the run before any test.
-        config.stash[_CHOICES] = _parse_devices_option(text)
+        config.stash[_CHOICES] = _parse_devices_option(text, _emulated_failure(config))
 
 
 @pytest.hookimpl(trylast=True)
@@ -287,10 +287,7 @@ def _emulated_failure(config: pytest.Config) -> str | None:
     return None if state is None else state.failure
 
 
-def _parse_devices_option(text: str) -> list[_Choice]:
-    from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
-    from devicectx.devices._resolve import resolve_device
-
+def _parse_devices_option(text: str, emulated_failure: str | None) -> list[_Choice]:
     items = [item.strip() for item in text.split(",")]
     if not all(items):
         msg = (
@@ -300,20 +297,37 @@ def _parse_devices_option(text: str) -> list[_Choice]:
         raise pytest.UsageError(msg)
     choices: list[_Choice] = []
     for item in items:
-        try:
-            device = resolve_device(item)
-        except InvalidDeviceError as error:
-            msg = (
-                f"--devices={text}: {error}\nfix: --devices=cpu,meta (devices separated by commas)"
-            )
-            raise pytest.UsageError(msg) from None
-        except DeviceUnavailableError as error:
-            choice = _Choice(item, None, f"{_first_line(error)} (--devices={text})")
-        else:
-            choice = _Choice(str(device), device)
+        choice = _listed_choice(item, text, emulated_failure)
         if all(choice.id != seen.id for seen in choices):
             choices.append(choice)
     return choices
+
+
+def _listed_choice(item: str, text: str, emulated_failure: str | None) -> _Choice:
+    """The device one item of ``--devices=text`` names, or why it is skipped; raises
+    ``pytest.UsageError`` for an item that names no device."""
+    from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
+    from devicectx.devices._resolve import resolve_device
+
+    if _names_emulated_off(item):
+        # torch knows the device type only once the emulated accelerator is registered.
+        if emulated_failure is None:
+            msg = (
+                f"--devices={text}: {item!r} is a device of devicectx's emulated accelerator, "
+                f"which is not enabled in this run\n"
+                f"fix: pytest --devicectx-accelerator={_EMULATED} --devices={text}"
+            )
+            raise pytest.UsageError(msg)
+        why = f"the emulated accelerator is unavailable: {_first_line(emulated_failure)}"
+        return _Choice(item, None, f"{why} (--devices={text})")
+    try:
+        device = resolve_device(item)
+    except InvalidDeviceError as error:
+        msg = f"--devices={text}: {error}\nfix: --devices=cpu,meta (devices separated by commas)"
+        raise pytest.UsageError(msg) from None
+    except DeviceUnavailableError as error:
+        return _Choice(item, None, f"{_first_line(error)} (--devices={text})")
+    return _Choice(str(device), device)
 
 
 def _missing_device(marker: pytest.Mark, emulated_failure: str | None) -> str | None:

@@ -16,7 +16,8 @@ Options before the script: ``--devices N`` (default 2), ``--delay-ms MS`` (defau
 ``--profile NAME`` (``mps``: a device without float64; see
 :data:`~devicectx.testing.emulated.PROFILES`), as :func:`~devicectx.testing.emulated.enable`
 takes them. Where the emulated accelerator
-cannot be built, it exits with status 2 and says why on stderr.
+cannot be built, it exits with status 2 and says why on stderr; so it does, in python's
+words, for a script that does not exist.
 
 The process ends as Python ends one (the script's exit status, or 1 and the traceback for
 an exception; non-daemon threads joined; ``atexit`` handlers run; output flushed), short of
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import os
 import runpy
 import sys
@@ -73,6 +75,15 @@ def main(argv: list[str] | None = None) -> None:
     options = parser.parse_args(ours)
     if not target or target == ["-m"]:
         parser.error("give a script to run, or -m MODULE")
+    if target[0] != "-m" and not os.path.exists(target[0]):
+        # Before the build, in python's own words and status (`python nonexist.py`).
+        path = os.path.abspath(target[0])
+        print(
+            f"{parser.prog}: can't open file {path!r}: [Errno {errno.ENOENT}] "
+            f"{os.strerror(errno.ENOENT)}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     try:
         emulated.enable(options.devices, delay_ms=options.delay_ms, profile=options.profile)
     except emulated.EmulatedUnavailable as error:

@@ -19,7 +19,9 @@ device that is not the CPU and has an accelerator's semantics:
   reads old bytes, and code overwriting a source too early sends new ones;
 - every op on the device waits for the device's current stream to drain, then runs on
   the CPU (the values are real); work on other streams is not waited for, so races
-  between streams show as they do on a GPU;
+  between streams show as they do on a GPU; a random op refuses a generator of another
+  device (a CPU ``torch.Generator``), as CUDA's do (the device has no generator of its
+  own: without ``generator=``, its ops draw from the CPU's default generator);
 - ``torch.accelerator``, ``devicectx.resolve_device("auto")``, ``available_devices()``
   and the pytest plugin see it (torch prefers a registered PrivateUse1 backend, so it is
   the accelerator even on a machine with a GPU); ``torch.autocast("emu")`` casts the ops
@@ -43,9 +45,9 @@ It plays the devices users have, by :data:`PROFILES` (``enable(profile="mps")``,
 
 - ``"cuda"`` (the default): every dtype, ``record_stream``, pinned memory, events;
 - ``"mps"``: no float64 and no complex128, as Apple's MPS: making such a tensor on the
-  device (a factory, ``.to()``, an op's result) raises ``TypeError`` with MPS's words;
-  and no ``Tensor.record_stream`` (``NotImplementedError``), as MPS and some other
-  backends;
+  device (a factory, ``.to()``, an op's result) raises ``TypeError`` with MPS's words
+  (printing a tensor works, as on MPS); and no ``Tensor.record_stream``
+  (``NotImplementedError``), as MPS and some other backends;
 - ``configure(memory_limit=bytes)``: each device holds that many bytes of live tensors;
   an allocation past it raises ``torch.OutOfMemoryError`` worded as CUDA's.
 
@@ -70,7 +72,7 @@ turned off: torch allows one PrivateUse1 backend per process, under one name.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType, TracebackType
 from typing import Any
@@ -478,6 +480,7 @@ def _register(devices: int) -> None:
     _device_module._extension = extension
     register_device_module(DEVICE_TYPE, _device_module)
     generate_methods_for_privateuse1_backend(for_storage=True)
+    _print_as_mps(extension)
     _extension = extension
     # torch's accelerator is now this one: forget what devicectx worked out before.
     from devicectx.move import _staging
@@ -485,3 +488,29 @@ def _register(devices: int) -> None:
 
     _stack.INDEX_READERS.clear()
     _staging.forget_accelerator()
+
+
+def _print_as_mps(extension: Any) -> None:
+    """Let ``repr()`` and ``str()`` print emu tensors where the device holds no float64, as
+    MPS's tensors print.
+
+    torch's printing converts a tensor's values to float64 to size its columns, on every
+    device but MPS, where it converts them to float32 (``torch/_tensor_str.py``). Without
+    this, an emu tensor under the "mps" profile would fail to print with the float64
+    ``TypeError``, and a failing test whose report shows one (pytest's assertion, a
+    hypothesis example) would report that error instead of its failure. Float64 is allowed
+    on the printing thread only while it prints: code that makes float64 on the device
+    still fails, as on MPS. It costs every tensor's ``repr`` one device check.
+    """
+    original: Callable[..., str] = torch.Tensor.__repr__
+
+    def __repr__(self: torch.Tensor, *, tensor_contents: Any = None) -> str:
+        if self.device.type != DEVICE_TYPE:
+            return original(self, tensor_contents=tensor_contents)
+        previous = extension.set_float64_for_printing(True)
+        try:
+            return original(self, tensor_contents=tensor_contents)
+        finally:
+            extension.set_float64_for_printing(previous)
+
+    torch.Tensor.__repr__ = __repr__  # type: ignore[method-assign, assignment]

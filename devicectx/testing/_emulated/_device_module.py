@@ -8,7 +8,8 @@ accepts. Registered with ``torch._register_device_module("emu", this module)``.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, NamedTuple
 
 import torch
 
@@ -75,6 +76,33 @@ class device:  # torch.cuda.device's name and form
     def __exit__(self, *exc_info: object) -> None:
         if self.index is not None:
             set_device(self.previous)
+
+
+class DeviceProperties(NamedTuple):
+    """What :func:`get_device_properties` reports, in ``torch.cuda``'s field names."""
+
+    name: str
+    total_memory: int
+    """The memory limit (``emulated.configure(memory_limit=...)``), else the host's memory,
+    which the device's memory is."""
+
+
+def get_device_properties(device: torch.device | str | int | None = None) -> DeviceProperties:
+    """The name and memory of an emulated device, as ``torch.cuda.get_device_properties``
+    gives a GPU's (the device report shows them)."""
+    index, count = _index(device), device_count()
+    if not 0 <= index < count:
+        msg = (
+            f"emu:{index} does not exist: there are {count} emulated devices\n"
+            f"fix: pass emu:0 to emu:{count - 1}"
+        )
+        raise ValueError(msg)
+    limit = int(_extension.memory_limit())
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return DeviceProperties(
+        name="devicectx emulated accelerator",
+        total_memory=limit or host,
+    )
 
 
 def synchronize(device: torch.device | str | int | None = None) -> None:

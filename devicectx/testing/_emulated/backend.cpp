@@ -372,11 +372,29 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 
 // ---- factories, views, metadata ----
 
+// torch's tensor printing (torch/_tensor_str.py) converts the values to float64 to size
+// the columns, on every device but MPS (and XPUs without float64), where it uses float32.
+// While Python prints an emu tensor (emulated.py wraps Tensor.__repr__), this thread may
+// make float64 tensors, so that the device prints as MPS does; the values printed are the
+// tensor's own either way.
+thread_local bool tls_printing = false;
+
+}  // namespace
+
+bool set_float64_for_printing(bool value) {
+  bool previous = tls_printing;
+  tls_printing = value;
+  return previous;
+}
+
+namespace {
+
 // Playing a device without float64 and complex128 (configure(float64=False), the "mps"
 // profile): every tensor of the device is made here, so refusing the dtype here refuses
 // it everywhere (a factory, .to(), an op's result), with MPS's error type and words.
 void check_dtype(c10::ScalarType dtype) {
-  if (float64_enabled() || (dtype != at::kDouble && dtype != at::kComplexDouble)) {
+  bool wide = dtype == at::kDouble || dtype == at::kComplexDouble;
+  if (!wide || float64_enabled() || tls_printing) {
     return;
   }
   bool complex = dtype == at::kComplexDouble;
@@ -520,6 +538,25 @@ bool checks_per_position(const c10::FunctionSchema& schema) {
   return name.rfind("aten::_foreach_", 0) == 0 || name.rfind("aten::_fused_", 0) == 0;
 }
 
+// A random operator on the device with a generator of another device (a CPU
+// torch.Generator): CUDA's and MPS's kernels refuse it (check_generator), in these words.
+// The CPU kernel that the fallback runs would take it, hiding code that fails on a GPU.
+void check_generator(const c10::FunctionSchema& schema, const at::Generator& generator) {
+  if (!generator.defined() || generator.device().type() == kEmu) {
+    return;
+  }
+  TORCH_CHECK(
+      false,
+      "Expected a 'emu' device type for generator but found '",
+      c10::DeviceTypeName(generator.device().type(), /*lower_case=*/true),
+      "' (",
+      schema.name(),
+      " on the emulated device, which refuses another device's generator as CUDA and MPS "
+      "do)\nfix: draw on the generator's device and move the numbers, "
+      "torch.randn(3, generator=g).to(device), or leave generator= out (the emulated device "
+      "has no torch.Generator of its own)");
+}
+
 // Every other operator: on the CPU, after the streams of the devices involved drained, once
 // its tensors were found on one device (SameDevice).
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -537,7 +574,9 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   };
   for (size_t i = 0; i < count; ++i) {
     const c10::IValue& value = arguments[i];
-    if (value.isTensor()) {
+    if (value.isGenerator()) {
+      check_generator(schema, value.toGenerator());
+    } else if (value.isTensor()) {
       drain(value.toTensor());
       same.check(common, value.toTensor(), i);
     } else if (value.isTensorList()) {

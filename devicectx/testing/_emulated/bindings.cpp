@@ -45,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_record_stream_enabled", &emu::set_record_stream_enabled);
   m.def("memory_limit", &emu::memory_limit);
   m.def("set_memory_limit", &emu::set_memory_limit);
+  m.def("set_float64_for_printing", &emu::set_float64_for_printing);
   m.def("set_paused", &emu::set_paused);
   m.def("is_paused", &emu::is_paused);
   m.def("memory_allocated", &emu::memory_allocated);

@@ -46,6 +46,9 @@ bool record_stream_enabled();
 void set_record_stream_enabled(bool value);
 int64_t memory_limit();
 void set_memory_limit(int64_t bytes);
+// Float64 on the calling thread even where float64_enabled() is false, for torch's tensor
+// printing (backend.cpp says why); returns the previous value.
+bool set_float64_for_printing(bool value);
 
 // Devices. The count is fixed once, before the backend is registered.
 int device_count();
