@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
-from helpers import python_output
+from helpers import accelerator, python_output
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.nn.modules import module as torch_module
@@ -649,3 +649,24 @@ def test_reports_match_the_stray_calls(calls: list[tuple[str, bool]], raising: b
     reported = [(str(w.message).split(" at ")[0], w.lineno) for w in caught]
     assert expected == reported
     assert [__file__] * len(expected) == [w.filename for w in caught]
+
+
+@pytest.mark.requires_device("accelerator")
+def test_generator_fix_runs_on_the_block_device() -> None:
+    """The fix for a stray generator is one the block's device takes: a generator on it
+    where its backend makes one (CUDA), else no generator (the emulated device, which
+    refuses a CPU generator as CUDA does and has none of its own); followed, nothing is
+    reported."""
+    device = accelerator()
+    gen = torch.Generator()
+    block = on_device(device, audit="raise")
+    with pytest.raises(StrayTensorError) as caught, block:
+        torch.randn(2, generator=gen)
+    fix = str(caught.value).rpartition("fix: ")[2]
+    with on_device(device, audit="raise"):
+        if fix.startswith("leave generator= out"):
+            made = torch.randn(2)
+        else:
+            assert f'gen = torch.Generator(device="{device}")' == fix
+            made = torch.randn(2, generator=torch.Generator(device=device))
+    assert device == made.device

@@ -228,6 +228,11 @@ class Auditor:
             fix = "leave generator= out on meta; on an accelerator, " + fix.replace(
                 '"meta"', "<the block's device>"
             )
+        elif not _has_generators(block):  # a backend without generators of its own
+            fix = (
+                f"leave generator= out ({block} has no torch.Generator of its own; seed its "
+                "default one with torch.manual_seed)"
+            )
         op = _op_name(func)
         _report(level, op, f"{used} (on {generator.device})", block, fix, user_calls=True)
 
@@ -409,3 +414,13 @@ def _name_in_caller(value: object) -> str | None:
             if held is value:
                 return name
     return None
+
+
+def _has_generators(device: torch.device) -> bool:
+    """Whether ``torch.Generator(device=...)`` can be made for ``device`` (not for every
+    backend registered out of tree, the emulated accelerator among them)."""
+    try:
+        torch.Generator(device=device)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
