@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,7 @@ from devicectx import (
 )
 from devicectx.decorator._target import module_devices
 from devicectx.move._unseen import unseen_tensors
+from devicectx.testing import assert_device_agnostic
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -512,8 +514,8 @@ def test_a_module_tensor_that_is_no_buffer_is_named_with_the_buffer_fix() -> Non
         "    cpu <- self.offset (a plain attribute of Offset, not a buffer)",
         "target meta (from the parameters of self (Offset))",
         "torch said: Tensor on device cpu is not on the expected device meta!",
-        'fix: self.register_buffer("offset", ...) in Offset.__init__, not self.offset = ..., '
-        "so that self.to(...) moves it",
+        'fix: self.register_buffer("offset", ..., persistent=False) in Offset.__init__, not '
+        "self.offset = ..., so that self.to(...) moves it",
     ] == lines_of(error)
 
 
@@ -555,8 +557,8 @@ def test_the_buffer_fix_names_a_listed_block_by_its_index() -> None:
         "    cpu <- model.blocks[0].shift (a plain attribute of Shifted, not a buffer)",
         "target meta (from the parameters of model (Stack))",
         "torch said: Tensor on device cpu is not on the expected device meta!",
-        'fix: self.register_buffer("shift", ...) in Shifted.__init__, not self.shift = ..., '
-        "so that model.blocks[0].to(...) moves it",
+        'fix: self.register_buffer("shift", ..., persistent=False) in Shifted.__init__, not '
+        "self.shift = ..., so that model.blocks[0].to(...) moves it",
     ] == lines_of(error)
 
 
@@ -976,7 +978,7 @@ class ConfiguredBuffer(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("scale", torch.ones(2))
+        self.register_buffer("scale", torch.ones(2), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.scale
@@ -989,9 +991,9 @@ def test_a_plain_object_in_a_module_attribute_gets_the_buffer_fix() -> None:
         applied(Configured(), on_meta(2))
     assert "    cpu <- model.cfg.scale (in Settings)" == lines_of(error)[1]
     assert lines_of(error)[-1] == (
-        'fix: self.register_buffer("scale", ...) in Configured.__init__, read as self.scale, '
-        "not self.cfg.scale, so that model.to(...) moves it (.to does not look into plain "
-        "attributes)"
+        'fix: self.register_buffer("scale", ..., persistent=False) in Configured.__init__, '
+        "read as self.scale, not self.cfg.scale, so that model.to(...) moves it (.to does not "
+        "look into plain attributes)"
     )
     assert META == applied(ConfiguredBuffer().to("meta"), on_meta(2)).device
 
@@ -1069,3 +1071,168 @@ def test_the_fix_for_nested_plain_objects_runs_as_printed(
     with printed_fix_run(fix, {cls.__qualname__: cls for cls in classes}) as registered:
         assert classes == registered
         assert META == run(on_meta(2), value).device
+
+
+# A tensor a module holds as a plain attribute, alone or in a list or dict: the fix makes
+# each a non-persistent buffer (register_buffer takes one tensor, and a checkpoint saved
+# before, which never held it, must still load).
+
+
+def printed_call(fix: str) -> str:
+    """The ``self.register_buffer(...)`` call a fix line prints, as printed."""
+    found = re.search(r"self\.register_buffer\([^)]*\)", fix)
+    assert found is not None, fix
+    return found[0]
+
+
+def registered_as_printed(module: nn.Module, fix: str) -> None:
+    """Runs the ``register_buffer`` call of a fix line on ``module``, as printed, with its
+    ``...`` a tensor."""
+    exec(printed_call(fix).replace("...", "torch.ones(2)"), {"self": module, "torch": torch})
+
+
+def test_the_buffer_fix_keeps_a_checkpoint_saved_before_it_loading() -> None:
+    """The buffer the fix registers, run as printed, is non-persistent: the tensor was never
+    in the ``state_dict``, so a checkpoint saved from the module as it was loads into the
+    fixed one with ``strict=True``, and the call succeeds. Also for a tensor in a plain
+    object the module holds."""
+    with pytest.raises(DeviceMismatchError) as error:
+        Offset().to("meta")(on_meta(2))
+    fixed = Offset()
+    del fixed.offset
+    registered_as_printed(fixed, lines_of(error)[-1])
+    fixed.load_state_dict(Offset().state_dict(), strict=True)
+    assert META == fixed.to("meta")(on_meta(2)).device
+    with pytest.raises(DeviceMismatchError) as error:
+        applied(Configured(), on_meta(2))
+    configured = Configured()
+    registered_as_printed(configured, lines_of(error)[-1])
+    configured.load_state_dict(Configured().state_dict(), strict=True)
+
+
+class Held(nn.Module):
+    """A module holding constants in a container set as a plain attribute, ``consts``; its
+    forward adds what ``reads`` (code, ``self.consts[0]``) reach."""
+
+    def __init__(self, consts: object, reads: list[str]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.consts = consts
+        self.reads = reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + sum(eval(read, {"self": self}) for read in self.reads)
+
+
+def buffers_of(fix: str) -> list[tuple[str, str]]:
+    """``(buffer, read)`` for each tensor a container's buffer fix names: the buffer to
+    register and the code it replaces (``self.consts[0]``), the first, then each likewise."""
+    found = re.fullmatch(
+        r'fix: self\.register_buffer\("(\w+)", \.\.\., persistent=False\) in Held\.__init__, '
+        r"read as self\.\1, not (.+?)(?: \(likewise (.+)\))?, so that \w+\.to\(\.\.\.\) "
+        r"moves (?:it|them) \(\.to does not look into plain attributes\)",
+        fix,
+    )
+    assert found is not None, fix
+    likewise = [item.partition(" for ") for item in found[3].split(", ")] if found[3] else []
+    return [(found[1], found[2])] + [(buffer, read) for buffer, _, read in likewise]
+
+
+def rewritten(model: Held, fix: str) -> Held:
+    """``model`` rewritten as the fix says: its ``register_buffer`` call run as printed for
+    each tensor (``...`` that tensor; a likewise with its own name), each read replaced by
+    the buffer, and the container gone."""
+    call, buffers = printed_call(fix), buffers_of(fix)
+    fixed = copy.deepcopy(model)
+    for buffer, read in buffers:
+        named = call.replace(f'"{buffers[0][0]}"', f'"{buffer}"')
+        exec(named.replace("...", read), {"self": fixed})
+    del fixed.consts
+    instead = {read: f"self.{buffer}" for buffer, read in buffers}
+    fixed.reads = [instead.get(read, read) for read in fixed.reads]
+    return fixed
+
+
+# The likewise part names this many tensors after the first, then "and N more".
+LIKEWISE = 3
+
+
+@st.composite
+def held_constants(draw: st.DrawFn) -> tuple[object, list[str]]:
+    """A container of 1 to 4 tensors (a fix names them all) for :class:`Held`, and the code
+    that reads each: a list, a tuple, a set (read ``list(self.consts)[0]``), or a dict whose
+    keys may have no letter, be written alike once made names (``'a-b'``, ``'a_b'``), or be
+    ints."""
+    way = draw(st.sampled_from(["list", "tuple", "set", "dict"]))
+    count = draw(st.integers(1, 1 + LIKEWISE))
+    tensors = [torch.full((2,), float(i)) for i in range(count)]
+    if way == "set":
+        return set(tensors), [f"list(self.consts)[{i}]" for i in range(count)]
+    if way != "dict":
+        consts = tensors if way == "list" else tuple(tensors)
+        return consts, [f"self.consts[{i}]" for i in range(count)]
+    key = st.text(alphabet="ab_-. 0", max_size=3) | st.integers(-2, 12)
+    keys = draw(st.lists(key, min_size=count, max_size=count, unique=True))
+    return dict(zip(keys, tensors, strict=True)), [f"self.consts[{k!r}]" for k in keys]
+
+
+@given(held=held_constants())
+def test_tensors_in_a_list_or_dict_attribute_get_a_buffer_each_as_printed(
+    held: tuple[object, list[str]],
+) -> None:
+    """A list, tuple, set or dict of tensors set as a module attribute: ``register_buffer`` of
+    the container is refused by torch, so the fix registers one buffer per tensor, named for
+    its place, read in its place. Rewritten as printed, the call succeeds, and a checkpoint
+    saved before loads with ``strict=True``."""
+    consts, reads = held
+    model = Held(consts, reads).to("meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        applied(model, on_meta(2))
+    fix = lines_of(error)[-1]
+    assert reads == [read for _, read in buffers_of(fix)]
+    fixed = rewritten(model, fix).to("meta")
+    assert META == applied(fixed, on_meta(2)).device
+    fixed.load_state_dict(model.state_dict(), strict=True)
+
+
+def test_a_list_attribute_of_tensors_is_named_with_a_buffer_each() -> None:
+    """The error for a list of tensors set as a module attribute, every line; past
+    the first and three more, the rest are counted."""
+    model = Held([torch.ones(2), torch.zeros(2)], ["self.consts[0]", "self.consts[1]"])
+    model.to("meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        applied(model, on_meta(2))
+    assert [
+        "applied() failed in torch on tensors @device_agnostic cannot see into:",
+        "    cpu <- model.consts[0] (a plain attribute of Held, not a buffer), model.consts[1] "
+        "(a plain attribute of Held, not a buffer)",
+        'target meta (from @device_agnostic(device="meta"))',
+        f"torch said: {error.value.__cause__}",
+        'fix: self.register_buffer("consts_0", ..., persistent=False) in Held.__init__, read '
+        "as self.consts_0, not self.consts[0] (likewise consts_1 for self.consts[1]), so that "
+        "model.to(...) moves them (.to does not look into plain attributes)",
+    ] == lines_of(error)
+    many = Held([torch.ones(2) for _ in range(6)], [f"self.consts[{i}]" for i in range(6)])
+    many.to("meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        applied(many, on_meta(2))
+    assert (
+        "(likewise consts_1 for self.consts[1], consts_2 for self.consts[2], consts_3 for "
+        "self.consts[3] and 2 more), so that"
+    ) in lines_of(error)[-1]
+
+
+def test_assert_device_agnostic_gives_the_buffer_fix_for_a_dict_attribute() -> None:
+    """``assert_device_agnostic`` names tensors in a dict attribute with the same fix;
+    the module rewritten as printed passes it."""
+    consts = {"w": torch.ones(2), "b": torch.zeros(2)}
+    model = Held(consts, ["self.consts['w']", "self.consts['b']"])
+    with pytest.raises(AssertionError) as error:
+        assert_device_agnostic(model, torch.ones(3, 2), devices=["cpu", "meta"])
+    fix = lines_of(error)[-1]
+    assert fix == (
+        'fix: self.register_buffer("consts_w", ..., persistent=False) in Held.__init__, read '
+        "as self.consts_w, not self.consts['w'] (likewise consts_b for self.consts['b']), so "
+        "that self.to(...) moves them (.to does not look into plain attributes)"
+    )
+    assert_device_agnostic(rewritten(model, fix), torch.ones(3, 2), devices=["cpu", "meta"])

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import accelerator
+from helpers import accelerator, mps_like
 from move_subjects import CountingTo, Frozen, Holder, Pair
 from torch import nn
 
@@ -28,6 +28,8 @@ from devicectx.testing import emulated
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
+
+pytest_plugins = ["pytester"]
 
 
 # Errors.
@@ -335,3 +337,59 @@ def test_a_model_offloaded_by_accelerate_is_left_to_its_own_refusal() -> None:
         to_device(model, "cpu")
     assert "to_empty" not in str(raised.value).splitlines()[-1]
     assert str(raised.value).startswith("to_device() could not move obj (a Linear) to cpu:")
+
+
+# Tracebacks: pytest shows the line that called and the message, not the engine's frames.
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_refused_move_shows_the_callers_line_and_no_engine_frame(
+    pytester: pytest.Pytester,
+) -> None:
+    """A ``DtypeUnsupportedError`` raised by ``to_device`` in a user's test, the error for a
+    ``dtypes=`` that is no policy, a device that does not exist and an object's own ``.to``
+    that fails: pytest's report (locals shown) points at the
+    test's line, with our message, and shows no frame of the move engine."""
+    with mps_like() as device:
+        pytester.makepyfile(
+            test_user=f"""
+            import torch
+            from devicectx import to_device
+
+            def test_refused():
+                to_device({{"x": torch.ones(2, dtype=torch.float64)}}, "{device}")
+
+            def test_no_policy():
+                to_device(torch.ones(2), "cpu", dtypes="bogus")
+
+            def test_no_such_device():
+                to_device(torch.ones(2), "cpu:1")
+
+            class Bad:
+                def to(self, *args, **kwargs):
+                    raise RuntimeError("boom")
+
+            def test_its_own_to_fails():
+                to_device({{"b": Bad()}}, "meta")
+            """
+        )
+        done = pytester.runpytest_inprocess("--showlocals", "-p", "no:cacheprovider")
+    done.assert_outcomes(failed=4)
+    report = done.stdout.str()
+    done.stdout.fnmatch_lines(
+        [
+            '>       to_device({"x": torch.ones(2, dtype=torch.float64)}, *',
+            "E       devicectx.DtypeUnsupportedError: to_device() cannot move a tensor to *",
+            "E           torch.float64 <- obj['x']",
+            "test_user.py:5: DtypeUnsupportedError",
+            '>       to_device(torch.ones(2), "cpu", dtypes="bogus")',
+            "E       ValueError: dtypes='bogus' is no dtype policy: *",
+            "test_user.py:8: ValueError",
+            '>       to_device(torch.ones(2), "cpu:1")',
+            "E       devicectx.DeviceUnavailableError: device 'cpu:1' is not available: *",
+            '>       to_device({"b": Bad()}, "meta")',
+            "E       devicectx.MoveError: to_device() could not move obj* (a Bad) to meta:",
+        ]
+    )
+    for engine in ("_dtypes.py", "_move.py", "_rebuild.py", "_resolve.py"):
+        assert engine not in report

@@ -74,6 +74,7 @@ def resolve_device(spec: DeviceLike = "auto") -> torch.device:
     ``on_device("meta")`` is entered at every call of a function, and a decorated call
     resolves its ``device=`` at every call.
     """
+    __tracebackhide__ = True  # errors point at the caller's line
     device = _known(spec)
     return _resolve(spec)[0] if device is None else device
 
@@ -147,6 +148,7 @@ def _known(spec: object) -> torch.device | None:
 
 def _resolve(spec: object) -> tuple[torch.device, str]:
     """Resolve ``spec``, and say why in words."""
+    __tracebackhide__ = True  # errors point at the caller's line
     if spec is None or (isinstance(spec, str) and spec.strip() == "auto"):
         return _auto()
     return _explicit(spec), f"asked for {_show(spec)}"
@@ -225,6 +227,7 @@ def _parse_local_rank(value: str) -> int:
 
 def _explicit(spec: object) -> torch.device:
     """Resolve anything but ``"auto"``: parse, then check the device exists."""
+    __tracebackhide__ = True  # errors point at the caller's line
     device = _parse(spec)
     if device.type == "cpu":
         if device.index not in (None, 0):

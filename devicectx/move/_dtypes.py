@@ -112,6 +112,8 @@ class Policy:
 
         ``values``: what ``obj`` holds, for the quick look (default: ``obj`` itself).
         """
+        # Our frames, hidden from pytest's report: it shows the caller's line and our message.
+        __tracebackhide__ = True
         skip_types = () if skip is None else skip.types
         # A quick look first (a batch with nothing to cast is the common case): the walk
         # that rebuilds costs several times more than one that only reads.
@@ -238,6 +240,7 @@ def policy_for(dtypes: DtypesLike, device: torch.device) -> Policy | None:
     Raises:
         ValueError, TypeError: ``dtypes`` is no policy (said with the fix).
     """
+    __tracebackhide__ = True
     if dtypes is None or (isinstance(dtypes, str) and dtypes == "device"):
         if holds_every_dtype(device):  # most devices: nothing kept, nothing for dynamo to trace
             return None
@@ -276,6 +279,7 @@ def cast_batch(
     batch: T, device: torch.device, dtypes: DtypesLike, skip: Skip | None, index: int
 ) -> T:
     """:func:`~devicectx.prefetch`'s batch ``index`` with the policy's casts made."""
+    __tracebackhide__ = True
     policy = policy_for(dtypes, device)
     if policy is None:
         return batch
@@ -296,6 +300,7 @@ def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
         ValueError: a string other than ``"device"``.
         TypeError: anything else that is no mapping of ``torch.dtype`` to ``torch.dtype``.
     """
+    __tracebackhide__ = True
     if dtypes is None:
         return {}
     if isinstance(dtypes, str):

@@ -228,6 +228,8 @@ def to_device(
           ``MoveError`` (it is never turned into another type, nor left half-moved):
           teach it with :func:`register_container`, or ``skip`` it.
     """
+    # Our frames, hidden from pytest's report: it shows the caller's line and our message.
+    __tracebackhide__ = True
     cacheable = isinstance(device, (str, torch.device))
     target = _RESOLVED.get(device) if cacheable else None  # type: ignore[arg-type]
     if target is None:
@@ -288,6 +290,7 @@ def move_to(
     Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
     passed twice becomes one moved tensor.
     """
+    __tracebackhide__ = True
     if skip is None and dtypes is None and holds_every_dtype(device):
         if _nothing_to_move(obj, device, ()):
             return obj
@@ -331,6 +334,7 @@ def move_call(
     :func:`move_to`. ``dtypes`` is the dtype policy; its error's fix is written for
     ``@device_agnostic``.
     """
+    __tracebackhide__ = True
     compiled = compile_skip(skip, "")
     policy = policy_for(dtypes, device)
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
@@ -374,6 +378,7 @@ def _move(
     check_repeats: bool = True,
     handed: _staging.HandedTo | None = None,
 ) -> T:
+    __tracebackhide__ = True
     # The one test of torch.compile on the eager path (the accounting below made it).
     compiling = _is_compiling()
     if compiling and (skip is None or not skip.slow):

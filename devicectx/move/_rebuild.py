@@ -203,6 +203,7 @@ class Rebuild:
 
     def run(self, root: Any) -> Any:
         """The rebuilt ``root``."""
+        __tracebackhide__ = True  # errors point at the caller's line
         self.root = self.top = root
         try:
             if self.skip is not None and self.skip.slow:

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable, Sequence
 from itertools import chain
 from typing import Any, NamedTuple
@@ -284,7 +285,7 @@ def fix_for(
     holders = first.holders or ((first.holder, first.holder_path),)
     root, root_path = holders[0]
     if issubclass(root, nn.Module):
-        return _buffer_fix(first, root, root_path)
+        return _buffer_fix(first, root, root_path, unseen)
     group = [
         u
         for u in unseen
@@ -309,15 +310,22 @@ def _register(tp: type, names: Sequence[str]) -> str:
     return f"register_container({tp.__qualname__}, children=lambda obj: [{listed}], rebuild=...)"
 
 
-def _buffer_fix(first: Unseen, module: type, at: str) -> str:
-    """The fix for a tensor a module's ``.to`` does not move: a buffer of the module."""
-    name = _attribute_of(first.path[len(first.holder_path) + 1 :])
+def _buffer_fix(first: Unseen, module: type, at: str, unseen: Sequence[Unseen]) -> str:
+    """The fix for a tensor a module's ``.to`` does not move: a buffer of the module.
+
+    Non-persistent: the tensor was never in the module's ``state_dict``, and a persistent
+    buffer would make ``load_state_dict`` of every checkpoint saved before miss it.
+    """
     if first.holder is not module:  # in a plain object that a plain attribute holds
+        name = _attribute_of(first.path[len(first.holder_path) + 1 :])
         return (
-            f'self.register_buffer("{name}", ...) in {module.__qualname__}.__init__, read as '
-            f"self.{name}, not self{first.path[len(at) :]}, so that {at}.to(...) moves it "
+            f'self.register_buffer("{name}", ..., persistent=False) in '
+            f"{module.__qualname__}.__init__, read as self.{name}, not "
+            f"{_read(first.path, at)[0]}, so that {at}.to(...) moves it "
             f"(.to does not look into plain attributes)"
         )
+    below = _read(first.path, at)[1]
+    name = _attribute_of(below)
     if first.shared_by is not None:
         owner = first.shared_by if issubclass(first.shared_by, nn.Module) else module
         return (
@@ -326,10 +334,61 @@ def _buffer_fix(first: Unseen, module: type, at: str) -> str:
             f"{first.shared_by.__qualname__}.{name} (one tensor, shared by every instance), "
             f"so that {at}.to(...) moves it"
         )
+    if below != name:  # in a list, dict or other container held as a plain attribute
+        return _buffers_fix(first, module, at, name, unseen)
     return (
-        f'self.register_buffer("{name}", ...) in {module.__qualname__}.__init__, not '
-        f"self.{name} = ..., so that {at}.to(...) moves it"
+        f'self.register_buffer("{name}", ..., persistent=False) in {module.__qualname__}'
+        f".__init__, not self.{name} = ..., so that {at}.to(...) moves it"
     )
+
+
+# Tensors of one container attribute named in the fix after the first, before "and N more".
+_MAX_LIKEWISE = 3
+
+
+def _buffers_fix(first: Unseen, module: type, at: str, name: str, unseen: Sequence[Unseen]) -> str:
+    """The fix for tensors in a container a module holds as a plain attribute
+    (``self.consts = [...]``): a buffer for each, named for its place (``consts_0``).
+    ``register_buffer`` takes a tensor, not the container; a ``ParameterList`` would add
+    them to ``parameters()`` (an optimizer's) and to the ``state_dict``."""
+    reads = [
+        _read(u.path, at)
+        for u in unseen
+        if u.module is None and u.shared_by is None and u.holders == first.holders
+    ]
+    buffers: list[tuple[str, str]] = []
+    used = {name}
+    for read, below in dict.fromkeys(r for r in reads if _attribute_of(r[1]) == name):
+        buffer = _identifier(below)
+        while buffer in used:  # a key with no letter or digit, or written like another's
+            buffer = f"{buffer}_"
+        used.add(buffer)
+        buffers.append((buffer, read))
+    (buffer, read), rest = buffers[0], buffers[1:]
+    fix = (
+        f'self.register_buffer("{buffer}", ..., persistent=False) in '
+        f"{module.__qualname__}.__init__, read as self.{buffer}, not {read}"
+    )
+    if rest:
+        shown = ", ".join(f"{buffer} for {read}" for buffer, read in rest[:_MAX_LIKEWISE])
+        more = len(rest) - _MAX_LIKEWISE
+        fix = f"{fix} (likewise {shown}{f' and {more} more' if more > 0 else ''})"
+    them = "them" if rest else "it"
+    return f"{fix}, so that {at}.to(...) moves {them} (.to does not look into plain attributes)"
+
+
+def _read(path: str, at: str) -> tuple[str, str]:
+    """How the code of the module at ``at`` reads the tensor at ``path``, and the part
+    below ``self.``: ``("self.consts[0]", "consts[0]")``; a set's member is read
+    ``list(self.consts)[0]``."""
+    wrapped, _, below = path.partition(f"{at}.")
+    return f"{wrapped}self.{below}", below
+
+
+def _identifier(below: str) -> str:
+    """A buffer name for a place below a module: ``consts_0`` for ``consts[0]``,
+    ``consts_w`` for ``consts['w']``."""
+    return "_".join(part for part in re.split(r"\W+", below) if part)
 
 
 def _attribute_of(path: str) -> str:
