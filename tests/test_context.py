@@ -8,11 +8,12 @@ import inspect
 import pickle
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import pytest
 import torch
-from helpers import python_output
+from helpers import accelerator, python_output
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.overrides import _get_current_function_mode_stack
@@ -937,3 +938,189 @@ def test_an_on_device_object_pickles_as_what_it_is_made_of() -> None:
     with copy:
         assert torch.zeros(1).device == torch.device("meta")
     assert torch.zeros(1).device == torch.device("cpu")
+
+
+# ---- the accelerator's current index, in threads that run a copy of the context ----
+
+
+def _two_indices() -> tuple[torch.device, torch.device]:
+    """Devices 0 and 1 of the accelerator; the test skips where it has one."""
+    if torch.accelerator.device_count() < 2:
+        pytest.skip("needs an accelerator with two devices (the emulated one has two)")
+    return accelerator(0), accelerator(1)
+
+
+def _index() -> int:
+    return torch.accelerator.current_device_index()
+
+
+def _in_a_copy(how: str, fn: Callable[[], T]) -> T:
+    """``fn()`` run in another thread, in a copy of this thread's context."""
+    if how == "asyncio.to_thread":
+
+        async def main() -> T:
+            return await asyncio.to_thread(fn)
+
+        return asyncio.run(main())
+    context = contextvars.copy_context()
+    if how == "a pool":
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(context.run, fn).result()
+    results: list[T] = []
+    thread = threading.Thread(target=context.run, args=(lambda: results.append(fn()),))
+    thread.start()
+    thread.join()
+    return results[0]
+
+
+_COPIES = ["asyncio.to_thread", "a pool", "a thread"]
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("how", _COPIES)
+@pytest.mark.parametrize("block", ["changes the index", "nested in one", "on the index already"])
+def test_a_thread_running_a_copy_of_the_context_follows_the_blocks_index(
+    how: str, block: str
+) -> None:
+    """Code run in a copy of a block's context (asyncio.to_thread, copy_context().run in a
+    thread or a pool) gets the block's index current with its device, from its first
+    tensor on: also inside a block nested on the same device, and where the block's thread
+    had that index current already (under torchrun); the block's thread is unchanged."""
+    _, second = _two_indices()
+
+    def work() -> tuple[torch.device, int]:
+        return allocated(), _index()
+
+    try:
+        if block == "on the index already":
+            torch.accelerator.set_device_index(1)
+        with on_device(second):
+            if block == "nested in one":
+                with on_device(second):
+                    seen = _in_a_copy(how, work)
+            else:
+                seen = _in_a_copy(how, work)
+            assert 1 == _index()
+    finally:
+        torch.accelerator.set_device_index(0)
+    assert (second, 1) == seen
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("first", ["get_default_device", "a decorated call"])
+def test_the_index_follows_at_the_first_read_of_the_scope(first: str) -> None:
+    """torch.get_default_device(), or a decorated call on the block's device, in the copy
+    makes the index current as a constructor does."""
+    _, second = _two_indices()
+
+    @device_agnostic(device=second)
+    def body() -> int:
+        return _index()
+
+    def work() -> int:
+        if first == "get_default_device":
+            assert second == torch.get_default_device()
+            return _index()
+        return body()
+
+    with on_device(second):
+        assert 1 == _in_a_copy("asyncio.to_thread", work)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_pool_thread_has_its_own_index_back_for_its_next_job() -> None:
+    """The pool's thread that ran a job in a copy of a block's context has its own index
+    back for the next job, in the block or after it; run_in_executor copies no context,
+    and its job sees no block (as a thread started in a block)."""
+    _, second = _two_indices()
+
+    def work() -> tuple[torch.device, int]:
+        return allocated(), _index()
+
+    async def main() -> list[tuple[torch.device, int]]:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))  # one thread: every job reuses it
+        seen = []
+        with on_device(second):
+            seen.append(await asyncio.to_thread(work))
+            seen.append(await loop.run_in_executor(None, work))
+            seen.append(await asyncio.to_thread(work))
+        seen.append(await asyncio.to_thread(work))
+        return seen
+
+    assert [(second, 1), (CPU, 0), (second, 1), (CPU, 0)] == asyncio.run(main())
+    with ThreadPoolExecutor(1) as pool, on_device(second):
+        assert (second, 1) == pool.submit(contextvars.copy_context().run, work).result()
+        assert 0 == pool.submit(_index).result()
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_generator_closed_after_the_block_around_it_leaves_the_index_as_it_was() -> None:
+    """A generator that yields inside a block, left open past the end of the block around
+    it: once both have closed, the index is the one before either (it was the outer
+    block's: the inner block gave back what it found at its entry)."""
+    first, second = _two_indices()
+
+    def leaky() -> Iterator[None]:
+        with on_device(first):
+            yield
+
+    with on_device(second):
+        generator = leaky()
+        next(generator)
+    generator.close()
+    assert 0 == _index()
+
+
+@pytest.mark.requires_device("accelerator")
+@given(data=st.data(), indices=st.lists(st.sampled_from([0, 1]), min_size=2, max_size=5))
+def test_blocks_of_tasks_closing_in_any_order_give_back_the_threads_index(
+    data: st.DataObject, indices: list[int]
+) -> None:
+    """Tasks of one thread enter blocks on either index one after another and leave them
+    in any order: once all have closed, the thread has the index it had before them."""
+    _two_indices()
+    start = data.draw(st.sampled_from([0, 1]), label="start")
+    order = data.draw(st.permutations(range(len(indices))), label="exit order")
+
+    async def main() -> None:
+        entered = [asyncio.Event() for _ in indices]
+        turn = [asyncio.Event() for _ in indices]
+
+        async def task(position: int) -> None:
+            if position:
+                await entered[position - 1].wait()
+            with on_device(accelerator(indices[position])):
+                entered[position].set()
+                await turn[position].wait()
+            after = order.index(position) + 1
+            if after < len(order):
+                turn[order[after]].set()
+
+        tasks = [asyncio.create_task(task(position)) for position in range(len(indices))]
+        await entered[-1].wait()
+        turn[order[0]].set()
+        await asyncio.gather(*tasks)
+
+    torch.accelerator.set_device_index(start)
+    try:
+        asyncio.run(main())
+        assert start == _index()
+    finally:
+        torch.accelerator.set_device_index(0)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_copy_inside_a_block_without_an_index_keeps_its_threads_index() -> None:
+    """Inside a block on an accelerator device, a decorated call on meta and a block on
+    meta in its body: code run in a copy of the context allocates on meta, and keeps its
+    thread's index (meta has none to follow)."""
+    _, second = _two_indices()
+
+    @device_agnostic(device="meta")
+    def body() -> tuple[torch.device, int]:
+        with on_device("meta"):
+            return _in_a_copy("asyncio.to_thread", lambda: (allocated(), _index()))
+
+    with on_device(second):
+        assert (META, 0) == body()

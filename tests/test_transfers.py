@@ -7,6 +7,7 @@ bytes are checked against an oracle that reads only the input and the result.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import threading
 import warnings
@@ -592,3 +593,276 @@ def test_the_testing_kit_moves_the_same_inputs_without_a_warning(
     for _ in range(3):
         assert_device_agnostic(torch.sin, x, devices=["cpu", "meta"])
     assert [] == _repeats(recorded)
+
+
+# The repeated-move warning's fix names what the caller holds.
+
+_CONSTANT_TABLE = torch.ones(4)  # a module's constant, read by a function below
+
+
+def _fix_line(caught: list[warnings.WarningMessage]) -> str:
+    """The fix of the one repeated-move warning caught, without its advice on buffers."""
+    (warning,) = _repeats(caught)
+    fix = str(warning.message).splitlines()[1]
+    return fix.split("; for a model's constant", 1)[0]
+
+
+def _run_fix(fix: str, namespace: dict[str, Any]) -> None:
+    """Run the statement the fix prints (``fix: pass it on meta already: <it> once, ...``)
+    in ``namespace``, as the user would before the loop."""
+    statement = fix.split(" already: ", 1)[1].split(" once, ", 1)[0]
+    exec(statement, namespace)
+
+
+@device_agnostic(device="meta")
+def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def test_the_fix_names_the_callers_variable_and_works(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """The fix moves the caller's variable (W), not the parameter it was passed as (w);
+    run, it stops the copies: the loop then moves only each call's new batch."""
+    W = torch.ones(3)
+    for _ in range(3):
+        _step(torch.ones(3), W)
+    fix = _fix_line(recorded)
+    assert fix == "fix: pass it on meta already: W = W.to('meta') once, before the loop"
+    namespace = {"W": W}
+    _run_fix(fix, namespace)
+    recorded.clear()
+    with track_transfers() as log:
+        for _ in range(3):
+            _step(torch.ones(3), namespace["W"])
+    assert (3, []) == (log.total_tensors, _repeats(recorded))
+
+
+class _Holder:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.weights = tensor
+
+
+@pytest.mark.parametrize("held", ["attribute", "dict entry", "list item"])
+def test_the_fix_names_what_holds_it_one_step_down(
+    recorded: list[warnings.WarningMessage], held: str
+) -> None:
+    """A tensor the caller reaches through an object, a dict or a list is named there
+    (holder.weights, consts['w'], tables[1]), and the fix, run, stops the copies."""
+    holder = _Holder(torch.ones(3))
+    consts = {"w": torch.ones(3)}
+    tables = [torch.zeros(1), torch.ones(3)]
+    get: Callable[[], torch.Tensor] = {
+        "attribute": lambda: holder.weights,
+        "dict entry": lambda: consts["w"],
+        "list item": lambda: tables[1],
+    }[held]
+    for _ in range(3):
+        _step(torch.ones(3), get())
+    expected = {
+        "attribute": "holder.weights",
+        "dict entry": "consts['w']",
+        "list item": "tables[1]",
+    }
+    name = expected[held]
+    fix = _fix_line(recorded)
+    assert fix == f"fix: pass it on meta already: {name} = {name}.to('meta') once, before the loop"
+    _run_fix(fix, {"holder": holder, "consts": consts, "tables": tables})
+    recorded.clear()
+    with track_transfers() as log:
+        for _ in range(3):
+            _step(torch.ones(3), get())
+    assert (3, []) == (log.total_tensors, _repeats(recorded))
+
+
+def test_the_fix_prefers_the_name_written_in_the_calling_line(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """Of two names for the tensor, the one the call is written with is moved: rebinding
+    the other would not change what the loop passes."""
+    alias = torch.ones(3)
+    weights = alias
+    for _ in range(3):
+        _step(torch.ones(3), weights)
+    assert alias is weights
+    fix = _fix_line(recorded)
+    assert fix == "fix: pass it on meta already: weights = weights.to('meta') once, before the loop"
+
+
+def test_the_fix_moves_a_global_where_the_module_defines_it(
+    recorded: list[warnings.WarningMessage], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module's global read in a function is moved where the module defines it (rebound
+    in the function, the name would be a local, unbound when read); run in the module, the
+    fix stops the copies."""
+
+    def train() -> None:
+        for _ in range(3):
+            _step(torch.ones(4), _CONSTANT_TABLE)
+
+    train()
+    fix = _fix_line(recorded)
+    assert fix == (
+        "fix: pass it on meta already: _CONSTANT_TABLE = _CONSTANT_TABLE.to('meta') once, "
+        "where the module defines _CONSTANT_TABLE"
+    )
+    module = train.__globals__
+    monkeypatch.setitem(module, "_CONSTANT_TABLE", _CONSTANT_TABLE)  # put back after
+    _run_fix(fix, module)
+    recorded.clear()
+    with track_transfers() as log:
+        train()
+    assert (3, []) == (log.total_tensors, _repeats(recorded))
+
+
+def test_the_fix_of_an_argument_of_the_caller_is_where_it_is_called_from(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """A tensor the caller got as its own argument comes from further out: moved in the
+    caller, it would be moved at every call again."""
+
+    def train_step(batch: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return _step(batch, table)
+
+    table = torch.ones(3)
+    for _ in range(3):
+        train_step(torch.ones(3), table)
+    assert _fix_line(recorded) == (
+        "fix: pass it on meta already: it is table, an argument of train_step(): move it to "
+        "meta once where train_step() is called from, before the loop"
+    )
+    table = table.to("meta")  # the fix, where train_step() is called from
+    recorded.clear()
+    with track_transfers() as log:
+        for _ in range(3):
+            train_step(torch.ones(3), table)
+    assert (3, []) == (log.total_tensors, _repeats(recorded))
+
+
+def _cached(size: int) -> Callable[[], torch.Tensor]:
+    """A function that returns the same tensor at every call, kept where its caller
+    cannot name it."""
+    kept = torch.ones(size)
+    return lambda: kept
+
+
+def test_the_fix_of_a_tensor_the_caller_holds_nowhere_names_what_it_was_passed_as(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """Held nowhere the caller can name (returned by a function, which keeps it), the
+    tensor is named by the parameter it was passed as, as such."""
+    cached = _cached(3)
+    for _ in range(3):
+        _step(torch.ones(3), cached())
+    assert _fix_line(recorded) == (
+        "fix: pass it on meta already: move the tensor passed as w to meta once, before the "
+        "loop, and pass the moved one"
+    )
+
+
+def test_several_constants_are_each_named_as_the_caller_holds_them(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """One warning for three constants: each step of its fix names the caller's own."""
+
+    @device_agnostic(device="meta")
+    def loss(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+        return None
+
+    W = torch.ones(2)
+    holder = _Holder(torch.ones(3))
+    cached = _cached(4)
+    for _ in range(3):
+        loss(torch.zeros(2), W, holder.weights, cached())
+    assert _fix_line(recorded) == (
+        "fix: pass them on meta already, each moved once before the loop: W = W.to('meta'), "
+        "holder.weights = holder.weights.to('meta'), the tensor passed as c"
+    )
+
+
+def test_the_fix_for_a_prefetcher_is_in_the_loader(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """A prefetcher's batches holding the same tensor: the fix is where the loader gets it
+    (the prefetcher's own name for a batch is no name of the caller's), and works."""
+    batch = {"x": torch.ones(2)}
+    for _ in devicectx.prefetch([batch] * 4, "meta"):
+        pass
+    assert _fix_line(recorded) == (
+        "fix: the loader yields it in every batch: move it to meta once, before the loop, "
+        "where the loader gets it, so that each batch holds it there"
+    )
+    batch["x"] = batch["x"].to("meta")
+    with track_transfers() as log:
+        for _ in devicectx.prefetch([batch] * 4, "meta"):
+            pass
+    assert 0 == log.total_tensors
+
+
+@pytest.mark.requires_device("accelerator")
+def test_the_fix_for_a_result_moved_back_is_in_the_function() -> None:
+    """A decorated function returning the same device tensor at every call, moved back by
+    output='input': the fix keeps a copy where the function holds it (the caller holds
+    only past results)."""
+    kind = torch.accelerator.current_accelerator()
+    assert kind is not None
+    kept = torch.ones(3, device=kind.type)
+
+    @device_agnostic(device=kind.type, output="input")
+    def predict(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"out": kept}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            result = predict(torch.ones(3))
+    assert CPU == result["out"].device
+    name = "test_the_fix_for_a_result_moved_back_is_in_the_function.<locals>.predict()"
+    assert _fix_line(caught) == (
+        f"fix: {name} returns it unchanged at every call: keep a copy on cpu where {name} "
+        "holds it (made once), and return that"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    w: torch.Tensor
+
+
+@pytest.mark.parametrize("holder", ["frozen dataclass", "tuple"])
+def test_the_fix_names_no_holder_that_cannot_be_assigned_to(
+    recorded: list[warnings.WarningMessage], holder: str
+) -> None:
+    """A tensor in a frozen dataclass or a tuple is named by what it was passed as: the
+    assignment a fix would print there (config.w = ...) raises."""
+    config = _Frozen(torch.ones(3))
+    pair = (torch.zeros(1), torch.ones(3))
+    for _ in range(3):
+        _step(torch.ones(3), config.w if holder == "frozen dataclass" else pair[1])
+    assert _fix_line(recorded) == (
+        "fix: pass it on meta already: move the tensor passed as w to meta once, before the "
+        "loop, and pass the moved one"
+    )
+
+
+def test_several_constants_read_as_a_global_and_an_argument(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """In the fix for several, a global read in a function is moved where the module
+    defines it, and the caller's argument where the caller is called from."""
+
+    @device_agnostic(device="meta")
+    def loss(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        return None
+
+    def train_step(x: torch.Tensor, table: torch.Tensor) -> None:
+        loss(x, _CONSTANT_TABLE, table)
+
+    weights = torch.ones(3)
+    for _ in range(3):
+        train_step(torch.zeros(2), weights)
+    assert _fix_line(recorded) == (
+        "fix: pass them on meta already, each moved once before the loop: _CONSTANT_TABLE = "
+        "_CONSTANT_TABLE.to('meta') where the module defines it, table (an argument of "
+        "train_step()) where it is called from"
+    )

@@ -18,12 +18,17 @@ or the line that called :func:`~devicectx.to_device` (``"train.py:42"``).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import linecache
 import os
+import re
 import sys
 import threading
 import warnings
 import weakref
-from typing import Any
+from collections.abc import Iterator
+from types import FunctionType, ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -189,12 +194,15 @@ def warn(
                 fresh.append((path, tensor))
     if not fresh:
         return
-    message = _message(fresh, where, target)
     origin = where.origin if isinstance(where, Place) else None
     if origin is not None:  # a prefetcher's line: its moves run on a thread of its own
-        warn_explicit_at(*origin, message, RepeatedMoveWarning)
+        warn_explicit_at(*origin, _message(fresh, where, target, {}), RepeatedMoveWarning)
         return
     frame = _user_frame()
+    held = {}
+    if isinstance(where, Place) and not _returned(where):  # a decorated call's arguments
+        held = _held(frame, [tensor for _, tensor in fresh[:_NAMED]])
+    message = _message(fresh, where, target, held)
     if frame is None:
         warnings.warn(message, RepeatedMoveWarning, stacklevel=2)
     else:
@@ -205,7 +213,10 @@ _NAMED = 3  # the tensors a warning about several names; the rest are counted
 
 
 def _message(
-    fresh: list[tuple[str, torch.Tensor]], where: Place | str, target: torch.device
+    fresh: list[tuple[str, torch.Tensor]],
+    where: Place | str,
+    target: torch.device,
+    held: dict[int, _Held],
 ) -> str:
     device = str(target)
     named = fresh[:_NAMED]
@@ -223,25 +234,41 @@ def _message(
     return (
         f"{where} copied {copied} from {sources} to {device} again: {size} crosses on every "
         f"call\n"
-        f"fix: {_fix(fresh, where, device)}; for a model's constant, register it as a buffer "
+        f"fix: {_fix(fresh, where, device, held)}; for a model's constant, register it as a buffer "
         f"(self.register_buffer(name, tensor)) so that model.to() moves it once"
     )
 
 
-def _fix(fresh: list[tuple[str, torch.Tensor]], where: Place | str, device: str) -> str:
+def _fix(
+    fresh: list[tuple[str, torch.Tensor]],
+    where: Place | str,
+    device: str,
+    held: dict[int, _Held],
+) -> str:
     """How to move them once: the caller's ``to_device``, an argument passed already on the
-    device, or a default made on it (rebinding an argument cannot reach a default)."""
+    device (named as the caller holds it, where ``held`` says), a default made on it
+    (rebinding an argument cannot reach a default), a result kept on it, or the batches of
+    a prefetcher's loader holding it already."""
+    them = "it" if len(fresh) == 1 else "them"
     if not isinstance(where, Place):
-        them = "it" if len(fresh) == 1 else "them"
         return f"call to_device on {them} once, before the loop, and reuse the result"
+    if where.origin is not None:
+        return (
+            f"the loader yields {them} in every batch: move {them} to {device} once, before "
+            f"the loop, where the loader gets {them}, so that each batch holds {them} there"
+        )
+    if _returned(where):
+        function = where.label.split(" -> ", 1)[0]
+        return (
+            f"{function} returns {them} unchanged at every call: keep a copy on {device} "
+            f"where {function} holds {them} (made once), and return that"
+        )
     defaults = where.defaults
     if len(fresh) == 1:
         path, tensor = fresh[0]
         parameter = defaults.get(id(tensor))
         if parameter is None:
-            return (
-                f"pass it on {device} already: {path} = {path}.to({device!r}) once, before the loop"
-            )
+            return f"pass it on {device} already: {_moved_once(path, tensor, device, held)}"
         return (
             f"it is {parameter}'s default, which stays where it is: make the default on "
             f"{device} where the function is defined ({parameter}=<the tensor>.to({device!r})), "
@@ -250,15 +277,133 @@ def _fix(fresh: list[tuple[str, torch.Tensor]], where: Place | str, device: str)
     steps = []
     for path, tensor in fresh[:_NAMED]:
         parameter = defaults.get(id(tensor))
-        if parameter is None:
-            steps.append(f"{path} = {path}.to({device!r})")
-        else:
+        if parameter is not None:
             steps.append(f"{parameter}'s default made on {device} in the def")
+        elif id(tensor) in held:
+            steps.append(_rebound(held[id(tensor)], device))
+        else:
+            steps.append(f"the tensor passed as {path}")
     rest = ", ..." if len(fresh) > _NAMED else ""
     verb = "have" if any(id(tensor) in defaults for _, tensor in fresh) else "pass"
     return f"{verb} them on {device} already, each moved once before the loop: " + (
         ", ".join(steps) + rest
     )
+
+
+def _moved_once(path: str, tensor: torch.Tensor, device: str, held: dict[int, _Held]) -> str:
+    """The fix for one argument: rebinding the caller's name for it, where known."""
+    name = held.get(id(tensor))
+    if name is None:
+        return (
+            f"move the tensor passed as {path} to {device} once, before the loop, and pass "
+            f"the moved one"
+        )
+    if name.kind == "argument":
+        return (
+            f"it is {name.text}, an argument of {name.function}(): move it to {device} "
+            f"once where {name.function}() is called from, before the loop"
+        )
+    where = f"where the module defines {name.text}" if name.kind == "global" else "before the loop"
+    return f"{name.text} = {name.text}.to({device!r}) once, {where}"
+
+
+def _rebound(name: _Held, device: str) -> str:
+    """The step of a fix for several that moves what the caller holds as ``name``."""
+    if name.kind == "argument":
+        return f"{name.text} (an argument of {name.function}()) where it is called from"
+    statement = f"{name.text} = {name.text}.to({device!r})"
+    return f"{statement} where the module defines it" if name.kind == "global" else statement
+
+
+def _returned(where: Place | str) -> bool:
+    """Whether ``where`` is the move of a decorated function's result (``output=``)."""
+    return isinstance(where, Place) and where.label.endswith(" -> result")
+
+
+class _Held(NamedTuple):
+    """How the caller holds a tensor: ``text``, a name (``weight``) or one step down from
+    one (``self.weight``, ``batch['weight']``, ``tables[0]``). ``kind``: ``"name"``, or
+    ``"global"`` for a module's global read in a function (rebound there, it would be a
+    local), ``"argument"`` for an argument of the caller's function (``function``: the
+    tensor comes from further out, rebinding it there moves it at every call), ``"step"``
+    one step down."""
+
+    text: str
+    kind: str
+    function: str = ""
+
+
+_LOOKED_AT = 1024  # the entries of one container looked through, one step down
+
+
+def _held(frame: Any, tensors: list[torch.Tensor]) -> dict[int, _Held]:
+    """``id(tensor) -> how the caller's frame holds it``, for the ``tensors`` it holds as
+    that very object: a name of its locals, then of its module's globals, then one step
+    down from either (an attribute, a dict entry, a list item). Where several hold it,
+    one written in the caller's line wins (an alias made elsewhere does not reach what it
+    passes). Asked on the warning's path only."""
+    wanted = {id(tensor) for tensor in tensors}
+    if frame is None or not wanted:
+        return {}
+    try:
+        local = frame.f_locals
+        code = frame.f_code
+        line = linecache.getline(code.co_filename, frame.f_lineno)
+        spaces = [(local, "name")]
+        arguments: tuple[str, ...] = ()
+        if frame.f_globals is not local:  # a function's frame: its module's globals too
+            spaces.append((frame.f_globals, "global"))
+            arguments = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        best: dict[int, tuple[int, _Held]] = {}
+
+        def offer(key: int, rank: int, root: str, held: _Held) -> None:
+            if not re.search(rf"(?<![\w.]){re.escape(root)}\b", line):
+                rank += 1  # not in the caller's line: another name may be what it passes
+            if key not in best or rank < best[key][0]:
+                best[key] = (rank, held)
+
+        for level, (space, kind) in enumerate(spaces):
+            for name, value in list(space.items()):
+                if not isinstance(name, str) or name.startswith("__"):
+                    continue
+                if id(value) in wanted:
+                    if kind == "name" and name in arguments:
+                        held = _Held(name, "argument", code.co_name)
+                    else:
+                        held = _Held(name, kind)
+                    offer(id(value), 2 * level, name, held)
+                    continue
+                for step, item in _one_step_down(value):
+                    if id(item) in wanted:
+                        offer(id(item), 4 + 2 * level, name, _Held(name + step, "step"))
+        return {key: held for key, (_, held) in best.items()}
+    except Exception:  # the caller's objects' own code: the names are a courtesy
+        return {}
+
+
+def _one_step_down(value: object) -> Iterator[tuple[str, object]]:
+    """``(step, item)`` for what ``value`` holds one step down, where the step can be
+    assigned to: ``['key']`` of a dict, ``[0]`` of a list, ``.name`` of an object's own
+    attributes (not of a module, class, function, tensor or frozen dataclass)."""
+    if isinstance(value, dict):
+        for key, item in itertools.islice(value.items(), _LOOKED_AT):
+            if isinstance(key, (str, int)) and not isinstance(key, bool):
+                yield f"[{key!r}]", item
+    elif isinstance(value, list):
+        for index, item in enumerate(value[:_LOOKED_AT]):
+            yield f"[{index}]", item
+    elif not isinstance(value, (ModuleType, type, FunctionType, torch.Tensor)):
+        params = getattr(type(value), "__dataclass_params__", None)
+        if params is not None and params.frozen:
+            return
+        try:
+            attributes = object.__getattribute__(value, "__dict__")
+        except AttributeError:
+            return
+        if isinstance(attributes, dict):
+            for name, item in itertools.islice(attributes.items(), _LOOKED_AT):
+                if isinstance(name, str) and name.isidentifier() and not name.startswith("__"):
+                    yield f".{name}", item
 
 
 def size_text(nbytes: int) -> str:

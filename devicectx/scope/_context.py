@@ -163,6 +163,12 @@ class on_device:
         - Each thread and each asyncio task sees only its own blocks; a task created inside
           a block sees it while the block is open, not after it has closed (unlike a
           context variable's value, which the task keeps).
+        - Code run in a copy of the context in another thread (``asyncio.to_thread``,
+          ``contextvars.copy_context().run``) sees the block as such a task does. On an
+          accelerator with several devices, the block's index becomes current there at its
+          first constructor or devicectx call (``.cuda()`` before any finds the thread's
+          own), and the thread has its own back when a ``concurrent.futures`` job ends.
+          ``loop.run_in_executor`` copies no context: its function sees no block.
         - A generator that yields inside a ``with on_device(...)`` block leaks the device to
           its caller between items, as any context manager would; decorate the generator
           function instead: the device is then entered at every resume and left at every

@@ -49,11 +49,12 @@ from devicectx._torch.modes import (
     innermost_device_mode,
     innermost_of,
     stack_length,
-    swap_current_device,
 )
 from devicectx.devices._resolve import accelerator_type, with_index
+from devicectx.scope import _index
 from devicectx.scope._audit import AuditLevel, Auditor
 from devicectx.scope._constructors import constructor_patch
+from devicectx.scope._index import ThreadIndex
 
 _CPU = torch.device("cpu")
 
@@ -73,7 +74,11 @@ class Scope:
     # What only a block (:class:`Block`) sets; read as None here.
     audit: AuditLevel | None = None  # audit=True: "warn"; audit="raise": "raise"
     mode: _ExactMode | None = None  # exact=True: a mode on torch's stack
-    previous_index: int | None = None  # the accelerator's index it made current
+    previous_index: int | None = None  # the index that was current before it made its own
+    # A block on an indexed device of an accelerator with several: the thread where its
+    # index is current (its list of call scopes, as :class:`_Calls` says). Another thread
+    # that sees the block (in a copy of the context) follows it: :mod:`._index`.
+    index_thread: list[_Call] | None = None
 
     def __init__(
         self, target: torch.device, below: DeviceContext | None, default: object, previous: object
@@ -92,9 +97,10 @@ class Scope:
 
 
 class Block(Scope):
-    """An entered ``on_device`` block, or a scope that made an accelerator index current."""
+    """An entered ``on_device`` block, or a scope on an accelerator with several devices
+    (which keeps its index current)."""
 
-    __slots__ = ("audit", "mode", "previous_index")
+    __slots__ = ("audit", "index_thread", "mode", "previous_index")
 
     def __init__(
         self, target: torch.device, below: DeviceContext | None, default: object, previous: object
@@ -108,6 +114,7 @@ class Block(Scope):
         self.audit = None
         self.mode = None
         self.previous_index = None
+        self.index_thread = None
 
 
 class _Call(Scope):
@@ -136,10 +143,16 @@ class _Call(Scope):
 
 
 class _Calls(threading.local):
-    """The scopes of the decorated calls running in this thread, innermost last."""
+    """The scopes of the decorated calls running in this thread, innermost last; and the
+    thread's accelerator index (:mod:`devicectx.scope._index`).
+
+    A block records ``scopes``, the list, as the thread where its index is current: the
+    reads of a scope have it at hand already (``index`` would cost a look-up more).
+    """
 
     def __init__(self) -> None:
         self.scopes: list[_Call] = []
+        self.index = ThreadIndex()
 
 
 class _ExactMode(TorchFunctionMode):
@@ -221,7 +234,8 @@ def scope_device() -> torch.device | None:
     # Asked at every constructor called in a block: _open_scope (its last loop: change both
     # together), innermost_device_mode and default_slot are written out here for the
     # common case (no decorated call running, no mode on torch's stack).
-    if _CALLS.scopes:
+    calls = _CALLS.scopes
+    if calls:
         scope = _open_scope()
         if scope is None or (type(scope) is Block and scope.previous is _TORCH_OWN):
             return None
@@ -240,7 +254,19 @@ def scope_device() -> torch.device | None:
     below = innermost_device_mode() if _stack_length() else None
     if below is not scope.below or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not scope.default:
         return None  # torch.device entered, or set_default_device called, inside the block
+    owner = scope.index_thread
+    if owner is not None and owner is not calls:  # a block of another thread
+        _follow(scope)  # type: ignore[arg-type]
     return scope.target
+
+
+def _follow(scope: Block) -> None:
+    """:func:`scope_device` in a thread that runs a copy of the context of the thread that
+    entered ``scope``: its index followed here, where its device has one (a block entered
+    as changing nothing records the thread of the block below, which may be on another
+    device)."""
+    if _index_reader(scope.target) is not None:
+        _index.follow(scope, _CALLS.index)
 
 
 @constant  # dynamo cannot trace a context variable: it runs this while tracing
@@ -345,13 +371,16 @@ def push_device(
 def push_block(device: torch.device) -> Block:
     """:func:`push_device` without ``exact`` or ``audit``: every plain ``with on_device``."""
     active = _active()
-    below = _below(device, active, _CALLS.scopes)
+    calls = _CALLS.scopes
+    below = _below(device, active, calls)
     if below is _UNCHANGED or below is _TORCH_OWN:  # recorded, for active_device
         under = None if below is _TORCH_OWN else innermost_device_mode()
         scope = Block(device, under, default_slot(), below)
+        if active:  # the device in force already, mostly the last block's: its index too
+            scope.index_thread = active[-1].index_thread
         _ACTIVE.set((*active, scope))
         return scope
-    return cast(Block, _enter(device, active, below, Block))  # type: ignore[arg-type]
+    return cast(Block, _enter(device, active, below, calls, Block))  # type: ignore[arg-type]
 
 
 def _below(device: torch.device, active: tuple[Scope, ...], calls: list[_Call]) -> object:
@@ -368,13 +397,14 @@ def _enter(
     device: torch.device,
     active: tuple[Scope, ...],
     below: DeviceContext | None,
+    calls: list[_Call],
     kind: type[Scope] = Scope,
 ) -> Scope:
     """Enter a scope that changes the device, on the task's context variable (a block, or a
     resumed generator's call)."""
     previous = _switch(device)
-    if previous is _NEW_INDEX:
-        return _enter_index(device, active, below)
+    if previous is _INDEXED:
+        return _enter_index(device, active, below, calls, _current_index())
     scope = kind(device, below, _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT), previous)
     _ACTIVE.set((*active, scope))
     return scope
@@ -384,43 +414,54 @@ def _switch(device: torch.device) -> object:
     """Make ``device`` the default, for a scope recorded right after: the entry of every
     scope that changes the device (:func:`_enter`, and :func:`call_scoped` which records
     its own). Returns dynamo's ``CURRENT_DEVICE`` before, to give back at exit; or
-    ``_NEW_INDEX`` (nothing done yet) where the accelerator's current index must change too,
-    which :func:`_enter_index` does."""
+    ``_INDEXED`` (nothing done yet) for a device of an accelerator with several, whose
+    index the scope keeps current (:func:`_enter_index`)."""
     if len(_MODULES) != _PATCH.seen:  # the first block, or modules loaded since the last
         _PATCH.install()
     # None for a device whose index a scope never changes (the CPU, meta, a machine's only
     # accelerator): one look-up, no call.
-    if _index_reader(device, _UNKNOWN) is not None and _makes_index_current(device):
-        return _NEW_INDEX
+    index_of = _index_reader(device, _UNKNOWN)
+    if index_of is not None and (index_of is not _UNKNOWN or _learn_index_reader(device)):
+        return _INDEXED
     # As torch's DeviceContext does: dynamo guards compiled code on CURRENT_DEVICE.
     previous = _DEVICE_GLOBALS[_CURRENT]
     _DEVICE_GLOBALS[_CURRENT] = device
     return previous
 
 
-_NEW_INDEX = object()
-"""What :func:`_switch` returns where the scope must also make its device's index current."""
+_INDEXED = object()
+"""What :func:`_switch` returns for a device whose index the scope keeps current."""
 
 
 def _enter_index(
-    device: torch.device, active: tuple[Scope, ...], below: DeviceContext | None
+    device: torch.device,
+    active: tuple[Scope, ...],
+    below: DeviceContext | None,
+    calls: list[_Call],
+    current: int,
 ) -> Block:
-    """:func:`_enter` for an accelerator device whose index is not the current one."""
-    scope = Block(device, below, default_slot(), swap_current_device(device))
+    """:func:`_enter` for a device of an accelerator with several, where ``current`` is the
+    current index: the block makes its own current (listed, to give the old one back in
+    order: :mod:`devicectx.scope._index`), and records its thread, where another thread
+    that sees it follows it. torch's own scope does not (pytorch/pytorch#148864), but
+    `.cuda()`, streams and synchronize() follow the current index."""
+    previous = _DEVICE_GLOBALS[_CURRENT]
+    _DEVICE_GLOBALS[_CURRENT] = device
+    scope = Block(device, below, _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT), previous)
     _ACTIVE.set((*active, scope))
-    scope.previous_index = torch.accelerator.current_device_index()
-    torch.accelerator.set_device_index(device.index)
+    scope.index_thread = calls
+    if current != device.index:
+        scope.previous_index = current
+        _set_index(device.index)
+        _CALLS.index.changed.append(scope)
     return scope
 
 
-def _makes_index_current(device: torch.device) -> bool:
-    """Whether entering ``device`` changes the accelerator's current index. torch's own
-    scope does not (pytorch/pytorch#148864), but `.cuda()`, streams and synchronize()
-    follow the current index."""
-    index_of = _index_reader(device, _UNKNOWN)
-    if index_of is _UNKNOWN:  # asking torch at each block would ask the driver, on CUDA
-        index_of = INDEX_READERS[device] = _current_index_of(device)
-    return index_of is not None and index_of() != device.index  # type: ignore[operator]
+def _learn_index_reader(device: torch.device) -> bool:
+    """Whether a scope on ``device``, met for the first time, keeps its index current;
+    remembered (asking torch at each scope would ask the driver, on CUDA)."""
+    index_of = INDEX_READERS[device] = _current_index_of(device)
+    return index_of is not None
 
 
 def _current_index_of(device: torch.device) -> Callable[[], int] | None:
@@ -447,6 +488,10 @@ change it, else None (:func:`_current_index_of`). Keyed by the device, not its t
 and a device's hash is cheap. Asked once per device: the answer changes only when a
 PrivateUse1 backend registers (the emulated accelerator's ``enable()`` clears it)."""
 _index_reader = INDEX_READERS.get
+# The one reader a device there can have (torch's accelerator's), and its setter: read once,
+# as a scope on such a device calls them at its entry and exit.
+_current_index = torch.accelerator.current_device_index
+_set_index = torch.accelerator.set_device_index
 
 
 def open_here(scope: Scope) -> bool:
@@ -479,7 +524,12 @@ def _leave_extras(scope: Block) -> None:
         _torch_modes.remove_mode(scope.mode)
         scope.mode = None
     if scope.previous_index is not None:
-        torch.accelerator.set_device_index(scope.previous_index)
+        changed = _CALLS.index.changed
+        if changed and changed[-1] is scope:  # the last entered here: blocks nest, mostly
+            changed.pop()
+            _set_index(scope.previous_index)
+        else:
+            _index.left_out_of_order(scope, changed)
     if scope.audit is not None:
         _AUDITOR.release()
 
@@ -491,10 +541,11 @@ def push_nested(device: torch.device) -> Scope | None:
     change nothing), so the common case costs one look at the task's scopes; None comes back.
     """
     active = _active()
-    below = _below(device, active, _CALLS.scopes)
+    calls = _CALLS.scopes
+    below = _below(device, active, calls)
     if below is _UNCHANGED or below is _TORCH_OWN:
         return None
-    return _enter(device, active, below)  # type: ignore[arg-type]
+    return _enter(device, active, below, calls)  # type: ignore[arg-type]
 
 
 def call_scoped(
@@ -514,12 +565,17 @@ def call_scoped(
     if below is _UNCHANGED or below is _TORCH_OWN:
         return fn(*args, **kwargs)
     previous = _switch(device)
-    if previous is _NEW_INDEX:
-        entered = _enter_index(device, active, below)  # type: ignore[arg-type]
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            pop_device(entered)
+    if previous is _INDEXED:
+        current = _current_index()
+        if current != device.index:
+            entered = _enter_index(device, active, below, calls, current)  # type: ignore[arg-type]
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                pop_device(entered)
+        # Its index current already: a call's scope, which no other thread sees.
+        previous = _DEVICE_GLOBALS[_CURRENT]
+        _DEVICE_GLOBALS[_CURRENT] = device
     slot = _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT)
     scope = _Call(device, below, slot, active)  # type: ignore[arg-type]
     calls.append(scope)
