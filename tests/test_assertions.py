@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import functools
 import itertools
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from helpers import accelerator, mps_like
@@ -15,6 +20,7 @@ from torch import nn
 
 import devicectx
 from devicectx import InvalidDeviceError
+from devicectx.move._move import iter_tensors
 from devicectx.testing import assert_device_agnostic, strategies
 
 CPU_META = ["cpu", "meta"]
@@ -171,8 +177,10 @@ def test_catches_values_that_differ() -> None:
         "    out['logits'][1]: 2 of 4 values differ (50.0%), rtol=1.3e-06, atol=1e-05",
         "      max abs diff 0.5 at index (1, 0)",
         "      max rel diff 0.5 at index (1, 0)",
-        "fix: if the difference is expected (float sums in another order, TF32), allow it: "
-        "assert_device_agnostic(drift, ..., rtol=1e-4, atol=1e-5)",
+        "fix: no float rounding is this large (beyond rtol=1e-2, atol=1e-3): drift must be "
+        "deterministic (dropout in training mode: model.eval(); torch.rand and the like draw "
+        "other numbers on each device, whatever the seed), else it computes something else "
+        "there: a bug",
     ] == message_lines(raised)
 
 
@@ -369,8 +377,10 @@ def test_a_set_member_that_differs_is_named() -> None:
         "    list(out['stats'])[2]: missing",
         "fix: make drifting_stats return the same containers and tensors, dtypes, shapes and "
         "layouts on every device",
-        "fix: if the difference is expected (float sums in another order, TF32), allow it: "
-        "assert_device_agnostic(drifting_stats, ..., rtol=1e-4, atol=1e-5)",
+        "fix: no float rounding is this large (beyond rtol=1e-2, atol=1e-3): drifting_stats "
+        "must be deterministic (dropout in training mode: model.eval(); torch.rand and the "
+        "like draw other numbers on each device, whatever the seed), else it computes "
+        "something else there: a bug",
     ] == message_lines(raised)
 
 
@@ -699,8 +709,10 @@ def test_numbers_in_the_output_are_compared() -> None:
         "  on cpu, compared with cpu:",
         "    out['loss']: 4.5, expected 4.0, rtol=1.3e-06, atol=1e-05",
         "    out['steps']: 4, expected 3, integers compared exactly",
-        "fix: if the difference is expected (float sums in another order, TF32), allow it: "
-        "assert_device_agnostic(stats, ..., rtol=1e-4, atol=1e-5)",
+        "fix: no float rounding is this large (beyond rtol=1e-2, atol=1e-3): stats must be "
+        "deterministic (dropout in training mode: model.eval(); torch.rand and the like draw "
+        "other numbers on each device, whatever the seed), else it computes something else "
+        "there: a bug",
         "fix: integer and bool values are compared exactly, whatever rtol and atol; where "
         "out['steps'] may differ, make stats return it as a float and allow the difference: "
         "assert_device_agnostic(stats, ..., rtol=0, atol=1)",
@@ -856,3 +868,674 @@ def test_a_dtype_mapping_casts_on_every_device() -> None:
     x = torch.ones(2, dtype=torch.float64)
     assert_device_agnostic(record, x, devices=CPU_META, dtypes={torch.float64: torch.float32})
     assert [(torch.device(d), torch.float32) for d in CPU_META] == seen
+
+
+# Optimizers and LR schedulers passed with their model: copied with it, for each device.
+
+OPTIMIZERS: dict[str, Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda parameters: torch.optim.SGD(parameters, lr=0.5, momentum=0.9),
+    "adam": lambda parameters: torch.optim.Adam(parameters, lr=0.1),
+}
+
+
+def train_step(
+    model: nn.Linear, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """One training step: the loss, and the weight it trained."""
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    torch.autograd.backward(loss)
+    optimizer.step()
+    return {"loss": loss.detach(), "weight": model.weight.detach().clone()}
+
+
+def trained(
+    optimizer: str,
+) -> tuple[nn.Linear, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """A model, its optimizer after one step (so it has state: momentum, Adam's moments),
+    and a batch."""
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Linear(3, 1)
+    made = OPTIMIZERS[optimizer](model.parameters())
+    x, y = torch.randn(8, 3, generator=generator), torch.randn(8, 1, generator=generator)
+    train_step(model, made, x, y)
+    return model, made, x, y
+
+
+def same_values(a: object, b: object) -> bool:
+    """Whether two structures of tensors and plain values hold the same values."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_an_optimizer_passed_with_its_model_trains_each_devices_copy(optimizer: str) -> None:
+    """The optimizer's copy for each device steps that device's copy of the model, from
+    the caller's state, as the step called directly does; the caller's model and
+    optimizer are left as they were."""
+    model, made, x, y = trained(optimizer)
+    before = copy.deepcopy((model.state_dict(), made.state_dict()))
+    weights: list[torch.Tensor] = []
+
+    def step(
+        model: nn.Linear, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        out = train_step(model, optimizer, x, y)
+        if not x.is_meta:
+            weights.append(out["weight"].cpu())
+        return out
+
+    devices = ["cpu", "meta", *map(str, devicectx.available_devices()[1:])]
+    assert_device_agnostic(step, model, made, x, y, devices=devices)
+    assert same_values(before, (model.state_dict(), made.state_dict()))
+    expected = train_step(model, made, x, y)["weight"]
+    assert not torch.equal(before[0]["weight"], expected)
+    assert len(devices) - 1 == len(weights)
+    assert all(torch.allclose(weight, expected) for weight in weights)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_step_that_trains_differently_is_caught(optimizer: str) -> None:
+    """A step whose update differs between runs, its loss alike, is caught by the weight
+    it trains: the optimizer's copy really steps."""
+    model, made, x, y = trained(optimizer)
+    calls = itertools.count()
+
+    def step(
+        model: nn.Linear, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        torch.autograd.backward(loss + next(calls) * model.weight.sum())  # on one run only
+        optimizer.step()
+        return {"loss": loss.detach(), "weight": model.weight.detach().clone()}
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(step, model, made, x, y, devices=["cpu", "cpu"])
+    assert message_lines(raised)[2].startswith("    out['weight']: ")
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_step_that_trains_differently_on_the_accelerator_is_caught(optimizer: str) -> None:
+    """A step with a bug on the accelerator only is caught there, by the weight it trains;
+    the correct step passes."""
+    device = accelerator()
+    model, made, x, y = trained(optimizer)
+
+    def step(
+        model: nn.Linear, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if x.device.type != "cpu":
+            loss = loss + model.weight.sum()  # the bug: a term on the accelerator only
+        torch.autograd.backward(loss)
+        optimizer.step()
+        return {"weight": model.weight.detach().clone()}
+
+    assert_device_agnostic(train_step, model, made, x, y, devices=["cpu", device])
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(step, model, made, x, y, devices=["cpu", device])
+    assert f"  on {device}, compared with cpu:" == message_lines(raised)[1]
+    assert message_lines(raised)[2].startswith("    out['weight']: ")
+
+
+def test_an_lr_scheduler_steps_the_copied_optimizer() -> None:
+    """A scheduler passed with its optimizer steps each device's copy of that optimizer,
+    which it holds; the copy's step keeps the scheduler's tracking (no warning), and the
+    caller's learning rate stays."""
+    model, made, x, y = trained("sgd")
+    scheduler = torch.optim.lr_scheduler.StepLR(made, step_size=1, gamma=0.5)
+    rates: list[float] = []
+
+    def step(
+        model: nn.Linear,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        x: torch.Tensor,
+        y: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        assert scheduler.optimizer is optimizer
+        out = train_step(model, optimizer, x, y)
+        scheduler.step()
+        rates.append(optimizer.param_groups[0]["lr"])
+        return out
+
+    devices = ["cpu", "meta", *map(str, devicectx.available_devices()[1:])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_device_agnostic(step, model, made, scheduler, x, y, devices=devices)
+    assert [0.25] * len(devices) == rates
+    assert 0.5 == made.param_groups[0]["lr"]
+
+
+def test_an_optimizer_without_its_model_is_refused_with_a_fix_that_works() -> None:
+    """An optimizer whose model is not in the call (a closure's) is refused before fn
+    runs: its copy would train a copy nobody reads. The optimizer built inside fn passes."""
+    model, made, x, y = trained("sgd")
+
+    def step(optimizer: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        out: torch.Tensor = model(x)
+        return out
+
+    with pytest.raises(TypeError) as raised:
+        assert_device_agnostic(step, made, x, devices=CPU_META)
+    assert [
+        "assert_device_agnostic(step): optimizer (a SGD) holds parameters of no module "
+        "given to step: each device's run gets a copy of each module and of the SGD, and "
+        "the copy would train parameters that step never reads",
+        "fix: pass the model too, assert_device_agnostic(step, model, optimizer, ...), or "
+        "build the SGD inside step, from the model it is given",
+    ] == str(raised.value).splitlines()
+
+    def step_inside(model: nn.Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), x, y)["weight"]
+
+    assert_device_agnostic(step_inside, model, x, y, devices=CPU_META)
+
+
+# In-place writes: each run writes into inputs of its own, never the caller's.
+
+
+def test_each_run_writes_into_inputs_of_its_own() -> None:
+    """fn writing into its input: each run, on one device listed twice too, starts from
+    the caller's values, which stay as they were."""
+
+    def normalize_(x: torch.Tensor) -> torch.Tensor:
+        x.sub_(x.mean()).div_(2)
+        return x.clone()
+
+    def normalize_and_return_it(x: torch.Tensor) -> torch.Tensor:
+        normalize_(x)
+        return x
+
+    x = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    assert_device_agnostic(normalize_, x, devices=["cpu", "cpu", "meta"])
+    seen: list[torch.Tensor] = []
+    assert_device_agnostic(
+        lambda x: seen.append(normalize_and_return_it(x).clone()), x, devices=["cpu", "cpu"]
+    )
+    assert torch.equal(torch.tensor([1.0, 2.0, 3.0, 6.0]), x)
+    assert all(torch.equal(torch.tensor([-1.0, -0.5, 0.0, 1.5]), t) for t in seen)
+
+
+def test_inputs_on_the_device_are_copied_as_the_move_copies_them() -> None:
+    """On its own device, a view stays a view of the tensor it is a view of (in either
+    order), a parameter stays a parameter (a leaf), and a module's parameter passed beside
+    it is the module copy's, as on another device; the caller's tensors stay as they were."""
+    x, weight = torch.zeros(2, 3), nn.Parameter(torch.ones(2))
+    model = nn.Linear(2, 2)
+    seen: list[tuple[object, ...]] = []
+
+    def write(row: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        row.add_(1)
+        if not whole.is_meta:
+            seen.append((float(whole.sum()),))
+        return whole * 1
+
+    def kinds(m: nn.Linear, w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        seen.append((w is m.weight, isinstance(p, nn.Parameter), p.is_leaf))
+        with torch.no_grad():
+            p.add_(1)
+        return p * 1
+
+    assert_device_agnostic(write, x[0], x, devices=["cpu", "cpu", "meta"])
+    assert_device_agnostic(lambda whole, row: write(row, whole), x, x[1], devices=["cpu", "cpu"])
+    assert_device_agnostic(kinds, model, model.weight, weight, devices=["cpu", "meta", "cpu"])
+    assert [(3.0,)] * 4 + [(True, True, True)] * 3 == seen
+    assert torch.equal(torch.zeros(2, 3), x)
+    assert torch.equal(torch.ones(2), weight)
+
+
+def write_everywhere(batch: object) -> object:
+    """Add 1 in place through every tensor of ``batch`` that takes it; the sum of what each
+    then holds (order-free: a set's order follows ids), or 0.0 where there is none."""
+    for _, tensor in iter_tensors(batch):
+        if tensor.dtype == torch.bool or tensor.requires_grad:
+            continue
+        with contextlib.suppress(RuntimeError):  # an expanded view takes no in-place write
+            tensor.add_(1)
+    # In float32 (complex64): a device playing MPS holds no float64.
+    sums = (
+        (t.to(torch.complex64) if t.is_complex() else t.float()).sum()
+        for _, t in iter_tensors(batch)
+    )
+    return sum(sums, 0.0)
+
+
+@given(batch=strategies.nested())
+def test_in_place_writes_reach_neither_the_caller_nor_another_run(batch: object) -> None:
+    """Whatever the structure (a tensor at several places, views before or after their
+    base, without it), runs on one device write into copies of their own, alike, and the
+    caller's tensors keep their values."""
+    before = [(tensor, tensor.clone()) for _, tensor in iter_tensors(batch)]
+    assert_device_agnostic(write_everywhere, batch, devices=["cpu", "cpu", "meta"])
+    assert all(torch.equal(t.nan_to_num(), kept.nan_to_num()) for t, kept in before)
+
+
+@pytest.mark.requires_device("accelerator")
+@given(batch=strategies.nested())
+def test_in_place_writes_on_the_inputs_device_match_the_moves_copies(batch: object) -> None:
+    """The copies of the inputs on their own device share memory as the move's copies on
+    the accelerator do: in-place writes through every alias give the same sums (float64
+    cast where the device holds none)."""
+    devices = ["cpu", accelerator(), "cpu"]
+    assert_device_agnostic(write_everywhere, batch, devices=devices, dtypes="device")
+
+
+# Failures on a device: the tensor made without device=, and what the fix says.
+
+
+class Cached(nn.Module):
+    """A module that makes a mask on its first call, without device=, and keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask is None:
+            self.mask = torch.ones(x.shape[-1])
+        return x * self.mask
+
+
+class CachedDecorated(Cached):
+    """``Cached`` with the printed fix followed: its forward decorated."""
+
+    @devicectx.device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+class CachedOnTheDevice(Cached):
+    """``Cached`` with the other printed fix followed: the mask made with device=."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask is None:
+            self.mask = torch.ones(x.shape[-1], device=x.device)
+        return x * self.mask
+
+
+def test_a_tensor_made_in_the_call_and_kept_is_blamed_on_its_making() -> None:
+    """A tensor made without device= and kept in an attribute is named as made during the
+    call, with the fix for the making (no buffer: the attribute held none before); both
+    fixes it prints pass."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(Cached(), torch.ones(2, 3), devices=CPU_META)
+    assert [
+        "Cached is not device-agnostic: it raised on meta, not on cpu:",
+        "    RuntimeError: Tensor on device cpu is not on the expected device meta!",
+        "  tensors Cached made during the call, kept off meta:",
+        "    cpu <- self.mask (in Cached)",
+        "fix: create the tensors Cached makes on its inputs' device, torch.zeros(n, "
+        "device=x.device) (made without device=, a tensor is on cpu), or decorate "
+        "Cached.forward with @devicectx.device_agnostic so that they land there",
+    ] == message_lines(raised)
+    assert_device_agnostic(CachedDecorated(), torch.ones(2, 3), devices=CPU_META)
+    assert_device_agnostic(CachedOnTheDevice(), torch.ones(2, 3), devices=CPU_META)
+
+
+def test_a_tensor_made_without_device_gets_the_fix_for_it_on_any_device() -> None:
+    """torch's device mismatch from a tensor made without device= names that cause and
+    its fix, on a later device and on the first one (meta first) alike; the decorated
+    function passes."""
+
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.zeros(x.shape)
+
+    fix = (
+        "fix: create the tensors shifted makes on its inputs' device, torch.zeros(n, "
+        "device=x.device) (made without device=, a tensor is on cpu), or decorate shifted "
+        "with @devicectx.device_agnostic so that they land there"
+    )
+    for devices, where in [(CPU_META, "on meta, not on cpu"), (["meta", "cpu"], "on meta")]:
+        with pytest.raises(AssertionError) as raised:
+            assert_device_agnostic(shifted, torch.ones(2), devices=devices)
+        assert [
+            f"shifted is not device-agnostic: it raised {where}:",
+            "    RuntimeError: Tensor on device cpu is not on the expected device meta!",
+            fix,
+        ] == message_lines(raised)
+        assert isinstance(raised.value.__cause__, RuntimeError)
+    assert_device_agnostic(devicectx.device_agnostic(shifted), torch.ones(2), devices=CPU_META)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_tensor_held_outside_the_arguments_gets_the_fix_for_it() -> None:
+    """A tensor on another device than the default, held by a closure, makes the run on
+    the default device fail: the fix says to pass it, which passes."""
+    bias = torch.ones(2, device=accelerator())
+
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return x + bias
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(shifted, torch.ones(2), devices=["cpu", accelerator()])
+    assert (
+        "fix: pass shifted each tensor it uses as an argument (one in a global or a closure "
+        "is not moved), or create it on its inputs' device, torch.zeros(n, device=x.device)"
+    ) == message_lines(raised)[-1]
+    assert_device_agnostic(
+        lambda x, bias: x + bias, torch.ones(2), bias, devices=["cpu", accelerator()]
+    )
+
+
+def collate(rows: list[list[int]], device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Rows of ids to a padded batch and their lengths: no tensor argument."""
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long, device=device)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, device=device)
+    return {"ids": ids, "lengths": torch.tensor([len(row) for row in rows], device=device)}
+
+
+def test_a_function_without_tensor_arguments_gets_a_fix_that_works() -> None:
+    """Outputs off the device of fn without tensor arguments: the fix does not point at an
+    input's device, which there is not, and both ways it prints pass."""
+    rows = [[1, 2], [3]]
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(collate, rows, devices=CPU_META)
+    assert [
+        "collate is not device-agnostic (ran on cpu, meta):",
+        "  on meta, compared with cpu:",
+        "    out['ids']: on cpu, expected meta",
+        "    out['lengths']: on cpu, expected meta",
+        "fix: collate got no tensor argument, so nothing it is given is on each run's "
+        "device: give it one whose device it takes, assert_device_agnostic(lambda like, *a: "
+        "collate(*a, device=like.device), torch.empty(0), ...) with a device= parameter in "
+        "collate; or run it in a block on that device: def run(like, *a): with "
+        "devicectx.on_device(like.device): return collate(*a)",
+    ] == message_lines(raised)
+
+    def run(like: torch.Tensor, *a: Any) -> dict[str, torch.Tensor]:
+        with devicectx.on_device(like.device):
+            return collate(*a)
+
+    devices = ["cpu", "meta", *map(str, devicectx.available_devices()[1:])]
+
+    def printed(like: torch.Tensor, *a: Any) -> object:  # the printed lambda, as a def
+        return collate(*a, device=like.device)  # type: ignore[misc]  # *a holds the rows only
+
+    assert_device_agnostic(printed, torch.empty(0), rows, devices=devices)
+    assert_device_agnostic(run, torch.empty(0), rows, devices=devices)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=".cuda() works on a machine with CUDA")
+def test_cuda_asked_for_by_name_gets_a_fix() -> None:
+    """``.cuda()`` on a machine without CUDA fails the first run with torch's own error
+    (an AssertionError, from a CPU build): reported as not device-agnostic, with the fix,
+    which passes."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(lambda x: x.cuda() * 2, torch.ones(2), devices=CPU_META)
+    lines = message_lines(raised)  # torch's words: a CPU build's, or a CUDA build's
+    assert "<lambda> is not device-agnostic: it raised on cpu:" == lines[0]
+    assert (
+        'fix: <lambda> asks for CUDA by name (.cuda(), device="cuda"), and runs on cpu here: '
+        "use its inputs' device instead, t.to(x.device), torch.zeros(n, device=x.device)"
+    ) == lines[-1]
+    assert_device_agnostic(lambda x, y: y.to(x.device) * 2, torch.ones(2), torch.ones(2))
+
+
+def test_a_partial_is_named_for_its_function() -> None:
+    """fn given as a functools.partial is named for the function it calls."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(functools.partial(drifting()), torch.ones(2, 2), devices=["cpu"] * 2)
+    assert "drift is not device-agnostic (ran on cpu, cpu):" == message_lines(raised)[0]
+
+
+# Errors of the move to a device: a fix for this kit, arguments named as fn names them.
+
+
+class Stubborn:
+    """An object with a .to of its own that fails."""
+
+    def __init__(self, offset: torch.Tensor | None = None) -> None:
+        self.offset = torch.ones(1) if offset is None else offset
+
+    def to(self, device: torch.device) -> Stubborn:
+        raise ValueError("not movable")
+
+
+def test_an_argument_the_move_cannot_move_gets_a_fix_for_the_kit() -> None:
+    """A move that fails names the argument by fn's parameter, and its fix is the kit's
+    (no @device_agnostic option), and passes where followed."""
+
+    def shift(x: torch.Tensor, box: Stubborn) -> torch.Tensor:
+        return x + box.offset
+
+    with pytest.raises(devicectx.MoveError) as raised:
+        assert_device_agnostic(shift, torch.ones(1), Stubborn(), devices=CPU_META)
+    assert [
+        "assert_device_agnostic(shift) could not move box (a Stubborn) to cpu:",
+        "    ValueError: not movable",
+        "fix: make it inside shift rather than pass it, or leave cpu out: devices=['meta']",
+    ] == str(raised.value).splitlines()
+    assert_device_agnostic(
+        lambda x, offset: shift(x, Stubborn(offset)), torch.ones(1), torch.ones(1), devices=CPU_META
+    )
+
+
+@pytest.mark.requires_device("accelerator")
+def test_out_of_memory_in_the_move_gets_a_fix_for_the_kit() -> None:
+    """Out of memory while moving the inputs names the argument by forward's parameter,
+    and its fix is the kit's (smaller inputs, or leave the device out); both pass."""
+    from devicectx.testing import emulated
+
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("a memory limit is the emulated device's (--devicectx-accelerator)")
+    model = nn.Linear(64, 64)
+    with emulated.configure(memory_limit=64 * 1024):
+        with pytest.raises(devicectx.MoveOutOfMemoryError) as raised:
+            assert_device_agnostic(model, torch.randn(512, 64), devices=["cpu", device])
+        lines = str(raised.value).splitlines()
+        assert [
+            "assert_device_agnostic(Linear) could not move input (a Tensor of shape (512, 64), "
+            f"torch.float32, on cpu) to {device}:",
+            f"fix: give Linear smaller inputs (a smaller batch, a smaller model) that fit on "
+            f"{device}, or leave {device} out: devices=['cpu', 'meta']",
+        ] == [lines[0], lines[-1]]
+        assert isinstance(raised.value, torch.OutOfMemoryError)
+        assert_device_agnostic(model, torch.randn(8, 64), devices=["cpu", device])
+        assert_device_agnostic(model, torch.randn(512, 64), devices=["cpu", "meta"])
+
+
+# Values that differ: the fix suggests tolerances only for float rounding, never those in use.
+
+
+def scaled_per_call(step: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function whose output grows by ``step`` (relative) at each call."""
+    calls = itertools.count()
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + step * next(calls))
+
+    return scaled
+
+
+@pytest.mark.parametrize(
+    ("step", "given", "suggested", "written"),
+    [
+        (1e-5, (None, None), (1e-4, 1e-5), "rtol=1e-4, atol=1e-5"),
+        (5e-4, (1e-4, 1e-5), (1e-3, 1e-4), "rtol=1e-3, atol=1e-4"),
+        (5e-3, (1e-3, 1e-5), (1e-2, 1e-3), "rtol=1e-2, atol=1e-3"),
+    ],
+)
+def test_rounding_gets_looser_tolerances_that_work(
+    step: float,
+    given: tuple[float | None, float | None],
+    suggested: tuple[float, float],
+    written: str,
+) -> None:
+    """A difference within float rounding gets the smallest looser tolerances that allow
+    it, never those in use; they pass."""
+    x = torch.linspace(1, 2, 6)
+    rtol, atol = given
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(
+            scaled_per_call(step), x, devices=["cpu", "cpu"], rtol=rtol, atol=atol
+        )
+    assert (
+        "fix: if the difference is expected (float sums in another order, TF32), allow it: "
+        f"assert_device_agnostic(scaled, ..., {written})"
+    ) == message_lines(raised)[-1]
+    rtol, atol = suggested
+    assert_device_agnostic(scaled_per_call(step), x, devices=["cpu", "cpu"], rtol=rtol, atol=atol)
+
+
+def test_a_number_within_rounding_gets_tolerances_too() -> None:
+    """A float in the output (``loss.item()``) within rounding gets the tolerances too."""
+    calls = itertools.count()
+
+    def loss(x: torch.Tensor) -> float:
+        return float(x.sum()) * (1 + 1e-5 * next(calls))
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(loss, torch.ones(3), devices=["cpu", "cpu"])
+    assert message_lines(raised)[-1].endswith(
+        "assert_device_agnostic(loss, ..., rtol=1e-4, atol=1e-5)"
+    )
+
+
+class Dropping(nn.Module):
+    """A linear layer and dropout: random in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.drop(self.linear(x))
+        return out
+
+
+def test_dropout_in_training_mode_gets_eval_as_its_fix() -> None:
+    """A module in training mode with dropout (as fn, or an argument) differs beyond any
+    tolerance: the fix is .eval(), which passes, not tolerances."""
+    x = torch.randn(16, 8)
+
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = model(x)
+        return out
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(Dropping(), x, devices=["cpu", "cpu"], rtol=1e-4, atol=1e-5)
+    assert (
+        "fix: Dropping is in training mode, where its drop (a Dropout) zeroes other values on "
+        "each device: call .eval() on it before the check (assert_device_agnostic("
+        "model.eval(), ...)), and draw no other random numbers in Dropping"
+    ) == message_lines(raised)[-1]
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(forward, Dropping(), x, devices=["cpu", "cpu"])
+    assert (
+        "fix: model is in training mode, where its drop (a Dropout) zeroes other values on "
+        "each device: call .eval() on it before the check (pass model.eval()), and draw no "
+        "other random numbers in forward"
+    ) == message_lines(raised)[-1]
+    assert_device_agnostic(Dropping().eval(), x, devices=["cpu", "cpu"])
+    assert_device_agnostic(forward, Dropping().eval(), x, devices=["cpu", "cpu"])
+
+
+# Outputs of other types: numpy arrays, sizes and dtypes compared; generators refused.
+
+
+def test_numpy_arrays_sizes_and_dtypes_in_the_output_are_compared() -> None:
+    """Numpy arrays are compared as tensors (dtype, shape, values; numbers only), numpy
+    bools exactly, a torch.Size and a torch.dtype by equality; a torch.device is not (it
+    names the device by nature)."""
+    calls = itertools.count()
+
+    def predict(x: torch.Tensor) -> dict[str, object]:
+        n = next(calls)
+        return {
+            "shape": torch.Size([2 + n]),
+            "dtype": torch.float16 if n else torch.float32,
+            "cast": np.zeros(2, dtype=np.float64 if n else np.float32),
+            "rows": np.zeros((n + 1, 2)),
+            "flag": np.bool_(n),
+            "probs": (x + n).numpy(),
+            "ids": np.arange(3) + n,
+            "names": np.array([str(x.device), str(n)]),
+            "where": torch.device("cpu", n),
+        }
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(predict, torch.ones(2), devices=["cpu", "cpu"])
+    assert [
+        "predict is not device-agnostic (ran on cpu, cpu):",
+        "  on cpu, compared with cpu:",
+        "    out['shape']: torch.Size([3]), expected torch.Size([2])",
+        "    out['dtype']: torch.float16, expected torch.float32",
+        "    out['cast']: dtype float64, expected float32",
+        "    out['rows']: shape (2, 2), expected (1, 2)",
+        "    out['flag']: np.True_, expected np.False_, bools compared exactly",
+        "    out['probs']: 2 of 2 values differ (100.0%), rtol=1.3e-06, atol=1e-05",
+        "      max abs diff 1 at index (0,)",
+        "      max rel diff 1 at index (0,)",
+        "    out['ids']: 3 of 3 values differ (100.0%), torch.int64 compared exactly",
+        "      max abs diff 1 at index (0,)",
+        "      max rel diff inf at index (0,)",
+    ] == message_lines(raised)[:13]
+    calls = itertools.count()
+
+    def steady(x: torch.Tensor) -> dict[str, object]:
+        out = predict(x)
+        return {**out, "where": out["where"], "names": out["names"]}
+
+    assert_device_agnostic(
+        lambda x: {k: v for k, v in steady(x).items() if k in {"where", "names"}},
+        torch.ones(2),
+        devices=["cpu", "cpu"],
+    )
+    assert_device_agnostic(
+        lambda x: (x.numpy() * 2, torch.Size(x.shape), x.dtype, np.bool_(True)),
+        torch.ones(2),
+        devices=["cpu", "cpu"],
+    )
+
+
+def test_a_generator_in_the_output_is_refused_with_a_fix_that_works() -> None:
+    """A generator cannot be compared without running it: refused, with the fix (a
+    list), which passes."""
+
+    def rows(x: torch.Tensor) -> Iterator[torch.Tensor]:
+        return (row * 2 for row in x)
+
+    with pytest.raises(TypeError) as raised:
+        assert_device_agnostic(rows, torch.ones(2, 2), devices=CPU_META)
+    assert [
+        "assert_device_agnostic(rows): out is a generator, which cannot be compared without "
+        "running it (it may never end, or be meant to run once)",
+        "fix: return a list in its place, or compare one: assert_device_agnostic(lambda *a: "
+        "list(rows(*a)), ...)",
+    ] == str(raised.value).splitlines()
+    assert_device_agnostic(lambda *a: list(rows(*a)), torch.ones(2, 2), devices=CPU_META)
+
+
+def test_a_strategy_for_devices_gets_a_fix() -> None:
+    """devices= given a hypothesis strategy raises our TypeError, saying to draw it."""
+    with pytest.raises(TypeError) as raised:
+        assert_device_agnostic(agnostic, torch.ones(1), devices=strategies.devices())  # type: ignore[arg-type]
+    lines = str(raised.value).splitlines()
+    assert lines[0].endswith(
+        "devices takes a list of devices, not a hypothesis strategy: the test draws from it, "
+        "the assertion does not"
+    )
+    assert (
+        "fix: draw one in the test, @given(device=strategy) and devices=['cpu', device] (or "
+        "data.draw(strategy) with @given(data=st.data())), or take the plugin's device "
+        "fixture: def test_x(device): ... devices=['cpu', device]"
+    ) == lines[1]
+
+
+@given(device=strategies.devices(allow_meta=True))
+def test_a_drawn_device_passes(device: torch.device) -> None:
+    """The fix for a strategy: the device drawn in the test, then given in a list."""
+    assert_device_agnostic(agnostic, torch.ones(2, 3), devices=["cpu", device])

@@ -40,6 +40,7 @@ from devicectx._errors import (
     RegistrationError,
     with_article,
 )
+from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx._torch.tensors import base_of
 from devicectx.move import _containers
 from devicectx.move._alias import CannotCast, EngineBug, TensorMover
@@ -509,7 +510,7 @@ class Rebuild:
                     self.modules.append(obj)
                 if mover is not None:  # the dtype policy's cast: modules are not cast, nor
                     # their tensors where the structure holds them too
-                    for _, tensor in _owned(obj):
+                    for _, tensor in module_tensors(obj):
                         mover.adopt(tensor, tensor, tensor)
                 return obj
             if kind.rebuild is None:
@@ -591,7 +592,7 @@ class Rebuild:
         held = module is not self.top  # as the root it is the whole structure
         sent, seen = self.sent, set()
         before: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        for name, tensor in _owned(module):
+        for name, tensor in module_tensors(module):
             if tensor.device == device:
                 continue
             if id(tensor) not in seen:
@@ -608,7 +609,7 @@ class Rebuild:
         if not before:
             return
         self.keep.append(before)  # no id adopted is reused by a new object during the walk
-        after = dict(_owned(module))
+        after = dict(module_tensors(module))
         for name, tensor, was in before:
             result = after.get(name)
             if result is not None and result.device == device:
@@ -667,15 +668,6 @@ class Rebuild:
         if isinstance(error, torch.OutOfMemoryError):
             return MoveOutOfMemoryError(msg)
         return MoveError(msg)
-
-
-def _owned(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of ``module`` by its full name, once per name (a tensor
-    two submodules share is listed under both: ``module.to`` may untie them)."""
-    return [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]
 
 
 def _own_containers(clone: Any) -> None:

@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
 
+from devicectx._errors import with_article
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 from devicectx.move._dtypes import DtypesLike, check_dtypes
 from devicectx.move._unseen import Unseen, fix_for, is_device_mismatch, unseen_tensors
-from devicectx.testing._compare import Run, compare, memory_of
-from devicectx.testing._inputs import holds_for, inputs_for, name_of, named_arguments
+from devicectx.testing._compare import Hints, Run, compare, memory_of
+from devicectx.testing._inputs import Inputs, holds_for, named_arguments, walk_arguments
 
 _META = torch.device("meta")
+# What torch says where code asks for CUDA by name on a machine (or a build) without it.
+_NO_CUDA = (
+    "Torch not compiled with CUDA enabled",
+    "Found no NVIDIA driver",
+    "No CUDA GPUs are available",
+)
+_DROPOUTS = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
 
 
 def assert_device_agnostic(
@@ -70,13 +88,20 @@ def assert_device_agnostic(
             tensors, a container's type, the device, dtype, shape, layout,
             ``requires_grad``, which tensors are one or share memory, or how many values
             differ and by how much (max abs and rel diff), or a number in the output that
-            differs (``out['loss']: 4.5, expected 4.0``). Also raised when ``fn`` raises on
-            a device other than the first, chained to that exception, and on any device
-            where torch's device mismatch comes from tensors the move could not see (in
-            attributes of a plain object, or a module's attribute that is no buffer): the
-            message names them.
+            differs (``out['loss']: 4.5, expected 4.0``). Also raised, chained to what
+            ``fn`` raised: when ``fn`` raises on a device other than the first; on any
+            device, for torch's device mismatch (the message names the tensors the move
+            could not see, in attributes of a plain object or a module's attribute that is
+            no buffer, and those ``fn`` made during the call and kept; else it points at a
+            tensor made without ``device=``), and for CUDA asked for by name (``.cuda()``)
+            where there is none. Another error on the first device is ``fn``'s own, raised
+            as it is.
         TypeError, ValueError: ``devices``, ``rtol``, ``atol`` or ``dtypes`` are not usable
-            (a tolerance that is no number, negative or NaN), before ``fn`` runs.
+            (a tolerance that is no number, negative or NaN; a hypothesis strategy for
+            ``devices``, which the test draws from), before ``fn`` runs. TypeError also
+            for an optimizer whose parameters are no module's in the call (before ``fn``
+            runs), and for an iterator in the output (a generator: comparing it would run
+            it).
         devicectx.DtypeUnsupportedError: a device cannot hold an input's dtype, and
             ``dtypes`` casts it to none it holds; raised before ``fn`` runs.
         devicectx.InvalidDeviceError, devicectx.DeviceUnavailableError: a listed device
@@ -86,19 +111,34 @@ def assert_device_agnostic(
         - ``fn`` runs without a device scope, as a caller would call it: a tensor it creates
           without ``device=`` lands on torch's default device and is reported as on the
           wrong device (``@devicectx.device_agnostic`` scopes it for you).
-        - Every device's inputs are made before the first call, so an in-place write by
-          ``fn`` cannot leak into another device's run; tensors already on a device are
-          passed as they are (by identity), as ``to_device`` does.
+        - Every device's inputs are made before the first call, from the caller's, so an
+          in-place write by ``fn`` reaches neither another run (the same device listed
+          twice too) nor the caller: a tensor already on a run's device is copied for it,
+          views kept views of the input tensor that covers them, as the move to another
+          device copies them. Tensors held by a plain object or by an object with its own
+          ``.to`` are passed as they are, to every run.
         - Every ``nn.Module`` in the call (``fn`` itself, an argument, or one inside a
           container argument: a dict, a list, a dataclass) is deep-copied for each device,
-          one copy per module, so the caller's model is never moved or changed. One inside
-          an object with its own ``.to`` is left to that ``.to``.
-        - Tensors, numbers (an ``int`` exactly, a ``float`` from ``loss.item()`` within
-          the tolerances, by default float32's) and the types of containers and numbers
-          are compared (found with the move engine's walk, so every container it
-          supports); other values in the output (a ``str``, which may name the device)
-          are not, nor numbers inside a set. ``fn`` must be deterministic: a random op
-          draws different numbers on each device.
+          one copy per module, so the caller's model is never moved or changed; a module's
+          parameter passed beside it is the copy's. One inside an object with its own
+          ``.to``, or in a plain object (a trainer's ``self.model``), is left as it is.
+        - An optimizer (``torch.optim.Optimizer``) or LR scheduler in the arguments is
+          copied with the modules, for each device: the copy steps the copied model's
+          parameters, from the caller's state (momentum, moments), moved as
+          ``load_state_dict`` moves it, so the caller's optimizer is not changed either.
+          Pass the model too. Hooks registered on the optimizer are not copied; other
+          objects that hold a model or its parameters (an EMA helper) are not copied:
+          build those inside ``fn``, from the model it is given.
+        - Tensors, numbers (an ``int`` and a numpy bool exactly, a ``float`` from
+          ``loss.item()`` within the tolerances, by default float32's), numpy arrays (as
+          tensors: dtype, shape, and values where they are numbers), ``torch.Size`` and
+          ``torch.dtype`` values, and the types of containers and of those values are
+          compared (found with the move engine's walk, so every container it supports).
+          Other values in the output are not: a ``str`` or a ``torch.device`` names the
+          device it ran on by nature; nor numbers inside a set. An iterator (a generator)
+          is refused: return a list. ``fn`` must be deterministic: a random op (dropout in
+          training mode: call ``model.eval()`` first) draws other numbers on each device,
+          whatever the seed.
         - Strides are not compared: they may differ between backends. So may what
           ``reshape()`` and ``contiguous()`` return (their input, a view of it, or a copy,
           as the strides allow), and that shows as tensors shared on one device only:
@@ -117,22 +157,22 @@ def assert_device_agnostic(
     targets = _resolve_devices(devices)
     tolerances = _check_tolerances(rtol, atol)
     _check_dtypes(dtypes)
-    name = name_of(fn)
+    inputs = Inputs(fn, args, kwargs, dtypes, targets)
     # Every run's inputs are built from the caller's untouched objects before any run.
-    calls = [(device, inputs_for(device, fn, args, kwargs, dtypes, targets)) for device in targets]
+    calls = [(device, inputs.on(device)) for device in targets]
     outputs: list[tuple[torch.device, object]] = []
     for device, (call_fn, call_args, call_kwargs) in calls:
         try:
             outputs.append((device, call_fn(*call_args, **call_kwargs)))
         except Exception as error:
-            unseen = _unseen(call_fn, call_args, call_kwargs, device, error)
-            if not outputs and unseen is None:
-                raise
             reference = outputs[0][0] if outputs else None
-            raised = _raised_message(name, device, reference, error, unseen)
+            raised = _raised(inputs, device, reference, error, (call_fn, call_args, call_kwargs))
+            if raised is None:
+                raise
             raise AssertionError(raised) from error
     runs = [Run(device, holds_for(dtypes, device), memory_of(call)) for device, call in calls]
-    message = compare(name, outputs, tolerances, runs)
+    hints = Hints(_decorated(fn, inputs.name), functools.partial(_training, inputs))
+    message = compare(inputs.name, outputs, tolerances, runs, hints)
     if message is not None:
         raise AssertionError(message)
 
@@ -140,6 +180,18 @@ def assert_device_agnostic(
 def _resolve_devices(devices: Iterable[DeviceLike] | None) -> list[torch.device]:
     if devices is None:
         return available_devices()
+    hypothesis = sys.modules.get("hypothesis.strategies")
+    if hypothesis is not None and isinstance(devices, hypothesis.SearchStrategy):
+        given = repr(devices)
+        given = given if len(given) <= 60 else "<a hypothesis strategy>"
+        msg = (
+            f"assert_device_agnostic(devices={given}): devices takes a list of devices, "
+            f"not a hypothesis strategy: the test draws from it, the assertion does not\n"
+            f"fix: draw one in the test, @given(device=strategy) and devices=['cpu', "
+            f"device] (or data.draw(strategy) with @given(data=st.data())), or take the "
+            f"plugin's device fixture: def test_x(device): ... devices=['cpu', device]"
+        )
+        raise TypeError(msg)
     if isinstance(devices, (str, torch.device, int)):
         pair = ", ".join(repr(str(device)) for device in _pair_for(devices))
         msg = (
@@ -208,37 +260,106 @@ def _check_dtypes(dtypes: DtypesLike) -> None:
         raise type(error)(msg) from None
 
 
-def _unseen(
-    fn: Callable[..., object],
-    args: tuple[object, ...],
-    kwargs: dict[str, object],
+def _raised(
+    inputs: Inputs,
     device: torch.device,
+    reference: torch.device | None,
     error: Exception,
-) -> list[Unseen] | None:
-    """For torch's device mismatch: the tensors off ``device`` that the move to it could
-    not see (in attributes of plain objects); None where there are none."""
-    if not is_device_mismatch(error):
-        return None
-    unseen = [u for u in unseen_tensors(named_arguments(fn, args, kwargs)) if u.device != device]
-    return unseen or None
-
-
-def _raised_message(
-    name: str,
-    device: torch.device,
-    reference_device: torch.device | None,
-    error: Exception,
-    unseen: list[Unseen] | None = None,
-) -> str:
+    call: tuple[Callable[..., object], tuple[object, ...], dict[str, object]],
+) -> str | None:
+    """The failure message for ``fn`` raising ``error`` on ``device``; None where it is
+    ``fn``'s own error to raise as it is: on the first device (``reference`` None), and
+    nothing about devices in it."""
+    name = inputs.name
     detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
-    where = (
-        f"on {device}" if reference_device is None else f"on {device}, not on {reference_device}"
-    )
+    where = f"on {device}" if reference is None else f"on {device}, not on {reference}"
     lines = [f"{name} is not device-agnostic: it raised {where}:", f"    {detail}"]
-    if unseen is None:
-        lines.append(f"fix: make {name} work on {device}, or leave {device} out of devices=")
+    if is_device_mismatch(error):
+        unseen, made = _unseen(inputs, device, call)
+        if unseen:
+            lines.append(f"  tensors the move to {device} could not see, left where they were:")
+            lines += [f"    {u.device} <- {u.path} (in {u.holder.__qualname__})" for u in unseen]
+            lines.append(f"fix: {fix_for(unseen)}")
+            return "\n".join(lines)
+        if made:
+            lines.append(f"  tensors {name} made during the call, kept off {device}:")
+            lines += [f"    {u.device} <- {u.path} (in {u.holder.__qualname__})" for u in made]
+        lines.append(_made_without_device(name, _decorated(inputs.fn, name), device))
         return "\n".join(lines)
-    lines.append(f"  tensors the move to {device} could not see, left where they were:")
-    lines += [f"    {u.device} <- {u.path} (in {u.holder.__qualname__})" for u in unseen]
-    lines.append(f"fix: {fix_for(unseen)}")
+    if device.type != "cuda" and any(words in str(error) for words in _NO_CUDA):
+        lines.append(
+            f'fix: {name} asks for CUDA by name (.cuda(), device="cuda"), and runs on '
+            f"{device} here: use its inputs' device instead, t.to(x.device), "
+            f"torch.zeros(n, device=x.device)"
+        )
+        return "\n".join(lines)
+    if reference is None:
+        return None
+    lines.append(f"fix: make {name} work on {device}, or leave {device} out of devices=")
     return "\n".join(lines)
+
+
+def _unseen(
+    inputs: Inputs,
+    device: torch.device,
+    call: tuple[Callable[..., object], tuple[object, ...], dict[str, object]],
+) -> tuple[list[Unseen], list[Unseen]]:
+    """For torch's device mismatch: the tensors off ``device`` that the move to it could
+    not see (in attributes of plain objects, plain attributes of modules), and those among
+    them that were not there before the call (``fn`` made them, and kept them there)."""
+    after = [u for u in unseen_tensors(named_arguments(*call)) if u.device != device]
+    if not after:
+        return [], []
+    # The caller's objects, as every run's were before its call: the module copies were
+    # made of them, and no run touched them.
+    caller = named_arguments(inputs.fn, inputs.args, inputs.kwargs)
+    before = {u.path for u in unseen_tensors(caller)}
+    return [u for u in after if u.path in before], [u for u in after if u.path not in before]
+
+
+def _made_without_device(name: str, decorate: str, device: torch.device) -> str:
+    default = torch.get_default_device()
+    if default != device:
+        return (
+            f"fix: create the tensors {name} makes on its inputs' device, torch.zeros(n, "
+            f"device=x.device) (made without device=, a tensor is on {default}), or decorate "
+            f"{decorate} with @devicectx.device_agnostic so that they land there"
+        )
+    return (
+        f"fix: pass {name} each tensor it uses as an argument (one in a global or a closure "
+        f"is not moved), or create it on its inputs' device, torch.zeros(n, device=x.device)"
+    )
+
+
+def _decorated(fn: Callable[..., object], name: str) -> str:
+    """What a fix says to decorate with ``@device_agnostic``: a module's ``forward``."""
+    return f"{type(fn).__qualname__}.forward" if isinstance(fn, nn.Module) else name
+
+
+def _training(inputs: Inputs) -> str | None:
+    """A fix for values that differ where a module in the call is in training mode and
+    holds dropout, which zeroes other values on each device."""
+    for path, value in walk_arguments(named_arguments(inputs.fn, inputs.args, inputs.kwargs)):
+        if not isinstance(value, nn.Module):
+            continue
+        dropout = next(
+            (
+                (sub, type(module).__qualname__)
+                for sub, module in value.named_modules()
+                if isinstance(module, _DROPOUTS) and module.training and module.p > 0
+            ),
+            None,
+        )
+        if dropout is not None:
+            sub, kind = dropout
+            what = f"its {sub} ({with_article(kind)})" if sub else f"it ({with_article(kind)})"
+            if path == "self":  # fn is the module, or one of its methods
+                owner, call = type(value).__qualname__, "assert_device_agnostic(model.eval(), ...)"
+            else:
+                owner, call = path, f"pass {path}.eval()"
+            return (
+                f"fix: {owner} is in training mode, where {what} zeroes other values on "
+                f"each device: call .eval() on it before the check ({call}), and draw no "
+                f"other random numbers in {inputs.name}"
+            )
+    return None

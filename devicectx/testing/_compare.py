@@ -6,15 +6,25 @@ from __future__ import annotations
 
 import cmath
 import math
+import sys
+from collections.abc import Callable
 from numbers import Complex, Integral
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from devicectx._errors import with_article
 from devicectx._torch.tensors import base_of
 from devicectx.move._move import iter_tensors
-from devicectx.testing._sets import Holds, Walked, is_container, paired, same_dtype, walked
+from devicectx.testing._sets import (
+    Holds,
+    Walked,
+    compared_leaf,
+    is_container,
+    paired,
+    same_dtype,
+    walked,
+)
 
 _META = torch.device("meta")
 
@@ -34,6 +44,11 @@ _TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 # A failure lists at most this many problems per device: the first few say what is wrong.
 _MAX_PROBLEMS = 10
 
+# The tolerances a values fix may suggest, the smallest that covers every difference:
+# float sums in another order, fused kernels and TF32 stay within the last; a difference
+# beyond it is no rounding (random numbers drawn, or another computation).
+_LOOSER = ((1e-4, 1e-5), (1e-3, 1e-4), (1e-2, 1e-3))
+
 
 class Run(NamedTuple):
     """What the comparison knows of one device's run besides its output."""
@@ -49,11 +64,23 @@ def memory_of(call: tuple[object, ...]) -> frozenset[int]:
 
 
 class Problem(NamedTuple):
-    """One difference: its kind (a key of ``_FIXES``), its output path, its message line."""
+    """One difference: its kind (a key of ``_FIXES``), its output path, its message line;
+    for values that differ, the smallest of ``_LOOSER`` (with the tolerances in use) that
+    covers them, None where none does."""
 
     kind: str
     path: str
     line: str
+    covered_by: tuple[float, float] | None = None
+
+
+class Hints(NamedTuple):
+    """What the fixes name besides ``fn``, read only when the check fails."""
+
+    decorate: str
+    """What to decorate with ``@device_agnostic``: ``fn``'s name, ``Model.forward``."""
+    training: Callable[[], str | None]
+    """The fix for a module in training mode that holds dropout, if there is one."""
 
 
 def compare(
@@ -61,9 +88,18 @@ def compare(
     outputs: list[tuple[torch.device, object]],
     tolerances: tuple[float, float] | None,
     runs: list[Run],
+    hints: Hints | None = None,
 ) -> str | None:
-    """The failure message for ``outputs`` (one per device, the first the reference), or None."""
+    """The failure message for ``outputs`` (one per device, the first the reference), or None.
+
+    Raises:
+        TypeError: an output holds an iterator (a generator), which cannot be compared
+            without running it.
+    """
     walks = [walked(output) for _, output in outputs]
+    for walk in walks:
+        if walk.iterators:
+            raise TypeError(_iterator_message(name, walk.iterators))
     holds = [run.holds for run in runs]
     # Values are compared with the first device that has any: meta has none.
     value_index = next((i for i, (d, _) in enumerate(outputs) if d != _META), None)
@@ -82,6 +118,7 @@ def compare(
             value_walks = walks
     sections: list[str] = []
     found: dict[str, str] = {}  # each kind of problem met, with its first line's path
+    covers: list[tuple[float, float] | None] = []  # each values problem's
     for index, (device, _) in enumerate(outputs):
         problems = _placement_problems(walks[index].tensors, device)
         if index > 0:
@@ -97,9 +134,14 @@ def compare(
             problems += _number_problems(
                 value_walks[value_index].numbers, value_walks[index].numbers, tolerances
             )
+            problems += _array_value_problems(
+                value_walks[value_index].arrays, value_walks[index].arrays, tolerances
+            )
         if problems:
             for problem in problems:
                 found.setdefault(problem.kind, problem.path)
+                if problem.kind == "values":
+                    covers.append(problem.covered_by)
             shown = [problem.line for problem in problems[:_MAX_PROBLEMS]]
             if len(problems) > len(shown):
                 shown.append(f"... and {len(problems) - len(shown)} more")
@@ -111,16 +153,75 @@ def compare(
         return None
     ran = ", ".join(str(device) for device, _ in outputs)
     lines = [f"{name} is not device-agnostic (ran on {ran}):", *sections]
-    lines += [
-        fix.format(name=name, path=found[kind]) for kind, fix in _FIXES.items() if kind in found
-    ]
+    hints = hints or Hints(name, _no_training)
+    for kind, fix in _FIXES.items():
+        if kind not in found:
+            continue
+        if kind == "values":
+            lines.append(_values_fix(name, covers, hints))
+            continue
+        if kind == "device" and not any(run.inputs for run in runs):
+            fix = _NO_INPUT_FIX
+        lines.append(fix.format(name=name, path=found[kind], decorate=hints.decorate))
     return "\n".join(lines)
 
+
+def _no_training() -> None:
+    return None
+
+
+def _iterator_message(name: str, iterators: dict[str, type]) -> str:
+    path, tp = next(iter(iterators.items()))
+    return (
+        f"assert_device_agnostic({name}): {path} is {_a(tp)}, which cannot be compared "
+        f"without running it (it may never end, or be meant to run once)\n"
+        f"fix: return a list in its place, or compare one: "
+        f"assert_device_agnostic(lambda *a: list({name}(*a)), ...)"
+    )
+
+
+def _values_fix(name: str, covers: list[tuple[float, float] | None], hints: Hints) -> str:
+    """A fix for values that differ: the tolerances that allow them where they are float
+    rounding, never those in use; else where else such a difference comes from."""
+    if all(cover is not None for cover in covers):
+        rtol = max(cover[0] for cover in covers if cover is not None)
+        atol = max(cover[1] for cover in covers if cover is not None)
+        return (
+            "fix: if the difference is expected (float sums in another order, TF32), allow "
+            f"it: assert_device_agnostic({name}, ..., rtol={_short(rtol)}, atol={_short(atol)})"
+        )
+    training = hints.training()
+    if training is not None:
+        return training
+    rtol, atol = _LOOSER[-1]
+    return (
+        f"fix: no float rounding is this large (beyond rtol={_short(rtol)}, "
+        f"atol={_short(atol)}): {name} must be deterministic (dropout in training mode: "
+        "model.eval(); torch.rand and the like draw other numbers on each device, whatever "
+        "the seed), else it computes something else there: a bug"
+    )
+
+
+def _short(value: float) -> str:
+    """``1e-4`` for 0.0001, as a fix is written (``f"{0.0001}"`` is ``0.0001``)."""
+    if value == 0:
+        return "0"
+    mantissa, _, exponent = f"{value:.1e}".partition("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+_NO_INPUT_FIX = (
+    "fix: {name} got no tensor argument, so nothing it is given is on each run's device: "
+    "give it one whose device it takes, assert_device_agnostic(lambda like, *a: "
+    "{name}(*a, device=like.device), torch.empty(0), ...) with a device= parameter in "
+    "{name}; or run it in a block on that device: def run(like, *a): with "
+    "devicectx.on_device(like.device): return {name}(*a)"
+)
 
 _FIXES = {
     "device": (
         "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), "
-        "or decorate {name} with @devicectx.device_agnostic so they land there"
+        "or decorate {decorate} with @devicectx.device_agnostic so they land there"
     ),
     "structure": (
         "fix: make {name} return the same containers and tensors, dtypes, shapes and layouts "
@@ -134,10 +235,7 @@ _FIXES = {
         "fix: where {name} means a copy, make one on every device: x.clone() (reshape() and "
         "contiguous() return their input, or a view of it, where the strides allow)"
     ),
-    "values": (
-        "fix: if the difference is expected (float sums in another order, TF32), "
-        "allow it: assert_device_agnostic({name}, ..., rtol=1e-4, atol=1e-5)"
-    ),
+    "values": "",  # written by _values_fix, after the differences
     "exact": (
         "fix: integer and bool values are compared exactly, whatever rtol and atol; where "
         "{path} may differ, make {name} return it as a float and allow the difference: "
@@ -160,13 +258,15 @@ def _structure_problems(
     problems: list[Problem] = []
     for path, expected_type in reference.types.items():
         actual_type = output.types.get(path)
-        # Other values' types are compared where a container or a number stands (a str
-        # may name the device it ran on).
+        # Other values' types are compared where a container, a number or another value
+        # compared stands (a str may name the device it ran on; so may a torch.device).
         if actual_type is None or actual_type is expected_type:
             continue
-        if any(is_container(tp) or issubclass(tp, Complex) for tp in (actual_type, expected_type)):
+        if any(is_container(tp) or compared_leaf(tp) for tp in (actual_type, expected_type)):
             line = f"{path}: {_a(actual_type)}, expected {_a(expected_type)}"
             problems.append(Problem("structure", path, line))
+    problems += _equal_problems(reference.equal, output.equal, run.holds, reference_run.holds)
+    problems += _array_problems(reference.arrays, output.arrays, run.holds, reference_run.holds)
     reference_leaves, leaves = reference.tensors, output.tensors
     problems += [
         Problem("structure", path, f"{path}: missing")
@@ -201,6 +301,99 @@ def _structure_problems(
             grad = f"requires_grad={actual.requires_grad}, expected {expected.requires_grad}"
             problems.append(Problem("grad", path, f"{path}: {grad}"))
     return problems + _aliasing_problems(reference_leaves, leaves, reference_run, run)
+
+
+def _equal_problems(
+    expected_values: dict[str, object],
+    values: dict[str, object],
+    holds: Holds,
+    expected_holds: Holds,
+) -> list[Problem]:
+    """``torch.Size`` and ``torch.dtype`` values that differ (a dtype as the devices hold
+    it, as a tensor's). Set members are left out: their paths follow their order."""
+    problems: list[Problem] = []
+    for path, expected in expected_values.items():
+        actual = values.get(path)
+        if actual is None or type(actual) is not type(expected) or "list(" in path:
+            continue  # another type there: reported as a structure problem
+        if isinstance(actual, torch.dtype) and isinstance(expected, torch.dtype):
+            if same_dtype(actual, expected, holds, expected_holds):
+                continue
+        elif actual == expected:
+            continue
+        problems.append(Problem("structure", path, f"{path}: {actual}, expected {expected}"))
+    return problems
+
+
+def _array_problems(
+    expected_arrays: dict[str, Any], arrays: dict[str, Any], holds: Holds, expected_holds: Holds
+) -> list[Problem]:
+    """Numpy arrays of another dtype or shape than the reference's (their dtypes as the
+    devices hold them, as tensors'). Their values are compared with the tensors'."""
+    problems: list[Problem] = []
+    for path, expected in expected_arrays.items():
+        actual = arrays.get(path)
+        if actual is None:
+            continue  # another type there: reported as a structure problem
+        if actual.dtype != expected.dtype:
+            dtype, expected_dtype = _torch_dtype(actual), _torch_dtype(expected)
+            if (
+                dtype is None
+                or expected_dtype is None
+                or not same_dtype(dtype, expected_dtype, holds, expected_holds)
+            ):
+                line = f"{path}: dtype {actual.dtype}, expected {expected.dtype}"
+                problems.append(Problem("structure", path, line))
+        if actual.shape != expected.shape:
+            line = f"{path}: shape {actual.shape}, expected {expected.shape}"
+            problems.append(Problem("structure", path, line))
+    return problems
+
+
+def _torch_dtype(array: Any) -> torch.dtype | None:
+    """The dtype of the tensor ``torch.from_numpy`` makes of ``array``'s dtype, if any."""
+    numpy = sys.modules["numpy"]
+    try:
+        return torch.from_numpy(numpy.empty(0, dtype=array.dtype)).dtype
+    except (TypeError, ValueError):  # object, str, datetime: no tensor of them
+        return None
+
+
+def _as_tensor(array: Any) -> torch.Tensor | None:
+    """``array`` as a tensor on the CPU, for its values; None where torch holds none of
+    its dtype (object, str)."""
+    numpy = sys.modules["numpy"]
+    try:  # from_numpy refuses negative strides: a contiguous copy has none
+        return torch.from_numpy(numpy.ascontiguousarray(array))
+    except (TypeError, ValueError):
+        return None
+
+
+def _array_value_problems(
+    expected_arrays: dict[str, Any],
+    arrays: dict[str, Any],
+    tolerances: tuple[float, float] | None,
+) -> list[Problem]:
+    """Numpy arrays' values, compared as tensors' are: floating point within tolerances,
+    integers and bools exactly; not those of dtypes torch has no tensor of (str, object),
+    which may name the device, as a str may."""
+    problems: list[Problem] = []
+    for path, expected in expected_arrays.items():
+        actual = arrays.get(path)
+        if actual is None or actual.shape != expected.shape:
+            continue  # reported as a structure problem
+        a, e = _as_tensor(actual), _as_tensor(expected)
+        if a is None or e is None:  # str, object: like a str, may name the device
+            continue
+        if a.dtype.is_complex != e.dtype.is_complex:
+            continue  # reported as a structure problem
+        problem = _value_problem(path, a, e, tolerances)
+        if problem is not None:
+            if _inexact(a, e):
+                problems.append(Problem("values", path, problem, _covered_by(a, e, tolerances)))
+            else:
+                problems.append(Problem("exact", path, problem))
+    return problems
 
 
 def _a(tp: type) -> str:
@@ -297,8 +490,11 @@ def _value_problems(
             continue  # reported as a structure problem
         problem = _value_problem(path, actual, expected, tolerances)
         if problem is not None:
-            kind = "values" if _inexact(actual, expected) else "exact"
-            problems.append(Problem(kind, path, problem))
+            if _inexact(actual, expected):
+                cover = _covered_by(actual, expected, tolerances)
+                problems.append(Problem("values", path, problem, cover))
+            else:
+                problems.append(Problem("exact", path, problem))
     return problems
 
 
@@ -315,18 +511,55 @@ def _number_problems(
         actual = numbers.get(path)
         if actual is None or "list(" in path:
             continue  # another type there: reported as a structure problem
-        if isinstance(actual, Integral) and isinstance(expected, Integral):
+        if _exact(actual) and _exact(expected):
             if actual != expected:
-                line = f"{path}: {actual!r}, expected {expected!r}, integers compared exactly"
+                what = "integers" if isinstance(expected, Integral) else "bools"
+                line = f"{path}: {actual!r}, expected {expected!r}, {what} compared exactly"
                 problems.append(Problem("exact", path, line))
             continue
         rtol, atol = tolerances or _TOLERANCES[torch.float32]
         a, e = complex(actual), complex(expected)
-        both_nan = cmath.isnan(a) and cmath.isnan(e)
-        if not both_nan and not (a == e or abs(a - e) <= atol + rtol * abs(e)):
+        if not _close(a, e, rtol, atol):
             line = f"{path}: {actual!r}, expected {expected!r}, rtol={rtol:g}, atol={atol:g}"
-            problems.append(Problem("values", path, line))
+            cover = next(
+                (looser for looser in _looser(rtol, atol) if _close(a, e, *looser)),
+                None,
+            )
+            problems.append(Problem("values", path, line, cover))
     return problems
+
+
+def _exact(number: object) -> bool:
+    """Whether a number in an output is compared exactly: an int, a bool, numpy's too."""
+    if isinstance(number, Integral):
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(number, numpy.bool_)
+
+
+def _close(actual: complex, expected: complex, rtol: float, atol: float) -> bool:
+    both_nan = cmath.isnan(actual) and cmath.isnan(expected)
+    return both_nan or actual == expected or abs(actual - expected) <= atol + rtol * abs(expected)
+
+
+def _looser(rtol: float, atol: float) -> list[tuple[float, float]]:
+    """The tolerances a fix may suggest beyond ``rtol`` and ``atol``, smallest first."""
+    looser = [(max(rtol, r), max(atol, a)) for r, a in _LOOSER]
+    return [pair for pair in looser if pair != (rtol, atol)]
+
+
+def _covered_by(
+    actual: torch.Tensor, expected: torch.Tensor, tolerances: tuple[float, float] | None
+) -> tuple[float, float] | None:
+    """The smallest of the tolerances a fix may suggest within which ``actual`` and
+    ``expected`` (floating point or complex) agree; None where none is enough."""
+    wide = torch.complex128 if actual.is_complex() or expected.is_complex() else torch.float64
+    a, e = _dense(actual).to(wide), _dense(expected).to(wide)
+    used = tolerances or _default_tolerances(actual.dtype, expected.dtype)
+    for rtol, atol in _looser(*used):
+        if bool(torch.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True).all()):
+            return rtol, atol
+    return None
 
 
 def _inexact(actual: torch.Tensor, expected: torch.Tensor) -> bool:

@@ -1,22 +1,38 @@
 """One device's inputs for ``assert_device_agnostic``: its own copies of the modules in
-the call, the tensors moved (and cast, as ``dtypes=`` says), the caller's objects untouched."""
+the call (and of the optimizers and LR schedulers that hold their parameters), its own
+copies of the tensors already on the device, the others moved (and cast, as ``dtypes=``
+says), the caller's objects untouched."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import itertools
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
-from devicectx._errors import DtypeUnsupportedError
+from devicectx._errors import (
+    DtypeUnsupportedError,
+    MoveError,
+    MoveOutOfMemoryError,
+    with_article,
+)
+from devicectx._torch.module_tree import tensors as module_tensors
+from devicectx._torch.optim import keep_step_tracking
+from devicectx._torch.tensors import base_of
 from devicectx.devices._capabilities import nearest_dtype
-from devicectx.move._containers import CONTAINER, MODULE, kind_for
+from devicectx.move._alias import dense
+from devicectx.move._containers import CONTAINER, LEAF, MODULE, TENSOR, kind_for
 from devicectx.move._dtypes import DtypesLike, policy_for
 from devicectx.move._move import iter_tensors, move_call
+from devicectx.move._paths import join
 from devicectx.testing._sets import Holds
 
 
@@ -30,6 +46,8 @@ def holds_for(dtypes: DtypesLike, device: torch.device) -> Holds:
 
 
 def name_of(fn: object) -> str:
+    while isinstance(fn, functools.partial):  # named for the function it calls
+        fn = fn.func
     qualname = getattr(fn, "__qualname__", None)
     if not isinstance(qualname, str):
         qualname = type(fn).__qualname__
@@ -37,58 +55,191 @@ def name_of(fn: object) -> str:
     return qualname.rpartition("<locals>.")[2]
 
 
-def inputs_for(
-    device: torch.device,
-    fn: Callable[..., object],
-    args: tuple[object, ...],
-    kwargs: dict[str, object],
-    dtypes: DtypesLike,
-    devices: list[torch.device],
-) -> tuple[Callable[..., object], tuple[object, ...], dict[str, object]]:
-    """``fn``, ``args`` and ``kwargs`` for one run on ``device``, leaving the caller's alone."""
-    __tracebackhide__ = True
-    policy = policy_for(dtypes, device)
-    if policy is not None and policy.missing:
-        _refuse_dtypes(device, policy.missing, fn, args, kwargs, dtypes, devices)
-    copies = _Copies(device, {} if policy is None else policy.cast)
-    call_fn = copies.of_callable(fn)
-    call_args: tuple[object, ...] = copies.within(args)
-    call_kwargs: dict[str, object] = copies.within(kwargs)
-    # Moved as one structure, so a tensor passed twice stays one tensor.
-    # The same inputs go to each device on purpose: no repeated-move warning.
+class Inputs:
+    """The call ``assert_device_agnostic`` checks, and its inputs for each device, each
+    made from the caller's untouched objects."""
+
+    def __init__(
+        self,
+        fn: Callable[..., object],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+        dtypes: DtypesLike,
+        devices: list[torch.device],
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.dtypes = dtypes
+        self.devices = devices
+        self.name = name_of(fn)
+        self.names, self.rest = positional_names(fn)
+        self._groups: dict[int, list[torch.Tensor]] | None = None
+
+    def anchor_of(self, view: torch.Tensor) -> torch.Tensor | None:
+        """The input tensor that ``view``'s copy is made a view of, as the move chooses it:
+        the largest dense tensor of the inputs on the same memory, of its dtype, that
+        covers ``view`` (its base, where it is there); None where ``view`` is copied alone."""
+        if self._groups is None:  # found once, and only for inputs with views in them
+            groups: dict[int, list[torch.Tensor]] = {}
+            met: set[int] = set()
+            for _, tensor in iter_tensors((self.args, self.kwargs)):
+                if id(tensor) not in met:
+                    met.add(id(tensor))
+                    base = base_of(tensor)
+                    groups.setdefault(id(tensor if base is None else base), []).append(tensor)
+            self._groups = groups
+        span = _span(view)
+        if span is None:
+            return None
+        best, best_key = None, (False, 0, 0)
+        for index, member in enumerate(self._groups.get(id(base_of(view)), ())):
+            covers = _span(member)
+            key = (base_of(member) is None, member.numel(), -index)
+            if (
+                covers is not None
+                and member.dtype == view.dtype
+                and covers[0] <= span[0]
+                and span[1] <= covers[1]
+                and dense(member.shape, member.stride())
+                and key > best_key
+            ):
+                best, best_key = member, key
+        return None if best is view else best
+
+    def on(
+        self, device: torch.device
+    ) -> tuple[Callable[..., object], tuple[object, ...], dict[str, object]]:
+        """``fn``, ``args`` and ``kwargs`` for one run on ``device``."""
+        __tracebackhide__ = True
+        fn, args, kwargs, dtypes = self.fn, self.args, self.kwargs, self.dtypes
+        policy = policy_for(dtypes, device)
+        if policy is not None and policy.missing:
+            _refuse_dtypes(device, policy.missing, fn, args, kwargs, dtypes, self.devices)
+        copies = _Copies(device, {} if policy is None else policy.cast, self)
+        call_fn, call_args, call_kwargs = copies.call(fn, args, kwargs)
+        # Moved as one structure, so a tensor passed twice stays one tensor.
+        # The same inputs go to each device on purpose: no repeated-move warning.
+        try:
+            moved_args, moved_kwargs = move_call(
+                call_args,
+                call_kwargs,
+                device,
+                names=self.names,
+                rest=self.rest,
+                check_repeats=False,
+                who=f"assert_device_agnostic({self.name})",
+                dtypes=dtypes,
+            )
+        except DtypeUnsupportedError as error:
+            # Only where the look above missed a tensor (one the move finds in an object of
+            # its own): the move's fix is written for @device_agnostic.
+            lines = str(error).splitlines()[:-1]
+            fix = _dtype_fix(device, error.paths, self.name, dtypes, self.devices)
+            msg = "\n".join([*lines, f"fix: {fix}"])
+            raise DtypeUnsupportedError(msg, device=device, paths=error.paths) from None
+        except MoveError as error:
+            raise self._move_error(error, device) from error.__cause__
+        return call_fn, moved_args, moved_kwargs
+
+    def _move_error(self, error: MoveError, device: torch.device) -> MoveError:
+        """``error`` with a fix for this kit: the move's is written for ``@device_agnostic``
+        (``exclude=``, which the kit has not)."""
+        *lines, fix = str(error).splitlines()
+        leave_out = _leave_out(device, self.devices)
+        if isinstance(error, MoveOutOfMemoryError):
+            fix = (
+                f"fix: give {self.name} smaller inputs (a smaller batch, a smaller model) that "
+                f"fit on {device}, or {leave_out}"
+            )
+            return MoveOutOfMemoryError("\n".join([*lines, fix]))
+        decorators = fix.find(_CALL_FIX)
+        if decorators >= 0:
+            kept = fix[:decorators].removesuffix("; or ")
+            ours = f"make it inside {self.name} rather than pass it, or {leave_out}"
+            fix = f"{kept}; or {ours}" if kept != "fix: " else f"fix: {ours}"
+        return MoveError("\n".join([*lines, fix]))
+
+
+# How the move's fix for an argument begins (devicectx.move._move's, for @device_agnostic).
+_CALL_FIX = "move it yourself, or leave the argument out of the move"
+
+
+def positional_names(fn: Callable[..., object]) -> tuple[list[str], str]:
+    """The names of ``fn``'s positional parameters (a module's: its ``forward``'s), and of
+    its ``*args`` (``"args"`` where it has none, or its signature cannot be read)."""
+    target = fn.forward if isinstance(fn, nn.Module) else fn
+    function, skip = target, 0
+    if type(target) is types.MethodType:
+        function, skip = target.__func__, 1
+    if type(function) is types.FunctionType and not hasattr(function, "__wrapped__"):
+        # Read off the code, as inspect.signature reads it, at a tenth of its cost: every
+        # call of the kit pays it.
+        code = function.__code__
+        count = code.co_argcount
+        names = list(code.co_varnames[skip:count])
+        if code.co_flags & inspect.CO_VARARGS:
+            return names, code.co_varnames[count + code.co_kwonlyargcount]
+        return names, "args"
     try:
-        moved_args, moved_kwargs = move_call(
-            call_args,
-            call_kwargs,
-            device,
-            check_repeats=False,
-            who=f"assert_device_agnostic({name_of(fn)})",
-            dtypes=dtypes,
-        )
-    except DtypeUnsupportedError as error:
-        # Only where the look above missed a tensor (one the move finds in an object of
-        # its own): the move's fix is written for @device_agnostic.
-        lines = str(error).splitlines()[:-1]
-        fix = _dtype_fix(device, error.paths, name_of(fn), dtypes, devices)
-        msg = "\n".join([*lines, f"fix: {fix}"])
-        raise DtypeUnsupportedError(msg, device=device, paths=error.paths) from None
-    return call_fn, moved_args, moved_kwargs
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return [], "args"
+    names = []
+    for parameter in parameters:
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            return names, parameter.name
+        if parameter.kind not in _POSITIONAL:
+            break
+        names.append(parameter.name)
+    return names, "args"
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 class _Copies:
-    """One device's copies of the modules in a call, each module copied once (a module
-    passed twice, or shared by two, stays one), in containers rebuilt around them.
+    """One device's copies of what a run may change: the modules in a call, each module
+    copied once (a module passed twice, or shared by two, stays one), in containers rebuilt
+    around them; the optimizers and LR schedulers, made to hold the copies' parameters; and
+    the tensors already on the device, which the move would pass as they are.
 
     ``to_device`` moves a module in place; a copy keeps the caller's model where it is, and
     intact (moving to meta drops the weights; on a backend registered out of tree the move
-    puts new parameters in the caller's model).
+    puts new parameters in the caller's model). A tensor on the device gets a copy of its
+    own, so that an in-place write by ``fn`` reaches neither the caller's tensor nor another
+    run (the same device listed twice). A module's parameter or buffer passed beside it is
+    the copy's, on every device, as the move makes it of a module it moves.
     """
 
-    def __init__(self, device: torch.device, cast: Mapping[torch.dtype, torch.dtype]) -> None:
+    def __init__(
+        self, device: torch.device, cast: Mapping[torch.dtype, torch.dtype], inputs: Inputs
+    ) -> None:
         self.device = device
         self.cast = cast
-        self.memo: dict[int, Any] = {}  # deepcopy's: modules that share parts keep sharing
-        self.done: dict[int, Any] = {}  # id(original) -> what stands in for it
+        self.inputs = inputs
+        # deepcopy's: modules that share parts keep sharing, an optimizer holds its
+        # module's copied parameters, and a module holds a tensor copied before it.
+        self.memo: dict[int, Any] = {}
+        self.copies: dict[int, Any] = {}  # id(module, optimizer, scheduler) -> its copy
+        self.done: dict[int, Any] = {}  # id(tensor, container) -> what stands in for it
+        self.modules: list[tuple[nn.Module, nn.Module]] = []  # (original, copy)
+        self.optimizers: list[Optimizer] = []  # the originals, each once
+        self.now: dict[int, torch.Tensor] = {}  # id(a module's tensor) -> the copy's, moved
+        self.passed: set[int] = set()  # the tensors left to the move, off the device
+
+    def call(
+        self, fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[Callable[..., object], tuple[object, ...], dict[str, object]]:
+        """``fn``, ``args`` and ``kwargs`` with the copies in them."""
+        call_fn = self.of_callable(fn)
+        call_args: tuple[object, ...] = self.within(args)
+        call_kwargs: dict[str, object] = self.within(kwargs)
+        if not self.passed.isdisjoint(self.now):  # a module's tensor met before the module
+            self.done = {}
+            call_args, call_kwargs = self.within(args), self.within(kwargs)
+        self.finish()
+        return call_fn, call_args, call_kwargs
 
     def of_callable(self, fn: Callable[..., object]) -> Callable[..., object]:
         if isinstance(fn, nn.Module):
@@ -103,14 +254,20 @@ class _Copies:
         return fn
 
     def within(self, obj: Any) -> Any:
-        """``obj`` with each module in it, at any depth of containers, a copy."""
+        """``obj`` with each module, optimizer, scheduler and tensor on the device in it, at
+        any depth of containers, a copy."""
         done = self.done.get(id(obj))
         if done is not None:
             return done
         kind = kind_for(type(obj))
-        if kind.role == MODULE:
+        role = kind.role
+        if role == TENSOR:
+            return self.tensor(obj)
+        if role == MODULE:
             return self.module(obj)
-        if kind.role != CONTAINER or kind.split is None or kind.rebuild is None:
+        if role == LEAF and isinstance(obj, (Optimizer, LRScheduler)):
+            return self.optimizing(obj)
+        if role != CONTAINER or kind.split is None or kind.rebuild is None:
             return obj
         self.done[id(obj)] = obj  # a cycle back to it meets the original
         keys, children = kind.split(obj)
@@ -122,21 +279,54 @@ class _Copies:
             except Exception as error:
                 kept = type(obj).__qualname__
                 msg = (
-                    f"assert_device_agnostic copies each nn.Module in the arguments to each "
-                    f"device; a {kept} holding one cannot be rebuilt around the copy: "
-                    f"{type(error).__name__}: {error}\n"
-                    f"fix: pass the module as an argument of its own: "
-                    f"assert_device_agnostic(fn, model, ...)"
+                    f"assert_device_agnostic copies each nn.Module in the arguments, and each "
+                    f"tensor already on the device, for each device; a {kept} holding one "
+                    f"cannot be rebuilt around the copy: {type(error).__name__}: {error}\n"
+                    f"fix: pass it as an argument of its own: assert_device_agnostic(fn, "
+                    f"model, x, ...)"
                 )
                 raise TypeError(msg) from error
         self.done[id(obj)] = result
         return result
 
+    def tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What stands for ``tensor`` in this run: a module's tensor the copy's, one on
+        the device a copy of its own; else ``tensor``, which the move copies."""
+        copied = self.now.get(id(tensor))
+        if copied is None:
+            if tensor.device != self.device:
+                self.passed.add(id(tensor))
+                return tensor
+            copied = self.memo.get(id(tensor))  # a copy a module holds already
+            if copied is None:
+                copied = self._own(tensor)
+                self.memo[id(tensor)] = copied  # a module met later holds this copy
+        self.done[id(tensor)] = copied
+        return copied
+
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` as the move makes one: a parameter as a new parameter (a
+        leaf), another tensor through autograd, a view covered by a tensor of the inputs as
+        a view of that one's copy; copied alone otherwise (never the rest of its base)."""
+        if type(tensor) is not torch.Tensor and isinstance(tensor, nn.Parameter):
+            parameter: torch.Tensor = copy.deepcopy(tensor, self.memo)
+            return parameter
+        if base_of(tensor) is not None:
+            anchor = self.inputs.anchor_of(tensor)
+            if anchor is not None:
+                view = _view_in(self.tensor(anchor), anchor, tensor)
+                if view is not None:
+                    return view
+        return tensor.clone()
+
     def module(self, module: nn.Module) -> nn.Module:
-        done = self.done.get(id(module))
-        if done is None:
-            done = self.done[id(module)] = self._copy(module)
-        copied: nn.Module = done
+        copied: nn.Module | None = self.copies.get(id(module))
+        if copied is None:
+            copied = self.copies[id(module)] = self._copy(module)
+            self.modules.append((module, copied))
+            mine = dict(module_tensors(copied))
+            for name, tensor in module_tensors(module):
+                self.now.setdefault(id(tensor), mine[name])
         return copied
 
     def _copy(self, module: nn.Module) -> nn.Module:
@@ -153,6 +343,122 @@ class _Copies:
                 f"fix: make the module deep-copyable, or create it inside fn"
             )
             raise TypeError(msg) from error
+
+    def optimizing(self, obj: Optimizer | LRScheduler) -> object:
+        """A copy of an optimizer, or of an LR scheduler with its optimizer, in the modules'
+        memo: its parameters are the copied modules' (see :meth:`finish`)."""
+        copied = self.copies.get(id(obj))
+        if copied is not None:
+            return copied
+        try:
+            copied = copy.deepcopy(obj, self.memo)
+        except Exception as error:
+            kind = type(obj).__qualname__
+            msg = (
+                f"assert_device_agnostic copies each optimizer and LR scheduler in the "
+                f"arguments with the modules, for each device; copying the {kind} failed: "
+                f"{type(error).__name__}: {error}\n"
+                f"fix: build the {kind} inside fn, from the model it is given"
+            )
+            raise TypeError(msg) from error
+        self.copies[id(obj)] = copied
+        optimizer = obj if isinstance(obj, Optimizer) else getattr(obj, "optimizer", None)
+        if isinstance(optimizer, Optimizer) and all(o is not optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+        return copied
+
+    def finish(self) -> None:
+        """Point each copied optimizer at the parameters of the copied modules, where they
+        are now (``module.to`` replaces them on some devices: meta, backends out of tree),
+        with its state moved there as ``load_state_dict`` moves it.
+
+        Raises:
+            TypeError: an optimizer holds a parameter of no module in the call: its copy
+                would train a copy that nothing reads.
+        """
+        now = self.now
+        for optimizer in self.optimizers:
+            if any(id(p) not in now for group in optimizer.param_groups for p in group["params"]):
+                raise TypeError(_unowned(optimizer, self.inputs))
+            copied = self.memo[id(optimizer)]
+            saved = copied.state_dict()  # by position; its tensors are this run's copies
+            for group, kept in zip(copied.param_groups, optimizer.param_groups, strict=True):
+                group["params"] = [now[id(p)] for p in kept["params"]]
+            copied.load_state_dict(saved)
+            keep_step_tracking(optimizer, copied)
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The first and last element of its storage that a strided ``tensor`` reads; None
+    for an empty one (it reads none: copied alone) or another layout."""
+    if tensor.layout != torch.strided or tensor.numel() == 0:
+        return None
+    first = int(tensor.storage_offset())
+    steps = zip(tensor.shape, tensor.stride(), strict=True)
+    return first, first + sum((int(n) - 1) * stride for n, stride in steps)
+
+
+def _view_in(
+    copied_anchor: torch.Tensor, anchor: torch.Tensor, view: torch.Tensor
+) -> torch.Tensor | None:
+    """``view``, which ``anchor`` covers, re-made as a view of ``copied_anchor``, a copy of
+    ``anchor``; None where the copy lays its elements out otherwise. The move's twin is
+    ``devicectx.move._alias._view_of``."""
+    layouts = zip(anchor.shape, anchor.stride(), copied_anchor.stride(), strict=True)
+    if (
+        copied_anchor.shape != anchor.shape
+        or not all(a == b or n <= 1 for n, a, b in layouts)
+        or view.is_conj() != anchor.is_conj()
+        or view.is_neg() != anchor.is_neg()
+    ):
+        return None
+    offset = view.storage_offset() - anchor.storage_offset() + copied_anchor.storage_offset()
+    source = copied_anchor if view.requires_grad else copied_anchor.detach()
+    made = source.as_strided(view.shape, view.stride(), offset)
+    return made if made.requires_grad == view.requires_grad else None
+
+
+def _unowned(optimizer: Optimizer, inputs: Inputs) -> str:
+    """The message for an optimizer whose parameters are not all a module's in the call."""
+    kind = type(optimizer).__qualname__
+    path = _path_to(optimizer, named_arguments(inputs.fn, inputs.args, inputs.kwargs))
+    name = inputs.name
+    return (
+        f"assert_device_agnostic({name}): {path} ({with_article(kind)}) holds parameters of "
+        f"no module given to {name}: each device's run gets a copy of each module and of "
+        f"the {kind}, and the copy would train parameters that {name} never reads\n"
+        f"fix: pass the model too, assert_device_agnostic({name}, model, optimizer, ...), "
+        f"or build the {kind} inside {name}, from the model it is given"
+    )
+
+
+def _path_to(target: object, named: list[tuple[str, object]]) -> str:
+    """The path of ``target`` in the arguments (through containers, or as the optimizer of
+    a scheduler there), for a message."""
+    for path, value in walk_arguments(named):
+        if value is target:
+            return path
+        if getattr(value, "optimizer", None) is target and isinstance(value, LRScheduler):
+            return f"{path}.optimizer"
+    return "an argument"
+
+
+def walk_arguments(named: list[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+    """Every value in the ``named`` arguments, through containers, with its path, depth
+    first; a container met again is not looked into again. For messages: slow."""
+    stack = list(reversed(named))
+    seen: set[int] = set()
+    while stack:
+        path, value = stack.pop()
+        yield path, value
+        kind = kind_for(type(value))
+        if kind.role != CONTAINER or kind.split is None or id(value) in seen:
+            continue
+        seen.add(id(value))
+        keys, children = kind.split(value)
+        keys = range(len(children)) if keys is None else keys
+        pairs = zip(keys, children, strict=True)
+        stack += reversed([(join(path, kind.style, key), child) for key, child in pairs])
 
 
 def _cast(module: nn.Module, cast: Mapping[torch.dtype, torch.dtype]) -> None:
@@ -207,10 +513,7 @@ def _dtype_fix(
     dtypes: DtypesLike,
     devices: list[torch.device],
 ) -> str:
-    others = [str(d) for d in devices if d != device]
-    if len(others) < 2 and "meta" not in others:
-        others.append("meta")
-    leave_out = f"leave {device} out: devices={others!r}"
+    leave_out = _leave_out(device, devices)
     nearest = {dtype: nearest_dtype(device, dtype) for dtype in paths}
     held = {dtype: to for dtype, to in nearest.items() if to is not None}
     if len(held) < len(nearest):
@@ -226,6 +529,13 @@ def _dtype_fix(
     return f"assert_device_agnostic({name}, ..., dtypes={{{pairs}}}), or {leave_out}"
 
 
+def _leave_out(device: torch.device, devices: list[torch.device]) -> str:
+    others = [str(d) for d in devices if d != device]
+    if len(others) < 2 and "meta" not in others:
+        others.append("meta")
+    return f"leave {device} out: devices={others!r}"
+
+
 def named_arguments(
     fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
 ) -> list[tuple[str, object]]:
@@ -235,7 +545,8 @@ def named_arguments(
     if isinstance(owner, nn.Module) or isinstance(fn, nn.Module):
         named.append(("self", fn if isinstance(fn, nn.Module) else owner))
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        target = fn.forward if isinstance(fn, nn.Module) else fn
+        bound = inspect.signature(target).bind(*args, **kwargs)
     except (TypeError, ValueError):
         named += [(f"args[{i}]", value) for i, value in enumerate(args)]
         return named + list(kwargs.items())

@@ -4,12 +4,14 @@ A set iterates in the order of its members' hashes, ids for tensors: another ord
 each device. Its members are numbered here as the members of the reference output's set
 that they equal, so that the comparison's paths (``list(out['stats'])[2]``) name the same
 member on every device. The same walk, without sets to pair, gives every other output's
-tensors by path, the types of its other values and its numbers (:func:`walked`).
+tensors by path, the types of its other values, its numbers, its numpy arrays and the
+values compared by equality (``torch.Size``, ``torch.dtype``) (:func:`walked`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from numbers import Complex
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -32,11 +34,21 @@ _HOLDS_ALL: Holds = MappingProxyType({})
 
 class Walked(NamedTuple):
     """One output, walked: its tensors by path, the type of every other value met, and
-    the numbers among them (an ``int``, a ``float`` from ``loss.item()``) by path."""
+    among them by path: the numbers (an ``int``, a ``float`` from ``loss.item()``, numpy's
+    scalars, a numpy bool), the numpy arrays, the values compared by equality (a
+    ``torch.Size``, a ``torch.dtype``), and the iterators (a generator), which no walk can
+    look into without running them."""
 
     tensors: dict[str, torch.Tensor]
     types: dict[str, type]
     numbers: dict[str, Complex]
+    arrays: dict[str, Any]
+    equal: dict[str, object]
+    iterators: dict[str, type]
+
+    @classmethod
+    def empty(cls) -> Walked:
+        return cls({}, {}, {}, {}, {}, {})
 
 
 def walked(output: object) -> Walked:
@@ -111,7 +123,7 @@ class Pairing:
     def leaves(self, obj: object, reference: object, path: str) -> Walked:
         """The tensors of ``obj`` by path, and the types of its other values; a container
         met again is not looked into again."""
-        walked = Walked({}, {}, {})
+        walked = Walked.empty()
         self._walk(obj, reference, path, walked, set())
         return walked
 
@@ -128,9 +140,13 @@ class Pairing:
             found.tensors[path] = obj
             return
         found.types[path] = type(obj)
-        if kind.split is None and isinstance(obj, Complex):
-            found.numbers[path] = obj
-        if kind.split is None or id(obj) in seen:  # a module, a leaf, or met already
+        if kind.split is None:  # a module or a leaf
+            if isinstance(obj, Complex):
+                found.numbers[path] = obj
+            elif obj is not None:
+                _leaf(obj, path, found)
+            return
+        if id(obj) in seen:
             return
         seen.add(id(obj))
         keys, children = kind.split(obj)
@@ -174,7 +190,7 @@ class Pairing:
         return [paired[m] if m in paired else next(left) for m in range(len(members))]
 
     def _trial(self, obj: object, reference: object, path: str, seen: set[int]) -> Walked:
-        found = Walked({}, {}, {})
+        found = Walked.empty()
         self._walk(obj, reference, path, found, set(seen))
         return found
 
@@ -193,6 +209,33 @@ class Pairing:
             if self.differs(path, got, want):
                 return False
         return True
+
+
+def _leaf(obj: object, path: str, found: Walked) -> None:
+    """File a leaf that is no Python number where the comparison looks for it."""
+    if isinstance(obj, (torch.Size, torch.dtype)):
+        found.equal[path] = obj
+        return
+    numpy = sys.modules.get("numpy")  # an output holds no numpy object unless it is loaded
+    if numpy is not None:
+        if isinstance(obj, numpy.ndarray):
+            found.arrays[path] = obj
+            return
+        if isinstance(obj, numpy.bool_):  # numpy registers its other scalars as numbers
+            found.numbers[path] = obj
+            return
+    if isinstance(obj, Iterator):
+        found.iterators[path] = type(obj)
+
+
+def compared_leaf(tp: type) -> bool:
+    """Whether the comparison compares values of type ``tp`` that are no containers: the
+    numbers, numpy arrays, ``torch.Size`` and ``torch.dtype`` (so a value of another type
+    in their place is a difference)."""
+    if issubclass(tp, (Complex, torch.Size, torch.dtype)):
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and issubclass(tp, (numpy.ndarray, numpy.bool_))
 
 
 def _containers(walked: Walked) -> dict[str, type]:
