@@ -1236,3 +1236,22 @@ def test_assert_device_agnostic_gives_the_buffer_fix_for_a_dict_attribute() -> N
         "that self.to(...) moves them (.to does not look into plain attributes)"
     )
     assert_device_agnostic(rewritten(model, fix), torch.ones(3, 2), devices=["cpu", "meta"])
+
+
+@pytest.mark.requires_device("accelerator")
+def test_index_add_s_mismatch_is_ours_on_an_accelerator() -> None:
+    """torch's index ops word a mismatch their own way ("expected to be in the same
+    device"): a tensor the decorator cannot see is named there too."""
+    target = accelerator()
+
+    class Table:
+        def __init__(self) -> None:
+            self.rows = torch.ones(1, 2)
+
+    @device_agnostic(device=target)
+    def scatter(x: torch.Tensor, index: torch.Tensor, table: Table) -> torch.Tensor:
+        return x.index_add_(0, index, table.rows)
+
+    with pytest.raises(DeviceMismatchError) as error:
+        scatter(torch.zeros(3, 2), torch.tensor([0]), Table())
+    assert {CPU: ["table.rows"]} == error.value.devices

@@ -47,6 +47,7 @@ _MISMATCH_WORDS = (
     "but expected it to be on",
     "found at least two devices",
     "should be either on cpu or on the same device",
+    "expected to be in the same device",  # index_add_, index_copy_, ...
 )
 # Bounds of the look: an argument's object graph can be large (a model's config holding a
 # tokenizer), and the look must stay quick even on the failure path.
