@@ -128,3 +128,26 @@ def test_a_missing_script_is_a_usage_error(tmp_path: Path) -> None:
     ] == done.stderr.splitlines()
     assert python.stderr.partition(": ")[2] == done.stderr.partition(": ")[2]
     assert python.returncode == done.returncode
+
+
+@pytest.mark.parametrize("module", ["no_such_module_here", "json.no_such_module"])
+def test_a_missing_module_is_one_line(module: str) -> None:
+    """``-m`` a module that does not exist (or whose parent does not): exit 1 and one line
+    in python's words (``python -m missing``), not runpy's traceback."""
+    done = subprocess.run(
+        [*RUNNER, "--devices", "1", "-m", module, "--epochs", "1"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    python = subprocess.run(
+        [sys.executable, "-m", module], capture_output=True, text=True, check=False
+    )
+    if done.returncode == 2 and "emulated accelerator" in done.stderr:
+        pytest.skip(done.stderr.splitlines()[0])
+    assert (1, "") == (done.returncode, done.stdout)
+    assert [f"python -m devicectx.testing.emulate: No module named {module}"] == (
+        done.stderr.splitlines()
+    )
+    assert python.stderr.partition(": ")[2] == done.stderr.partition(": ")[2]
+    assert python.returncode == done.returncode

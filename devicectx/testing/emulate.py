@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import errno
+import importlib.util
 import os
 import runpy
 import sys
@@ -91,12 +92,24 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     if target[0] == "-m":
         module, *arguments = target[1:]
+        if not _findable(module):  # in python's own words and status (`python -m nonexist`)
+            print(f"{parser.prog}: No module named {module}", file=sys.stderr)
+            raise SystemExit(1)
         sys.argv = [module, *arguments]
         _run_then_exit(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
     script, *arguments = target
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
     _run_then_exit(lambda: runpy.run_path(script, run_name="__main__"))
+
+
+def _findable(module: str) -> bool:
+    """Whether ``module`` can be found; looked for after ``enable()``, since finding a
+    dotted name imports its parent packages, which then see the device."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent that is missing, or not a package
+        return False
 
 
 # Checked here, as enable() checks them, so that a bad value is a usage error (exit 2)
