@@ -328,7 +328,7 @@ class _Group:
         # anchor of the two (the same memory, and it is the base while the first is a view).
         better = span.covers(first) and span.preference() < first.preference()
         if span.linkable and first.covers(span) and not better:
-            moved = _view_of(first.tensor, self.results[0], tensor)
+            moved = view_of(first.tensor, self.results[0], tensor)
         link: int | None = 0
         if moved is None:
             moved, link = mover.copy(tensor), None
@@ -387,7 +387,7 @@ class _Group:
             elif self.links[index] == anchor and self.links[anchor] is None and anchor not in given:
                 continue  # the walk already made it a view of that anchor's copy
             else:
-                view = _view_of(self.spans[anchor].tensor, copy_of(anchor), span.tensor)
+                view = view_of(self.spans[anchor].tensor, copy_of(anchor), span.tensor)
                 final = copy_of(index) if view is None else view
             if final is not self.results[index]:
                 replace[id(self.results[index])] = final
@@ -429,7 +429,7 @@ def _best_anchors(spans: list[_Span]) -> list[int | None]:
     return best
 
 
-def _view_of(anchor: _Tensor, moved_anchor: _Tensor, tensor: _Tensor) -> _Tensor | None:
+def view_of(anchor: _Tensor, moved_anchor: _Tensor, tensor: _Tensor) -> _Tensor | None:
     """``tensor`` re-made as a view into ``moved_anchor``, or None where that cannot be."""
     if not _same_layout(anchor, moved_anchor):
         return None

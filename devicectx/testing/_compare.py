@@ -387,12 +387,7 @@ def _array_value_problems(
             continue
         if a.dtype.is_complex != e.dtype.is_complex:
             continue  # reported as a structure problem
-        problem = _value_problem(path, a, e, tolerances)
-        if problem is not None:
-            if _inexact(a, e):
-                problems.append(Problem("values", path, problem, _covered_by(a, e, tolerances)))
-            else:
-                problems.append(Problem("exact", path, problem))
+        problems += _values_differ(path, a, e, tolerances)
     return problems
 
 
@@ -488,14 +483,24 @@ def _value_problems(
             or not same_dtype(actual.dtype, expected.dtype, holds, expected_holds)
         ):
             continue  # reported as a structure problem
-        problem = _value_problem(path, actual, expected, tolerances)
-        if problem is not None:
-            if _inexact(actual, expected):
-                cover = _covered_by(actual, expected, tolerances)
-                problems.append(Problem("values", path, problem, cover))
-            else:
-                problems.append(Problem("exact", path, problem))
+        problems += _values_differ(path, actual, expected, tolerances)
     return problems
+
+
+def _values_differ(
+    path: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tolerances: tuple[float, float] | None,
+) -> list[Problem]:
+    """The problem of two tensors' values, if any: ``"values"`` (with the tolerances that
+    would cover it) for floating point, ``"exact"`` for integers and bools."""
+    problem = _value_problem(path, actual, expected, tolerances)
+    if problem is None:
+        return []
+    if _inexact(actual, expected):
+        return [Problem("values", path, problem, _covered_by(actual, expected, tolerances))]
+    return [Problem("exact", path, problem)]
 
 
 def _number_problems(

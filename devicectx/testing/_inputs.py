@@ -9,7 +9,6 @@ import copy
 import functools
 import inspect
 import itertools
-import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -27,8 +26,9 @@ from devicectx._errors import (
 from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx._torch.optim import keep_step_tracking
 from devicectx._torch.tensors import base_of
+from devicectx.decorator._params import Params
 from devicectx.devices._capabilities import nearest_dtype
-from devicectx.move._alias import dense
+from devicectx.move._alias import dense, view_of
 from devicectx.move._containers import CONTAINER, LEAF, MODULE, TENSOR, kind_for
 from devicectx.move._dtypes import DtypesLike, policy_for
 from devicectx.move._move import iter_tensors, move_call
@@ -167,35 +167,11 @@ _CALL_FIX = "move it yourself, or leave the argument out of the move"
 
 def positional_names(fn: Callable[..., object]) -> tuple[list[str], str]:
     """The names of ``fn``'s positional parameters (a module's: its ``forward``'s), and of
-    its ``*args`` (``"args"`` where it has none, or its signature cannot be read)."""
+    its ``*args`` (``"args"`` where it has none, or its signature cannot be read), as the
+    decorator reads them."""
     target = fn.forward if isinstance(fn, nn.Module) else fn
-    function, skip = target, 0
-    if type(target) is types.MethodType:
-        function, skip = target.__func__, 1
-    if type(function) is types.FunctionType and not hasattr(function, "__wrapped__"):
-        # Read off the code, as inspect.signature reads it, at a tenth of its cost: every
-        # call of the kit pays it.
-        code = function.__code__
-        count = code.co_argcount
-        names = list(code.co_varnames[skip:count])
-        if code.co_flags & inspect.CO_VARARGS:
-            return names, code.co_varnames[count + code.co_kwonlyargcount]
-        return names, "args"
-    try:
-        parameters = inspect.signature(target).parameters.values()
-    except (TypeError, ValueError):
-        return [], "args"
-    names = []
-    for parameter in parameters:
-        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
-            return names, parameter.name
-        if parameter.kind not in _POSITIONAL:
-            break
-        names.append(parameter.name)
-    return names, "args"
-
-
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = Params.of(target, "")
+    return list(params.positional), params.varargs or "args"
 
 
 class _Copies:
@@ -402,20 +378,10 @@ def _view_in(
     copied_anchor: torch.Tensor, anchor: torch.Tensor, view: torch.Tensor
 ) -> torch.Tensor | None:
     """``view``, which ``anchor`` covers, re-made as a view of ``copied_anchor``, a copy of
-    ``anchor``; None where the copy lays its elements out otherwise. The move's twin is
-    ``devicectx.move._alias._view_of``."""
-    layouts = zip(anchor.shape, anchor.stride(), copied_anchor.stride(), strict=True)
-    if (
-        copied_anchor.shape != anchor.shape
-        or not all(a == b or n <= 1 for n, a, b in layouts)
-        or view.is_conj() != anchor.is_conj()
-        or view.is_neg() != anchor.is_neg()
-    ):
-        return None
-    offset = view.storage_offset() - anchor.storage_offset() + copied_anchor.storage_offset()
-    source = copied_anchor if view.requires_grad else copied_anchor.detach()
-    made = source.as_strided(view.shape, view.stride(), offset)
-    return made if made.requires_grad == view.requires_grad else None
+    ``anchor``, as the move re-makes one; None where that cannot be."""
+    if view.is_conj() != anchor.is_conj() or view.is_neg() != anchor.is_neg():
+        return None  # the move groups tensors by these bits; anchor_of does not
+    return view_of(anchor, copied_anchor, view)
 
 
 def _unowned(optimizer: Optimizer, inputs: Inputs) -> str:
