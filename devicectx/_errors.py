@@ -19,6 +19,19 @@ import torch
 class DeviceError(Exception):
     """Base class of every devicectx exception."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Made again from its message and attributes, not by __init__, whose keyword-only
+        # arguments pickle's default (the class called with the message) would miss: an
+        # error raised in a worker process reaches its parent whole.
+        return (_unpickled, (type(self), self.args, self.__dict__))
+
+
+def _unpickled(cls: type[DeviceError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidDeviceError(DeviceError, ValueError):
     """A device spec that is malformed: ``"gpu"``, ``"cuda:-1"``, ``3.5``."""
@@ -142,31 +155,40 @@ class StrayTensorWarning(DeviceWarning):
 
 # Printed and pickled as devicectx.X, the name users import them by (as torch's public
 # names are): a traceback then shows what to catch. Pickles naming devicectx._errors.X
-# still load, as the classes stay here.
-for _public in (
-    BatchTooLargeError,
-    DeviceError,
-    DeviceMismatchError,
-    DeviceUnavailableError,
-    DeviceWarning,
-    DtypeUnsupportedError,
-    InvalidDeviceError,
-    InvalidPrecisionError,
-    MoveError,
-    MoveOutOfMemoryError,
-    PrecisionUnsupportedError,
-    RegistrationError,
-    RepeatedMoveWarning,
-    StrayTensorError,
-    StrayTensorWarning,
-):
+# still load, as the classes stay here. Every class of ours above, so that a new one
+# cannot be left out (devicectx/__init__.py must export it: tests/test_layout.py checks).
+for _public in [
+    value
+    for value in globals().values()
+    if isinstance(value, type)
+    and issubclass(value, (DeviceError, DeviceWarning))
+    and value.__module__ == __name__
+]:
     _public.__module__ = "devicectx"
 del _public
 
 
 def with_article(name: str) -> str:
-    """``a Tensor``, ``an Embedding``: a type's name as messages write it."""
-    return f"{'an' if name[:1] in 'AEIOUaeiou' else 'a'} {name}"
+    """A type's name as messages write it, with the article it is read with.
+
+    Example:
+        >>> [with_article(name) for name in ["Tensor", "Embedding", "UserDict", "Upsample"]]
+        ['a Tensor', 'an Embedding', 'a UserDict', 'an Upsample']
+        >>> [with_article(name) for name in ["LSTM", "RNNCell", "GRU", "OneCycleLR"]]
+        ['an LSTM', 'an RNNCell', 'a GRU', 'a OneCycleLR']
+    """
+    if name[:2].isupper():  # an acronym, read letter by letter: an LSTM, a GRU
+        vowel_sound = name[0] in _VOWEL_SOUNDING_LETTERS
+    else:
+        vowel_sound = name[:1] in "AEIOUaeiou" and not name.lower().startswith(_READ_WITH_A)
+    return f"{'an' if vowel_sound else 'a'} {name}"
+
+
+_VOWEL_SOUNDING_LETTERS = "AEFHILMNORSX"
+"""The capitals whose names start with a vowel sound: an F, an L, an M, an S."""
+
+_READ_WITH_A = ("one", "uni", "usa", "use", "usu", "uti", "eu")
+"""Beginnings read with a consonant sound: a OneCycleLR, a UserDict, a Unique..."""
 
 
 def warn_at(frame: FrameType, message: str, category: type[DeviceWarning]) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import accelerator, mps_like
 from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import devicectx
@@ -986,6 +987,57 @@ def test_a_step_that_trains_differently_on_the_accelerator_is_caught(optimizer: 
     assert message_lines(raised)[2].startswith("    out['weight']: ")
 
 
+class TiedLanguageModel(nn.Module):
+    """An embedding whose weight is the output head's too, as language models tie them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+def language_model_step(
+    model: TiedLanguageModel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """One step of next-token training: the loss and both ends of the tied weight."""
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(model(tokens[:-1]), tokens[1:])
+    torch.autograd.backward(loss)
+    optimizer.step()
+    return {
+        "loss": loss.detach(),
+        "embed": model.embed.weight.detach().clone(),
+        "head": model.head.weight.detach().clone(),
+    }
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_tied_weights_train_as_one_on_each_devices_copy(optimizer: str) -> None:
+    """A model with tied weights keeps them tied in its copy for the accelerator (torch's
+    module.to unties them on a device registered out of tree), so the step trains the one
+    weight as on the CPU: the runs agree, and both ends of the tie are equal in each."""
+    torch.manual_seed(0)
+    model = TiedLanguageModel()
+    made = OPTIMIZERS[optimizer](model.parameters())
+    tokens = torch.tensor([0, 3, 1, 4, 2, 0])
+    outputs: list[dict[str, torch.Tensor]] = []
+
+    def step(
+        model: TiedLanguageModel, optimizer: torch.optim.Optimizer, tokens: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        out = language_model_step(model, optimizer, tokens)
+        outputs.append(out)
+        return out
+
+    assert_device_agnostic(step, model, made, tokens, devices=["cpu", accelerator()])
+    assert all(torch.equal(out["embed"], out["head"]) for out in outputs)
+
+
 def test_an_lr_scheduler_steps_the_copied_optimizer() -> None:
     """A scheduler passed with its optimizer steps each device's copy of that optimizer,
     which it holds; the copy's step keeps the scheduler's tracking (no warning), and the
@@ -1028,7 +1080,7 @@ def test_an_optimizer_without_its_model_is_refused_with_a_fix_that_works() -> No
     with pytest.raises(TypeError) as raised:
         assert_device_agnostic(step, made, x, devices=CPU_META)
     assert [
-        "assert_device_agnostic(step): optimizer (a SGD) holds parameters of no module "
+        "assert_device_agnostic(step): optimizer (an SGD) holds parameters of no module "
         "given to step: each device's run gets a copy of each module and of the SGD, and "
         "the copy would train parameters that step never reads",
         "fix: pass the model too, assert_device_agnostic(step, model, optimizer, ...), or "
@@ -1539,3 +1591,211 @@ def test_a_strategy_for_devices_gets_a_fix() -> None:
 def test_a_drawn_device_passes(device: torch.device) -> None:
     """The fix for a strategy: the device drawn in the test, then given in a list."""
     assert_device_agnostic(agnostic, torch.ones(2, 3), devices=["cpu", device])
+
+
+# Nested and sparse outputs: nested tensors compared by their components, a ragged
+# dimension by its lengths; values a device cannot copy to the CPU named, not compared.
+
+
+def nested_of(parts: Sequence[torch.Tensor], layout: torch.layout) -> torch.Tensor:
+    """A nested tensor of ``parts``: ``layout`` torch.jagged, or torch.strided."""
+    return torch.nested.nested_tensor(list(parts), layout=layout)
+
+
+NESTED_LAYOUTS = pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=str)
+
+
+@NESTED_LAYOUTS
+def test_a_nested_output_passes_where_its_components_agree(layout: torch.layout) -> None:
+    """A nested tensor made in the call (a new ragged symbol, j1 then j2, on each run) or
+    computed from one passes where its components agree, in a set too."""
+    x = torch.randn(5, 3)
+
+    def made(t: torch.Tensor) -> torch.Tensor:
+        return nested_of([t[:2], t[2:]], layout)
+
+    assert_device_agnostic(made, x, devices=["cpu", "cpu"])
+    assert_device_agnostic(lambda t: {made(t), t}, x, devices=["cpu", "cpu"])
+    assert_device_agnostic(lambda n: n * 2, made(x), devices=["cpu", "cpu"])
+
+
+def test_a_jagged_output_on_meta_is_compared_by_what_meta_knows() -> None:
+    """On meta, which holds no lengths, a jagged output's other dimensions are compared."""
+    x = torch.randn(5, 3)
+    made = functools.partial(nested_of, layout=torch.jagged)
+    assert_device_agnostic(lambda t: made([t[:2], t[2:]]), x, devices=CPU_META)
+    assert_device_agnostic(lambda n: n * 2, made([x[:2], x[2:]]), devices=CPU_META)
+    calls = itertools.count()
+
+    def wider(t: torch.Tensor) -> torch.Tensor:
+        return made([t[:2], t[2:]]) if next(calls) == 0 else made([t[:2, :2], t[2:, :2]])
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(wider, x, devices=CPU_META)
+    assert ["    out: nested shape (2, j, 2), expected (2, j, 3)"] == message_lines(raised)[2:3]
+
+
+@NESTED_LAYOUTS
+def test_a_nested_component_that_differs_is_named(layout: torch.layout) -> None:
+    """Values or lengths that differ are named by component, ``out.unbind()[i]``; a dense
+    tensor where a nested one was, of the same dimensions, is named too."""
+    x = torch.arange(1.0, 16.0).reshape(5, 3)
+    calls = itertools.count()
+
+    def shifted(t: torch.Tensor) -> torch.Tensor:
+        return nested_of([t[:2], t[2:] + next(calls)], layout)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(shifted, x, devices=["cpu", "cpu"])
+    assert [
+        "shifted is not device-agnostic (ran on cpu, cpu):",
+        "  on cpu, compared with cpu:",
+        "    out.unbind()[1]: 9 of 9 values differ (100.0%), rtol=1.3e-06, atol=1e-05",
+        "      max abs diff 1 at index (0, 0)",
+        "      max rel diff 0.142857 at index (0, 0)",
+    ] == message_lines(raised)[:5]
+    calls = itertools.count()
+
+    def moved_cut(t: torch.Tensor) -> torch.Tensor:
+        cut = 2 + next(calls)
+        return nested_of([t[:cut], t[cut:]], layout)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(moved_cut, x, devices=["cpu", "cpu"])
+    assert [
+        "moved_cut is not device-agnostic (ran on cpu, cpu):",
+        "  on cpu, compared with cpu:",
+        "    out.unbind()[0]: shape (3, 3), expected (2, 3)",
+        "    out.unbind()[1]: shape (2, 3), expected (3, 3)",
+        "fix: make moved_cut return the same containers and tensors, dtypes, shapes and "
+        "layouts on every device",
+    ] == message_lines(raised)
+    calls = itertools.count()
+
+    def sometimes_nested(t: torch.Tensor) -> torch.Tensor:
+        parts = [t[:2], t[2:4]]
+        return torch.stack(parts) if next(calls) else nested_of(parts, layout)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(sometimes_nested, x, devices=["cpu", "cpu"])
+    assert (
+        "    out: shape (2, 2, 3), expected nested shape (2, 2, 3)"
+        if layout == torch.strided
+        else "    out: shape (2, 2, 3), expected nested shape (2, j, 3)"
+    ) == message_lines(raised)[2]
+
+
+@pytest.mark.parametrize(
+    ("second", "layout"),
+    [
+        ("cpu", torch.jagged),
+        ("cpu", torch.strided),
+        pytest.param("accelerator", torch.jagged, marks=pytest.mark.requires_device("accelerator")),
+    ],
+    ids=["cpu-jagged", "cpu-strided", "accelerator-jagged"],
+)
+@given(
+    lengths=st.lists(st.integers(0, 4), min_size=1, max_size=5).filter(any),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
+)
+def test_nested_outputs_of_any_lengths_pass_and_a_changed_component_is_named(
+    second: str, layout: torch.layout, lengths: list[int], seed: int, data: st.DataObject
+) -> None:
+    """Over components of random lengths (empty ones too): equal outputs pass on cpu and
+    the second device; a component changed on the second run only fails, named by its
+    path, with every value of it counted."""
+    device = accelerator() if second == "accelerator" else torch.device("cpu")
+    values = torch.randn(sum(lengths), 3, generator=torch.Generator().manual_seed(seed))
+
+    def split(v: torch.Tensor) -> torch.Tensor:
+        return nested_of(v.split(lengths), layout)
+
+    assert_device_agnostic(split, values, devices=["cpu", device])
+    index = data.draw(st.sampled_from([i for i, n in enumerate(lengths) if n]))
+    calls = itertools.count()
+
+    def changed(v: torch.Tensor) -> torch.Tensor:
+        parts = list(v.split(lengths))
+        if next(calls):
+            parts[index] = parts[index] + 1
+        return nested_of(parts, layout)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(changed, values, devices=["cpu", device])
+    count = 3 * lengths[index]
+    assert (
+        f"    out.unbind()[{index}]: {count} of {count} values differ (100.0%), "
+        "rtol=1.3e-06, atol=1e-05"
+    ) == message_lines(raised)[2]
+
+
+def test_sparse_outputs_on_meta_are_compared_by_their_structure() -> None:
+    """A sparse COO input and output on cpu and meta: structure compared, values not."""
+    coo = torch.eye(3).to_sparse()
+    assert_device_agnostic(lambda s: (s.coalesce(), s + s), coo, devices=CPU_META)
+
+
+def emulated_device() -> torch.device:
+    """The emulated accelerator, whose copies of sparse compressed and strided nested
+    tensors to the CPU fail; the test skips on a real accelerator, which copies them."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("only the emulated accelerator cannot copy these layouts to the CPU")
+    return device
+
+
+@pytest.mark.requires_device("accelerator")
+def test_values_a_device_cannot_copy_back_are_named_with_a_fix_that_works() -> None:
+    """Outputs the emulated accelerator cannot copy to the CPU (sparse CSR, a strided
+    nested tensor), alone or in a set: the check fails saying which were not compared and
+    why, not with torch's raw error; among values that differ, they are named as well; the
+    fix it prints (a jagged tensor, a dense one) passes."""
+    device = emulated_device()
+    eye = torch.eye(3)
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(lambda x: (x * 2).to_sparse_csr(), eye, devices=["cpu", device])
+    lines = message_lines(raised)
+    assert [f"<lambda> could not be checked (ran on cpu, {device}):"] == lines[:1]
+    assert lines[2].startswith(
+        f"    out: not compared: {device} cannot copy this sparse_csr tensor to the CPU "
+        "(RuntimeError: "
+    )
+    assert [
+        "fix: compare out on a device that can copy it to the CPU (the emulated accelerator "
+        "has no kernels for sparse compressed or strided nested tensors), or make <lambda> "
+        "return it in a layout that device copies: dense, or a nested tensor of "
+        "layout=torch.jagged"
+    ] == lines[3:]
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(lambda x: {(x * 2).to_sparse_csr()}, eye, devices=["cpu", device])
+    assert message_lines(raised)[2].startswith(f"    list(out)[0]: not compared: {device} ")
+
+    def parts(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        made = nested_of([x[:1], x[1:]], torch.strided)
+        return {"nested": made, "device": x.new_tensor(float(x.device.type == "cpu"))}
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(parts, eye, devices=["cpu", device])
+    lines = message_lines(raised)
+    assert [f"parts is not device-agnostic (ran on cpu, {device}):"] == lines[:1]
+    assert lines[2].startswith(
+        f"    out['nested']: not compared: {device} cannot copy this strided nested tensor "
+        "to the CPU (NotImplementedError: "
+    )
+    assert "    out['device']: 1 of 1 values differ (100.0%), rtol=1.3e-06, atol=1e-05" in lines
+    assert lines[-1].startswith("fix: compare out['nested'] on a device that can copy it")
+    assert_device_agnostic(
+        lambda x: nested_of([x[:1], x[1:]], torch.jagged), eye, devices=["cpu", device]
+    )
+    assert_device_agnostic(lambda x: x * 2, eye, devices=["cpu", device])
+
+
+def test_a_move_to_meta_that_fails_is_not_fixed_by_listing_meta_again() -> None:
+    """An input meta cannot take (a strided nested tensor): the fix leaves meta out of
+    the devices, rather than list it again, and passes where followed."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(devicectx.MoveError) as raised:
+        assert_device_agnostic(lambda n: n * 2, nested, devices=CPU_META)
+    assert str(raised.value).splitlines()[-1].endswith("leave meta out: devices=['cpu']")
+    assert_device_agnostic(lambda n: n * 2, nested, devices=["cpu"])

@@ -19,6 +19,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from devicectx import StrayTensorError, StrayTensorWarning, on_device
 from devicectx.scope._audit import reset_reports
+from devicectx.testing import emulated
 
 pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
 
@@ -294,7 +295,7 @@ def test_generator_on_another_device() -> None:
         made = torch.randn(2, generator=gen)
         second = next_line()
         meta.normal_(generator=torch.Generator())
-    assert META == made.device
+    assert torch.device("cpu") == made.device  # drawn where its generator is
     expected = [
         message("torch.randn", first, "used the generator gen (on cpu)", "meta",
                 fix + "gen = torch.Generator(device=<the block's device>)"),
@@ -653,20 +654,44 @@ def test_reports_match_the_stray_calls(calls: list[tuple[str, bool]], raising: b
 
 @pytest.mark.requires_device("accelerator")
 def test_generator_fix_runs_on_the_block_device() -> None:
-    """The fix for a stray generator is one the block's device takes: a generator on it
-    where its backend makes one (CUDA), else no generator (the emulated device, which
-    refuses a CPU generator as CUDA does and has none of its own); followed, nothing is
-    reported."""
+    """The fix for a stray generator on an accelerator (CUDA, the emulated device) is a
+    generator on the block's device; followed, nothing is reported, and the generator
+    draws there."""
     device = accelerator()
     gen = torch.Generator()
     block = on_device(device, audit="raise")
     with pytest.raises(StrayTensorError) as caught, block:
         torch.randn(2, generator=gen)
     fix = str(caught.value).rpartition("fix: ")[2]
+    assert f'gen = torch.Generator(device="{device}")' == fix
     with on_device(device, audit="raise"):
-        if fix.startswith("leave generator= out"):
-            made = torch.randn(2)
-        else:
-            assert f'gen = torch.Generator(device="{device}")' == fix
-            made = torch.randn(2, generator=torch.Generator(device=device))
+        gen = torch.Generator(device=device)
+        made = torch.randn(2, generator=gen.manual_seed(0))
+        again = torch.randn(2, generator=gen.manual_seed(0))
     assert device == made.device
+    assert torch.equal(made.cpu(), again.cpu())
+
+
+@pytest.mark.requires_device("emu")
+def test_generator_fix_on_a_device_without_generators() -> None:
+    """On a backend without generators of its own (the emulated device playing one), the
+    fix is to leave generator= out and seed the device's default generator with
+    torch.manual_seed; followed, nothing is reported, and the seed reproduces the numbers."""
+    device = torch.device("emu", 0)
+    gen = torch.Generator()
+    with emulated.configure(generators=False):
+        block = on_device(device, audit="raise")
+        with pytest.raises(StrayTensorError) as caught, block:
+            torch.randn(2, generator=gen)
+        fix = str(caught.value).rpartition("fix: ")[2]
+        assert (
+            "leave generator= out (emu:0 has no torch.Generator of its own; seed its default "
+            "one with torch.manual_seed)"
+        ) == fix
+        with on_device(device, audit="raise"):
+            torch.manual_seed(0)
+            made = torch.randn(2)
+            torch.manual_seed(0)
+            again = torch.randn(2)
+    assert device == made.device
+    assert torch.equal(made.cpu(), again.cpu())

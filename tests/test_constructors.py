@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 import torch.utils._device
-from helpers import python_output
+from helpers import accelerator, python_output
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -113,6 +113,35 @@ def test_modules_built_in_a_block_land_on_its_device() -> None:
         linear = torch.nn.Linear(2, 2)
     assert {META} == {t.device for t in [*layer.parameters(), *layer.buffers()]}
     assert META == linear.weight.device
+
+
+@pytest.mark.parametrize("name", ["randperm", "randn", "randint"])
+def test_a_constructor_given_a_generator_draws_on_its_device(name: str) -> None:
+    """A random constructor given a generator draws where the generator is (a CPU
+    generator refuses any other device), whatever the block's device; without one, on the
+    block's device."""
+    arguments = {"randperm": (5,), "randn": (5,), "randint": (9, (5,))}[name]
+    with on_device("meta"):
+        constructor = getattr(torch, name)  # read in the block: the wrapper, from the first
+        drawn = constructor(*arguments, generator=torch.Generator().manual_seed(0))
+        unseeded = constructor(*arguments)
+    assert torch.device("cpu") == drawn.device
+    again = getattr(torch, name)(*arguments, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again, drawn)
+    assert torch.device("meta") == unseeded.device
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_shuffling_data_loader_iterates_inside_a_block() -> None:
+    """DataLoader's shuffling sampler draws its order with a CPU generator: inside a block
+    on the accelerator it iterates (torch's own default device makes it fail), and its
+    batches, made in the block, land on the block's device."""
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=4, shuffle=True)
+    device = accelerator()
+    with on_device(device):
+        batches = list(loader)
+    assert [device] * 3 == [batch.device for batch in batches]
+    assert list(range(10)) == sorted(torch.cat(batches).tolist())
 
 
 def test_leaving_by_an_exception_leaves_torch_default() -> None:

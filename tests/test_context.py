@@ -928,6 +928,20 @@ def test_a_block_on_the_device_torch_gives_leaves_constructors_to_torch() -> Non
             torch.set_default_device(None)
 
 
+def test_on_device_documents_each_of_its_parameters_in_order() -> None:
+    """The Args section of on_device's docstring has one entry per parameter of the block,
+    in the signature's order: a keyword added to the block is documented where users read
+    about it."""
+    doc = inspect.getdoc(on_device) or ""
+    section = doc.split("\nArgs:\n", 1)[1].split("\n\n", 1)[0]
+    documented = [
+        line.split(":", 1)[0].strip()
+        for line in section.splitlines()
+        if line.startswith("    ") and not line.startswith("     ")
+    ]
+    assert list(inspect.signature(on_device).parameters) == documented
+
+
 def test_an_on_device_object_pickles_as_what_it_is_made_of() -> None:
     """An on_device object, entered or not, pickles as its device and options; the copy
     is a fresh block that works on its own."""

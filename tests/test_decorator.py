@@ -1137,3 +1137,31 @@ def test_accelerator_decorated_call_makes_its_index_current() -> None:
         outer()
         assert 0 == torch.accelerator.current_device_index()
     assert [(1, second), (0, first), (1, second)] * 2 == seen
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_loose_parameter_trains_through_a_decorated_call(compiled: bool) -> None:
+    """A learnable parameter passed beside a model (a temperature, a prompt) reaches the
+    body as a copy through autograd: its gradient lands on the caller's parameter, which
+    the caller's optimizer steps, eagerly and compiled alike."""
+    device = accelerator_at()
+    model = nn.Linear(3, 3).to(device)
+    temperature = nn.Parameter(torch.tensor(2.0))
+    optimizer = torch.optim.SGD([temperature], lr=0.5)
+    seen: list[tuple[bool, bool]] = []
+
+    @device_agnostic
+    def loss_fn(model: nn.Module, x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            seen.append((temperature.is_leaf, isinstance(temperature, nn.Parameter)))
+        return (model(x) / temperature).logsumexp(-1).mean()
+
+    call = torch.compile(loss_fn, backend="eager") if compiled else loss_fn
+    call(model, torch.randn(4, 3), temperature).backward()
+
+    assert temperature.grad is not None
+    assert torch.device("cpu") == temperature.grad.device
+    optimizer.step()
+    assert 2.0 != temperature.item()
+    assert compiled or [(False, False)] == seen

@@ -14,8 +14,11 @@ import dataclasses
 import inspect
 import logging
 import os
+import pickle
 import subprocess
 import sys
+import threading
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -32,7 +35,7 @@ from devicectx import (
     find_devices,
     on_device,
 )
-from devicectx.decorator import _compiled, _probe, _wrappers
+from devicectx.decorator import _compiled, _probe, _stand_ins, _wrappers
 from devicectx.testing.strategies import nested
 
 CPU = torch.device("cpu")
@@ -638,6 +641,114 @@ def test_a_float64_scalar_beside_inputs_on_a_device_without_float64_stays_when_c
         got = compiled(scale)(x, factor)
         assert (device, torch.float32) == (got.device, got.dtype)
         assert expected.tolist() == got.tolist()
+
+
+# --- torch 2.6's stand-ins of the errors ----------------------------------------------
+# 2.6's graph break takes no message, so traced code raises these; they are plain classes,
+# so their behaviour is checked on every release.
+
+
+def test_a_dtype_stand_in_whose_error_is_no_longer_kept_names_no_device() -> None:
+    """The stand-in of DtypeUnsupportedError whose error is past the latest kept answers
+    ``device`` None (its message still names the device), not a device it makes up."""
+    error = _stand_ins.TracedDtypeError("a message no traced call made")
+    assert (None, {}) == (error.device, error.paths)
+
+
+def test_a_mismatch_stand_in_whose_error_is_no_longer_kept_answers_empty() -> None:
+    """The stand-in of DeviceMismatchError whose error is no longer kept answers no
+    devices, no target and no reason."""
+    error = _stand_ins.TracedMismatchError("a message no traced call made")
+    assert ({}, None, "") == (error.devices, error.target, error.reason)
+
+
+def test_stand_ins_print_and_pickle_as_the_public_errors() -> None:
+    """A stand-in prints as the public error users catch (torch's report quotes the class),
+    is one, and survives pickling with its message and its class."""
+    for stand_in, public in (
+        (_stand_ins.TracedMismatchError, DeviceMismatchError),
+        (_stand_ins.TracedDtypeError, DtypeUnsupportedError),
+    ):
+        error = stand_in("f() got tensors on 2 devices")
+        assert f"<class 'devicectx.{public.__name__}'>" == repr(stand_in)
+        line = traceback.format_exception_only(error)[-1]
+        assert f"devicectx.{public.__name__}: f() got tensors on 2 devices\n" == line
+        assert isinstance(error, public)
+        again = pickle.loads(pickle.dumps(error))
+        assert (stand_in, str(error)) == (type(again), str(again))
+
+
+class _Racing(str):
+    """A message whose hash, the first time it is taken once armed, runs ``then``: another
+    thread keeping an error at that moment."""
+
+    then: Callable[[], None] | None = None
+
+    def __hash__(self) -> int:
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        return str.__hash__(self)
+
+
+class _Said(DeviceMismatchError):
+    """A mismatch whose ``str()`` is its message object itself (a :class:`_Racing`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, devices={}, target=None, reason="")
+
+    def __str__(self) -> str:
+        return self.args[0]  # type: ignore[no-any-return]
+
+
+def test_two_threads_trimming_the_kept_errors_at_once() -> None:
+    """Two threads keep errors at once: where the other thread drops the oldest first, the
+    trim goes on (no KeyError), and the latest kept is the last one kept."""
+    made = _stand_ins.Made(limit=1)
+    oldest = _Racing("oldest")
+    made.keep(_Said(oldest))
+    failed: list[BaseException] = []
+
+    def keep_in_another_thread() -> None:
+        def keep() -> None:
+            try:
+                made.keep(_Said("from the other thread"))
+            except BaseException as error:  # pragma: no cover - what the test is after
+                failed.append(error)
+
+        thread = threading.Thread(target=keep)
+        thread.start()
+        thread.join()
+
+    # The trim below takes the oldest's hash to drop it; the other thread drops it first.
+    oldest.then = keep_in_another_thread
+    assert "newest" == made.keep(_Said("newest"))
+    assert [] == failed
+    messages = ["oldest", "newest", "from the other thread"]
+    assert ["from the other thread"] == [m for m in messages if made.get(m) is not None]
+
+
+@needs_accelerator
+def test_a_dtype_refusal_from_compiled_code_past_the_kept_errors_names_no_device() -> None:
+    """A dtype refusal raised again from compiled code after many other refusals: on torch
+    2.6 (a stand-in, its error no longer kept) it names no device; later releases raise
+    the eager call's error, with the device."""
+    with mps_like() as device:
+
+        @device_agnostic(device=device)
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        run = compiled(step, fullgraph=False)
+        with pytest.raises(DtypeUnsupportedError):
+            run(torch.ones(2, dtype=torch.float64))
+        for index in range(_stand_ins.MADE.limit):  # made later, they push it out
+            _stand_ins.MADE.keep(_Said(f"another refusal {index}"))
+        with pytest.raises(DtypeUnsupportedError) as error:
+            run(torch.ones(2, dtype=torch.float64))
+        stand_in = isinstance(error.value, _stand_ins.TracedDtypeError)
+        assert (None if stand_in else device) == error.value.device
+        assert ({} if stand_in else {torch.float64: ["x"]}) == error.value.paths
 
 
 def test_calls_that_run_eagerly_say_why_under_fullgraph() -> None:

@@ -418,6 +418,33 @@ def test_a_tensor_in_a_plain_object_is_named_when_torch_fails() -> None:
     assert "is not on the expected device" in str(cause)
 
 
+DEFAULT_CONFIG = Config(torch.ones(2))
+
+
+class Scaler(nn.Module):
+    """A module whose forward reads a config object given as a default."""
+
+    @device_agnostic(device="meta")
+    def forward(self, x: torch.Tensor, cfg: Any = DEFAULT_CONFIG) -> torch.Tensor:
+        return x * cfg.scale
+
+
+@pytest.mark.parametrize("method", [False, True])
+def test_a_tensor_in_a_default_argument_is_named_when_torch_fails(method: bool) -> None:
+    """A plain object given as a parameter's default is an argument the body reads: its
+    tensors are named as if it were passed, for a function and a method."""
+
+    @device_agnostic(device="meta")
+    def scaled_by_default(x: torch.Tensor, cfg: Any = DEFAULT_CONFIG) -> torch.Tensor:
+        return x * cfg.scale
+
+    call = Scaler() if method else scaled_by_default
+    with pytest.raises(DeviceMismatchError) as error:
+        call(torch.ones(2))
+    assert "    cpu <- cfg.scale (in Config)" == lines_of(error)[1]
+    assert {CPU: ["cfg.scale"]} == error.value.devices
+
+
 @pytest.mark.parametrize("move", [True, False])
 def test_a_second_module_is_named_when_torch_fails(move: bool) -> None:
     """A loss module whose class weights stayed on the CPU, beside the model the target
@@ -609,6 +636,44 @@ def test_other_errors_pass_through() -> None:
         fails(Config(torch.ones(2)))
     assert type(error.value) is RuntimeError
     assert "something else" == str(error.value)
+
+
+class Walked(nn.Module):
+    """A model whose ``modules()`` walk fails once its forward has failed: the walk that an
+    error which is no device mismatch must neither pay for nor be replaced by."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.error = error
+        self.failed = False
+
+    def modules(self) -> Iterator[nn.Module]:
+        if self.failed:
+            msg = "walked the model after its forward failed"
+            raise AssertionError(msg)
+        return super().modules()
+
+    @device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.failed = True
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("shape '[2, 3]' is invalid for input of size 4"),
+    ],
+    ids=["out-of-memory", "shape"],
+)
+def test_other_errors_from_a_model_pass_through_without_a_walk(error: RuntimeError) -> None:
+    """An error from a model's forward that is no device mismatch (out of memory, a wrong
+    shape) is re-raised as it is, the same object, and the model's modules are not walked."""
+    with pytest.raises(RuntimeError) as raised:
+        Walked(error)(torch.ones(2))
+    assert raised.value is error
 
 
 class Counted:

@@ -30,8 +30,9 @@ from devicectx import (
     on_device,
 )
 from devicectx.decorator._target import module_device
-from devicectx.move._containers import DTENSOR_KIND, kind_for
+from devicectx.move._containers import kind_for
 from devicectx.move._distributed import fsdp_compute_device, wrapper_name
+from devicectx.move._kinds import DTENSOR_KIND
 
 pytestmark = [
     pytest.mark.torch_internals,

@@ -47,6 +47,7 @@ DEFAULTS = {
     "float64": True,
     "record_stream": True,
     "memory_limit": 0,
+    "generators": True,
 }
 
 
@@ -1022,53 +1023,7 @@ def test_a_failing_hypothesis_test_reports_its_failure_under_mps(emu: torch.devi
     assert "device='emu:0')" in notes
 
 
-# Random ops and generators.
-
-RANDOM_OPS = {
-    "randn": lambda g, d: torch.randn(3, generator=g, device=d),
-    "rand": lambda g, d: torch.rand(3, generator=g, device=d),
-    "randint": lambda g, d: torch.randint(0, 5, (3,), generator=g, device=d),
-    "randperm": lambda g, d: torch.randperm(5, generator=g, device=d),
-    "normal_": lambda g, d: torch.empty(3, device=d).normal_(generator=g),
-    "normal": lambda g, d: torch.normal(torch.zeros(3, device=d), 1.0, generator=g),
-    "uniform_": lambda g, d: torch.empty(3, device=d).uniform_(generator=g),
-    "bernoulli": lambda g, d: torch.bernoulli(torch.full((3,), 0.5, device=d), generator=g),
-    "multinomial": lambda g, d: torch.multinomial(torch.ones(4, device=d), 2, generator=g),
-    "exponential_": lambda g, d: torch.empty(3, device=d).exponential_(generator=g),
-    "poisson": lambda g, d: torch.poisson(torch.ones(3, device=d), generator=g),
-    "init.normal_": lambda g, d: torch.nn.init.normal_(torch.empty(3, device=d), generator=g),
-}
-
-
-@pytest.mark.parametrize("op", list(RANDOM_OPS))
-def test_a_random_op_refuses_a_cpu_generator(emu: torch.device, op: str) -> None:
-    """A random op on the device given a CPU torch.Generator raises RuntimeError, worded as
-    CUDA's ("Expected a 'cuda' device type for generator but found 'cpu'"), where the CPU
-    kernel it runs would take it; without generator=, it draws from the default one."""
-    make = RANDOM_OPS[op]
-    with pytest.raises(RuntimeError) as info:
-        make(torch.Generator().manual_seed(0), emu)
-    first, fix = str(info.value).splitlines()[:2]
-    assert first.startswith("Expected a 'emu' device type for generator but found 'cpu' (aten::")
-    assert first.endswith(
-        " on the emulated device, which refuses another device's generator as CUDA and MPS do)"
-    )
-    assert (
-        "fix: draw on the generator's device and move the numbers, "
-        "torch.randn(3, generator=g).to(device), or leave generator= out (the emulated device "
-        "has no torch.Generator of its own)"
-    ) == fix
-    assert emu == make(None, emu).device
-    assert make(torch.Generator(), "cpu").device.type == "cpu"
-
-
-def test_the_generator_fix_works(emu: torch.device) -> None:
-    """The fix the error prints runs: numbers drawn on the CPU's generator, then moved,
-    are the generator's numbers, on the device."""
-    g = torch.Generator().manual_seed(0)
-    drawn = torch.randn(3, generator=g).to(emu)
-    assert emu == drawn.device
-    assert torch.randn(3, generator=torch.Generator().manual_seed(0)).tolist() == drawn.tolist()
+# Random ops and generators: tests/test_emulated_generators.py.
 
 
 # What the device report says of the device.

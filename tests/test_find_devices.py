@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +16,7 @@ from move_subjects import Batch, CountingTo, Pair
 from torch import nn
 
 from devicectx import (
+    DeviceMismatchError,
     MoveError,
     device_agnostic,
     find_devices,
@@ -21,7 +24,7 @@ from devicectx import (
     unregister_container,
 )
 from devicectx.move._move import all_on, iter_tensors, move_call, move_to, shared_device
-from devicectx.move._walk import NotPlain, plain_device
+from devicectx.move._walk import MIXED, NotPlain, plain_device
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -98,6 +101,65 @@ def test_find_devices_indexes_long_lists(length: int) -> None:
     xs[-1] = (tensor, tensor)
     expected = [f"xs[{i}]" for i in range(length - 1)] + [f"xs[{length - 1}][{i}]" for i in (0, 1)]
     assert find_devices(xs, name="xs") == {CPU: expected}
+
+
+@dataclasses.dataclass
+class Derived:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.mask = torch.ones(1, device="meta")  # not a field
+
+
+class Scaled(collections.UserDict[str, Any]):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = torch.ones(1, device="meta")  # not an entry
+
+
+def test_find_devices_lists_attributes_beside_fields_and_entries() -> None:
+    """A dataclass's attributes set beside its fields, a UserDict's beside its entries,
+    and a SimpleNamespace's attributes are listed, each path code that reads its tensor;
+    so are they seen by the decorator's check, which refuses the mixed call."""
+    batch = {
+        "d": Derived(torch.zeros(1)),
+        "u": Scaled({"w": torch.zeros(1), "odd key": torch.zeros(1)}),
+        "ns": types.SimpleNamespace(a=torch.zeros(1), b=[torch.ones(1, device="meta")]),
+    }
+    found = find_devices(batch, name="batch")
+    assert {
+        CPU: ["batch['d'].x", "batch['u']['w']", "batch['u']['odd key']", "batch['ns'].a"],
+        META: ["batch['d'].mask", "batch['u'].scale", "batch['ns'].b[0]"],
+    } == found
+    for device, paths in found.items():
+        assert [device] * len(paths) == [eval(path, {"batch": batch}).device for path in paths]
+    assert MIXED is shared_device(batch)
+
+    @device_agnostic(move=False, device="meta")
+    def step(batch: Any) -> None:
+        pass
+
+    with pytest.raises(DeviceMismatchError) as raised:
+        step(batch)
+    assert found[CPU] == raised.value.devices[CPU]
+
+
+def test_find_devices_lists_the_tensors_a_lazy_stack_holds() -> None:
+    """A tensordict lazy stack, ragged or not, lists the tensors of its stacked
+    tensordicts, not copies stacked for the look."""
+    tensordict = pytest.importorskip("tensordict")
+    tds = [tensordict.TensorDict({"a": torch.zeros(n)}, []) for n in (2, 2)]
+    for lazy in [
+        tensordict.LazyStackedTensorDict.lazy_stack(tds, 0),
+        tensordict.LazyStackedTensorDict.lazy_stack(
+            [tds[0], tensordict.TensorDict({"a": torch.zeros(3)}, [])], 0
+        ),
+    ]:
+        paths = ["lazy.tensordicts[0]['a']", "lazy.tensordicts[1]['a']"]
+        assert {CPU: paths} == find_devices(lazy, name="lazy")
+        assert tds[0]["a"] is eval(paths[0], {"lazy": lazy})
+        assert all_on(lazy, CPU)
+        assert not all_on(lazy, META)
 
 
 # The internal API of the decorator.

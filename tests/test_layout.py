@@ -5,6 +5,7 @@ import functools
 import importlib
 import importlib.util
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,10 @@ import pytest
 import torch
 
 import devicectx
+import devicectx._errors
 from devicectx._moved import MOVED
 from devicectx._torch import NOT_TORCH_PRIVATE
+from devicectx._torch.modes import CURRENT_DEVICE_KEY, SLOT_KEY
 
 pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
 
@@ -164,13 +167,22 @@ TORCH_PRIVATE_ATTRIBUTES = frozenset(
 )
 
 
+#: Names of torch's private state that code reaches by a string, not an attribute path (a key
+#: of ``vars(torch.utils._device)`` or of a thread-local's ``__dict__``, a ``getattr``):
+#: the keys ``devicectx/_torch/modes.py`` exports for the scope's hot path. Flagged as a
+#: string anywhere but a docstring, and as an attribute of any object.
+TORCH_PRIVATE_KEYS = frozenset({CURRENT_DEVICE_KEY, SLOT_KEY})
+
+
 def private_torch_uses(source: str, label: str) -> list[str]:
     """Where ``source`` reaches into torch's private API: an import of a private torch
     module or name, an attribute path from ``torch`` or ``nn`` through a private name, a
     private attribute of torch's objects (``TORCH_PRIVATE_ATTRIBUTES``, on any object), a
     private name of another imported module (``sys._getframe``: listed in
-    ``devicectx._torch.NOT_TORCH_PRIVATE`` where it is not torch's), or a string naming a
-    private torch module (``sys.modules.get("torch._dynamo")``); docstrings aside."""
+    ``devicectx._torch.NOT_TORCH_PRIVATE`` where it is not torch's), a string naming a
+    private torch module (``sys.modules.get("torch._dynamo")``), or a key of torch's
+    private state (``TORCH_PRIVATE_KEYS``: ``globals_["CURRENT_DEVICE"]``); docstrings
+    aside."""
 
     def private(dotted: str) -> bool:
         return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
@@ -201,7 +213,9 @@ def private_torch_uses(source: str, label: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
             if any(private(f"{node.module}.{a.name}") for a in node.names):
                 found.append(f"{where} from {node.module} import ...")
-        elif isinstance(node, ast.Attribute) and node.attr in TORCH_PRIVATE_ATTRIBUTES:
+        elif isinstance(node, ast.Attribute) and (
+            node.attr in TORCH_PRIVATE_ATTRIBUTES or node.attr in TORCH_PRIVATE_KEYS
+        ):
             found.append(f"{where} .{node.attr}")
         elif (
             isinstance(node, ast.Attribute)
@@ -222,8 +236,10 @@ def private_torch_uses(source: str, label: str) -> list[str]:
             isinstance(node, ast.Constant)
             and isinstance(node.value, str)
             and id(node) not in docstrings
-            and node.value.startswith("torch.")
-            and private(node.value.split()[0])
+            and (
+                (node.value.startswith("torch.") and private(node.value.split()[0]))
+                or node.value in TORCH_PRIVATE_KEYS
+            )
         ):
             found.append(f"{where} {node.value!r}")
     return sorted(set(found))
@@ -260,8 +276,9 @@ def test_every_name_the_allow_list_gives_is_needed() -> None:
 
 def test_the_private_api_check_finds_each_kind_of_use() -> None:
     """The check above finds private imports, attribute paths, torch objects' private
-    attributes, other modules' private names and module names, once each, and passes public
-    ones, devicectx's own private names and docstrings."""
+    attributes, other modules' private names, module names and keys of torch's private
+    state, once each, and passes public ones, devicectx's own private names and
+    docstrings."""
     sample = (
         '"""torch._C in a docstring."""\n'
         "import torch.utils._device\n"
@@ -275,9 +292,12 @@ def test_the_private_api_check_finds_each_kind_of_use() -> None:
         "import sys\n"
         "f = sys._getframe(1)\n"
         "own = (self._lock, _REGISTRY, state._held, x.__dict__)\n"
+        "DEVICE_GLOBALS['CURRENT_DEVICE'] = device\n"
+        "slot = holder.device_context\n"
+        "own_keys = ('CURRENT', 'device', 'context')\n"
     )
     assert [use.split(" ", 1)[0] for use in private_torch_uses(sample, "s")] == [
-        f"s:{line}" for line in (11, 2, 3, 4, 5, 6, 8, 9)
+        f"s:{line}" for line in (11, 13, 14, 2, 3, 4, 5, 6, 8, 9)
     ]
 
 
@@ -292,3 +312,48 @@ def test_every_test_file_that_reaches_the_torch_folder_is_run_on_every_torch() -
         and "pytest.mark.torch_internals" not in path.read_text()
     ]
     assert unmarked == []
+
+
+#: The folders whose ``__init__`` docstring is the map of their modules (a newcomer's first read).
+INDEXED_FOLDERS = ("move", "devices", "_torch", "testing", "scope", "decorator")
+
+
+def unnamed_modules(folder: str) -> list[str]:
+    """The modules and subpackages of ``devicectx/<folder>`` that its ``__init__``
+    docstring does not name (as ``name``, or at the end of a dotted path:
+    ``devicectx.testing.emulated``)."""
+    root = PACKAGE / folder
+    docstring = ast.get_docstring(ast.parse((root / "__init__.py").read_text())) or ""
+    names = sorted(
+        path.stem if path.is_file() else path.name
+        for path in root.iterdir()
+        if (path.suffix == ".py" and path.stem != "__init__") or (path / "__init__.py").is_file()
+    )
+    return [
+        f"devicectx/{folder}/{name}"
+        for name in names
+        if not re.search(rf"(``|[.~`]){re.escape(name)}(?!\w)", docstring)
+    ]
+
+
+@pytest.mark.parametrize("folder", INDEXED_FOLDERS)
+def test_each_folder_docstring_names_every_module_in_it(folder: str) -> None:
+    """The folder's ``__init__`` docstring names every module and subpackage in it, so that
+    it stays the map a newcomer reads the folder by."""
+    assert unnamed_modules(folder) == []
+
+
+def test_every_exception_and_warning_is_devicectx_x() -> None:
+    """Every exception and warning class ``devicectx._errors`` defines reports ``devicectx``
+    as its module and is exported there: a traceback names what to catch, and a pickle
+    of the class (by that name) loads as itself."""
+    defined = [
+        value
+        for value in vars(devicectx._errors).values()
+        if isinstance(value, type)
+        and issubclass(value, (devicectx.DeviceError, devicectx.DeviceWarning))
+    ]
+    assert {devicectx.DeviceError, devicectx.DeviceWarning} < set(defined)
+    assert [(cls.__name__, "devicectx", cls) for cls in defined] == [
+        (cls.__name__, cls.__module__, getattr(devicectx, cls.__name__, None)) for cls in defined
+    ]

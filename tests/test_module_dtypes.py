@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 from helpers import mps_like
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from devicectx import (
@@ -23,6 +25,9 @@ from devicectx import (
     find_devices,
     to_device,
 )
+from devicectx.move._dtypes import module_cast, outermost
+from devicectx.move._paths import within
+from devicectx.move._walk import iter_tensors
 
 needs_accelerator = pytest.mark.requires_device("accelerator")
 F64, F32, C128 = torch.float64, torch.float32, torch.complex128
@@ -169,6 +174,93 @@ def test_the_fix_line_run_as_written_lets_the_module_move() -> None:
         assert to_device(model, device, dtypes="device") is model
         assert {device} == set(find_devices(model))
         assert F32 == model[1].running_mean.dtype
+
+
+class Lm(nn.Module):
+    """A small language model: submodules nested two deep, and a buffer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+        self.norm = nn.LayerNorm(4)
+        self.register_buffer("pos", torch.zeros(4))
+        self.register_buffer("phase", torch.zeros(4, dtype=torch.complex64))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.block(self.embed(ids) + self.pos))  # type: ignore[no-any-return]
+
+
+@needs_accelerator
+def test_a_whole_float64_model_is_cast_by_its_own_float_alone() -> None:
+    """A model cast to float64 whole: the fix is its own .float(), which casts every
+    submodule, not one line per module as well; a complex128 buffer, which .float()
+    leaves alone, keeps its own line. Run as written, the model moves; the decorator's
+    fix is the same, before its move."""
+    with mps_like() as device:
+        model = Lm().double()
+        model.phase = model.phase.to(C128)
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(model, device)
+        cast = "obj.float(); obj.phase.data = obj.phase.data.to(torch.complex64)"
+        assert cast == fix_code(str(raised.value))
+        exec(fix_code(str(raised.value)), {"obj": model, "torch": torch})
+        assert to_device(model, device) is model
+        assert {device} == set(find_devices(model))
+
+        @device_agnostic(device=device)
+        def step(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+            return model(ids)  # type: ignore[no-any-return]
+
+        model = Lm().double()
+        with pytest.raises(DeviceMismatchError) as mismatch:
+            step(model, torch.arange(3))
+        code = str(mismatch.value).splitlines()[-1].partition(" before calling ")[0]
+        assert f'fix: model.float(); model.to("{device}")' == code
+        exec(code.removeprefix("fix: "), {"model": model})
+        assert (3, 4) == tuple(step(model, torch.arange(3)).shape)
+
+
+@st.composite
+def float64_trees(draw: st.DrawFn, depth: int = 3) -> nn.Module:
+    """A tree of Sequential and ModuleDict modules over Linear leaves, some holding a
+    buffer of their own (so a module and its submodules both hold tensors), some of its
+    modules (any level, the root too) cast to float64."""
+
+    def tree(level: int) -> nn.Module:
+        if level == 0 or draw(st.booleans()):
+            return nn.Linear(1, 1)
+        children = [tree(level - 1) for _ in range(draw(st.integers(1, 3)))]
+        module: nn.Module
+        if draw(st.booleans()):
+            module = nn.Sequential(*children)
+        else:
+            keys = [f"m-{i}" if i % 2 else f"m{i}" for i in range(len(children))]
+            module = nn.ModuleDict(dict(zip(keys, children, strict=True)))
+        if draw(st.booleans()):
+            module.register_buffer("scale", torch.ones(1))
+        return module
+
+    model = tree(depth)
+    modules = [module for _, module in model.named_modules()]
+    for index in draw(st.sets(st.integers(0, len(modules) - 1), min_size=1)):
+        modules[index].double()
+    return model
+
+
+@given(float64_trees())
+def test_the_casts_kept_cast_every_float64_tensor_and_none_is_under_another(
+    model: nn.Module,
+) -> None:
+    """For any model with float64 modules, the cast lines left (a module's .float() under
+    another's dropped) cast every float64 tensor when run, and no module cast is under
+    another one cast."""
+    found = [(path, t.dtype) for path, t in iter_tensors(model, "obj", modules=True)]
+    lines = outermost(dict.fromkeys(module_cast(CPU, p, d) for p, d in found if d == F64))
+    exec("; ".join(lines), {"obj": model, "torch": torch})
+    assert {F32} == {tensor.dtype for _, tensor in iter_tensors(model, "obj", modules=True)}
+    cast = [line.removesuffix(".float()") for line in lines]
+    assert not [(a, b) for a in cast for b in cast if a != b and within(a, b)]
 
 
 @needs_accelerator

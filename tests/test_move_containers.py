@@ -12,6 +12,8 @@ import collections
 import copy
 import dataclasses
 import functools
+import keyword
+import re
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -19,18 +21,24 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import placed, tensors_of
+from hypothesis import given
+from hypothesis import strategies as st
 from move_subjects import Batch, Frozen, Holder, Pair, SubHolder, on_meta
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
 from devicectx import (
+    DeviceMismatchError,
     MoveError,
     device_agnostic,
     find_devices,
+    prefetch,
     register_container,
     to_device,
 )
 from devicectx.move import _containers
+from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -113,7 +121,8 @@ class Unset:
 
 
 def test_dataclass_with_init_false_field() -> None:
-    """A dataclass keeps its type; fields (init=False ones too) move, other attributes stay."""
+    """A dataclass keeps its type; fields (init=False ones too) move, a plain value set
+    beside them comes back as it is."""
     batch = Batch(torch.zeros(1))
     batch.cache = torch.ones(1)
     moved = to_device(batch, "meta")
@@ -447,7 +456,7 @@ def test_views_that_disagree_where_the_type_joins_them_are_refused() -> None:
         "    Output cannot be rebuilt with its tensors moved: "
         "a copy given the moved children shows another object at .logits",
         "fix: teach it with devicectx.register_container(Output, children=..., "
-        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=['obj'])",
+        "rebuild=...); or leave it where it is: do not move obj",
     ] == str(raised.value).splitlines()
 
 
@@ -544,7 +553,7 @@ def test_entries_a_copy_reorders_where_the_order_cannot_be_put_back_are_refused(
         "    SortedCopy cannot be rebuilt with its tensors moved: "
         "a copy given the moved children lists them in another order",
         "fix: teach it with devicectx.register_container(SortedCopy, children=..., "
-        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=['obj'])",
+        "rebuild=...); or leave it where it is: do not move obj",
     ] == str(raised.value).splitlines()
     assert ["loss", "logits"] == list(out)
 
@@ -598,6 +607,364 @@ def test_tensordict() -> None:
     moved = to_device({"td": td}, "meta")["td"]
     assert type(moved) is tensordict.TensorDict
     assert moved["x"].device == META
+
+
+def ragged_stack(dtype: torch.dtype = torch.float32) -> Any:
+    """A tensordict lazy stack of two trajectories of different lengths (2 and 3 steps),
+    each with a nested entry: ``items()`` cannot stack them."""
+    tensordict = pytest.importorskip("tensordict")
+    return tensordict.LazyStackedTensorDict.lazy_stack(
+        [
+            tensordict.TensorDict(
+                {"obs": torch.randn(n, 3, dtype=dtype), "next": {"reward": torch.ones(n)}}, []
+            )
+            for n in (2, 3)
+        ],
+        0,
+    )
+
+
+def test_ragged_lazy_stack_is_moved_with_its_own_to() -> None:
+    """A lazy stack of tensordicts of different shapes is moved whole, each of its
+    tensordicts on the target; the input is left as it was."""
+    lazy = ragged_stack()
+    moved = to_device({"lazy": lazy}, "meta")["lazy"]
+    assert type(moved) is type(lazy)
+    assert (0, [2, 3]) == (moved.stack_dim, [len(o) for o in moved.get("obs", as_list=True)])
+    assert {META} == {t.device for td in moved.tensordicts for t in td.values(True, True)}
+    assert {CPU} == {t.device for td in lazy.tensordicts for t in td.values(True, True)}
+
+
+def test_ragged_lazy_stack_is_cast_by_the_dtype_policy() -> None:
+    """dtypes= casts the tensors of each stacked tensordict, the stack keeping its type."""
+    lazy = ragged_stack(torch.float64)
+    moved = to_device(lazy, "meta", dtypes={torch.float64: torch.float32})
+    assert type(moved) is type(lazy)
+    assert [torch.float32] * 2 == [o.dtype for o in moved.get("obs", as_list=True)]
+    assert [torch.float64] * 2 == [o.dtype for o in lazy.get("obs", as_list=True)]
+
+
+def test_ragged_lazy_stacks_are_prefetched() -> None:
+    """prefetch over a loader that lazy-stacks trajectories of different lengths."""
+    batches = list(prefetch([ragged_stack(), ragged_stack()], "meta"))
+    assert 2 == len(batches)
+    assert [[META] * 4] * 2 == [
+        [t.device for td in b.tensordicts for t in td.values(True, True)] for b in batches
+    ]
+
+
+def test_ragged_lazy_stack_under_the_decorator() -> None:
+    """A decorated step gets a ragged lazy stack moved to its module's device."""
+
+    @device_agnostic
+    def step(model: nn.Module, lazy: Any) -> list[torch.Tensor]:
+        return [model(obs) for obs in lazy.get("obs", as_list=True)]
+
+    assert [META, META] == [y.device for y in step(nn.Linear(3, 1).to(META), ragged_stack())]
+
+
+# SimpleNamespace: a container of its attributes.
+
+
+def test_simple_namespace_is_moved_into_a_new_namespace() -> None:
+    """A SimpleNamespace comes back a new one, its attributes in order, tensors moved,
+    views kept, other values by identity; the input is left as it was."""
+    x = torch.arange(4.0)
+    note = ["kept"]
+    ns = types.SimpleNamespace(x=x, head=x[:2], note=note, inner=types.SimpleNamespace(y=x))
+    moved = to_device(ns, "meta")
+    assert type(moved) is types.SimpleNamespace
+    assert ["x", "head", "note", "inner"] == list(vars(moved))
+    assert (META, META, META) == (moved.x.device, moved.head.device, moved.inner.y.device)
+    assert moved.head._base is moved.x
+    assert moved.inner.y is moved.x
+    assert moved.note is note
+    assert (ns.x, ns.inner.y, CPU) == (x, x, ns.head.device)
+    assert find_devices(ns, name="ns") == {CPU: ["ns.x", "ns.head", "ns.inner.y"]}
+    assert to_device(ns, "cpu") is ns
+
+
+class Settings(types.SimpleNamespace):
+    """A namespace subclass whose constructor takes other arguments."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__(scale=scale, name="s")
+
+
+def test_simple_namespace_subclass_keeps_its_type_without_its_init() -> None:
+    """A subclass comes back as itself, not made again by its __init__."""
+    moved = to_device(Settings(torch.ones(1)), "meta")
+    assert type(moved) is Settings
+    assert (META, "s") == (moved.scale.device, moved.name)
+
+
+def test_simple_namespace_under_the_decorator_and_prefetch() -> None:
+    """The decorator and prefetch move a namespace as they move a dataclass."""
+
+    @device_agnostic
+    def step(model: nn.Module, batch: types.SimpleNamespace) -> torch.Tensor:
+        y: torch.Tensor = model(batch.x)
+        return torch.sum(y * batch.mask)
+
+    model = nn.Linear(4, 1).to(META)
+    assert META == step(model, types.SimpleNamespace(x=torch.randn(4), mask=torch.ones(1))).device
+    moved = list(prefetch([types.SimpleNamespace(x=torch.ones(2), i=i) for i in range(2)], "meta"))
+    assert [(META, 0), (META, 1)] == [(b.x.device, b.i) for b in moved]
+
+
+identifiers = st.from_regex(r"[a-z][a-z0-9_]{0,4}", fullmatch=True).filter(
+    lambda name: not keyword.iskeyword(name)
+)
+
+
+@st.composite
+def namespaces(draw: st.DrawFn) -> types.SimpleNamespace:
+    """A tree of namespaces whose attributes are parts of one drawn structure: the whole
+    structure, its tensors (so a tensor, or a view of one, is held at several places, in
+    several namespaces), views of them, plain values, and namespaces again."""
+    batch = draw(nested(tensors(devices=["cpu"]), max_depth=2))
+    held = tensors_of(batch)
+    parts = [batch, *held, *(t[...] for t in held)]
+
+    def build(depth: int) -> types.SimpleNamespace:
+        attributes: dict[str, Any] = {}
+        for name in draw(st.lists(identifiers, max_size=4, unique=True)):
+            pick = draw(st.integers(0, 2 if depth else 1))
+            if pick == 0:
+                attributes[name] = draw(st.sampled_from(parts))
+            elif pick == 1:
+                attributes[name] = draw(st.sampled_from([1, "s", None, held]))
+            else:
+                attributes[name] = build(depth - 1)
+        return types.SimpleNamespace(**attributes)
+
+    return build(2)
+
+
+def spots(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Each tensor of a namespace tree with its position, preorder (not in sets)."""
+    if type(obj) is types.SimpleNamespace:
+        for name, value in vars(obj).items():
+            yield from spots(value, (*path, name))
+    else:
+        for where, tensor in placed(obj):
+            yield (*path, *where), tensor
+
+
+def outline(obj: Any) -> Any:
+    """Namespaces by type and attribute names; other values by type, and by identity
+    where no tensor is in them (those must come back as they are)."""
+    if type(obj) is types.SimpleNamespace:
+        return [(name, outline(value)) for name, value in vars(obj).items()]
+    if isinstance(obj, torch.Tensor) or find_devices(obj):
+        return type(obj)
+    return id(obj)
+
+
+@given(namespaces())
+def test_simple_namespace_round_trip_keeps_identity_and_views(ns: types.SimpleNamespace) -> None:
+    """Moved to meta: the same outline; every tensor on meta; places that held one tensor
+    hold one moved tensor, and views of a tensor in the tree are views of its copy; the
+    input is left as it was; moving back to where it is gives the same object."""
+    before = list(spots(ns))
+    devices = [t.device for _, t in before]
+    moved = to_device(ns, META)
+    after = list(spots(moved))
+    assert outline(ns) == outline(moved)
+    assert [path for path, _ in before] == [path for path, _ in after]
+    assert all(t.device == META for _, t in after)
+    pairs = [(a, b) for (_, a), (_, b) in zip(before, after, strict=True)]
+    result_of = {id(a): b for a, b in pairs}
+    for i, (a, a_moved) in enumerate(pairs):
+        assert [a is b for b, _ in pairs[i + 1 :]] == [a_moved is b for _, b in pairs[i + 1 :]]
+        if a._base is not None and id(a._base) in result_of:
+            assert a_moved._base is result_of[id(a._base)]
+    assert devices == [t.device for _, t in spots(ns)]
+    assert to_device(ns, CPU) is ns
+    assert to_device(moved, META) is moved
+    # A set member's position follows its hash, which the move changes.
+    paths = [re.sub(r"\)\[\d+\]", ")[_]", p) for p in find_devices(ns, name="ns").get(CPU, [])]
+    found = find_devices(moved, name="ns").get(META, [])
+    assert sorted(paths) == sorted(re.sub(r"\)\[\d+\]", ")[_]", p) for p in found)
+
+
+# Attributes beside a dataclass's fields, a UserDict's or a UserList's entries.
+
+
+@dataclasses.dataclass
+class Derived:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.mask = self.x > 0  # derived, not a field
+        self.head = self.x[:2]
+        self.label = "d"
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenDerived:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", self.x.sum())
+
+
+class ScaledDict(collections.UserDict[str, Any]):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = torch.ones(1)
+
+
+class ScaledList(collections.UserList[Any]):
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__(items)
+        self.scale = torch.ones(1)
+
+
+def test_attributes_beside_dataclass_fields_are_moved() -> None:
+    """Tensors a dataclass's __post_init__ sets beside its fields move with them (a view
+    of a field stays a view of the moved field), mutable and frozen; plain values stay."""
+    batch, frozen = Derived(torch.arange(4.0)), FrozenDerived(torch.ones(2))
+    moved, moved_frozen = to_device((batch, frozen), "meta")
+    assert (META, META, META) == (moved.x.device, moved.mask.device, moved.head.device)
+    assert moved.head._base is moved.x
+    assert ["x", "mask", "head", "label"] == list(vars(moved))
+    assert "d" == moved.label
+    assert META == vars(moved_frozen)["total"].device
+    assert (CPU, CPU) == (batch.mask.device, vars(frozen)["total"].device)
+
+
+class Boxed:
+    """A data descriptor that keeps a field's value in the __dict__ under the field's own
+    name, boxed in a list: getattr and the __dict__ disagree."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None or self.name not in vars(obj):
+            raise AttributeError(self.name)  # no default, or not set
+        return vars(obj)[self.name][0]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        vars(obj)[self.name] = [value]
+
+
+@dataclasses.dataclass
+class Fields:
+    a: Any
+    b: Any = None
+    late: Any = dataclasses.field(init=False, default=None)
+    never: Any = dataclasses.field(init=False)
+
+
+@dataclasses.dataclass
+class MoreFields(Fields):
+    c: Any = None
+
+    @functools.cached_property
+    def total(self) -> Any:
+        return list(vars(self).values())
+
+
+@dataclasses.dataclass
+class DescribedFields:
+    a: Any = Boxed()
+    b: Any = None
+
+
+@dataclasses.dataclass
+class LookedUpFields:
+    a: Any
+    b: Any = None
+
+    def __getattribute__(self, name: str) -> Any:
+        return object.__getattribute__(self, "b" if name == "a" else name)
+
+
+@given(
+    tp=st.sampled_from([Fields, MoreFields, DescribedFields, LookedUpFields]),
+    moves=st.lists(
+        st.tuples(st.sampled_from(["set", "del", "cache"]), st.sampled_from("abcxy")), max_size=5
+    ),
+)
+def test_dataclass_split_reads_what_getattr_reads(tp: type, moves: list[tuple[str, str]]) -> None:
+    """A dataclass's children are its fields as getattr reads them, in field order, then
+    the other attributes of its __dict__, in order, but cached values: whether the split
+    reads them from the __dict__ at once (fields only, in order) or one by one."""
+    obj = tp(torch.zeros(1))
+    for move, name in moves:
+        if move == "set":
+            setattr(obj, name, torch.ones(1))
+        elif move == "del" and name in vars(obj):
+            del vars(obj)[name]
+        elif move == "cache" and tp is MoreFields:
+            _ = obj.total
+    names = [f.name for f in dataclasses.fields(tp)]
+    expected = [(name, getattr(obj, name)) for name in names if hasattr(obj, name)]
+    expected += [(k, v) for k, v in vars(obj).items() if k not in {*names, "total"}]
+    keys, values = _containers.kind_for(tp).split(obj)  # type: ignore[misc]
+    assert [k for k, _ in expected] == list(keys)
+    assert all(a is b for (_, a), b in zip(expected, values, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("obj", "key", "entry"),
+    [(ScaledDict(a=torch.zeros(1)), "a", "['a']"), (ScaledList([torch.zeros(1)]), 0, "[0]")],
+    ids=["UserDict", "UserList"],
+)
+def test_attributes_beside_user_collection_entries_are_moved(
+    obj: Any, key: Any, entry: str
+) -> None:
+    """A UserDict or UserList subclass's own attributes (set in its __init__) move with
+    its entries, and find_devices lists them after the entries."""
+    moved = to_device(obj, "meta")
+    assert type(moved) is type(obj)
+    assert (META, META) == (moved[key].device, moved.scale.device)
+    assert (CPU, CPU) == (obj[key].device, obj.scale.device)
+    assert {CPU: [f"obj{entry}", "obj.scale"]} == find_devices(obj, name="obj")
+
+
+def test_attributes_beside_fields_and_entries_under_the_decorator() -> None:
+    """A decorated step reading such attributes gets them on its module's device, where
+    torch failed on them before."""
+
+    @device_agnostic
+    def step(model: nn.Module, batch: Derived, scaled: ScaledDict) -> torch.Tensor:
+        y: torch.Tensor = model(batch.x)
+        return torch.sum(y * batch.mask * scaled.scale * scaled["w"])
+
+    model = nn.Linear(4, 4).to(META)
+    assert META == step(model, Derived(torch.randn(4)), ScaledDict(w=torch.ones(4))).device
+
+
+class Helper:
+    """A plain object: no container to the walk."""
+
+    def __init__(self) -> None:
+        self.t = torch.ones(1)
+
+
+@dataclasses.dataclass
+class Helped:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.helper = Helper()
+
+
+def test_a_plain_object_beside_dataclass_fields_is_named_by_the_decorator() -> None:
+    """A plain object set beside a dataclass's fields is looked into when torch fails on
+    a tensor it holds: the error names it by its path through the attribute."""
+
+    @device_agnostic
+    def step(model: nn.Module, batch: Helped) -> torch.Tensor:
+        y: torch.Tensor = model(batch.x)
+        return y * batch.helper.t
+
+    with pytest.raises(DeviceMismatchError) as raised:
+        step(nn.Linear(1, 1).to(META), Helped(torch.ones(1)))
+    assert "    cpu <- batch.helper.t (in Helper)" in str(raised.value).splitlines()
 
 
 def test_module_is_moved_in_place() -> None:

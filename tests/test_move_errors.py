@@ -6,6 +6,7 @@ moves where it can, messages asserted line by line.
 
 from __future__ import annotations
 
+import pickle
 import re
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from helpers import accelerator, mps_like
 from move_subjects import CountingTo, Frozen, Holder, Pair
 from torch import nn
 
+import devicectx
 from devicectx import (
     DeviceUnavailableError,
     InvalidDeviceError,
@@ -114,10 +116,16 @@ def test_move_error_from_a_registered_container(
     for batch, path in [({"k": [Broken()]}, "obj['k'][0]"), (Broken(), "obj")]:
         with pytest.raises(MoveError) as raised:
             to_device(batch, "meta")
+        fix = (
+            "mend the children= and rebuild= that register_container(Broken, ...) got; or "
+            "leave it where it is: do not move obj"
+            if path == "obj"  # the whole object, which skip= cannot leave
+            else f"leave it where it is: to_device(obj, 'meta', skip=[{path!r}])"
+        )
         assert [
             f"to_device() could not move {path} (a Broken) to meta:",
             "    ZeroDivisionError: division by zero",
-            f"fix: leave it where it is: to_device(obj, 'meta', skip=[{path!r}])",
+            f"fix: {fix}",
         ] == str(raised.value).splitlines()
 
 
@@ -393,3 +401,55 @@ def test_a_refused_move_shows_the_callers_line_and_no_engine_frame(
     )
     for engine in ("_dtypes.py", "_move.py", "_rebuild.py", "_resolve.py"):
         assert engine not in report
+
+
+ERRORS_WITH_ATTRIBUTES: list[tuple[type[Exception], dict[str, Any]]] = [
+    (
+        devicectx.DeviceMismatchError,
+        {"devices": {torch.device("cpu"): ["x"]}, "target": torch.device("meta"), "reason": "r"},
+    ),
+    (
+        devicectx.DtypeUnsupportedError,
+        {"device": torch.device("meta"), "paths": {torch.float64: ["x"]}},
+    ),
+    (devicectx.BatchTooLargeError, {"tried": [4, 2, 1]}),
+]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [cls("what\nfix: how", **attributes) for cls, attributes in ERRORS_WITH_ATTRIBUTES]
+    + [devicectx.MoveError("what"), devicectx.MoveOutOfMemoryError("what")],
+    ids=lambda error: type(error).__name__,
+)
+def test_errors_survive_pickling(error: Exception) -> None:
+    """An error raised in a worker process (a DataLoader worker, a process pool) reaches
+    the parent whole: the same type, message and attributes, even those __init__ takes
+    by keyword only."""
+    error.__notes__ = ["a note"]
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error)
+    assert str(again) == str(error)
+    assert vars(again) == vars(error)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_whole_object_the_device_refuses_gets_a_fix_that_is_no_skip() -> None:
+    """A sparse tensor the emulated device has no kernels for, moved as the whole object:
+    the fix is not to skip the object (skip= leaves parts, never the whole: it would fail
+    again) but to give it a layout the device takes, which then moves; torch's dispatcher
+    dump (some 50 lines) is quoted by its first line."""
+    if accelerator().type != "emu":
+        pytest.skip("the emulated device has no sparse kernels; a real one may have them")
+    sparse = torch.eye(2).to_sparse()
+    with pytest.raises(MoveError) as raised:
+        to_device(sparse, accelerator())
+    lines = str(raised.value).splitlines()
+    assert lines[-1] == (
+        "fix: give it a layout the device takes first (obj.to_dense()); "
+        "or leave it where it is: do not move obj"
+    )
+    assert lines[2].startswith("    ... (")
+    assert lines[2].endswith(" more lines: in the error above)")
+    assert len(lines) == 4
+    assert accelerator() == to_device(sparse.to_dense(), accelerator()).device

@@ -632,19 +632,81 @@ def test_a_buffer_that_is_a_view_is_the_modules_moved_buffer(rotation: int) -> N
 
 
 @pytest.mark.parametrize("separate", [False, True])
-def test_a_parameter_two_modules_share_is_the_first_moved_modules(separate: bool) -> None:
-    """A parameter two modules share (tied weights), which module.to unties on meta, is
-    the moved parameter of the first module the move moves: of the first layer when one
-    model holds both, of the first module met when the structure holds each."""
+def test_a_parameter_two_modules_share_stays_one(separate: bool) -> None:
+    """A parameter two modules share (tied weights), which torch's module.to unties on meta,
+    is one parameter after the move, whether one model holds both modules or the structure
+    holds each (moved one by one); the structure's own reference to it is that parameter."""
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
     second.weight = first.weight
     if separate:
         moved = to_device({"second": second, "first": first, "w": first.weight}, "meta")
-        owner = second
     else:
         moved = to_device({"w": first.weight, "model": nn.Sequential(first, second)}, "meta")
-        owner = first
-    assert moved["w"] is owner.weight
+    assert first.weight is second.weight
+    assert moved["w"] is first.weight
+    assert META == first.weight.device
+
+
+def tied_layers(owners: list[int]) -> list[nn.Module]:
+    """Layers each with a weight and a buffer; layer i holds the weight and the buffer of
+    layer ``owners[i]`` (itself where ``owners[i] >= i``): tied weights and buffers."""
+    layers = []
+    for index, owner in enumerate(owners):
+        layer = nn.Linear(2, 2, bias=False)
+        layer.register_buffer("scale", torch.full((2,), float(index)))
+        if owner < index:
+            layer.weight = layers[owner].weight
+            layer.register_buffer("scale", layers[owner].scale)
+        layers.append(layer)
+    return layers
+
+
+def tie_classes(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor, the index of the first of ``tensors`` that is the same object."""
+    return [next(i for i, other in enumerate(tensors) if other is tensor) for tensor in tensors]
+
+
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    st.sampled_from(["model", "layers", "nested"]),
+    st.randoms(use_true_random=False),
+    st.booleans(),
+)
+def test_tied_tensors_stay_tied_after_any_move(
+    owners: list[int], shape: str, random: Any, held: bool
+) -> None:
+    """Whichever layers share weights and buffers, held in one model, one by one in any
+    order, or in a model nested in a list beside its own layers, the move keeps every
+    sharing, values, and the structure's references to the shared weights; to meta, and
+    to the accelerator where the machine has one."""
+    targets = [META] + ([accelerator()] if torch.accelerator.is_available() else [])
+    for target in targets:
+        layers = tied_layers(owners)
+        weights = [layer.weight for layer in layers]
+        values = [layer.weight.detach().clone() for layer in layers]
+        if shape == "model":
+            batch: Any = {"model": nn.Sequential(*layers)}
+        elif shape == "layers":
+            batch = {
+                str(i): layer for i, layer in random.sample(list(enumerate(layers)), len(layers))
+            }
+        else:
+            batch = [layers[-1], nn.Sequential(*layers), layers[0]]
+        if held:
+            batch = {"refs": list(weights), "batch": batch}
+
+        moved = to_device(batch, target)
+
+        now = [layer.weight for layer in layers]
+        assert tie_classes(weights) == tie_classes(now)
+        assert tie_classes([layer.scale for layer in tied_layers(owners)]) == tie_classes(
+            [layer.scale for layer in layers]
+        )
+        assert {target} == {t.device for layer in layers for t in layer.state_dict().values()}
+        if held:
+            assert all(ref is weight for ref, weight in zip(moved["refs"], now, strict=True))
+        if target != META:
+            assert all(torch.equal(v, w.cpu()) for v, w in zip(values, now, strict=True))
 
 
 @pytest.mark.parametrize("module_first", [True, False])

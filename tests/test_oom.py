@@ -291,6 +291,31 @@ def test_a_later_shrink_lowers_the_ceiling_further() -> None:
     assert [64, 32, 16, 16, 8, 4, 4] == body.sizes
 
 
+def test_a_refusal_that_started_at_the_ceiling_says_so() -> None:
+    """A call asking for more than an earlier call shrank to starts at that ceiling; run out
+    of memory at every size from there, its error says it asked for more and where the
+    start came from."""
+    body = Recorder(fits=32, error=lambda: torch.OutOfMemoryError(CUDA_OOM))
+
+    @shrink_batch_on_oom(minimum=8)
+    def train(batch_size: int) -> int:
+        return body(batch_size)
+
+    assert 32 == train(128)
+    body.fits = 0
+    with pytest.raises(BatchTooLargeError) as caught:
+        train(64)
+    assert (
+        f"{train.__qualname__}() ran out of memory at every batch_size tried: 32, 16, 8 "
+        "(minimum=8); asked for 64, it started at 32, the batch_size an earlier call shrank "
+        "to (remember=True)"
+    ) == str(caught.value).splitlines()[0]
+    assert [32, 16, 8] == caught.value.tried
+    with pytest.raises(BatchTooLargeError) as asked_less:
+        train(16)
+    assert str(asked_less.value).splitlines()[0].endswith("tried: 16, 8 (minimum=8)")
+
+
 def test_a_call_that_fits_the_first_time_remembers_nothing() -> None:
     """Without a shrink there is no ceiling: a later, larger request is tried as asked."""
     body = Recorder(fits=1024)

@@ -354,6 +354,39 @@ def test_invalid_precision_messages(asked: object, problem: str, fix: str) -> No
     assert isinstance(info.value, DeviceError)
 
 
+@pytest.mark.parametrize("name", ["bf16-mixed", "16-mixed", "32"])
+def test_a_precision_object_for_a_name_gets_a_fix_that_works_where_names_are_taken(
+    name: str,
+) -> None:
+    """A Precision passed where a name goes: the fix names the same precision (its name,
+    not "auto", which may pick another), and written in place of the Precision in
+    precision_scope, on_device and @device_agnostic it runs in that precision."""
+    chosen = choose_precision("cpu", name)  # type: ignore[arg-type]
+    with pytest.raises(InvalidPrecisionError) as info:
+        precision_scope("cpu", chosen)  # type: ignore[arg-type]
+    fix = str(info.value).splitlines()[-1]
+    assert (
+        f'fix: precision="{name}", its name (Precision.name); a block can also enter the '
+        "Precision itself, with its .autocast()"
+    ) == fix
+    written = fix.removeprefix("fix: ").partition(",")[0]  # precision="..."
+    expected = chosen.dtype or FP32
+    taken: dict[str, Any] = eval(f"dict({written})")  # the fix as code, as a user writes it
+
+    @device_agnostic(**taken)
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return x @ x
+
+    ones = torch.ones(2, 2)
+    with precision_scope("cpu", **taken):
+        assert expected == (ones @ ones).dtype
+    with on_device("cpu", **taken):
+        assert expected == (ones @ ones).dtype
+    assert expected == product(ones).dtype
+    with chosen.autocast():
+        assert expected == (ones @ ones).dtype
+
+
 def test_names_are_checked_before_the_device() -> None:
     """check_precision_name validates without a device, for a check at decoration time."""
     assert ["auto", "bf16-mixed", "16-mixed", "32", "32"] == [

@@ -1,9 +1,10 @@
 """Real clients: the structures people pass, built with the packages they come from.
 
 transformers (a tiny BERT built from its config: a ``BatchEncoding`` in, a ``ModelOutput``
-out), tensordict (a ``TensorDict`` and a ``@tensorclass`` in plain dicts), torch_geometric
-(``Data`` and ``Batch``), detection targets (a list of dicts of tensors of different
-lengths, what torchvision's detection models take) and ``PackedSequence`` (into an LSTM).
+out), tensordict (a ``TensorDict`` and a ``@tensorclass`` in plain dicts; a lazy stack of
+trajectories of different lengths), torch_geometric (``Data`` and ``Batch``), detection
+targets (a list of dicts of tensors of different lengths, what torchvision's detection
+models take) and ``PackedSequence`` (into an LSTM).
 Each goes through the same checks: a ``to_device`` round trip read through every access
 path the type offers, ``find_devices`` paths, a decorated ``forward``, ``output="input"``,
 and a ``move=False`` mismatch that names the path.
@@ -192,13 +193,14 @@ def sample_class() -> type:
 
 
 def tensordict_batch() -> dict[str, Any]:
-    """A ``TensorDict`` (nested), a ``@tensorclass`` in a list, and plain values."""
+    """A ``TensorDict`` (nested, locked: it refuses new keys), a ``@tensorclass`` in a
+    list, and plain values."""
     tensordict = client("tensordict")
     sample = sample_class()
     return {
         "td": tensordict.TensorDict(
             {"obs": torch.randn(4, 3), "next": {"reward": torch.randn(4, 1)}}, batch_size=[4]
-        ),
+        ).lock_(),
         "samples": [sample(image=torch.randn(4, 2, 2), label=torch.arange(4), note="kept")],
         "step": 3,
     }
@@ -219,9 +221,10 @@ def tensordict_views(batch: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]
 
 
 def tensordict_facts(batch: dict[str, Any]) -> Any:
-    """Batch sizes, the tensorclass's plain field and the dict's plain value."""
+    """Batch sizes, locks, the tensorclass's plain field and the dict's plain value."""
     td, sample = batch["td"], batch["samples"][0]
-    return td.batch_size, td["next"].batch_size, sample.batch_size, sample.note, batch["step"]
+    sizes = td.batch_size, td["next"].batch_size, sample.batch_size
+    return sizes, td.is_locked, td["next"].is_locked, sample.note, batch["step"]
 
 
 class Policy(nn.Module):
@@ -235,6 +238,52 @@ class Policy(nn.Module):
     def forward(self, batch: dict[str, Any]) -> torch.Tensor:
         sample = batch["samples"][0]
         return self.lin(batch["td"]["obs"]) + sample.image.sum((1, 2))[:, None] * batch["step"]
+
+
+# tensordict: a lazy stack of trajectories of different lengths, which no dense stack holds.
+
+
+def trajectories() -> Any:
+    """A ``LazyStackedTensorDict`` of two trajectories, 2 and 3 steps long, each with a
+    nested reward: reading an entry across the stack needs ``as_list=True``."""
+    tensordict = client("tensordict")
+    return tensordict.LazyStackedTensorDict.lazy_stack(
+        [
+            tensordict.TensorDict(
+                {"obs": torch.randn(steps, 3), "next": {"reward": torch.randn(steps)}}, []
+            )
+            for steps in (2, 3)
+        ],
+        0,
+    )
+
+
+def trajectory_views(lazy: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each stacked tensordict by position and through the stack, by key and nested key."""
+    obs, rewards = lazy.get("obs", as_list=True), lazy.get(("next", "reward"), as_list=True)
+    for index, td in enumerate(lazy.tensordicts):
+        yield f"lazy.tensordicts[{index}]['obs']", td["obs"]
+        yield f"lazy[{index}]['obs']", lazy[index]["obs"]
+        yield f"lazy.get('obs', as_list=True)[{index}]", obs[index]
+        yield f"lazy.tensordicts[{index}]['next', 'reward']", td["next", "reward"]
+        yield f"lazy.get(('next', 'reward'), as_list=True)[{index}]", rewards[index]
+
+
+def trajectory_facts(lazy: Any) -> Any:
+    """The stack's batch size and dimension, and each trajectory's length."""
+    return lazy.batch_size, lazy.stack_dim, [len(o) for o in lazy.get("obs", as_list=True)]
+
+
+class Critic(nn.Module):
+    """A value per trajectory: the mean of its steps' values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+
+    @device_agnostic
+    def forward(self, lazy: Any) -> torch.Tensor:
+        return torch.stack([self.lin(obs).mean() for obs in lazy.get("obs", as_list=True)])
 
 
 # torch_geometric: Data and Batch.
@@ -409,6 +458,18 @@ CLIENTS = {
             "batch['samples'][0].label",
         ],
         Policy,
+    ),
+    "tensordict-ragged-lazy-stack": Client(
+        trajectories,
+        trajectory_views,
+        trajectory_facts,
+        [
+            "batch.tensordicts[0]['obs']",
+            "batch.tensordicts[0]['next']['reward']",
+            "batch.tensordicts[1]['obs']",
+            "batch.tensordicts[1]['next']['reward']",
+        ],
+        Critic,
     ),
     "torch_geometric-Data": Client(
         lambda: graph(4, 7),

@@ -1,10 +1,12 @@
 """``register_container`` and ``unregister_container``: a registration taken back, a
-``children=`` of the wrong shape refused with its fix, and a rebuild that names every
-error it met."""
+``children=`` of the wrong shape refused with its fix, a rebuild that names every error it
+met, a registration made while another thread works out the type's kind, and the
+package's own built-in kinds."""
 
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any
 
 import pytest
@@ -99,6 +101,109 @@ def test_a_two_element_tensor_is_no_pair() -> None:
             find_devices(Pair(torch.zeros(2), None))
     finally:
         unregister_container(Pair)
+
+
+#: How long a thread of the race test waits for the other before the test fails: only
+#: reached when the code under test deadlocks.
+PATIENCE = 30.0
+
+
+def test_a_registration_while_another_thread_works_out_the_kind_is_kept() -> None:
+    """A thread that met the type first and worked out its kind from the rules as they were
+    before a registration made in the meantime neither caches that kind nor returns it:
+    the registered type is looked into and moved afterwards."""
+    reading = threading.Event()
+    registered = threading.Event()
+
+    class Pausing(type):
+        """Holds the kind's working out, after it read the registry, until the main
+        thread has registered the type."""
+
+        @property
+        def to(cls) -> None:
+            if not registered.is_set():
+                reading.set()
+                assert registered.wait(PATIENCE)
+            return None
+
+    class Late(metaclass=Pausing):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+    found: list[_containers.Kind] = []
+    worker = threading.Thread(target=lambda: found.append(_containers.kind_for(Late)))
+    worker.start()
+    try:
+        assert reading.wait(PATIENCE)
+        register_container(
+            Late, children=lambda late: [("inner", late.inner)], rebuild=lambda _, new: Late(*new)
+        )
+    finally:
+        registered.set()
+        worker.join(PATIENCE)
+    try:
+        assert not worker.is_alive()
+        late = Late(torch.zeros(1))
+        assert {CPU: ["late.inner"]} == find_devices(late, name="late")
+        assert META == to_device(late, "meta").inner.device
+        assert [_containers.CONTAINER] == [kind.role for kind in found]
+    finally:
+        unregister_container(Late)
+
+
+def test_a_type_that_registers_as_it_is_read_is_worked_out_twice_and_not_cached() -> None:
+    """Where working out a type's kind changes the rules each time (the type's own code
+    registers), ``kind_for`` tries twice, then answers without caching rather than loop:
+    each look works the kind out again."""
+    reads: list[type] = []
+
+    class Registering(type):
+        """Registers ``Pair`` each time the kind's working out reads ``to``."""
+
+        @property
+        def to(cls) -> None:
+            reads.append(cls)
+            if len(reads) > 10:
+                msg = "kind_for keeps working the kind out"
+                raise AssertionError(msg)
+            register_container(Pair, children=lambda p: [], rebuild=lambda p, new: p)
+            return None
+
+    class Restless(metaclass=Registering): ...
+
+    try:
+        assert _containers.LEAF == _containers.kind_for(Restless).role
+        assert _containers.LEAF == _containers.kind_for(Restless).role
+        assert [Restless] * 4 == reads
+    finally:
+        unregister_container(Pair)
+
+
+class Box:
+    """A type that the built-in rules take for a leaf, given a built-in kind below."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+
+def test_a_built_in_kind_replaces_the_one_already_worked_out() -> None:
+    """``register_builtin_kind`` applies to a type met before it: the leaf kind already
+    cached is forgotten, and the type is looked into and moved."""
+    box = Box(torch.zeros(1))
+    assert {} == find_devices(box, name="box")
+    kind = _containers.Kind(
+        _containers.CONTAINER,
+        split=lambda b: (["inner"], [b.inner]),
+        rebuild=lambda b, keys, old, new: Box(*new),
+    )
+    _containers.register_builtin_kind(Box, kind)
+    try:
+        assert {CPU: ["box['inner']"]} == find_devices(box, name="box")
+        assert META == to_device(box, "meta").inner.device
+    finally:
+        with _containers._LOCK:
+            del _containers._BUILTIN[Box]
+            _containers._reset_cache()
 
 
 class Unmovable(collections.UserList[Any]):

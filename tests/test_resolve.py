@@ -109,17 +109,80 @@ def test_env_var_does_not_affect_explicit_specs(monkeypatch: pytest.MonkeyPatch)
     assert CPU == resolve_device("cpu")
 
 
+ENV_FORMS = (
+    "DEVICECTX_DEVICE takes: 'auto', a device type torch knows ('cpu', 'cuda', 'mps', 'xpu', "
+    "'meta', ...) with an optional ':index' ('cuda:1'), or an index on the accelerator ('1')"
+)
+ENV_FIX = "fix: set DEVICECTX_DEVICE to one of the devices above (cpu always works), or unset it"
+
+
 def test_invalid_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A malformed DEVICECTX_DEVICE raises an error naming the variable and its value."""
+    """A malformed DEVICECTX_DEVICE raises an error naming the variable and its value, what
+    the variable takes (not the forms only code can pass: a torch.device, None), and the
+    devices there are, which the fix names."""
     monkeypatch.setenv("DEVICECTX_DEVICE", "gpu")
     with pytest.raises(InvalidDeviceError) as info:
         resolve_device()
-    expected = (
-        "environment variable DEVICECTX_DEVICE='gpu' is not a usable device:\n"
-        f"invalid device 'gpu': unknown device type 'gpu'\n{VALID_FORMS}\n"
-        "fix: set DEVICECTX_DEVICE to one of the devices above (cpu always works), or unset it"
-    )
-    assert expected == str(info.value)
+    expected = [
+        "environment variable DEVICECTX_DEVICE='gpu' is not a usable device:",
+        "invalid device 'gpu': unknown device type 'gpu'",
+        ENV_FORMS,
+        f"available here: {HERE}",
+        ENV_FIX,
+    ]
+    assert expected == str(info.value).splitlines()
+
+
+@pytest.mark.parametrize("value", ["gpu", "cuda:7", "EMU:1", "-1", "99", "1.5", "cpu:1"])
+def test_following_the_env_var_fix_works(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """The fix of a refused DEVICECTX_DEVICE, followed: each device it lists as available
+    here, set in the variable, resolves to that device."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", value)
+    with pytest.raises(DeviceError) as info:
+        resolve_device()
+    assert ENV_FIX == str(info.value).splitlines()[-1]
+    (listed,) = [
+        line for line in str(info.value).splitlines() if line.startswith("available here: ")
+    ]
+    for shown in listed.removeprefix("available here: ").split(", "):
+        monkeypatch.setenv("DEVICECTX_DEVICE", shown)
+        assert torch.device(shown) == resolve_device()
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("local_rank", [None, "0", "3"])
+def test_a_bare_index_in_the_env_var_is_the_accelerator_at_that_index(
+    monkeypatch: pytest.MonkeyPatch, local_rank: str | None
+) -> None:
+    """DEVICECTX_DEVICE=1 is the accelerator's device 1, as resolve_device(1) is; like
+    any value of the variable, it names one device whatever LOCAL_RANK says."""
+    monkeypatch.setenv("DEVICECTX_DEVICE", "1")
+    if local_rank is not None:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    if torch.accelerator.device_count() < 2:
+        pytest.skip("needs two devices of the accelerator")
+    assert resolve_device(1) == resolve_device()
+    kind = resolve_device(1).type
+    expected = f"{kind}:1: environment variable DEVICECTX_DEVICE='1', index 1 of the accelerator"
+    assert expected == explain_device()
+
+
+def test_a_bare_index_in_the_env_var_without_an_accelerator_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without an accelerator, DEVICECTX_DEVICE=0 is refused as resolve_device(0) is: an
+    index names an accelerator's device."""
+    if HAS_ACCELERATOR:
+        pytest.skip("this machine has an accelerator")
+    monkeypatch.setenv("DEVICECTX_DEVICE", "0")
+    with pytest.raises(DeviceUnavailableError) as info:
+        resolve_device()
+    assert [
+        "environment variable DEVICECTX_DEVICE='0' is not a usable device:",
+        "device 0 is not available: index 0 names an accelerator, and none was found",
+        f"available here: {HERE}",
+        ENV_FIX,
+    ] == str(info.value).splitlines()
 
 
 def test_unavailable_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,8 +194,7 @@ def test_unavailable_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch)
     assert "environment variable DEVICECTX_DEVICE='cuda:7' is not a usable device:" == lines[0]
     assert lines[1].startswith("device 'cuda:7' is not available: ")
     assert f"available here: {HERE}" == lines[2]
-    fix = "fix: set DEVICECTX_DEVICE to one of the devices above (cpu always works), or unset it"
-    assert [fix] == lines[3:]
+    assert [ENV_FIX] == lines[3:]
 
 
 def test_local_rank_without_accelerator_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

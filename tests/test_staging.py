@@ -31,7 +31,7 @@ import devicectx
 from devicectx import to_device
 from devicectx.move import _pinned, _staging
 from devicectx.move._move import move_call, move_to
-from devicectx.move._staging import _sending
+from devicectx.move._staging import _seam, _sending
 from devicectx.move._staging._state import STATE, StagingState, swapped
 from devicectx.move._walk import collect
 from devicectx.testing import emulated
@@ -483,8 +483,8 @@ def test_pinned_sources_are_packed_only_while_the_stream_is_idle() -> None:
     ids = {id(t) for t in pinned}
 
     def staged_with(idle: bool) -> set[int]:
-        pool = _pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096)
-        host = _pinned.Host(pool, _staging._no_stream, lambda t: id(t) in ids, lambda device: idle)
+        pool = _pinned.Pool(_seam._host_buffer, _seam._landed, 1024, 4096)
+        host = _pinned.Host(pool, _seam._no_stream, lambda t: id(t) in ids, lambda device: idle)
         found, inside, _ = collect([*pinned, *pageable])
         return set(_staging.to_accelerator(found, inside, CPU, False, SMALL, host))
 
@@ -508,8 +508,8 @@ def test_a_declined_move_pays_no_sort(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("sorted")
 
     monkeypatch.setattr(_sending, "_sort", refuse)
-    pool = _pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096)
-    host = _pinned.Host(pool, _staging._no_stream, pinned)
+    pool = _pinned.Pool(_seam._host_buffer, _seam._landed, 1024, 4096)
+    host = _pinned.Host(pool, _seam._no_stream, pinned)
     found, inside, _ = collect({"small": small, "large": large})
     thresholds = dataclasses.replace(SMALL, min_tensors=4, stage_min_bytes=1_000)
     assert {} == _staging.to_accelerator(found, inside, CPU, False, thresholds, host)
@@ -521,7 +521,7 @@ def test_the_event_of_a_move_is_its_own(monkeypatch: pytest.MonkeyPatch) -> None
     back to the pool: another thread may take the chunk and record it again at once."""
     log: list[str] = []
     pool = pool_of(log)
-    host = _pinned.Host(pool, _staging._no_stream, _staging._never_pinned)
+    host = _pinned.Host(pool, _seam._no_stream, _seam._never_pinned)
     release = pool.release
 
     def release_then_reused(chunk: _pinned.Chunk, device: Any, stream: Any) -> Any:
@@ -530,7 +530,7 @@ def test_the_event_of_a_move_is_its_own(monkeypatch: pytest.MonkeyPatch) -> None
         return event
 
     monkeypatch.setattr(pool, "release", release_then_reused)
-    sender = _staging._Sender(host, META, None)
+    sender = _sending._Sender(host, META, None)
     sender.space(8, whole=True)
     event = sender.done()
     assert isinstance(event, Pending)
@@ -562,8 +562,8 @@ def test_staged_small_tensors_are_no_views() -> None:
 def test_a_failure_falls_back_to_the_per_tensor_move(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside the seam, a staged move that fails leaves nothing staged: every tensor
     then moves by itself."""
-    host = _pinned.Host(_pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096),
-                        _staging._no_stream, _staging._never_pinned)  # fmt: skip
+    host = _pinned.Host(_pinned.Pool(_seam._host_buffer, _seam._landed, 1024, 4096),
+                        _seam._no_stream, _seam._never_pinned)  # fmt: skip
     monkeypatch.setattr(_pinned, "host_for", lambda *args: host)
     monkeypatch.setattr(_staging, "_capturing", lambda kind: False)
 
@@ -610,8 +610,8 @@ def test_a_failed_probe_is_tried_again_after_a_back_off(monkeypatch: pytest.Monk
     monkeypatch.setattr(_pinned, "accelerator_type", lambda: "cuda")
     monkeypatch.setattr(_pinned, "_pinned_buffer", probe)
     monkeypatch.setattr(_pinned, "current", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(_pinned, "_new_event", _staging._landed)  # events work
-    monkeypatch.setattr(_pinned, "_current_stream", _staging._no_stream)
+    monkeypatch.setattr(_pinned, "_new_event", _seam._landed)  # events work
+    monkeypatch.setattr(_pinned, "_current_stream", _seam._no_stream)
     cuda = torch.device("cuda", 0)
     with swapped(StagingState()) as state:
         for _ in range(1 + _pinned.Backoff.FIRST):
@@ -628,8 +628,8 @@ def test_a_failed_chunk_allocation_backs_off_then_tries_again() -> None:
     again. A pool that holds chunks already waits for one of them instead of failing."""
     allocations: list[int] = []
     allocate = failing_allocator(1, allocations)
-    pool = _pinned.Pool(allocate, _staging._landed, 1024, 4096)
-    host = _pinned.Host(pool, _staging._no_stream, _staging._never_pinned)
+    pool = _pinned.Pool(allocate, _seam._landed, 1024, 4096)
+    host = _pinned.Host(pool, _seam._no_stream, _seam._never_pinned)
     batch = [torch.full((2,), float(i)) for i in range(4)]
     found, inside, _ = collect(batch)
     with pytest.raises(RuntimeError, match="out of pinned memory"):
@@ -651,9 +651,9 @@ def test_a_failed_chunk_allocation_backs_off_then_tries_again() -> None:
 def test_a_move_declines_at_once_while_its_pool_backs_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """stage() asks the pool's back-off before collecting anything: a pool with no chunk
     after a failed allocation costs a move nothing."""
-    pool = _pinned.Pool(_staging._host_buffer, _staging._landed, 1024, 4096)
+    pool = _pinned.Pool(_seam._host_buffer, _seam._landed, 1024, 4096)
     pool.backoff.failed()
-    host = _pinned.Host(pool, _staging._no_stream, _staging._never_pinned)
+    host = _pinned.Host(pool, _seam._no_stream, _seam._never_pinned)
 
     def refuse(*args: Any) -> Any:
         raise AssertionError("collected while backing off")
@@ -719,7 +719,7 @@ class Pending:
 
 def pool_of(log: list[str], chunks: int = 2) -> _pinned.Pool:
     """A pool of 64-byte host buffers, at most ``chunks`` of them, with pending events."""
-    return _pinned.Pool(_staging._host_buffer, lambda device: Pending(log), 64, 64 * chunks)
+    return _pinned.Pool(_seam._host_buffer, lambda device: Pending(log), 64, 64 * chunks)
 
 
 def test_a_chunk_is_reused_only_once_its_copies_are_done() -> None:
@@ -777,7 +777,7 @@ def test_a_pool_with_no_chunk_backing_off_raises_without_allocating() -> None:
     off, acquire() raises at once, saying why, and allocates nothing."""
     allocations: list[int] = []
     allocate = failing_allocator(1, allocations)
-    pool = _pinned.Pool(allocate, _staging._landed, 64, 64 * 4)
+    pool = _pinned.Pool(allocate, _seam._landed, 64, 64 * 4)
     with pytest.raises(RuntimeError, match="out of pinned memory"):
         pool.acquire()
     with pytest.raises(RuntimeError, match="an allocation failed recently"):
@@ -839,7 +839,7 @@ def test_events_follow_the_device_of_the_copies() -> None:
         made.append(device)
         return Pending([])
 
-    pool = _pinned.Pool(_staging._host_buffer, new_event, 64, 64)
+    pool = _pinned.Pool(_seam._host_buffer, new_event, 64, 64)
     other = torch.device("cuda", 1)
     for device in (META, META, other):
         chunk = pool.acquire()
@@ -871,8 +871,8 @@ def test_non_blocking_false_waits_for_the_copies() -> None:
     """A blocking staged move waits on the event after its copies; a non-blocking one
     does not."""
     log: list[str] = []
-    pool = _pinned.Pool(_staging._host_buffer, lambda device: Pending(log), 1024, 4096)
-    host = _pinned.Host(pool, _staging._no_stream, _staging._never_pinned)
+    pool = _pinned.Pool(_seam._host_buffer, lambda device: Pending(log), 1024, 4096)
+    host = _pinned.Host(pool, _seam._no_stream, _seam._never_pinned)
     batch = [torch.zeros(2) for _ in range(4)]
     found, inside, _ = collect(batch)
     _staging.to_accelerator(found, inside, CPU, True, SMALL, host)

@@ -7,6 +7,7 @@ places, views with and without their base, views met before their base, and plai
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
 
-from devicectx import available_devices
+from devicectx import available_devices, find_devices, to_device
 from devicectx.testing import emulated
 from devicectx.testing.strategies import KINDS, devices, kind_of, nested, tensors
 
@@ -274,3 +275,70 @@ def test_import_devicectx_imports_no_hypothesis() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# Leaves of every layout, and the mapping kinds to_device rebuilds as their own types.
+
+
+def special_leaves() -> st.SearchStrategy[torch.Tensor]:
+    """Jagged and strided nested tensors, and sparse COO, CSR, CSC and BSR ones, on the CPU."""
+    makers = [
+        lambda: torch.nested.nested_tensor(
+            [torch.ones(2, 3), torch.ones(1, 3)], layout=torch.jagged
+        ),
+        lambda: torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(1, 3)]),
+        lambda: torch.eye(3).to_sparse(),
+        lambda: torch.eye(3).to_sparse_csr(),
+        lambda: torch.eye(3).to_sparse_csc(),
+        lambda: torch.eye(4).to_sparse_bsr((2, 2)),
+    ]
+    return st.sampled_from(makers).map(lambda make: make())
+
+
+def layout_of(tensor: torch.Tensor) -> str:
+    """A tensor's layout; ``torch.strided nested`` for a nested tensor of that layout."""
+    if tensor.is_nested and tensor.layout == torch.strided:
+        return "torch.strided nested"
+    return str(tensor.layout)
+
+
+def test_nested_draws_from_sparse_and_nested_leaves_as_they_are() -> None:
+    """nested() over jagged, strided nested and sparse leaves (which refuse unsqueeze,
+    expand, diagonal and view) with dense ones draws structures holding them as they were
+    made, with views of the dense leaves only; find_devices takes every structure."""
+    leaves = special_leaves() | tensors(devices=["cpu"])
+    batches = drawn(nested(leaves), examples=100)
+    held = [o for batch in batches for o in preorder(batch) if isinstance(o, torch.Tensor)]
+    assert {
+        "torch.jagged",
+        "torch.strided nested",
+        "torch.sparse_coo",
+        "torch.sparse_csr",
+        "torch.sparse_csc",
+        "torch.sparse_bsr",
+        "torch.strided",
+    } == {layout_of(t) for t in held}
+    special = [t for t in held if t.layout != torch.strided or t.is_nested]
+    # As made (2 components of 3 columns, eye(3), eye(4)): no slice, select or unsqueeze.
+    assert {(3, 2), (2, 3), (2, 4)} == {(t.dim(), t.size(0)) for t in special}
+    assert any(t._base is not None for t in held if layout_of(t) == "torch.strided")
+    for batch in batches:
+        assert {torch.device("cpu")} >= set(find_devices(batch))
+
+
+def test_nested_draws_chainmaps_and_mappingproxies_that_to_device_rebuilds() -> None:
+    """ChainMap and mappingproxy, which to_device supports, are drawn; moved to meta,
+    each comes back of its own type with every tensor there, a ChainMap's maps kept."""
+    batches = drawn(nested(), examples=100)
+    found = [
+        o
+        for batch in batches
+        for o in preorder(batch)
+        if kind_of(o) in ("ChainMap", "mappingproxy")
+    ]
+    assert {"ChainMap", "mappingproxy"} == {kind_of(o) for o in found}
+    for container, moved in zip(found, to_device(found, META), strict=True):
+        assert type(container) is type(moved)
+        assert {META} >= {o.device for o in preorder(moved) if isinstance(o, torch.Tensor)}
+        if isinstance(container, collections.ChainMap):
+            assert [list(m) for m in container.maps] == [list(m) for m in moved.maps]

@@ -295,6 +295,24 @@ def test_an_unchanged_tensor_moved_again_by_a_place_warns_once(
     assert issubclass(warning.category, UserWarning)
 
 
+@pytest.mark.parametrize("loose", [False, True])
+def test_moved_parameters_can_still_be_swapped(loose: bool) -> None:
+    """A parameter a move sent, in its module or alone, stays swappable: torch's
+    swap_tensors (module.to and load_state_dict under torch.__future__'s swap flag, and
+    module.to of tensor-subclass parameters) refuses any tensor with a weak reference."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model = nn.Linear(3, 2)
+        to_device({"w": model.weight} if loose else model, "meta")
+        assert weakref.getweakrefcount(model.weight) == 0
+        model.to_empty(device="cpu")  # swaps each parameter in
+        model.load_state_dict(nn.Linear(3, 2).state_dict())  # swaps again
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert torch.device("cpu") == model.weight.device
+
+
 def test_a_tensor_changed_in_place_between_moves_does_not_warn(
     recorded: list[warnings.WarningMessage],
 ) -> None:

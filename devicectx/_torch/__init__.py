@@ -9,6 +9,10 @@ checked in one folder (``tests/test_layout.py`` keeps them here; CI runs the tes
 - ``module_tree``: a module's submodules and tensors, walked without hashing modules;
 - ``pytree``: torch's pytree, which dynamo traces;
 - ``fsdp``: FSDP2's module class;
+- ``tensors``: a tensor's base and version counter, and what a staged move's small
+  results are made with (storage slices at C++ speed, below autograd);
+- ``optim``: the ``step`` wrapper an LR scheduler puts on its optimizer, kept on the
+  testing kit's copies;
 - ``backends``: the name of the PrivateUse1 backend, and the registration of its module.
 """
 

@@ -6,7 +6,7 @@ the innermost ``DeviceContext`` (a ``TorchFunctionMode``) fills in ``device=`` o
 calls, and ``torch.get_default_device()`` reads it. The other is a per-thread slot,
 ``torch._GLOBAL_DEVICE_CONTEXT.device_context``: the ``DeviceContext`` that
 ``torch.set_default_device`` entered, whose ``__exit__`` the next ``set_default_device``
-calls. :mod:`devicectx.scope._stack` needs three things no public API gives:
+calls. :mod:`devicectx.scope._stack` needs four things no public API gives:
 
 - to read the innermost ``DeviceContext`` (to tell a ``with torch.device`` block entered
   inside a scope, which then wins, from one entered before);
@@ -15,7 +15,11 @@ calls. :mod:`devicectx.scope._stack` needs three things no public API gives:
   notes what the slot held at its entry and yields once it holds something else. Nothing
   is put in the slot (a stand-in there would cost every block: see docs/performance.md);
 - for ``on_device(..., exact=True)``, to push a mode on top of the stack and take it out
-  from wherever it is at exit (asyncio tasks leave blocks out of order).
+  from wherever it is at exit (asyncio tasks leave blocks out of order);
+- to tell dynamo the default device, as ``DeviceContext`` does at entry and exit: the
+  global ``CURRENT_DEVICE`` of ``torch.utils._device``, which dynamo guards compiled code
+  on (a scope writes it through :data:`DEVICE_MODULE_GLOBALS` and
+  :data:`CURRENT_DEVICE_KEY`).
 
 Checked on torch 2.6.0, 2.7.1, 2.8.0, 2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0, 2.14.1 and
 2.15.0 (``torch/utils/_device.py``, ``set_default_device`` and ``get_default_device`` in
@@ -46,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext
 
 __all__ = [
+    "CURRENT_DEVICE_KEY",
     "DEVICE_MODULE_GLOBALS",
     "EMPTY_SLOT",
     "GLOBAL_DEVICE_CONTEXT",
@@ -57,15 +62,15 @@ __all__ = [
     "innermost_of",
     "push_mode",
     "remove_mode",
-    "set_current_device",
     "stack_length",
-    "swap_current_device",
 ]
 
 # dynamo's view of the default device: the global CURRENT_DEVICE of torch.utils._device,
-# which DeviceContext sets (a scope sets it too, read and written as a dict: a function
-# call would cost as much as the read).
+# which DeviceContext sets and dynamo guards compiled code on. A scope sets it too, at its
+# entry and exit, as DEVICE_MODULE_GLOBALS[CURRENT_DEVICE_KEY]: a read and a write of a
+# dict, where a function call would cost as much as the read.
 DEVICE_MODULE_GLOBALS: dict[str, object] = vars(torch.utils._device)
+CURRENT_DEVICE_KEY = "CURRENT_DEVICE"
 # The per-thread slot where torch keeps the DeviceContext of set_default_device.
 GLOBAL_DEVICE_CONTEXT = torch._GLOBAL_DEVICE_CONTEXT
 
@@ -78,8 +83,6 @@ stack_length = _len_torch_function_stack
 _SLOT = torch._GLOBAL_DEVICE_CONTEXT
 SLOT_KEY = _KEY = "device_context"
 EMPTY_SLOT = _EMPTY = object()  # the slot had no value at all, which torch reads as "no default"
-# dynamo guards compiled code on this module's CURRENT_DEVICE, which DeviceContext keeps.
-_DEVICE_MODULE = torch.utils._device
 
 
 def default_slot() -> object:
@@ -108,18 +111,6 @@ def innermost_of(modes: list[object]) -> DeviceContext | None:
         if isinstance(mode, DeviceContext):
             return mode
     return None
-
-
-def set_current_device(device: torch.device | None) -> None:
-    """Tell dynamo, which guards compiled code on it, what the default device now is."""
-    _DEVICE_MODULE.CURRENT_DEVICE = device
-
-
-def swap_current_device(device: torch.device | None) -> torch.device | None:
-    """:func:`set_current_device`, returning what dynamo read before (for the exit)."""
-    previous: torch.device | None = _DEVICE_MODULE.CURRENT_DEVICE
-    _DEVICE_MODULE.CURRENT_DEVICE = device
-    return previous
 
 
 def push_mode(mode: TorchFunctionMode) -> None:

@@ -14,6 +14,11 @@ Example:
     ['', '0', '1']
     >>> [path for path, _ in tensors(model)]
     ['0.weight', '0.bias']
+    >>> tied = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 4, bias=False))
+    >>> tied[1].weight = tied[0].weight
+    >>> moved = move(tied, torch.device("meta"))  # torch's tied.to("meta") unties them
+    >>> tied[1].weight is tied[0].weight
+    True
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["buffers_of", "children_of", "parameters_of", "submodules", "tensors"]
+__all__ = ["buffers_of", "children_of", "move", "parameters_of", "submodules", "tensors"]
 
 #: ``module._parameters``: the module's own parameters by name (``None`` for a registered
 #: empty slot). Attrgetters, so the decorator's per-call checks pay no Python call frame.
@@ -70,3 +75,62 @@ def tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in getattr(current, table).items():
                 if tensor is not None:
                     yield (f"{path}.{name}" if path else name), tensor
+
+
+def move(
+    module: nn.Module,
+    device: torch.device,
+    *,
+    non_blocking: bool = False,
+    earlier: Callable[[torch.Tensor], torch.Tensor | None] = lambda tensor: None,
+) -> nn.Module:
+    """``module.to(device)``, with each tensor that modules share (a tied weight: an
+    embedding and the output head of a language model) still one tensor after the move.
+
+    torch's ``Module.to`` keeps a parameter object only where it can change its data in
+    place (between CPU, CUDA, MPS, XPU, HPU tensors): to ``meta``, or to a device registered
+    out of tree (PrivateUse1: Ascend NPUs, the emulated accelerator), it gives every place
+    a parameter of its own, and a tied weight trains as two. Each place that held the
+    shared tensor gets the one its first place got, in :func:`tensors`' order.
+
+    Args:
+        earlier: what an earlier move of another module made of a tensor this module shares
+            with it (``None`` if nothing): the places holding that tensor get that result,
+            so modules moved one by one stay tied to each other too.
+    """
+    shared = _places(module, earlier)
+    module.to(device, non_blocking=non_blocking)
+    for original, places in shared:
+        (owner, table, name), *others = places
+        kept = earlier(original)
+        if kept is None:
+            kept = getattr(owner, table)[name]
+            places = others
+        for owner, table, name in places:
+            slots = getattr(owner, table)
+            if slots.get(name) is not kept:
+                slots[name] = kept
+    return module
+
+
+_Place = tuple[nn.Module, str, str]
+"""A tensor's place in a module: its owner, ``"_parameters"`` or ``"_buffers"``, its name."""
+
+
+def _places(
+    module: nn.Module, earlier: Callable[[torch.Tensor], torch.Tensor | None]
+) -> list[tuple[torch.Tensor, list[_Place]]]:
+    """The tensors of ``module`` to tie again after its move, with their places in
+    :func:`tensors`' order: each held at several places, or moved already (``earlier``)."""
+    places: dict[int, tuple[torch.Tensor, list[_Place]]] = {}
+    owners = [current for _, current in submodules(module)]
+    for table in ("_parameters", "_buffers"):
+        for current in owners:
+            for name, tensor in getattr(current, table).items():
+                if tensor is not None:
+                    places.setdefault(id(tensor), (tensor, []))[1].append((current, table, name))
+    return [
+        (tensor, held)
+        for tensor, held in places.values()
+        if len(held) > 1 or earlier(tensor) is not None
+    ]

@@ -9,9 +9,10 @@ dynamo traces, unlike ``with torch.device(...)``). Run for real (dynamo gave up 
 it makes the eager call.
 
 Where the installed torch cannot be trusted to trace it (the probe of
-:mod:`devicectx.decorator._probe` failed, or a test forced it: :func:`use_fallback`), and for
-generators, async functions and calls with ``dtypes=``, the call runs eagerly instead,
-behind ``torch.compiler.disable``: a graph break, and the same meaning as without
+:mod:`devicectx.decorator._probe` failed, or a test forced it:
+:func:`devicectx.decorator._wrappers.use_fallback`), and for generators, async functions
+and calls with ``dtypes=``, the call runs eagerly instead, behind
+``torch.compiler.disable``: a graph break, and the same meaning as without
 ``torch.compile``; with ``fullgraph=True`` torch's error quotes why (:func:`_eager_message`).
 
 What differs from eager code, all decided while tracing (dynamo guards on the devices of
@@ -37,7 +38,9 @@ tensors and on torch's default device, so a change there recompiles):
   :class:`~devicectx.DtypeUnsupportedError`.
 - a mismatch found while tracing is a graph break, and the call then runs eagerly, which
   raises the real :class:`~devicectx.DeviceMismatchError`; with ``fullgraph=True`` the
-  graph break is torch's ``Unsupported`` error, which quotes our message (:func:`_refuse`).
+  graph break is torch's ``Unsupported`` error, which quotes our message (:func:`_refuse`);
+  torch 2.6, whose graph break takes no message, raises a stand-in of the error instead
+  (:mod:`devicectx.decorator._stand_ins`).
 - a model spread over devices on purpose (accelerate's hooks, ``declare_spread``: read
   with :func:`~devicectx.decorator._spread.marked`) is a graph break too, and the eager
   call serves it; with ``fullgraph=True`` torch's error quotes why (from torch 2.7: 2.6's
@@ -65,11 +68,18 @@ from devicectx.decorator import _mismatch
 from devicectx.decorator._params import self_offset
 from devicectx.decorator._plan import COROUTINE, FUNCTION, GENERATOR
 from devicectx.decorator._spread import marked
-from devicectx.decorator._target import involved_module, module_devices, module_dtypes
+from devicectx.decorator._stand_ins import MADE, TracedDtypeError, TracedMismatchError
+from devicectx.decorator._target import (
+    involved_module,
+    module_devices,
+    module_dtypes,
+    shared_devices,
+)
 from devicectx.devices._capabilities import missing_dtypes
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.move import _move
-from devicectx.move._containers import CONTAINER, OWN, is_registered, kind_for
+from devicectx.move._containers import is_registered, kind_for
+from devicectx.move._kinds import CONTAINER, OWN
 from devicectx.move._paths import ATTR, MEMBER
 from devicectx.scope._stack import active_device
 
@@ -93,11 +103,11 @@ def fallback() -> bool | None:
     return _FALLBACK
 
 
-def use_fallback(value: bool | None) -> None:
-    """Decide (or, with None, undecide) whether decorated calls run eagerly when compiled.
+def set_fallback_flag(value: bool | None) -> None:
+    """Set (or, with None, unset) the flag :func:`fallback` answers, and nothing more.
 
-    The probe decides at first use; tests force either branch. Code compiled before a change
-    is not recompiled: call ``torch._dynamo.reset()`` as well.
+    The switch is :func:`devicectx.decorator._wrappers.use_fallback`, which sets this flag
+    and also rebinds the wrappers of methods for the branch: call that one.
     """
     global _FALLBACK
     _FALLBACK = value
@@ -218,22 +228,17 @@ def traced_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """A decorated call, written so dynamo can trace it: see the module docstring."""
+    """A decorated call, written so dynamo can trace it: see the module docstring.
+
+    In steps: the tensors of the arguments (:func:`_traced_leaves`), the target and what it
+    refuses, the move (:func:`_dtype_refused` first), the body (:func:`_traced_body`), then
+    the result placed.
+    """
     __tracebackhide__ = True
     offset = self_offset(wrapped, instance)
-    named = [
-        (name, value)
-        for name, value, where in plan.params.named(args, kwargs, offset)
-        if not _held(plan, value, where, offset)
-    ]
-    leaves: list[tuple[str, torch.Tensor]] = []
-    for name, value in named:
-        for keys, leaf in pytree.tree_flatten_with_path(value)[0]:
-            if isinstance(leaf, torch.Tensor):
-                leaves.append((name + pytree.keystr(keys), leaf))
-            elif _unwalked(leaf, 0):  # served in eager code: a graph break, the eager call
-                message = _unwalked_message(plan.name, name + pytree.keystr(keys), type(leaf))
-                return _break_to_eager(message, plan, wrapped, instance, args, kwargs)
+    leaves, unwalked = _traced_leaves(plan, args, kwargs, offset)
+    if unwalked is not None:  # served in eager code: a graph break, the eager call
+        return _break_to_eager(unwalked, plan, wrapped, instance, args, kwargs)
     found: dict[torch.device, list[str]] = {}
     for path, tensor in leaves:
         if not (tensor.device.type == "cpu" and tensor.dim() == 0):
@@ -243,55 +248,91 @@ def traced_call(
     if spread and refusal is not None:  # served in eager code: a graph break, the eager call
         return _break_to_eager(refusal, plan, wrapped, instance, args, kwargs)
     if refusal is not None:
-        return _refuse(DeviceMismatchError, refusal, plan, wrapped, instance, args, kwargs)
+        return _refuse(TracedMismatchError, refusal, plan, wrapped, instance, args, kwargs)
     # As in the eager call, only a target a rule chose moves anything: one the inputs agree
     # on leaves them where they are (0-dim CPU tensors included).
     chosen = target
     if target is None:
         if len(found) > 1:
             message = _message("common", plan.name, _frozen(found), None, "")
-            return _refuse(DeviceMismatchError, message, plan, wrapped, instance, args, kwargs)
+            return _refuse(TracedMismatchError, message, plan, wrapped, instance, args, kwargs)
         target = _first(found, None)
     elif not plan.move and any(device != target for device in found):
         message = _message("off", plan.name, _frozen(found), target, reason)
-        return _refuse(DeviceMismatchError, message, plan, wrapped, instance, args, kwargs)
+        return _refuse(TracedMismatchError, message, plan, wrapped, instance, args, kwargs)
     back = _first(found, target) if plan.to_input else None
     if plan.output is not None:
         back = _resolve_while_tracing(plan.output.spec)
 
     if plan.move and chosen is not None:
-        missing = _missing_while_tracing(chosen)
-        if missing:  # a device without float64 (MPS): refused before the move, as eagerly
-            refused = [
-                (path, tensor)
-                for path, tensor in leaves
-                if tensor.dtype in missing and tensor.device != chosen
-            ]
-            if refused:
-                message = _dtype_message(chosen, _dtype_refusals(refused))
-                return _refuse(
-                    DtypeUnsupportedError, message, plan, wrapped, instance, args, kwargs
-                )
+        refused = _dtype_refused(leaves, chosen)
+        if refused is not None:
+            return _refuse(TracedDtypeError, refused, plan, wrapped, instance, args, kwargs)
         args, kwargs = _traced_move(plan, (args, kwargs), chosen, offset)
-    if plan.precision is not None:
-        if plan.scope and target is not None:
-            with DeviceContext(target), plan.autocast(target):
-                result = wrapped(*args, **kwargs)
-        else:
-            with plan.autocast(target):
-                result = wrapped(*args, **kwargs)
-    elif plan.scope and target is not None:
-        with DeviceContext(target):
-            result = wrapped(*args, **kwargs)
-    else:
-        result = wrapped(*args, **kwargs)
+    result = _traced_body(plan, target, wrapped, args, kwargs)
     if back is None:
         return result
     return pytree.tree_map(lambda leaf: _to(leaf, back, plan.non_blocking), result)
 
 
+def _traced_leaves(
+    plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any], offset: int
+) -> tuple[list[tuple[str, torch.Tensor]], str | None]:
+    """Each tensor of the arguments not held out, with its path; or no tensors and why the
+    call needs the eager walk (an argument holds something pytree does not walk into)."""
+    leaves: list[tuple[str, torch.Tensor]] = []
+    for name, value, where in plan.params.named(args, kwargs, offset):
+        if _held(plan, value, where, offset):
+            continue
+        for keys, leaf in pytree.tree_flatten_with_path(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                leaves.append((name + pytree.keystr(keys), leaf))
+            elif _unwalked(leaf, 0):
+                return [], _unwalked_message(plan.name, name + pytree.keystr(keys), type(leaf))
+    return leaves, None
+
+
+def _dtype_refused(leaves: list[tuple[str, torch.Tensor]], target: torch.device) -> str | None:
+    """The message refusing the tensors that would move to ``target``, which cannot hold
+    their dtype (float64 on MPS), as the eager move refuses them; None: nothing refused."""
+    missing = _missing_while_tracing(target)
+    if not missing:
+        return None
+    refused = [
+        (path, tensor)
+        for path, tensor in leaves
+        if tensor.dtype in missing and tensor.device != target
+    ]
+    if not refused:
+        return None
+    return _dtype_message(target, _dtype_refusals(refused))
+
+
+def _traced_body(
+    plan: Plan,
+    target: torch.device | None,
+    wrapped: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The body as the eager call runs it: in the target's scope (unless ``scope=False``,
+    or no target), inside the autocast of ``precision=``; the scope a plain
+    ``DeviceContext``, which dynamo traces."""
+    __tracebackhide__ = True
+    if plan.precision is not None:
+        if plan.scope and target is not None:
+            with DeviceContext(target), plan.autocast(target):
+                return wrapped(*args, **kwargs)
+        with plan.autocast(target):
+            return wrapped(*args, **kwargs)
+    if plan.scope and target is not None:
+        with DeviceContext(target):
+            return wrapped(*args, **kwargs)
+    return wrapped(*args, **kwargs)
+
+
 def _refuse(
-    stand_in: type[DeviceMismatchError | DtypeUnsupportedError],
+    stand_in: type[TracedMismatchError | TracedDtypeError],
     message: str,
     plan: Plan,
     wrapped: Callable[..., Any],
@@ -301,7 +342,8 @@ def _refuse(
 ) -> Any:
     """A refusal found while tracing: a graph break, then the eager call, which raises the
     real error (:class:`~devicectx.DeviceMismatchError`, or
-    :class:`~devicectx.DtypeUnsupportedError`: ``stand_in`` names which).
+    :class:`~devicectx.DtypeUnsupportedError`: ``stand_in``, a subclass of the one it is
+    printed as, names which: :mod:`devicectx.decorator._stand_ins`).
 
     Not a ``raise`` in traced code: dynamo would give up on the frame and run it with the
     frames it calls compiled one by one, the decorator's own eager code among them (torch
@@ -399,7 +441,8 @@ def _trace_target(
             kind = type(module).__name__
             why = reason or "a module must be on one device"
             dtypes = module_dtypes(module, name)
-            message = _module_message(plan.name, name, kind, found, target, why, dtypes)
+            shared = shared_devices(module)
+            message = _module_message(plan.name, name, kind, found, target, why, dtypes, shared)
             return target, reason, message, False
         if target is None and devices:
             target = _first(devices, None)
@@ -483,8 +526,8 @@ def _message(
 ) -> str:
     mapping = dict(found)
     if kind == "common" or target is None:
-        return _keep(_mismatch.no_common_device(function, mapping))
-    return _keep(_mismatch.tensors_off_target(function, mapping, target, reason))
+        return MADE.keep(_mismatch.no_common_device(function, mapping))
+    return MADE.keep(_mismatch.tensors_off_target(function, mapping, target, reason))
 
 
 @_dynamo_hooks.constant
@@ -496,11 +539,12 @@ def _module_message(
     target: torch.device | None,
     reason: str,
     dtypes: tuple[tuple[str, torch.dtype], ...],
+    shared: tuple[torch.device, ...],
 ) -> str:
     error = _mismatch.module_off_target(
-        function, module, kind, dict(found), target, reason, dtypes=dtypes
+        function, module, kind, dict(found), target, reason, dtypes=dtypes, shared=shared
     )
-    return _keep(error)
+    return MADE.keep(error)
 
 
 @_dynamo_hooks.constant
@@ -539,7 +583,7 @@ def _dtype_message(target: torch.device, refused: tuple[tuple[str, torch.dtype, 
     try:
         _move.move_call(tensors, {}, target, names=[path for path, _, _ in refused])
     except _errors.DtypeUnsupportedError as error:
-        return _keep(error)
+        return MADE.keep(error)
     msg = f"the move to {target} refused none of {refused}"  # pragma: no cover - a bug
     raise AssertionError(msg)
 
@@ -641,61 +685,3 @@ def _eager_message(function: str, kind: int, dtypes: bool) -> str:
             f"expects (the warning on the devicectx logger says why)"
         )
     return f"{why}\nfix: compile without fullgraph=True (its calls then run eagerly), or {outside}"
-
-
-# The errors the messages above were made from, by message, for the stand-ins to answer
-# with their attributes; the latest few only (a function has a few kinds of mismatch).
-_MADE: dict[str, _errors.DeviceMismatchError | _errors.DtypeUnsupportedError] = {}
-
-
-def _keep(error: _errors.DeviceMismatchError | _errors.DtypeUnsupportedError) -> str:
-    message = str(error)
-    _MADE.pop(message, None)
-    _MADE[message] = error
-    while len(_MADE) > 64:
-        del _MADE[next(iter(_MADE))]
-    return message
-
-
-class DeviceMismatchError(_errors.DeviceMismatchError):
-    """The error as traced code raises it (torch 2.6 only): dynamo can build this one.
-
-    Named as the public class, because torch's report quotes the name. Where it reaches
-    the user (dynamo 2.6 raises it from compiled code), it answers ``devices``, ``target``
-    and ``reason`` as the error its message was made from.
-    """
-
-    __init__ = RuntimeError.__init__  # dynamo cannot trace the keyword-only __init__
-
-    @property
-    def devices(self) -> dict[torch.device, list[str]]:  # type: ignore[override]
-        made = _MADE.get(str(self))
-        return made.devices if isinstance(made, _errors.DeviceMismatchError) else {}
-
-    @property
-    def target(self) -> torch.device | None:  # type: ignore[override]
-        made = _MADE.get(str(self))
-        return made.target if isinstance(made, _errors.DeviceMismatchError) else None
-
-    @property
-    def reason(self) -> str:  # type: ignore[override]
-        made = _MADE.get(str(self))
-        return made.reason if isinstance(made, _errors.DeviceMismatchError) else ""
-
-
-class DtypeUnsupportedError(_errors.DtypeUnsupportedError):
-    """:class:`DeviceMismatchError`'s twin for a dtype the target cannot hold: the error as
-    traced code raises it (torch 2.6 only), answering ``device`` and ``paths`` as the error
-    its message was made from."""
-
-    __init__ = TypeError.__init__  # dynamo cannot trace the keyword-only __init__
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        made = _MADE.get(str(self))
-        return made.device if isinstance(made, _errors.DtypeUnsupportedError) else _META
-
-    @property
-    def paths(self) -> dict[torch.dtype, list[str]]:  # type: ignore[override]
-        made = _MADE.get(str(self))
-        return made.paths if isinstance(made, _errors.DtypeUnsupportedError) else {}

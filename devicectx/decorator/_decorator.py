@@ -98,9 +98,10 @@ def device_agnostic(
             :func:`~devicectx.to_device` for when devicectx makes a copy safe anyway).
         scope: run the body under ``on_device(target)``, so tensors it creates without
             ``device=`` land on the target. Ops on existing tensors inside pay nothing
-            for it (only constructors are redirected: a BERT forward scoped to a device
-            other than the default costs 1.00x the plain one); entering and leaving costs
-            a little on each call where the target is not the default, nothing where it is.
+            for it (only constructors are redirected, so a model's forward scoped to a
+            device other than the default costs what the plain one does); entering and
+            leaving costs a little on each call where the target is not the default,
+            nothing where it is.
             ``scope=False`` saves that, for hot paths that pass devices.
         coalesce: stage the moves of many tensors between the host and an accelerator,
             inputs and results alike, into a few large copies through pinned memory

@@ -22,11 +22,18 @@ from devicectx._errors import DeviceMismatchError
 from devicectx.decorator._spread import Part, path_of
 from devicectx.devices._capabilities import missing_dtypes
 from devicectx.move._dtypes import module_casts
+from devicectx.move._paths import within
 
 # Paths shown per device before "and N more": enough to find the culprit, short enough to read.
 _MAX_PATHS = 6
 # Arguments named in a "pass x.to(...)" fix before "...".
 _MAX_FIXES = 3
+# The device types between which torch's ``Module.to`` changes a parameter's data in place,
+# keeping the Parameter object, and so a tied weight (one object at several places): the
+# backends c10's ``TensorImpl::has_compatible_shallow_copy_type`` counts as dense (torch
+# 2.6 to 2.13). Between any others (meta, a backend registered out of tree, XLA) it makes a
+# new Parameter at each place.
+_SWAPPED_IN_PLACE = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia")
 
 
 def tensors_off_target(
@@ -75,6 +82,7 @@ def module_off_target(
     reason: str,
     wrapper: str | None = None,
     dtypes: Sequence[tuple[str, torch.dtype]] = (),
+    shared: Collection[torch.device] = (),
 ) -> DeviceMismatchError:
     """The module involved is spread over several devices, or is not on ``target``.
 
@@ -90,9 +98,14 @@ def module_off_target(
             module, which must be given a model already on its device.
         dtypes: the module's tensors by path, with their dtypes: where the destination
             cannot hold some (float64 on MPS), the fix casts their modules first.
+        shared: the devices of the tensors the module holds at several places (a tied
+            weight, :func:`~devicectx.decorator._target.shared_devices`): where
+            ``module.to`` would give each place a copy of its own, the fix moves it with
+            ``to_device``, which keeps them one tensor.
     """
     destination = target if target is not None else next(iter(found))
-    move, unheld = _cast_and_move(module, destination, dtypes)
+    keep = any(_unties(device, destination) for device in shared)
+    move, unheld = _cast_and_move(module, destination, dtypes, keep)
     if len(found) > 1:
         what = f"{module} ({kind}) with parameters on {len(found)} devices"
     else:
@@ -151,13 +164,24 @@ def spread_strays(
     strays = [part for part in parts if part.expected is not None]
     # A tied weight in place for some of its modules: moving it would move theirs.
     movable = [part for part in strays if not part.tied]
-    if not on_purpose and (len(strays) == len(parts) or len(strays) > _MAX_FIXES):
-        destinations = [(module, target)]  # (nearly) every part is off: the module
+    # Parts holding a tied weight that module.to() would untie on the way.
+    untied = [
+        p for p in movable if p.shared and p.expected is not None and _unties(p.device, p.expected)
+    ]
+    # Where every part is off, or a tied weight's modules, moved one by one, would each get a
+    # copy of their own, the module is moved whole (its parts in place stay as they are).
+    whole = len(strays) == len(parts) or len(strays) > _MAX_FIXES or bool(untied)
+    destinations: dict[tuple[str, torch.device], bool] = {}  # (path, to): keep its ties
+    if not on_purpose and whole:
+        destinations[module, target] = any(p.shared and _unties(p.device, target) for p in parts)
     else:
-        destinations = [
-            (path_of(module, p.owner, keyed), p.expected) for p in movable if p.expected is not None
-        ]
-    calls = dict(_cast_and_move(path, to, dtypes) for path, to in dict.fromkeys(destinations))
+        for part in movable:
+            if part.expected is not None:
+                key = (path_of(module, part.owner, keyed), part.expected)
+                destinations[key] = destinations.get(key, False) or part in untied
+    calls = dict(
+        _cast_and_move(path, to, dtypes, keep) for (path, to), keep in destinations.items()
+    )
     unheld = "; ".join(dict.fromkeys(why for why in list(calls.values())[:_MAX_FIXES] if why))
     # Casts are statements parted by "; ": the moves are then parted so too, not by commas.
     parted = "; " if unheld else ", "
@@ -177,7 +201,7 @@ def spread_strays(
         fixes.extend(_untie(module, part, keyed) for part in strays if part.tied)
         fix = "; ".join(dict.fromkeys(fixes))
     else:
-        what = f"{module} ({kind}) with parameters on {n} devices"
+        what = f"{module} ({kind}) with {_held(parts)} on {n} devices"
         held = f"; {unheld}" if unheld else ""
         fix = (
             f"{moves} before calling {function}() (modules are never moved implicitly{held}), "
@@ -224,26 +248,59 @@ def _error(
 
 
 def _cast_and_move(
-    path: str, destination: torch.device, dtypes: Sequence[tuple[str, torch.dtype]]
+    path: str,
+    destination: torch.device,
+    dtypes: Sequence[tuple[str, torch.dtype]],
+    keep_ties: bool = False,
 ) -> tuple[str, str]:
-    """The code that moves the module at ``path`` to ``destination``, and why it casts
-    first (``""`` where it need not): ``destination`` holds no dtype of some of the
-    tensors under ``path`` (``"mps:0 holds no torch.float64"``), and ``module.to`` stops
-    at the first of them, with the tensors before it moved, so their modules are cast
-    before."""
-    under = [(at, dtype) for at, dtype in dtypes if _within(at, path)]
+    """The code that moves the module at ``path`` to ``destination``, and why it is not a
+    plain ``module.to`` (``""`` where it is).
+
+    It casts first where ``destination`` holds no dtype of some of the tensors under
+    ``path`` (``"mps:0 holds no torch.float64"``): ``module.to`` stops at the first of them,
+    with the tensors before it moved. With ``keep_ties`` (the module holds a tensor at
+    several places, which ``module.to`` would copy apart) it moves with ``to_device``.
+    """
+    under = [(at, dtype) for at, dtype in dtypes if within(at, path)]
     missing = missing_dtypes(destination)
     unheld = [str(dtype) for dtype in dict.fromkeys(d for _, d in under) if dtype in missing]
-    move = f"{path}.to({_quote(destination)})"
-    if not unheld:
-        return move, ""
-    casts = "; ".join(module_casts(destination, under))
-    return f"{casts}; {move}", f"{destination} holds no {' or '.join(unheld)}"
+    reasons = [f"{destination} holds no {' or '.join(unheld)}"] if unheld else []
+    if keep_ties:
+        move = f"to_device({path}, {_quote(destination)})"
+        reasons.append(f"{path}.to() would untie its tied weights")
+    else:
+        move = f"{path}.to({_quote(destination)})"
+    if unheld:
+        move = f"{'; '.join(module_casts(destination, under))}; {move}"
+    return move, "; ".join(reasons)
 
 
-def _within(path: str, ancestor: str) -> bool:
-    """Whether ``path`` is ``ancestor`` or under it (``model.a[0]`` under ``model.a``)."""
-    return path.startswith(ancestor) and path[len(ancestor) : len(ancestor) + 1] in ("", ".", "[")
+def _unties(source: torch.device, destination: torch.device) -> bool:
+    """Whether ``module.to(destination)`` gives each place of a tensor on ``source`` that
+    the module holds at several places (a tied weight) a copy of its own.
+
+    torch keeps the Parameter object where it can change its data in place
+    (:data:`_SWAPPED_IN_PLACE`), or swaps it under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``; it makes a new one
+    at each place under ``set_overwrite_module_params_on_conversion(True)``.
+    """
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return False
+    if torch.__future__.get_overwrite_module_params_on_conversion():
+        return True
+    if source.type == destination.type:
+        return False
+    return source.type not in _SWAPPED_IN_PLACE or destination.type not in _SWAPPED_IN_PLACE
+
+
+def _held(parts: Sequence[Part]) -> str:
+    """What a module's spread is of: ``"parameters"``, or ``"parameters and buffers"``
+    where buffers alone put some tensors on a device (a stray buffer)."""
+    everywhere = {part.device for part in parts}
+    with_parameters = {part.device for part in parts if not part.buffers}
+    if with_parameters == everywhere:
+        return "parameters"
+    return "parameters and buffers" if with_parameters else "buffers"
 
 
 def _untie(module: str, part: Part, keyed: Collection[str]) -> str:
@@ -290,9 +347,12 @@ def _to_calls(paths: Sequence[str], target: torch.device) -> str:
 
 
 def _argument_of(path: str) -> str:
-    """The argument a path starts from: ``batch`` for ``batch['mask'][0]``."""
+    """The argument a path starts from: ``batch`` for ``batch['mask'][0]``, and for
+    ``list(batch)[0]`` (a set member: ``to_device`` takes the set itself, and keeps it one)."""
+    while path.startswith("list("):
+        path = path[5:]
     for index, char in enumerate(path):
-        if char in "[.":
+        if char in "[.)":
             return path[:index]
     return path
 

@@ -117,6 +117,16 @@ class Params:
         for key, value in kwargs.items():
             yield key, value, key
 
+    def defaults_taken(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], offset: int
+    ) -> Iterator[tuple[str, Any]]:
+        """``(name, default)`` for each parameter with a default that the call did not pass:
+        the body reads the default (a config object, a table of constants) as an argument."""
+        for position, name, default in self.defaults:
+            passed = name in kwargs or (position is not None and position < len(args) + offset)
+            if not passed:
+                yield name, default
+
     def exclusion(self, names: Iterable[str]) -> Exclusion:
         """What ``exclude=names`` covers.
 

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from devicectx._errors import DeviceMismatchError
+from devicectx._errors import DeviceError, DeviceMismatchError
 from devicectx.decorator import _mismatch, _unseen
 from devicectx.decorator._inputs import Held, found_devices, scan
 from devicectx.decorator._params import Params, self_offset
@@ -36,12 +36,14 @@ from devicectx.decorator._target import (
     module_dtypes,
     module_label,
     placed,
+    shared_devices,
     unwrap,
 )
 from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move, _repeats
 from devicectx.move._distributed import wrapper_name
 from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
+from devicectx.move._unseen import is_device_mismatch
 from devicectx.move._walk import NotPlain, plain_device_uncast
 from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
@@ -281,8 +283,13 @@ class Plan:
     ) -> DeviceMismatchError | None:
         """torch's device mismatch in the body, told with the tensors the call could not
         see (:mod:`devicectx.decorator._unseen`); None: let ``error`` through."""
+        # Asked first (what explain() asks too): any other error (out of memory, a wrong
+        # shape) goes through as it is, without a walk of a large model that could fail.
+        if isinstance(error, DeviceError) or not is_device_mismatch(error):
+            return None
         offset = self_offset(wrapped, instance)
         named = [(name, value) for name, value, _ in self.params.named(args, kwargs, offset)]
+        named += self.params.defaults_taken(args, kwargs, offset)
         if instance is not None:
             named.insert(0, ("self", instance))
         reason = self._reason(module, instance, args, kwargs, offset)
@@ -369,6 +376,7 @@ class Plan:
                     coalesce=self.coalesce,
                     where=self.where,
                     dtypes=self.dtypes,
+                    parameters=False,  # a loose parameter's gradient reaches the caller's
                 )
                 args, kwargs = moved if held is None else held.merge(*moved)
             else:
@@ -477,8 +485,9 @@ class Plan:
         found = module_devices(unwrap(module), called)
         wrapper = wrapper_name(module)
         dtypes = module_dtypes(unwrap(module), called)
+        shared = shared_devices(unwrap(module))
         raise _mismatch.module_off_target(
-            self.name, called, kind, found, requested, reason, wrapper, dtypes
+            self.name, called, kind, found, requested, reason, wrapper, dtypes, shared
         )
 
     def _module_name(

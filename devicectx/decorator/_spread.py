@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from devicectx._errors import DeviceError
-from devicectx._torch.module_tree import submodules, tensors
+from devicectx._torch.module_tree import buffers_of, submodules, tensors
 from devicectx.decorator._module_watch import note_change
 from devicectx.devices._resolve import DeviceLike, resolve_device
-from devicectx.move._paths import keyed_modules, module_path
+from devicectx.move._paths import keyed_modules, module_path, within
 
 __all__ = [
     "Cover",
@@ -100,6 +100,7 @@ class _Seen(NamedTuple):
     device: torch.device
     numel: int
     places: tuple[_Place, ...]
+    buffer: bool = False  # a buffer of its module, not a parameter
 
     @property
     def path(self) -> str:
@@ -123,6 +124,9 @@ class Part(NamedTuple):
         owner: the module whose ``.to()`` moves it (``path`` itself for a submodule).
         tied: for a stray, the modules that hold its weight too, in place there (a tied
             weight a device map split): moving it would move theirs.
+        shared: some tensor of it is held at several places of the analysed module (a
+            tied weight): ``module.to()`` may give each place a copy of its own.
+        buffers: its tensors are all buffers, none a parameter.
     """
 
     path: str
@@ -132,6 +136,8 @@ class Part(NamedTuple):
     hooked: bool
     owner: str
     tied: tuple[str, ...] = ()
+    shared: bool = False
+    buffers: bool = False
 
 
 class SpreadModel:
@@ -203,19 +209,27 @@ class SpreadModel:
         direct: dict[str, list[str]] = {}
         tensors: dict[str, _Signature] = {}
         tied: dict[str, set[str]] = {}  # a stray's (and its ancestors') holders in place
+        shared: set[str] = set()  # parts holding a tensor held at several places
+        parameters: set[str] = set()  # parts holding a parameter
         for seen in self.seen:
             judged = [(place, _signature(seen.device, place, home)) for place in seen.places]
             in_place = [place.owner for place, sign in judged if sign.expected is None]
+            several = len(seen.places) > 1
             for place, sign in judged:  # listed at each place it is held, as find_devices does
                 owner = place.owner
                 tensors[place.path] = sign
                 direct.setdefault(owner, []).append(place.path)
                 for ancestor in _ancestors(owner):
                     signature.setdefault(ancestor, set()).add(sign)
+                marked = (place.path, *_ancestors(owner))
+                if several:
+                    shared.update(marked)
+                if not seen.buffer:
+                    parameters.update(marked)
                 if sign.expected is not None and in_place:  # a tied weight split
                     for ancestor in (place.path, *_ancestors(owner)):
                         tied.setdefault(ancestor, set()).update(
-                            other for other in in_place if not _under(other, ancestor)
+                            other for other in in_place if not within(other, ancestor)
                         )
         children: dict[str, list[str]] = {}
         for path in signature:
@@ -225,12 +239,30 @@ class SpreadModel:
         pending = [""]
         while pending:
             path = pending.pop()
-            shared = signature[path]
-            if len(shared) == 1:
-                found.append(Part(path, *next(iter(shared)), path, _sorted(tied.get(path))))
+            placements = signature[path]
+            if len(placements) == 1:
+                found.append(
+                    Part(
+                        path,
+                        *next(iter(placements)),
+                        path,
+                        _sorted(tied.get(path)),
+                        path in shared,
+                        path not in parameters,
+                    )
+                )
                 continue
             for tensor in direct.get(path, ()):
-                found.append(Part(tensor, *tensors[tensor], path, _sorted(tied.get(tensor))))
+                found.append(
+                    Part(
+                        tensor,
+                        *tensors[tensor],
+                        path,
+                        _sorted(tied.get(tensor)),
+                        tensor in shared,
+                        tensor not in parameters,
+                    )
+                )
             pending.extend(reversed(children.get(path, [])))
         return found
 
@@ -304,11 +336,6 @@ def _kept(device: torch.device, place: _Place) -> torch.device:
     if cover is not None and cover.offload and device.type == _META:
         return _CPU
     return device
-
-
-def _under(path: str, ancestor: str) -> bool:
-    """Whether the module at ``path`` is ``ancestor`` or inside it."""
-    return not ancestor or path == ancestor or path.startswith(f"{ancestor}.")
 
 
 def _sorted(paths: set[str] | None) -> tuple[str, ...]:
@@ -389,9 +416,15 @@ def analyse(module: nn.Module) -> SpreadModel | None:
     named: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for path, tensor in tensors(module):
         named.setdefault(id(tensor), []).append((path, tensor))
+    buffers = {
+        id(buffer)
+        for _, part in submodules(module)
+        for buffer in buffers_of(part).values()
+        if buffer is not None
+    }
     seen: list[_Seen] = []
-    for places in named.values():
-        seen.append(_judge(places, covers))
+    for key, places in named.items():
+        seen.append(_judge(places, covers, key in buffers))
     devices = {entry.device for entry in seen}
     if not seen or (not covers and len(devices) <= 1):
         return None
@@ -400,7 +433,9 @@ def analyse(module: nn.Module) -> SpreadModel | None:
     return SpreadModel(entry, kind, first, type(module).__name__, tuple(seen), keyed)
 
 
-def _judge(places: list[tuple[str, torch.Tensor]], covers: dict[str, Cover]) -> _Seen:
+def _judge(
+    places: list[tuple[str, torch.Tensor]], covers: dict[str, Cover], buffer: bool = False
+) -> _Seen:
     """One tensor, judged at each place it is held by the nearest cover of that place."""
     tensor = places[0][1]
     device = tensor.device
@@ -409,7 +444,7 @@ def _judge(places: list[tuple[str, torch.Tensor]], covers: dict[str, Cover]) -> 
         owner = _parent(path)
         cover = next((covers[a] for a in _ancestors(owner) if a in covers), None)
         judged.append(_Place(path, owner, cover, cover is not None and cover.accepts(device)))
-    return _Seen(device, tensor.numel(), tuple(judged))
+    return _Seen(device, tensor.numel(), tuple(judged), buffer)
 
 
 def _entry(

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from devicectx._errors import DeviceUnavailableError
-from devicectx._torch.module_tree import buffers_of, children_of, parameters_of
+from devicectx._torch.module_tree import buffers_of, children_of, parameters_of, tensors
 from devicectx.decorator._module_watch import ModuleCache, Sample
 from devicectx.decorator._spread import SpreadModel, Unmaterialised, analyse
 from devicectx.devices._resolve import DeviceLike, explain_device, resolve_device
@@ -276,6 +276,20 @@ def module_dtypes(module: nn.Module, name: str) -> tuple[tuple[str, torch.dtype]
     keyed = keyed_modules(module.named_modules())
     named = chain(module.named_parameters(), module.named_buffers())
     return tuple((module_path(name, path, keyed), tensor.dtype) for path, tensor in named)
+
+
+def shared_devices(module: nn.Module) -> tuple[torch.device, ...]:
+    """The devices of the tensors ``module`` holds at several places (a tied weight: an
+    embedding and the output head of a language model), each once: where ``module.to``
+    would give each place a copy of its own, the fix moves it with ``to_device`` (error
+    messages only)."""
+    met: set[int] = set()
+    found: dict[torch.device, None] = {}
+    for _, tensor in tensors(module):
+        if id(tensor) in met:
+            found[tensor.device] = None
+        met.add(id(tensor))
+    return tuple(found)
 
 
 def module_label(module: nn.Module, name: str) -> str:

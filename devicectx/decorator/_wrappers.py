@@ -314,10 +314,12 @@ def _in_class(qualname: str) -> bool:
 def use_fallback(value: bool | None) -> None:
     """Decide whether decorated calls run eagerly under ``torch.compile`` (None: probe again).
 
-    The probe decides at first use; tests force either branch. Code compiled before is not
-    recompiled: call ``torch._dynamo.reset()`` as well.
+    The probe decides at first use; tests force either branch. This sets the flag
+    (:func:`devicectx.decorator._compiled.set_fallback_flag`) and rebinds the wrappers of
+    methods for the branch. Code compiled before is not recompiled: call
+    ``torch._dynamo.reset()`` as well.
     """
-    _compiled.use_fallback(value)
+    _compiled.set_fallback_flag(value)
     for cls in list(_REBINDABLE):
         _bind_in_python(cls, _PYTHON_BINDING or bool(value))
 

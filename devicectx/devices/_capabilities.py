@@ -23,6 +23,7 @@ from devicectx._torch.dynamo import constant
 from devicectx.devices._resolve import DeviceLike, accelerator_type, resolve_device
 
 __all__ = [
+    "ALWAYS_BLOCKING",
     "CAPABILITIES",
     "Capabilities",
     "DeviceCapabilities",
@@ -54,7 +55,8 @@ ORDINARY: tuple[torch.dtype, ...] = (
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Known without asking: MPS has neither (torch raises TypeError for each, on every macOS).
 _KNOWN_MISSING = {"mps": frozenset({torch.float64, torch.complex128})}
-_HOLD_EVERYTHING = frozenset({"cpu", "meta"})
+# Known without asking: these hold every dtype (and, being no accelerator, pin nothing).
+_HOLD_EVERY_DTYPE = frozenset({"cpu", "meta"})
 # Where a dtype goes when the device cannot hold it: the dtypes that keep the most of it,
 # best first (float32 holds every bfloat16 and float16 every float8 value exactly).
 _NEAREST: dict[torch.dtype, tuple[torch.dtype, ...]] = {
@@ -64,8 +66,11 @@ _NEAREST: dict[torch.dtype, tuple[torch.dtype, ...]] = {
     torch.float8_e4m3fn: (torch.float16, torch.float32),
     torch.float8_e5m2: (torch.float16, torch.float32),
 }
-# Devices whose copies devicectx always makes blocking (see devicectx.move._alias).
-_BLOCKING = frozenset({"cpu", "mps", "meta"})
+# The device types whose copies devicectx always makes blocking, ``non_blocking=True`` or
+# not: the host reads a copy to the CPU as soon as it returns, a non-blocking copy to MPS
+# can arrive after the tensor is read, and meta copies nothing. Read on every move's path
+# (devicectx.move._alias), so a frozenset of type names, looked up once per move.
+ALWAYS_BLOCKING = frozenset({"cpu", "mps", "meta"})
 
 
 class DeviceCapabilities(NamedTuple):
@@ -143,7 +148,7 @@ class Capabilities:
         pins = self._pins.get(device_type)
         if pins is None:
             pins = False
-            if device_type not in _HOLD_EVERYTHING and device_type == accelerator_type():
+            if device_type not in _HOLD_EVERY_DTYPE and device_type == accelerator_type():
                 try:
                     pins = torch.empty(1, dtype=torch.uint8, pin_memory=True).is_pinned()
                 except Exception:  # no pinned allocator for it
@@ -170,7 +175,7 @@ class Capabilities:
 
     def _find_out(self, device: torch.device, dtype: torch.dtype) -> bool | None:
         """Whether ``device`` holds ``dtype``; None where the device gave no answer."""
-        if device.type in _HOLD_EVERYTHING:
+        if device.type in _HOLD_EVERY_DTYPE:
             return True
         known = _KNOWN_MISSING.get(device.type)
         if known is not None and dtype in known:
@@ -261,7 +266,7 @@ def device_capabilities(device: DeviceLike) -> DeviceCapabilities:
         bfloat16=holds(target, torch.bfloat16),
         float8=all(holds(target, d) for d in _FLOAT8),
         pinned_memory=CAPABILITIES.pins(target.type),
-        non_blocking=target.type not in _BLOCKING,
+        non_blocking=target.type not in ALWAYS_BLOCKING,
         missing=CAPABILITIES.missing(target),
     )
 

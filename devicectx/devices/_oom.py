@@ -370,8 +370,12 @@ class _Attempts:
         requested = batch.get(args, kwargs)
         # Nothing to shrink: let the function raise its own TypeError for the missing argument.
         self.size: int | None = None
+        self.asked: int | None = None  # the size the call gave, where a ceiling lowered it
         if requested is not inspect.Parameter.empty:
-            self.size = ceiling.cap(self._check(requested))
+            asked = self._check(requested)
+            self.size = ceiling.cap(asked)
+            if self.size != asked:
+                self.asked = asked
 
     def next_call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.size is None:
@@ -433,9 +437,15 @@ class _Attempts:
                 f"@shrink_batch_on_oom(param={self.batch.name!r}, minimum={self.minimum // 2})"
             )
         lower = f"{decorator} to try smaller batches, or " if self.minimum > 1 else ""
+        start = ""
+        if self.asked is not None:
+            start = (
+                f"; asked for {self.asked}, it started at {self.tried[0]}, the "
+                f"{self.batch.name} an earlier call shrank to (remember=True)"
+            )
         msg = (
             f"{self.name}() ran out of memory at every {self.batch.name} tried: {sizes} "
-            f"(minimum={self.minimum})\n"
+            f"(minimum={self.minimum}){start}\n"
             f"last error: {last}\n"
             f"fix: {lower}make one sample need less memory (shorter sequences, "
             "torch.autocast), or free memory held outside the call"

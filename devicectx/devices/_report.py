@@ -36,10 +36,10 @@ ENV_VARS = (
 # torchrun's variables that place a process in its job (whole numbers).
 JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
-# Device types that hold every ordinary dtype, and whose devices are not asked: asking
-# (a one-element tensor per dtype) would create a context on every GPU, hundreds of MiB each,
-# in each process that prints the report (every rank of a job).
-_HOLDS_EVERY_DTYPE = frozenset({"cpu", "cuda"})
+# Device types whose devices are not asked which dtypes they hold (they hold every ordinary
+# one): asking (a one-element tensor per dtype) would create a context on every GPU, hundreds
+# of MiB each, in each process that prints the report (every rank of a job).
+_NOT_PROBED = frozenset({"cpu", "cuda"})
 
 _T = TypeVar("_T")
 
@@ -256,7 +256,7 @@ def _cudnn_version() -> int | None:
 
 def _device_info(device: torch.device) -> DeviceInfo:
     info = _properties(device)
-    missing = () if device.type in _HOLDS_EVERY_DTYPE else _guarded(lambda: _missing(device))
+    missing = () if device.type in _NOT_PROBED else _guarded(lambda: _missing(device))
     return dataclasses.replace(info, missing_dtypes=missing or ())
 
 

@@ -2,7 +2,8 @@
 
 The rules, in the order ``"auto"`` tries them:
 
-1. the environment variable ``DEVICECTX_DEVICE``, when set and not empty;
+1. the environment variable ``DEVICECTX_DEVICE``, when set and not empty: a device
+   (``"cuda:1"``), or a bare index of the accelerator (``"1"``, as ``resolve_device(1)``);
 2. XLA, where ``torch_xla`` is installed and ``PJRT_DEVICE`` is set: torch_xla's default
    device for this process (:mod:`devicectx.devices._xla`);
 3. under ``torchrun`` (``LOCAL_RANK`` set and not empty), the accelerator at
@@ -28,7 +29,7 @@ from typing import TypeAlias
 
 import torch
 
-from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
+from devicectx._errors import DeviceError, DeviceUnavailableError, InvalidDeviceError
 from devicectx._torch.backends import privateuse1_name
 from devicectx._torch.dynamo import constant
 from devicectx.devices import _xla
@@ -157,20 +158,17 @@ def _resolve(spec: object) -> tuple[torch.device, str]:
 def _auto() -> tuple[torch.device, str]:
     env_value = os.environ.get(ENV_VAR, "").strip()
     if env_value and env_value != "auto":
+        # A bare index is an int spec, as resolve_device(1) takes it: text is all a
+        # variable holds. It names one device for every process, as "cuda:1" does.
+        index = _index_text(env_value)
         try:
-            device = _explicit(env_value)
+            device = _explicit(env_value if index is None else index)
         except (InvalidDeviceError, DeviceUnavailableError) as error:
-            # the inner error's own fix line suggests DEVICECTX_DEVICE=cpu: say it once, here
-            facts = "\n".join(
-                line for line in str(error).splitlines() if not line.startswith("fix:")
-            )
-            msg = (
-                f"environment variable {ENV_VAR}={env_value!r} is not a usable device:\n"
-                f"{facts}\nfix: set {ENV_VAR} to one of the devices above (cpu always works), "
-                "or unset it"
-            )
-            raise type(error)(msg) from None
-        return device, f"environment variable {ENV_VAR}={env_value!r}"
+            raise type(error)(_env_message(env_value, error)) from None
+        why = f"environment variable {ENV_VAR}={env_value!r}"
+        if index is not None:
+            why = f"{why}, index {index} of the accelerator"
+        return device, why
 
     if _xla.in_use():
         return _auto_xla()
@@ -195,6 +193,42 @@ def _auto() -> tuple[torch.device, str]:
             f"accelerator {accelerator!r} found, at its current index {index}"
         )
     return _CPU, f"no accelerator found, so the CPU (set {ENV_VAR} to choose)"
+
+
+_ENV_FORMS = (
+    f"{ENV_VAR} takes: 'auto', a device type torch knows ('cpu', 'cuda', 'mps', 'xpu', "
+    "'meta', ...) with an optional ':index' ('cuda:1'), or an index on the accelerator ('1')"
+)
+
+
+def _index_text(text: str) -> int | None:
+    """The int a variable's text spells (``"1"``, ``"-1"``), else None."""
+    digits = text.removeprefix("-")
+    if digits.isascii() and digits.isdigit():
+        return int(text)
+    return None
+
+
+def _env_message(value: str, error: DeviceError) -> str:
+    """``error``'s facts, about ``DEVICECTX_DEVICE=value``: what the variable takes, in
+    place of the forms a spec in code takes; the devices there are, which any fix names."""
+    facts = [
+        line
+        for line in str(error).splitlines()
+        if not line.startswith(("fix:", "valid forms:"))  # the fix is said once, here
+    ]
+    if isinstance(error, InvalidDeviceError):
+        facts.append(_ENV_FORMS)
+    if not any(line.startswith("available here:") for line in facts):
+        facts.append(f"available here: {_here()}")
+    return "\n".join(
+        [
+            f"environment variable {ENV_VAR}={value!r} is not a usable device:",
+            *facts,
+            # "available here" is always among the lines above: the devices the fix means.
+            f"fix: set {ENV_VAR} to one of the devices above (cpu always works), or unset it",
+        ]
+    )
 
 
 def _auto_xla() -> tuple[torch.device, str]:
@@ -399,11 +433,15 @@ _FIX_UNAVAILABLE = (
 )
 
 
+def _here() -> str:
+    """The devices of this machine, ``meta`` included, as a message lists them."""
+    return ", ".join(str(d) for d in [*available_devices(), _META])
+
+
 def _unavailable(spec: object, problem: str, fix: str | None = None) -> DeviceUnavailableError:
-    here = ", ".join(str(d) for d in [*available_devices(), _META])
     msg = (
         f"device {_show(spec)} is not available: {problem}\n"
-        f"available here: {here}\n"
+        f"available here: {_here()}\n"
         f"fix: {fix or _FIX_UNAVAILABLE}"
     )
     return DeviceUnavailableError(msg)

@@ -3,10 +3,26 @@
 - ``_move``: ``to_device`` and the entry points the decorator calls;
 - ``_walk``: reading walks (``find_devices``, ``find_layouts``, ``iter_tensors``);
 - ``_rebuild``: the moving walk, rebuilding each container with its moved contents;
-- ``_containers``: how each kind of container is opened and rebuilt (``register_container``);
+- ``_traced``: the moving walk as ``torch.compile`` traces it (the same rebuild, without
+  ``id()``);
+- ``_containers``: the container registry, which kind each type gets, worked out once and
+  cached (``register_container``);
+- ``_kinds``: the ``Kind`` model (container, tensor, module, own ``.to``, leaf) and the
+  common kinds;
+- ``_dataclasses``: dataclasses (``ModelOutput``'s two views included) and
+  ``SimpleNamespace``, taken apart and rebuilt;
+- ``_collection_types``: the other collections taken apart and rebuilt (``PackedSequence``,
+  ``ChainMap``, namedtuples, graphs, lazy stacks, ``UserDict``, any ``Mapping``/``Sequence``);
+- ``_attributes``: an instance's attributes as rebuilds copy them (slots, cached properties);
 - ``_alias``: tensors moved once however often they appear, views kept as views;
 - ``_paths``: the nested paths errors and reports name (``batch['x'][0]``);
 - ``_skip``: ``skip=``, what a move leaves where it is;
+- ``_dtypes``: ``dtypes=``, what a move does with a dtype the target cannot hold (float64
+  on MPS): refuse it, or cast it;
+- ``_unmaterialised``: the refusal of a move of modules holding tensors on ``meta``, made
+  before any module moves;
+- ``_unseen``: the tensors a move cannot see (attributes of plain objects), looked for
+  after a device mismatch, so that the error names them;
 - ``_staging`` and ``_pinned``: small tensors moved in one copy through pinned buffers;
 - ``_streams``: the copy stream of each accelerator device (non-blocking moves, ``prefetch``);
 - ``_transfers``: ``track_transfers``, and what reads every move's copies;

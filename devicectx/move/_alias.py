@@ -39,11 +39,13 @@ import torch
 from torch import nn
 
 from devicectx._torch.tensors import base_of
+from devicectx.devices._capabilities import ALWAYS_BLOCKING
 
 _Tensor = torch.Tensor
-# Copies to these are read by the host as soon as they return (CPU), or have been seen to
-# arrive late under non_blocking (MPS: pytorch/pytorch#83015), so they are always blocking.
-_BLOCKING_TARGETS = frozenset({"cpu", "mps", "meta"})
+# Copies to these are always blocking: the host reads a copy to the CPU as soon as it
+# returns, and a non-blocking copy to MPS can land after the tensor is read (the set's
+# home, with the reasons, is devicectx.devices._capabilities).
+_BLOCKING_TARGETS = ALWAYS_BLOCKING
 # XLA: a view's storage_offset and strides are not its place in its base (torch_xla 2.9
 # reports 0 and contiguous strides for every tensor), so no view of it can be re-made.
 _NO_GEOMETRY = frozenset({"xla"})
@@ -59,6 +61,7 @@ class TensorMover:
         "groups",
         "moved",
         "non_blocking",
+        "parameters",
         "sent",
         "unsettled",
     )
@@ -68,11 +71,14 @@ class TensorMover:
         device: torch.device | None,
         non_blocking: bool,
         dtypes: Mapping[torch.dtype, torch.dtype] | None = None,
+        parameters: bool = True,
     ) -> None:
         # device None with dtypes: a cast where each tensor is (the dtype policy's, which
         # sends only the tensors to cast), views and aliasing kept as in a move.
         self.device = device
         self.dtypes = dtypes
+        # False: a parameter is copied as any tensor, through autograd (see copy).
+        self.parameters = parameters
         self.non_blocking = (
             non_blocking and device is not None and device.type not in _BLOCKING_TARGETS
         )
@@ -134,7 +140,7 @@ class TensorMover:
         ``torch.utils.swap_tensors``) a ``detach()`` made before, which still has its place
         in its old memory, for the views of it. What the walk gave ``original`` or its views
         already is put right by :meth:`finish`. The first result adopted for a tensor stays:
-        a parameter two modules share, which ``module.to`` may untie, is the first one's.
+        a module moved later that shares it is given it (:meth:`adopted_result`).
         """
         key = id(original)
         adopted = self.adopted
@@ -156,6 +162,13 @@ class TensorMover:
         else:
             group.adopt(self, original, was, result)
 
+    def adopted_result(self, original: _Tensor) -> _Tensor | None:
+        """What a module moved before made of ``original`` (see :meth:`adopt`), if any."""
+        adopted = self.adopted
+        if adopted is None or id(original) not in adopted:
+            return None
+        return self.moved[id(original)]
+
     def finish(self) -> dict[int, _Tensor]:
         """Settle the groups the walk could not: ``{id(result given): result to use}``."""
         replace: dict[int, _Tensor] = {}
@@ -167,14 +180,16 @@ class TensorMover:
         """A copy of ``tensor`` alone on the target, as ``.to`` makes it.
 
         An ``nn.Parameter`` comes back as a new parameter (a leaf, as ``module.to`` makes
-        them); any other tensor through ``.to``, so the copy is differentiable.
+        them) where :attr:`parameters` is set; any other tensor through ``.to``, so the
+        copy is differentiable: a decorated call's parameter, copied so, passes its
+        gradient back to the caller's.
         """
         non_blocking = self.non_blocking and tensor.is_cpu
         dtype = None if self.dtypes is None else self.dtypes.get(tensor.dtype)
         self.sent.append(tensor)
         # Parameter's isinstance goes through a Python-level metaclass hook: test the
         # exact type first.
-        if type(tensor) is not _Tensor and isinstance(tensor, nn.Parameter):
+        if type(tensor) is not _Tensor and self.parameters and isinstance(tensor, nn.Parameter):
             if dtype is not None and tensor.requires_grad and not _differentiable(dtype):
                 raise CannotCast(tensor.dtype, dtype)
             data = _to(tensor.detach(), self.device, dtype, non_blocking)
@@ -427,6 +442,24 @@ def _best_anchors(spans: list[_Span]) -> list[int | None]:
             if chosen is not None and (span.linkable or chosen is span):
                 best[span.index] = chosen.index
     return best
+
+
+def anchor_among(members: list[_Tensor], tensor: _Tensor) -> _Tensor | None:
+    """The one of ``members`` (the tensors of a structure on one base, ``tensor`` among
+    them) whose copy a move makes ``tensor``'s copy a view of; None where it is copied alone.
+
+    Example:
+        >>> base = torch.arange(6.0)
+        >>> members = [base[1:3], base, base[2:]]
+        >>> anchor_among(members, members[0]) is base
+        True
+        >>> apart = [base[1:3], base[2:4]]
+        >>> anchor_among(apart, apart[0]) is None  # no member covers it
+        True
+    """
+    index = next(i for i, member in enumerate(members) if member is tensor)
+    best = _best_anchors([_Span(member, i) for i, member in enumerate(members)])[index]
+    return None if best is None or best == index else members[best]
 
 
 def view_of(anchor: _Tensor, moved_anchor: _Tensor, tensor: _Tensor) -> _Tensor | None:

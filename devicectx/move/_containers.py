@@ -1,149 +1,81 @@
-"""Container kinds: how each type is taken apart and put back together by the move engine.
+"""The container registry: which :class:`~devicectx.move._kinds.Kind` each type gets.
 
-Every type the engine meets gets one :class:`Kind`, worked out once per type and cached:
+:func:`kind_for` works a type's kind out once and caches it (``_CACHE``, which the walks
+read directly on the hot path). The rules, first match wins: a registered type (nearest in
+the MRO, :func:`register_container`), a tensor, a module, a known leaf (``str``,
+``torch.Size``, ``range``, ...), the built-in container types (and the package's own,
+:func:`register_builtin_kind`), ``PackedSequence``, ``ChainMap``, an object with a ``.to``
+method, a dataclass, a ``SimpleNamespace``, a tuple type, a ``UserDict``, a ``Mapping``, a
+``Set``, a ``UserList``, a ``Sequence``; anything else is a leaf.
 
-- ``CONTAINER``: taken apart into keyed children and rebuilt, with its own type, when a
-  child changed: list, tuple, namedtuple, ``torch.return_types``, dict, ``OrderedDict``,
-  ``defaultdict``, deque, set, frozenset, dataclasses (a dataclass that is also a mapping,
-  such as transformers' ``ModelOutput``, through both views), ``PackedSequence``,
-  ``ChainMap`` (through its maps), other ``Mapping``/``Sequence``/``Set`` types, and
-  registered types;
-- ``TENSOR``, ``MODULE``: moved by the engine itself;
-- ``OWN``: objects with their own ``.to`` (tensordict, ``BatchEncoding``, torch_geometric's
-  ``Data``), moved with it; their children are read where the type allows, to list them
-  and to check what their ``.to`` did;
-- ``LEAF``: everything else, returned by identity and never iterated.
-
-The rules, first match wins: a registered type (nearest in the MRO), a tensor, a module,
-a known leaf (``str``, ``torch.Size``, ``range``, ...), the built-in container types, an
-object with a ``.to`` method, a dataclass, a tuple type, a ``Mapping``, a ``Set``, a
-``Sequence``; anything else is a leaf.
-
-A rebuild never returns a half-moved object: where a type cannot be put back together
-with every view of it showing the moved children, it raises :class:`CannotRebuild`, which
-the engine reports as a ``MoveError`` naming the path. Optional packages (transformers,
-tensordict, torch_geometric) are never imported: their types are known by what they are.
+How each family is taken apart and rebuilt lives beside it: the model and the common kinds
+in :mod:`devicectx.move._kinds`, dataclasses and namespaces in
+:mod:`devicectx.move._dataclasses`, the other collections in
+:mod:`devicectx.move._collection_types`. Optional packages (transformers, tensordict,
+torch_geometric) are never imported: their types are known by what they are.
 """
 
 from __future__ import annotations
 
 import array
 import collections
-import copy
 import dataclasses
-import functools
 import threading
-from collections.abc import (
-    Callable,
-    Iterable,
-    Mapping,
-    MutableMapping,
-    MutableSequence,
-    MutableSet,
-    Sequence,
-    Set,
-)
-from typing import Any, Literal, TypeAlias, TypeVar
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from devicectx._errors import RegistrationError
+from devicectx.move._collection_types import (
+    _CHAIN_KIND,
+    _PACKED_KIND,
+    _STACK_KIND,
+    _entries,
+    _graph_split,
+    _is_graph,
+    _is_lazy_stack,
+    _rebuild_mapping,
+    _rebuild_sequence,
+    _rebuild_set,
+    _tuple_kind,
+    _user_kind,
+)
+from devicectx.move._dataclasses import (
+    _dataclass_rebuild,
+    _dataclass_split,
+    _dual_rebuild,
+    _dual_split,
+    _namespace_kind,
+    _two_views,
+)
 from devicectx.move._distributed import is_dtensor_type
-from devicectx.move._paths import ATTR, DUAL, ITEM, MEMBER, Entry, join
+from devicectx.move._kinds import (
+    CONTAINER,
+    DICT_KIND,
+    DTENSOR_KIND,
+    LEAF_KIND,
+    LIST_KIND,
+    MODULE_KIND,
+    OWN,
+    TENSOR_KIND,
+    TUPLE_KIND,
+    Kind,
+    _dict_items,
+    _items,
+    _listed,
+)
+
+# Named here too, for the tests that reach them as ``_containers.X``.
+from devicectx.move._kinds import LEAF as LEAF
+from devicectx.move._kinds import CannotRebuild as CannotRebuild
+from devicectx.move._paths import ATTR, DUAL, ITEM, MEMBER
 
 C = TypeVar("C")
 
-CONTAINER, OWN, TENSOR, MODULE, LEAF = range(5)
-
-Split: TypeAlias = "Callable[[Any], tuple[Any, Sequence[Any]]]"
-"""``obj -> (keys, children)``; keys is a sequence, or None when they are the positions."""
-Rebuild: TypeAlias = "Callable[[Any, Any, Sequence[Any], list[Any]], Any]"
-"""``(obj, keys, old children, new children) -> new obj``."""
-
-
-class CannotRebuild(Exception):
-    """A container that cannot be put back together with its tensors moved.
-
-    Raised by a rebuild, or by the check after an object's own ``.to``; the engine reports
-    it as a ``MoveError`` that names the path and suggests :func:`register_container`.
-
-    Attributes:
-        tp: the type.
-        why: what went wrong, in words.
-        left: for an object whose own ``.to`` left tensors behind, each one's path
-            below the object (``"['pixels'][0]"``) and its device.
-    """
-
-    def __init__(self, tp: type, why: str, left: Sequence[tuple[str, torch.device]] = ()) -> None:
-        super().__init__(f"{tp.__qualname__} cannot be rebuilt with its tensors moved: {why}")
-        self.tp = tp
-        self.why = why
-        self.left = list(left)
-
-
-class Kind:
-    """What the engine does with one type.
-
-    Attributes:
-        role: ``CONTAINER``, ``OWN``, ``TENSOR``, ``MODULE`` or ``LEAF``.
-        style: how children's paths are written (:mod:`devicectx.move._paths`).
-        split: ``obj -> (keys, children)``; ``keys`` is ``None`` when they are the
-            positions. ``None`` for an ``OWN`` object whose children cannot be read.
-        rebuild: ``(obj, keys, old children, new children) -> new obj``, called only when
-            a child changed; it raises :class:`CannotRebuild` where the type cannot be
-            rebuilt faithfully.
-    """
-
-    __slots__ = ("rebuild", "role", "split", "style")
-
-    def __init__(
-        self,
-        role: int,
-        style: int = ITEM,
-        split: Split | None = None,
-        rebuild: Rebuild | None = None,
-    ) -> None:
-        self.role = role
-        self.style = style
-        self.split = split
-        self.rebuild = rebuild
-
-
-TENSOR_KIND = Kind(TENSOR)
-DTENSOR_KIND = Kind(TENSOR)
-"""A DTensor's kind: a tensor like any other to the engine, told apart by the decorator's
-check (:func:`devicectx.move._walk.shared_device`), which refuses DTensors mixed with plain
-tensors."""
-MODULE_KIND = Kind(MODULE)
-LEAF_KIND = Kind(LEAF)
-
-
-def _positions(obj: Any) -> tuple[None, Any]:
-    return None, obj
-
-
-def _listed(obj: Any) -> tuple[None, list[Any]]:
-    return None, list(obj)
-
-
-def _items(obj: Any) -> tuple[list[Any], list[Any]]:
-    # items(), not iteration: some mappings iterate over something else (a TensorDict
-    # iterates over its batch dimension).
-    pairs = list(obj.items())
-    return [k for k, _ in pairs], [v for _, v in pairs]
-
-
-def _dict_items(obj: dict[Any, Any]) -> tuple[list[Any], list[Any]]:
-    return list(obj), list(obj.values())
-
-
-LIST_KIND = Kind(CONTAINER, ITEM, _positions, lambda o, k, old, new: new)
-TUPLE_KIND = Kind(CONTAINER, ITEM, _positions, lambda o, k, old, new: tuple(new))
-DICT_KIND = Kind(
-    CONTAINER, ITEM, _dict_items, lambda o, k, old, new: dict(zip(k, new, strict=True))
-)
 
 _BUILTIN: dict[type, Kind] = {
     list: LIST_KIND,
@@ -187,7 +119,12 @@ _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
 
 _REGISTRY: dict[type, Kind] = {}
 _CACHE: dict[type, Kind] = {}
+"""Each type's kind once worked out. Other modules read it directly on the hot path, so it
+is only ever cleared, never rebound; :func:`kind_for` adds to it only under ``_LOCK``."""
 _LOCK = threading.Lock()
+_generation = 0
+"""How many times the rules changed (each :func:`_reset_cache`): :func:`kind_for` keeps a
+kind only if it was worked out under the rules still in force."""
 
 
 class _Never:
@@ -203,7 +140,9 @@ take them as they are only then."""
 
 
 def _reset_cache() -> None:
-    global FAST_LIST, FAST_TUPLE, FAST_DICT, PLAIN_BUILTINS
+    """Forget every worked-out kind, after the rules changed; called under ``_LOCK``."""
+    global FAST_LIST, FAST_TUPLE, FAST_DICT, PLAIN_BUILTINS, _generation
+    _generation += 1
     _CACHE.clear()
     _CACHE.update(dict.fromkeys(_PLAIN_LEAVES, LEAF_KIND))
     _CACHE[torch.Tensor] = TENSOR_KIND
@@ -217,12 +156,45 @@ _reset_cache()
 
 
 def kind_for(tp: type) -> Kind:
-    """The kind of every object of exact type ``tp`` (cached)."""
+    """The kind of every object of exact type ``tp`` (cached).
+
+    Safe beside a registration in another thread: a kind worked out from the rules as they
+    were before a (un)registration is never cached after it, but worked out again.
+    """
     kind = _CACHE.get(tp)
     if kind is None:
-        kind = _work_out(tp)
-        _CACHE[tp] = kind
+        kind = _worked_out(tp)
     return kind
+
+
+def _worked_out(tp: type) -> Kind:
+    """``tp``'s kind under the rules in force, cached if they did not change meanwhile."""
+    # Worked out without the lock: it runs the type's own code (a metaclass's ``to``
+    # property, say), which may register, or wait for a thread that does.
+    for _ in range(2):
+        generation = _generation
+        kind = _work_out(tp)
+        with _LOCK:
+            if generation == _generation:
+                _CACHE[tp] = kind
+                return kind
+    # The rules changed on each try (a type whose own code registers as it is read):
+    # this answer is not cached, so the next look works the kind out again.
+    return kind
+
+
+def register_builtin_kind(tp: type, kind: Kind) -> None:
+    """Give ``tp``, a container type of devicectx's own, ``kind`` among the built-in rules.
+
+    For the package's internal containers (the move engine's call arguments, say), which
+    need a ``Kind`` of their own (a path style, a rebuild taking the old children) that
+    :func:`register_container` does not offer. It applies to ``tp`` exactly, not to its
+    subclasses, and a user's :func:`register_container` of ``tp`` still wins. Giving
+    ``tp`` a kind again replaces it. Call it where ``tp`` is defined, at import.
+    """
+    with _LOCK:
+        _BUILTIN[tp] = kind
+        _reset_cache()
 
 
 def register_container(
@@ -394,13 +366,19 @@ def _work_out(tp: type) -> Kind:
     if dataclasses.is_dataclass(tp):
         if _two_views(tp):
             return Kind(CONTAINER, DUAL, _dual_split(tp), _dual_rebuild(tp))
-        return Kind(CONTAINER, ATTR, _dataclass_split(tp), _dataclass_rebuild(tp))
+        return Kind(CONTAINER, ATTR, _dataclass_split(tp, True), _dataclass_rebuild(tp))
+    if issubclass(tp, types.SimpleNamespace):
+        return _namespace_kind(tp)
     if issubclass(tp, tuple):
         return _tuple_kind(tp)
+    if issubclass(tp, collections.UserDict):
+        return _user_kind(tp, _entries(tp), _rebuild_mapping)
     if issubclass(tp, Mapping):
         return Kind(CONTAINER, ITEM, _items, _rebuild_mapping)
     if issubclass(tp, Set):
         return Kind(CONTAINER, MEMBER, _listed, _rebuild_set)
+    if issubclass(tp, collections.UserList):
+        return _user_kind(tp, _listed, _rebuild_sequence)
     if issubclass(tp, Sequence):
         return Kind(CONTAINER, ITEM, _listed, _rebuild_sequence)
     return LEAF_KIND
@@ -415,432 +393,8 @@ def _own_kind(tp: type) -> Kind:
         return Kind(OWN, ATTR, _dataclass_split(tp))
     if _is_graph(tp):
         return Kind(OWN, DUAL, _graph_split)
+    if _is_lazy_stack(tp):
+        return _STACK_KIND
     if issubclass(tp, Mapping):
         return Kind(OWN, ITEM, _items, _rebuild_mapping)
     return Kind(OWN)
-
-
-def _is_graph(tp: type) -> bool:
-    """torch_geometric's ``Data``, ``Batch`` (and the ``DataBatch`` types it makes),
-    ``HeteroData``: known by where they come from, so the package is never imported."""
-    return isinstance(getattr(tp, "stores", None), property) and any(
-        klass.__module__.partition(".")[0] == "torch_geometric" for klass in tp.__mro__
-    )
-
-
-def _graph_split(obj: Any) -> tuple[list[Any], list[Any]]:
-    # Its stores, not items(): a HeteroData's items() is empty. The global store's entries
-    # are attributes of the object (data.x); each node or edge type's store is an entry
-    # (data['paper']), itself a mapping with its own .to.
-    keys: list[Any] = []
-    values: list[Any] = []
-    for store in obj.stores:
-        key = getattr(store, "_key", None)
-        if key is None:
-            for name, value in store.items():
-                keys.append(name)
-                values.append(value)
-        else:
-            keys.append(Entry(key) if type(key) is str else key)
-            values.append(store)
-    return keys, values
-
-
-_PACKED_FIELDS = ("data", "sorted_indices", "unsorted_indices")
-
-
-def _packed_split(obj: PackedSequence) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-    # batch_sizes is not a child: PyTorch requires it on the CPU, whatever the data's device.
-    return _PACKED_FIELDS, (obj.data, obj.sorted_indices, obj.unsorted_indices)
-
-
-def _packed_rebuild(obj: PackedSequence, keys: object, old: object, new: list[Any]) -> Any:
-    data, sorted_indices, unsorted_indices = new
-    return type(obj)(data, obj.batch_sizes, sorted_indices, unsorted_indices)
-
-
-_PACKED_KIND = Kind(CONTAINER, ATTR, _packed_split, _packed_rebuild)
-
-
-def _chain_split(obj: collections.ChainMap[Any, Any]) -> tuple[tuple[str], tuple[Any]]:
-    # Its maps, not its items: a key in an earlier map hides the same key in the later
-    # ones, whose tensors the chain still holds (chain.parents reaches them), and item
-    # assignment on a copy would write every moved item into the first map.
-    return ("maps",), (obj.maps,)
-
-
-def _chain_rebuild(
-    obj: collections.ChainMap[Any, Any], keys: object, old: object, new: list[Any]
-) -> Any:
-    # Not copy.copy: ChainMap's copies the first map and forgets the chain's other
-    # attributes; the moved maps replace all of them anyway.
-    clone: Any = object.__new__(type(obj))
-    clone.__dict__.update(vars(obj))
-    for slot in slot_names(type(obj)):
-        value = getattr(obj, slot, _MISSING)
-        if value is not _MISSING:
-            object.__setattr__(clone, slot, value)
-    clone.maps = new[0]
-    _forget_cached(clone)
-    return clone
-
-
-_CHAIN_KIND = Kind(CONTAINER, ATTR, _chain_split, _chain_rebuild)
-
-
-def _tuple_kind(tp: type) -> Kind:
-    fields = getattr(tp, "_fields", None)
-    if isinstance(fields, tuple) and callable(getattr(tp, "_make", None)):
-        make = tp._make  # type: ignore[attr-defined]
-
-        def namedtuple_split(obj: Any) -> tuple[tuple[str, ...], Any]:
-            return fields, obj
-
-        return Kind(CONTAINER, ATTR, namedtuple_split, lambda o, k, old, new: make(new))
-    count = getattr(tp, "n_sequence_fields", None)
-    if count is not None:  # a structseq, such as torch.return_types.max
-        names = getattr(tp, "__match_args__", ())
-        if count != getattr(tp, "n_fields", None) or len(names) != count:
-            return _hidden_structseq_kind(tp, count)
-
-        def structseq_split(obj: Any) -> tuple[tuple[str, ...], Any]:
-            return names, obj
-
-        return Kind(CONTAINER, ATTR, structseq_split, lambda o, k, old, new: tp(new))
-    return Kind(CONTAINER, ITEM, _positions, _rebuild_sequence)
-
-
-def _hidden_structseq_kind(tp: type, count: int) -> Kind:
-    """A structseq with fields that are no positions (``time.struct_time``'s ``tm_zone``,
-    ``os.stat_result``'s ``st_atime_ns``): taken apart and rebuilt as pickle does it,
-    by ``__reduce__``, which gives ``(tp, (visible fields, {hidden name: value}))``.
-    The visible fields are keyed by position, as ``obj[0]`` reads them; the hidden ones
-    by name, as ``obj.tm_zone`` does."""
-
-    def split(obj: Any) -> tuple[list[Any], list[Any]]:
-        _, (visible, hidden) = obj.__reduce__()
-        return [*range(len(visible)), *hidden], [*visible, *hidden.values()]
-
-    def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
-        visible = len(obj)
-        return tp(tuple(new[:visible]), dict(zip(keys[visible:], new[visible:], strict=True)))
-
-    return Kind(CONTAINER, DUAL, split, rebuild)
-
-
-_MISSING = object()
-
-
-def _dataclass_split(tp: type) -> Split:
-    names = tuple(f.name for f in dataclasses.fields(tp))
-
-    def split(obj: Any) -> tuple[list[str], list[Any]]:
-        keys: list[str] = []
-        values: list[Any] = []
-        for name in names:
-            value = getattr(obj, name, _MISSING)  # an init=False field may never be set
-            if value is not _MISSING:
-                keys.append(name)
-                values.append(value)
-        return keys, values
-
-    return split
-
-
-def _dataclass_rebuild(tp: type) -> Rebuild:
-    slots = slot_names(tp)
-    cached = _cached_names(tp)
-
-    def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
-        # Not the constructor: init=False fields, InitVars and __post_init__ side effects
-        # would all get in the way. A shallow copy with the changed fields set works for
-        # mutable, frozen and slots dataclasses alike (copy.copy fails on frozen slots
-        # dataclasses before Python 3.11).
-        clone: Any
-        try:
-            clone = object.__new__(tp)
-        except TypeError:  # a dataclass that also subclasses a built-in type
-            clone = copy.copy(obj)
-        else:
-            state = getattr(obj, "__dict__", None)
-            if state is not None:
-                clone.__dict__.update(state)
-            for slot in slots:
-                value = getattr(obj, slot, _MISSING)
-                if value is not _MISSING:
-                    object.__setattr__(clone, slot, value)
-        for key, before, after in zip(keys, old, new, strict=True):
-            if after is not before:
-                object.__setattr__(clone, key, after)
-        _drop_cached(clone, cached)
-        return clone
-
-    return rebuild
-
-
-def _cached_names(tp: type) -> tuple[str, ...]:
-    """The names under which ``functools.cached_property``s of ``tp`` keep their values."""
-    names = _CACHED_NAMES.get(tp)
-    if names is None:
-        names = _CACHED_NAMES[tp] = _work_out_cached_names(tp)
-    return names
-
-
-_CACHED_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _work_out_cached_names(tp: type) -> tuple[str, ...]:
-    return tuple(
-        {
-            value.attrname or name: None
-            for klass in tp.__mro__
-            for name, value in vars(klass).items()
-            if isinstance(value, functools.cached_property)
-        }
-    )
-
-
-def _forget_cached(clone: Any) -> None:
-    """:func:`_drop_cached` for a copy of any container type (a ``dict`` subclass, say);
-    nothing to do, and nothing asked of the type, where the copy has no ``__dict__``."""
-    if getattr(clone, "__dict__", None):
-        _drop_cached(clone, _cached_names(type(clone)))
-
-
-def _drop_cached(clone: Any, cached: tuple[str, ...]) -> None:
-    """Forget the values the copy's cached properties hold: they were worked out from the
-    children before the move (a tensor on the old device, say), and are worked out again,
-    from the moved children, when next read. Lightning's apply_to_collection does the same."""
-    state = getattr(clone, "__dict__", None)
-    if cached and state:
-        for name in cached:
-            state.pop(name, None)
-
-
-def _two_views(tp: type) -> bool:
-    """Whether a dataclass is also a mapping or a sequence: its tensors have two views."""
-    return issubclass(tp, Mapping) or (issubclass(tp, Sequence) and not issubclass(tp, str))
-
-
-def _dual_split(tp: type) -> Split:
-    """Children of a dataclass that is also a mapping (``ModelOutput``) or a sequence.
-
-    Entries first, in their order, then the fields no entry stands for. An entry and the
-    field of its name that hold the same object are one child, keyed by the plain name
-    (``out.logits``); any other entry is keyed by :class:`Entry` or its own key
-    (``out['extra']``, ``row[0]``), so that each view of each object is walked once.
-    """
-    fields = tuple(f.name for f in dataclasses.fields(tp))
-    field_names = frozenset(fields)
-    mapping = issubclass(tp, Mapping)
-
-    def split(obj: Any) -> tuple[list[Any], list[Any]]:
-        keys: list[Any] = []
-        values: list[Any] = []
-        named: set[str] = set()
-        for key, value in obj.items() if mapping else enumerate(obj):
-            if type(key) is str:
-                if key in field_names and getattr(obj, key, _MISSING) is value:
-                    named.add(key)
-                else:
-                    key = Entry(key)
-            keys.append(key)
-            values.append(value)
-        for name in fields:
-            if name not in named:
-                value = getattr(obj, name, _MISSING)  # an init=False field may never be set
-                if value is not _MISSING:
-                    keys.append(name)
-                    values.append(value)
-        return keys, values
-
-    return split
-
-
-def _dual_rebuild(tp: type) -> Rebuild:
-    split = _dual_split(tp)
-    names = tuple(f.name for f in dataclasses.fields(tp)) + slot_names(tp)
-    cached = _cached_names(tp)
-    mapping = issubclass(tp, Mapping)
-    storage = next((k for k in tp.__mro__ if k in (dict, collections.OrderedDict, list)), None)
-
-    def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
-        # Every view of the copy that showed an old child is made to show its new one,
-        # whatever it is (a field, an entry, another attribute holding it): found by
-        # identity. Then the copy is read again, and must give exactly the new children.
-        changed = {id(a): b for a, b in zip(old, new, strict=True) if b is not a}
-        try:
-            clone = copy.copy(obj)
-        except Exception as error:
-            why = f"copy.copy() raised {type(error).__name__}: {error}"
-            raise CannotRebuild(tp, why) from error
-        fresh = clone is not obj and type(clone) is tp
-        _drop_cached(clone, cached)
-        if not fresh:
-            raise CannotRebuild(tp, "copy.copy() does not make a new object of its type")
-        if mapping:
-            _keep_order(clone, list(obj.keys()), storage)
-        for name in (*names, *getattr(clone, "__dict__", ())):
-            after = changed.get(id(getattr(clone, name, _MISSING)), _MISSING)
-            if after is not _MISSING:
-                object.__setattr__(clone, name, after)
-        entries = clone.items() if mapping else enumerate(clone)
-        for key, value in list(entries):
-            after = changed.get(id(value), _MISSING)
-            if after is not _MISSING:
-                _set_entry(clone, key, after, storage)
-        again, now = split(clone)
-        if [(type(k), k) for k in again] != [(type(k), k) for k in keys] or any(
-            a is not b for a, b in zip(now, new, strict=True)
-        ):
-            raise CannotRebuild(tp, _disagreement(keys, new, again, now))
-        return clone
-
-    return rebuild
-
-
-def _keep_order(clone: Any, order: list[Any], storage: type | None) -> None:
-    """Give the copy's entries the original's ``order``, by its built-in storage's code.
-
-    A type's copy may make the object anew and set its entries as its constructor does:
-    a ``ModelOutput``'s sets its fields first, in field order, so an entry the caller set
-    later (``out["loss"] = ...``) would come before those set earlier, and ``out[0]`` would
-    give another tensor. Only the order is put back, and only in a ``dict`` or
-    ``OrderedDict``: entries the copy lacks or adds, and an order only the type itself
-    could change, are left for the check to find. The storage's own methods, as in
-    :func:`_set_entry`: the type's may be refused (a ``ModelOutput``'s ``pop`` raises).
-    """
-    now = list(clone.keys())
-    if now == order or set(now) != set(order):
-        return
-    if storage is collections.OrderedDict:
-        for key in order:
-            collections.OrderedDict.move_to_end(clone, key)
-    elif storage is dict:
-        for key in order:
-            dict.__setitem__(clone, key, dict.pop(clone, key))
-
-
-def _set_entry(clone: Any, key: Any, value: Any, storage: type | None) -> None:
-    """``clone[key] = value``, by the type's own code, else its built-in storage's."""
-    try:
-        clone[key] = value
-    except Exception as error:
-        if storage is None:
-            why = f"its entry {key!r} cannot be set: {type(error).__name__}: {error}"
-            raise CannotRebuild(type(clone), why) from error
-        storage.__setitem__(clone, key, value)  # type: ignore[index]
-
-
-def _disagreement(
-    keys: Sequence[Any], new: Sequence[Any], again: Sequence[Any], now: Sequence[Any]
-) -> str:
-    """Where a rebuilt two-view object does not show the moved children, in words."""
-    expected = dict(zip(((type(k), k) for k in keys), new, strict=True))
-    start = "a copy given the moved children"
-    for key, value in zip(again, now, strict=True):
-        found = expected.pop((type(key), key), _MISSING)
-        if found is _MISSING:
-            return f"{start} has something new at {join('', DUAL, key)}"
-        if found is not value:
-            return f"{start} shows another object at {join('', DUAL, key)}"
-    if expected:
-        return f"{start} has nothing at {join('', DUAL, next(iter(expected))[1])}"
-    return f"{start} lists them in another order"
-
-
-def slot_names(tp: type) -> tuple[str, ...]:
-    """The attribute names of ``tp``'s ``__slots__``, through its MRO (mangled as stored)."""
-    names: list[str] = []
-    for klass in tp.__mro__:
-        declared = klass.__dict__.get("__slots__", ())
-        for name in (declared,) if isinstance(declared, str) else declared:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            if name.startswith("__") and not name.endswith("__"):
-                name = f"_{klass.__name__.lstrip('_')}{name}"
-            names.append(name)
-    return tuple(names)
-
-
-# The generic rebuilds below try the type's own protocol (a copy, then item assignment),
-# then its constructor, and check the result; a type that takes neither raises
-# CannotRebuild rather than come back half-moved or turned into another type.
-
-
-def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
-    failed: Exception | None = None
-    if isinstance(obj, MutableMapping):
-        try:
-            clone = copy.copy(obj)
-            if clone is not obj and type(clone) is type(obj):
-                if getattr(obj, "__dict__", None) is obj:
-                    # A dict that is its own __dict__ (an attribute dict): the copy gets a
-                    # copy of it instead, whose attributes would keep the old children.
-                    # Not by clone.__dict__ = ...: the type's __setattr__ may set entries.
-                    object.__setattr__(clone, "__dict__", clone)
-                _forget_cached(clone)
-                for key, before, after in zip(keys, old, new, strict=True):
-                    if after is not before:
-                        clone[key] = after
-                return clone
-        except Exception as error:  # the constructor may still work; if not, both are told
-            failed = error
-    return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)", failed)
-
-
-def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
-    failed: Exception | None = None
-    if isinstance(obj, MutableSequence):
-        try:
-            clone = copy.copy(obj)
-            if clone is not obj and type(clone) is type(obj):
-                _forget_cached(clone)
-                for index, (before, after) in enumerate(zip(old, new, strict=True)):
-                    if after is not before:
-                        clone[index] = after
-                return clone
-        except Exception as error:  # the constructor may still work; if not, both are told
-            failed = error
-    return _construct(obj, new, len(new), "new_items", failed)
-
-
-def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
-    failed: Exception | None = None
-    if isinstance(obj, MutableSet):
-        try:
-            clone = copy.copy(obj)
-            if clone is not obj and type(clone) is type(obj):
-                _forget_cached(clone)
-                for before, after in zip(old, new, strict=True):
-                    if after is not before:
-                        clone.discard(before)
-                        clone.add(after)
-                return clone
-        except Exception as error:  # the constructor may still work; if not, both are told
-            failed = error
-    return _construct(obj, new, len(new), "new_members", failed)
-
-
-def _construct(
-    obj: Any, contents: Any, size: int, argument: str, failed: Exception | None = None
-) -> Any:
-    """``type(obj)(contents)``, checked; ``failed``: why a copy could not be updated."""
-    tp = type(obj)
-    call = f"{tp.__qualname__}({argument})"
-    if failed is not None:
-        how = f"updating a copy of it raised {type(failed).__name__}: {failed}, and"
-    elif isinstance(obj, (MutableMapping, MutableSequence, MutableSet)):
-        how = "a copy of it cannot be updated, and"
-    else:
-        how = "it is immutable, and"
-    try:
-        made = tp(contents)
-    except Exception as error:
-        if failed is not None:  # chained through it, so the traceback shows both
-            error.__context__ = failed
-        raise CannotRebuild(tp, f"{how} {call} raised {type(error).__name__}: {error}") from error
-    if type(made) is not tp or len(made) != size:
-        got = f"a {type(made).__qualname__} of length {len(made)}, not {size}"
-        raise CannotRebuild(tp, f"{how} {call} gave {got}")
-    return made

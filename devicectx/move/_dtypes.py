@@ -44,7 +44,9 @@ from devicectx.devices._capabilities import (
     nearest_dtype,
 )
 from devicectx.move._alias import TensorMover
-from devicectx.move._containers import _CACHE, LEAF_KIND, MODULE_KIND
+from devicectx.move._containers import _CACHE
+from devicectx.move._kinds import LEAF_KIND, MODULE_KIND
+from devicectx.move._paths import within
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip
 from devicectx.move._walk import iter_tensors
@@ -365,7 +367,7 @@ def _refused(
     lines = [f"    {d!s:<{width}} <- {', '.join(p)}" for d, p in paths.items()]
     what = "a tensor" if count == 1 else f"{count} tensors"
     if casts:
-        fix = f"{'; '.join(casts)} before the move (dtypes= casts no module's tensors)"
+        fix = f"{'; '.join(outermost(casts))} before the move (dtypes= casts no module's tensors)"
         if plain:
             fix = f"{fix}, and {suggest(_fix_argument(policy, plain))}"
     else:
@@ -389,7 +391,29 @@ def module_casts(device: torch.device, tensors: Iterable[tuple[str, torch.dtype]
     if not missing:
         return []
     casts = (module_cast(device, path, dtype) for path, dtype in tensors if dtype in missing)
-    return list(dict.fromkeys(casts))
+    return outermost(dict.fromkeys(casts))
+
+
+_FLOAT = ".float()"
+
+
+def outermost(casts: Iterable[str]) -> list[str]:
+    """``casts`` (:func:`module_cast`'s lines) without a module's ``.float()`` where an
+    ancestor's is among them: ``Module.float()`` casts every submodule too.
+
+    Example:
+        >>> outermost(["obj.embed.float()", "obj.w.data = obj.w.data.to(torch.complex64)",
+        ...            "obj.float()"])
+        ['obj.w.data = obj.w.data.to(torch.complex64)', 'obj.float()']
+    """
+    lines = list(casts)
+    cast = [line.removesuffix(_FLOAT) for line in lines if line.endswith(_FLOAT)]
+
+    def covered(line: str) -> bool:
+        module = line.removesuffix(_FLOAT)
+        return line != module and any(o != module and within(module, o) for o in cast)
+
+    return [line for line in lines if not covered(line)]
 
 
 def module_cast(device: torch.device, path: str, dtype: torch.dtype) -> str:

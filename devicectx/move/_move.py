@@ -16,9 +16,10 @@ no resolution):
   ``nn.Module`` objects unless asked (``modules=True``): the decorator reports modules
   on their own.
 
-How the work is split: :mod:`devicectx.move._containers` knows each type (what its children
-are, how to rebuild it), :mod:`devicectx.move._walk` walks structures, :mod:`devicectx.move._alias`
-moves the tensors so that shared memory stays shared, :mod:`devicectx.move._skip` compiles
+How the work is split: :mod:`devicectx.move._containers` knows each type (its kind: what
+its children are, how to rebuild it; the families' rules in the modules it names),
+:mod:`devicectx.move._walk` walks structures, :mod:`devicectx.move._alias` moves the
+tensors so that shared memory stays shared, :mod:`devicectx.move._skip` compiles
 ``skip=``, and :mod:`devicectx.move._paths` writes paths. Under ``torch.compile``,
 :mod:`devicectx.move._traced` walks instead of :mod:`devicectx.move._rebuild` (dynamo cannot
 trace the memo's ``id()`` on every release, and recompiles for each batch where it can).
@@ -34,11 +35,12 @@ import torch
 
 from devicectx.devices._capabilities import holds_every_dtype
 from devicectx.devices._resolve import DeviceLike, resolve_device
-from devicectx.move import _containers, _repeats, _staging, _transfers
+from devicectx.move import _repeats, _staging, _transfers
 from devicectx.move._alias import TensorMover
-from devicectx.move._containers import CONTAINER, Kind
+from devicectx.move._containers import register_builtin_kind
 from devicectx.move._containers import register_container as register_container
 from devicectx.move._dtypes import DtypesLike, Suggest, policy_for
+from devicectx.move._kinds import CONTAINER, Kind
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip, SkipLike, compile_skip
@@ -89,12 +91,15 @@ def to_device(
     Args:
         obj: a tensor, or any structure of them: list, tuple, namedtuple,
             ``torch.return_types``, dict, ``OrderedDict``, ``defaultdict``, deque, set,
-            frozenset, dataclass (mutable, frozen, ``slots=True``, ``init=False`` fields;
-            one that is also a mapping, such as transformers' ``ModelOutput``, comes back
-            with its fields and its entries agreeing), ``PackedSequence``, ``ChainMap``
-            (every map), other ``Mapping``/``Sequence``/``Set`` types, types taught with
+            frozenset, dataclass (mutable, frozen, ``slots=True``, ``init=False`` fields,
+            the attributes an instance holds beside its fields; one that is also a
+            mapping, such as transformers' ``ModelOutput``, comes back with its fields and
+            its entries agreeing), ``UserDict``/``UserList`` (entries and attributes),
+            ``SimpleNamespace``, ``PackedSequence``, ``ChainMap`` (every map), other
+            ``Mapping``/``Sequence``/``Set`` types, types taught with
             :func:`register_container`, objects with their own ``.to(device)``
-            (tensordict, ``BatchEncoding``, torch_geometric's ``Data``), and ``nn.Module``.
+            (tensordict, its lazy stacks, ``BatchEncoding``, torch_geometric's ``Data``),
+            and ``nn.Module``.
         device: anything :func:`resolve_device` takes: ``"cuda:1"``, ``"auto"``, ...
         non_blocking: ask for asynchronous copies (see the rule below).
         skip: what stays where it is, with everything inside it: a type, a path as
@@ -156,23 +161,27 @@ def to_device(
         - A module's parameter or buffer that ``obj`` also holds outside the module
           (``{"model": m, "w": m.weight}``, a list of its parameters) comes back as the
           module's moved one (``moved["w"] is m.weight``), and a view of it as a view of
-          that, whichever comes first. A parameter two modules share (tied weights, which
-          ``module.to`` may untie) is the first moved module's.
+          that, whichever comes first. A parameter two modules share (tied weights) is
+          one parameter after the move, also where torch's ``module.to`` unties them
+          (``meta``, devices registered out of tree).
         - dtype (unless ``dtypes=`` casts it), shape, ``requires_grad``, and autograd
           history: the move is ``.to`` (or ``as_strided`` for views), so gradients flow
           back to the originals; a cast keeps all of it too, views of a cast tensor
           included, as ``.to(dtype)`` does. An
           ``nn.Parameter`` comes back as a new ``nn.Parameter`` on ``device`` (a leaf,
-          as ``module.to`` makes them).
+          as ``module.to`` makes them: gradients reach it, not the original; the
+          decorator passes a parameter as a copy through autograd instead).
         - A cycle does not loop: the inner reference to an enclosing container is kept
           as the original object. Depth is not limited by Python's recursion limit.
 
     The ``non_blocking`` rule: asynchronous copies are used only from CPU memory to an
     accelerator other than MPS, where torch orders every later use of the copy after it
-    lands. Copies to the CPU are always blocking, since the host could read the result
-    before it arrives, and so are copies to MPS, where non-blocking copies have been
-    seen to arrive late (Lightning-AI/pytorch-lightning#11287, pytorch/pytorch#83015).
-    So ``non_blocking=True`` is always safe here; it only helps from pinned memory.
+    lands. Copies to the CPU are always blocking: torch returns from a non-blocking copy
+    to the host before the data has landed, and nothing makes the host wait before it
+    reads the result, which can then hold stale values. Copies to MPS are always
+    blocking too: there, torch's non-blocking copies from the host have been seen to
+    land wrong values. Lightning's batch transfer makes the same two exceptions. So
+    ``non_blocking=True`` is always safe here; it only helps from pinned memory.
 
     Staged moves (``coalesce=True``, the default): from the host to an accelerator (CUDA,
     XPU, ...: the one ``torch.accelerator`` reports; never to ``meta`` or MPS), a move of
@@ -180,8 +189,9 @@ def to_device(
     reused pinned buffer and sends it in a few large copies, instead of one copy per
     tensor (see :mod:`devicectx.move._staging` for the rules and thresholds):
 
-    - Tensors of at most 64 KiB come back as views of one device region of at most
-      1 MiB, which they share: one kept alive keeps that region allocated. Larger
+    - Tensors of at most 64 KiB are copied into one device region of at most 1 MiB and
+      each comes back with a storage of its own over its bytes of it (not a view: its
+      ``_base`` is None); one kept alive keeps that region allocated. Larger
       tensors get device memory of their own, as with ``.to``. ``record_stream`` on a
       small one does not reach its region (the caching allocator knows the region
       alone): to use it on another stream, keep it alive until that stream is done
@@ -323,6 +333,7 @@ def move_call(
     where: _repeats.Place | None = None,
     check_repeats: bool = True,
     dtypes: DtypesLike = None,
+    parameters: bool = True,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments moved as one structure, with errors that name the parameters.
 
@@ -332,7 +343,9 @@ def move_call(
     same objects when nothing moved. ``who`` starts the error message (the decorated
     function, say: ``"train.loss()"``); ``where`` names the place that moves, as in
     :func:`move_to`. ``dtypes`` is the dtype policy; its error's fix is written for
-    ``@device_agnostic``.
+    ``@device_agnostic``. ``parameters`` False copies an ``nn.Parameter`` as ``.to``
+    does, through autograd (the decorator's choice: a loose parameter's gradient reaches
+    the caller's), not as a new parameter.
     """
     __tracebackhide__ = True
     compiled = compile_skip(skip, "")
@@ -349,7 +362,17 @@ def move_call(
         return args, kwargs
     call = _Call(args, kwargs, names, rest)
     moved = _move(
-        call, device, non_blocking, compiled, "", _call_fix, who, coalesce, where, check_repeats
+        call,
+        device,
+        non_blocking,
+        compiled,
+        "",
+        _call_fix,
+        who,
+        coalesce,
+        where,
+        check_repeats,
+        parameters=parameters,
     )
     if moved is call:
         return args, kwargs
@@ -377,13 +400,14 @@ def _move(
     where: _repeats.Place | None = None,
     check_repeats: bool = True,
     handed: _staging.HandedTo | None = None,
+    parameters: bool = True,
 ) -> T:
     __tracebackhide__ = True
     # The one test of torch.compile on the eager path (the accounting below made it).
     compiling = _is_compiling()
     if compiling and (skip is None or not skip.slow):
         return TracedMove(device, non_blocking, skip, name, fix).run(obj)  # type: ignore[no-any-return]
-    mover = TensorMover(device, non_blocking)
+    mover = TensorMover(device, non_blocking, parameters=parameters)
     # Traced code keeps no state (and dynamo cannot trace ContextVar.get): nothing recorded.
     paths = None if compiling else _transfers.paths_if_tracked(obj, name)
     staged = None
@@ -464,4 +488,4 @@ def _rebuild_call(call: _Call, keys: object, old: object, new: list[Any]) -> _Ca
     return moved
 
 
-_containers._BUILTIN[_Call] = Kind(CONTAINER, NAME, _split_call, _rebuild_call)
+register_builtin_kind(_Call, Kind(CONTAINER, NAME, _split_call, _rebuild_call))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import keyword
 from collections.abc import Collection, Iterable
 
+import torch
 from torch import nn
 
 ITEM = 0
@@ -39,10 +40,25 @@ class Entry(str):
     __slots__ = ()
 
 
+def key_text(key: object) -> str:
+    """``key`` as a path writes it in brackets: its ``repr``, but a tensor (an optimizer's
+    state is keyed by its parameters) by kind, shape and device, not by its values.
+
+    Example:
+        >>> key_text("mask"), key_text(3)
+        ("'mask'", '3')
+        >>> key_text(nn.Parameter(torch.zeros(4, 4)))
+        '<Parameter (4, 4) on cpu>'
+    """
+    if isinstance(key, torch.Tensor):
+        return f"<{type(key).__name__} {tuple(key.shape)} on {key.device}>"
+    return repr(key)
+
+
 def join(parent: str, style: int, key: object) -> str:
     """The path of the child at ``key`` of the object at path ``parent``."""
     if style == ITEM:
-        return f"{parent}[{key!r}]"
+        return f"{parent}[{key_text(key)}]"
     if style == ATTR:
         return f"{parent}.{key}"
     if style == MEMBER:
@@ -60,7 +76,7 @@ _KEYWORDS = tuple(keyword.kwlist)
 def _dual(key: object) -> str:
     if type(key) is str and key.isidentifier() and key not in _KEYWORDS:
         return f".{key}"
-    return f"[{key!r}]"
+    return f"[{key_text(key)}]"
 
 
 def build(root: str, parts: Iterable[tuple[int, object]]) -> str:
@@ -72,7 +88,7 @@ def build(root: str, parts: Iterable[tuple[int, object]]) -> str:
     pieces = [root]
     for style, key in parts:
         if style == ITEM:
-            pieces.append(f"[{key!r}]")
+            pieces.append(f"[{key_text(key)}]")
         elif style == ATTR:
             pieces.append(f".{key}")
         elif style == MEMBER:
@@ -131,3 +147,18 @@ def keyed_modules(named: Iterable[tuple[str, nn.Module]]) -> tuple[str, ...]:
 def is_path(text: str, root: str) -> bool:
     """Whether ``text`` is a path under ``root`` (``obj['x']``, ``obj.y``), not a bare key."""
     return text.startswith((f"{root}[", f"{root}.", f"list({root}"))
+
+
+def within(path: str, ancestor: str) -> bool:
+    """Whether ``path`` is ``ancestor`` or under it; ``""`` is the root, which holds every
+    path. For a structure's paths and for modules' qualified names alike.
+
+    Example:
+        >>> [within(p, "model.a") for p in ["model.a", "model.a[0]", "model.a.b", "model.ab"]]
+        [True, True, True, False]
+        >>> within("encoder.layer", "")
+        True
+    """
+    if not ancestor:
+        return True
+    return path.startswith(ancestor) and path[len(ancestor) : len(ancestor) + 1] in ("", ".", "[")

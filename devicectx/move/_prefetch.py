@@ -60,7 +60,7 @@ from devicectx.move._skip import Skip, SkipLike, compile_skip
 from devicectx.move._staging import HandedTo
 from devicectx.move._streams import copy_stream, queued_on
 from devicectx.move._walk import collect
-from devicectx.scope._context import active_device
+from devicectx.scope._stack import active_device
 
 __all__ = ["Prefetcher", "Streams", "prefetch", "streams_for"]
 

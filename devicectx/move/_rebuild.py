@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,11 +40,13 @@ from devicectx._errors import (
     RegistrationError,
     with_article,
 )
+from devicectx._torch.module_tree import move as move_module
 from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx._torch.tensors import base_of
 from devicectx.move import _containers
 from devicectx.move._alias import CannotCast, EngineBug, TensorMover
-from devicectx.move._containers import (
+from devicectx.move._containers import is_registered, kind_for
+from devicectx.move._kinds import (
     CONTAINER,
     DICT_KIND,
     LEAF,
@@ -54,7 +56,6 @@ from devicectx.move._containers import (
     TUPLE_KIND,
     CannotRebuild,
     Kind,
-    kind_for,
 )
 from devicectx.move._paths import ITEM, MEMBER, build, join
 from devicectx.move._skip import PredicateFailed, Skip
@@ -543,6 +544,9 @@ class Rebuild:
             if result is None:  # a .to that moves in place and returns nothing (no `return
                 # self`): the object it moved is the result, checked below like any other.
                 result = target
+            elif target is not obj and _lost_lock(obj, result):
+                # A TensorDict's copy is unlocked; its own .to keeps the lock.
+                cast(Any, result).lock_()
             if kind.split is None or not _off(result, device):
                 return result
         except _Refused:
@@ -586,7 +590,8 @@ class Rebuild:
             raise _Refused(root, error)
 
     def _module_to(self, module: nn.Module, device: torch.device, mover: TensorMover) -> None:
-        """``module.to(device)``, in place; then each of its tensors that moved is adopted by
+        """``module.to(device)``, in place, tensors it shares with modules moved before (tied
+        weights) still shared; then each of its tensors that moved is adopted by
         ``mover``, so that the structure's own references to them (and views of them) come
         back as the module's moved tensors, wherever the walk meets them."""
         held = module is not self.top  # as the root it is the whole structure
@@ -605,7 +610,7 @@ class Rebuild:
                 # never keeps a view (a buffer can be one).
                 was = tensor if base_of(tensor) is not None else tensor.detach()
                 before.append((name, tensor, was))
-        module.to(device, non_blocking=mover.non_blocking)
+        move_module(module, device, non_blocking=mover.non_blocking, earlier=mover.adopted_result)
         if not before:
             return
         self.keep.append(before)  # no id adopted is reused by a new object during the walk
@@ -627,7 +632,9 @@ class Rebuild:
     def _error(self, failed: _Failed) -> MoveError:
         path = build(self.name, reversed(failed.parts))
         error = failed.error
-        fix = self.fix(path)
+        # skip= leaves parts of a structure where they are, never the whole object.
+        whole = bool(self.name) and path == self.name
+        fix = f"leave it where it is: do not move {path}" if whole else self.fix(path)
         if isinstance(error, EngineBug):
             detail = str(error)
             fix = (
@@ -646,7 +653,10 @@ class Rebuild:
         elif isinstance(error, (RegistrationError, CannotCast)):  # their own fix, not a skip
             detail, _, fix = str(error).partition("\nfix: ")
         else:
-            detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
+            detail = f"{type(error).__name__}: {_shortened(str(error))}".replace("\n", "\n    ")
+            other = _whole_fix(failed.obj, path) if whole else None
+            if other is not None:
+                fix = f"{other}; or {fix}"
             if isinstance(error, torch.OutOfMemoryError):
                 # Memory first; leaving the whole batch where it is (its root) moves nothing.
                 room = (
@@ -668,6 +678,42 @@ class Rebuild:
         if isinstance(error, torch.OutOfMemoryError):
             return MoveOutOfMemoryError(msg)
         return MoveError(msg)
+
+
+_SHOWN_LINES = 4
+"""The most lines of torch's error a MoveError quotes whole; a longer one (torch's
+dispatcher lists every backend an op has: some 50 lines) is quoted by its first line, the
+rest being in the error the MoveError is raised from."""
+
+
+def _shortened(text: str) -> str:
+    lines = text.strip().splitlines()
+    if len(lines) <= _SHOWN_LINES:
+        return text
+    return f"{lines[0]}\n... ({len(lines) - 1} more lines: in the error above)"
+
+
+def _whole_fix(obj: object, path: str) -> str | None:
+    """What else to do with the object a move could not take as a whole (its root)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            return f"give it a layout the device takes first ({path}.to_dense())"
+        return None
+    kind = type(obj).__qualname__
+    if is_registered(type(obj)):
+        return f"mend the children= and rebuild= that register_container({kind}, ...) got"
+    if isinstance(obj, nn.Module):
+        return None
+    return (
+        f"teach devicectx how to take it apart: register_container({kind}, children=..., "
+        f"rebuild=...)"
+    )
+
+
+def _lost_lock(obj: Any, result: Any) -> bool:
+    """Whether ``result`` came back unlocked from a locked ``obj`` (tensordict's
+    ``is_locked``: a locked TensorDict refuses new keys, and a move must keep that)."""
+    return getattr(obj, "is_locked", False) is True and getattr(result, "is_locked", True) is False
 
 
 def _own_containers(clone: Any) -> None:

@@ -7,7 +7,8 @@ version, is a tensor that never changes but crosses to the device on every call.
 :class:`~devicectx.RepeatedMoveWarning` says so, once per place and path, in one warning
 per move however many tensors it names. A place's first 9 moves are all checked, then two
 in a row in every 8 (see ``_EVERY``): a few batches cycled, each moved every few steps, are
-no constant.
+no constant. Parameters are left out: a weak reference would make them refuse
+``torch.utils.swap_tensors``, which torch uses to move and load them in place.
 
 A *place* is a decorated function (a :class:`Place`, printed ``"train.step()"``, or
 ``"train.step() -> result"`` for the move of its result), the line that made a prefetcher,
@@ -34,6 +35,9 @@ import torch
 
 from devicectx._errors import RepeatedMoveWarning, warn_at, warn_explicit_at
 from devicectx._torch.tensors import version_of
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 
 __all__ = [
     "Place",
@@ -157,6 +161,11 @@ def repeated(
     repeated: list[torch.Tensor] = []
     ref = weakref.ref
     for tensor in sent[:_CHECKED]:
+        if type(tensor) is not _Tensor and isinstance(tensor, _Parameter):
+            # Never weakly referenced: torch.utils.swap_tensors refuses a tensor that is,
+            # and swaps parameters (module.to of a tensor subclass, or with torch.__future__'s
+            # swap flag; load_state_dict with it). A model moved on every step is rare.
+            continue
         try:
             version = version_of(tensor)
         except RuntimeError:  # an inference tensor keeps no version: it cannot be told

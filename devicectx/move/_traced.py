@@ -34,7 +34,8 @@ import torch
 
 from devicectx.move import _containers
 from devicectx.move._alias import TensorMover
-from devicectx.move._containers import CONTAINER, LEAF, TENSOR, kind_for
+from devicectx.move._containers import kind_for
+from devicectx.move._kinds import CONTAINER, LEAF, TENSOR
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip
 

@@ -27,16 +27,11 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
-from devicectx.move._containers import (
-    CONTAINER,
-    LEAF,
-    MODULE,
-    TENSOR,
-    is_plain_leaf,
-    kind_for,
-    slot_names,
-)
+from devicectx.move._attributes import slot_names
+from devicectx.move._containers import is_plain_leaf, kind_for
+from devicectx.move._kinds import CONTAINER, LEAF, MODULE, TENSOR
 from devicectx.move._paths import ATTR, join, keyed_modules, module_path
 
 # torch's words for tensors on different devices, across its releases and backends.
@@ -48,6 +43,9 @@ _MISMATCH_WORDS = (
     "found at least two devices",
     "should be either on cpu or on the same device",
     "expected to be in the same device",  # index_add_, index_copy_, ...
+    # The _foreach ops of optimizers (their default on an accelerator); the same words for
+    # a dtype mismatch, which the look then finds no tensor off the device for.
+    "Tensors of the same index must be on the same device",
 )
 # Bounds of the look: an argument's object graph can be large (a model's config holding a
 # tokenizer), and the look must stay quick even on the failure path.
@@ -287,6 +285,14 @@ def fix_for(
     root, root_path = holders[0]
     if issubclass(root, nn.Module):
         return _buffer_fix(first, root, root_path, unseen)
+    if issubclass(root, Optimizer):
+        # Its state follows its parameters only when loaded; a container registered for it
+        # would move the state into a copy at every call, and the updates would be lost.
+        return (
+            f"{root_path}.load_state_dict({root_path}.state_dict()) once the model is on its "
+            f"device (torch puts an optimizer's state on its parameters' devices as it "
+            f"loads it), or build the {root.__qualname__} after moving the model"
+        )
     group = [
         u
         for u in unseen

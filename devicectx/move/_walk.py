@@ -4,7 +4,7 @@ The full walks are iterative, with an explicit stack, so depth is not limited by
 recursion limit, and each looks into a container once per call (by identity), so a cycle
 ends and a container reachable twice costs once. The types a batch is made of (plain
 tensors, lists, tuples, dicts) are tested first by exact type; every other type goes
-through its cached :class:`~devicectx.move._containers.Kind`. For the common batch (plain dicts,
+through its cached :class:`~devicectx.move._kinds.Kind`. For the common batch (plain dicts,
 lists and tuples only) two of them first try a shallow recursive walk, the fastest CPython
 has, which hands over to the full walk at anything else.
 
@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from devicectx.move import _containers
-from devicectx.move._containers import (
+from devicectx.move._containers import kind_for
+from devicectx.move._distributed import Layout, layout_of
+from devicectx.move._kinds import (
     DICT_KIND,
     DTENSOR_KIND,
     LEAF,
@@ -37,9 +39,7 @@ from devicectx.move._containers import (
     OWN,
     TENSOR,
     Kind,
-    kind_for,
 )
-from devicectx.move._distributed import Layout, layout_of
 from devicectx.move._paths import ITEM, build, join, keyed_modules, module_path
 
 _Tensor = torch.Tensor
@@ -275,7 +275,14 @@ def iter_tensors(
             tp = type(child)
             if tp is _Tensor:
                 path = path or _top_path(stack)
-                yield (f"{path}[{key!r}]" if style == ITEM else join(path, style, key)), child
+                yield (
+                    (
+                        f"{path}[{key!r}]"
+                        if style == ITEM and type(key) in _PLAIN_KEYS
+                        else join(path, style, key)
+                    ),
+                    child,
+                )
                 continue
             kind = _CACHE.get(tp) or kind_for(tp)
             role = kind.role
@@ -317,8 +324,9 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
 
     Caveats:
         Tensors inside an object moved by its own ``.to`` are listed only when its
-        children can be read: a ``Mapping``, a dataclass, or torch_geometric's ``Data``,
-        ``Batch`` and ``HeteroData``. A dataclass that is also a mapping lists each
+        children can be read: a ``Mapping``, a dataclass, a tensordict lazy stack
+        (through its ``tensordicts``), or torch_geometric's ``Data``, ``Batch`` and
+        ``HeteroData``. A dataclass that is also a mapping lists each
         tensor once: ``out.logits`` where the entry and the field hold it, ``out['x']``
         for an entry that is no field.
 
@@ -363,7 +371,11 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
                     paths = found.setdefault(device, [])
                     last = device
                 path = path or _top_path(stack)
-                paths.append(f"{path}[{key!r}]" if style == ITEM else join(path, style, key))
+                paths.append(
+                    f"{path}[{key!r}]"
+                    if style == ITEM and type(key) in _PLAIN_KEYS
+                    else join(path, style, key)
+                )
                 continue
             if tp is fast_dict or tp is fast_list or tp is fast_tuple:
                 if id(child) not in seen:
@@ -373,7 +385,7 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
                         None
                         if path is None or len(stack) > _EAGER_DEPTH
                         else f"{path}[{key!r}]"
-                        if style == ITEM
+                        if style == ITEM and type(key) in _PLAIN_KEYS
                         else join(path, style, key)
                     )
                     stack.append([ITEM, items, key, child_path])
@@ -449,11 +461,12 @@ def _plain_devices(
         tp = type(child)
         if tp is _Tensor:
             device = child.device
+            place = f"{path}[{key!r}]" if type(key) is str else join(path, ITEM, key)
             paths = found.get(device)
             if paths is None:
-                found[device] = [f"{path}[{key!r}]"]
+                found[device] = [place]
             else:
-                paths.append(f"{path}[{key!r}]")
+                paths.append(place)
         elif tp is dict or tp is list or tp is tuple:
             if seen is None:
                 seen = {id(obj)}
@@ -462,7 +475,7 @@ def _plain_devices(
             if depth >= _PLAIN_DEPTH:
                 return False
             seen.add(id(child))
-            if not _plain_devices(child, f"{path}[{key!r}]", found, seen, depth + 1):
+            if not _plain_devices(child, join(path, ITEM, key), found, seen, depth + 1):
                 return False
         elif (_CACHE.get(tp) or kind_for(tp)) is not LEAF_KIND:
             return False
@@ -503,6 +516,9 @@ def _plain_sequence_devices(
             return False
     return True
 
+
+_PLAIN_KEYS = frozenset({str, int})
+"""Key types whose ``repr`` a path writes as it is (see :func:`~devicectx.move._paths.key_text`)."""
 
 _INDEXED = 64
 _INDICES = tuple(f"[{index}]" for index in range(_INDEXED))

@@ -190,10 +190,12 @@ class Auditor:
         level, block = state
         generator = kwargs.get("generator")
         # None first: isinstance of torch.Generator runs a Python __instancecheck__.
-        if generator is not None and _is_generator(generator) and generator.device != block:
+        elsewhere = generator is not None and _is_generator(generator) and generator.device != block
+        if elsewhere:
             self._report_generator(level, block, maker or func, generator)
         result = func(*args, **kwargs)
-        if maker is not None:
+        # A maker given a generator elsewhere makes its tensor there: reported as above.
+        if maker is not None and not elsewhere:
             landed = _stray(result, block)
             if landed is not None:
                 given = kwargs.get("device") is not None
@@ -417,8 +419,9 @@ def _name_in_caller(value: object) -> str | None:
 
 
 def _has_generators(device: torch.device) -> bool:
-    """Whether ``torch.Generator(device=...)`` can be made for ``device`` (not for every
-    backend registered out of tree, the emulated accelerator among them)."""
+    """Whether ``torch.Generator(device=...)`` can be made for ``device``: not for every
+    backend registered out of tree (the emulated accelerator plays one with
+    ``configure(generators=False)``)."""
     try:
         torch.Generator(device=device)
     except (RuntimeError, NotImplementedError):

@@ -3,10 +3,10 @@
 Why not torch's own mechanism. ``with torch.device(d)`` and ``set_default_device`` put a
 ``DeviceContext`` (a ``TorchFunctionMode``) on the thread's mode stack, and every torch call
 in the thread then makes a trip through Python to reach it, although the mode changes only
-the few dozen constructors (pytorch/pytorch#92701: a 4.5x slower ``mm`` launch). Here the
-constructors themselves are replaced by wrappers that fill in ``device=`` and call the
-original: every other call costs what it costs outside a scope, and a constructor costs a
-Python call instead of a mode dispatch.
+the few dozen constructors: a small op's launch (an ``mm``) takes several times as long.
+Here the constructors themselves are replaced by wrappers that fill in ``device=`` and call
+the original: every other call costs what it costs outside a scope, and a constructor costs
+a Python call instead of a mode dispatch.
 
 When. The wrappers are put in place when the first scope of the process opens that changes
 the device, and stay: entering a later block is a push on a context variable, not 80
@@ -203,7 +203,10 @@ def _fill_device(
         blocks = active()
         scoped = calls.scopes or (blocks and blocks[-1].previous is not torch_own)
         if scoped and kwargs.get("device") is None:
-            device = scope_device()
+            generator = kwargs.get("generator")
+            # A generator draws only on its own device (a CPU one refuses any other): the
+            # numbers are made there, as DataLoader's shuffling sampler needs them.
+            device = scope_device() if generator is None else generator.device
             if device is not None and not _from_dynamo():
                 kwargs["device"] = device
                 try:

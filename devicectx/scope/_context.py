@@ -28,7 +28,6 @@ from devicectx.scope._resumed import resumed, resumed_async_generator_function
 from devicectx.scope._stack import (
     Block,
     Scope,
-    active_device,
     current_device,
     open_here,
     pop_device,
@@ -37,9 +36,8 @@ from devicectx.scope._stack import (
 )
 
 # current_device: pickles made by devicectx 0.1.0 name it in this module (as
-# ``devicectx._context.current_device``), and load it from here. active_device: the
-# module that prefetches asks it here.
-__all__ = ["active_device", "current_device", "on_device"]
+# ``devicectx._context.current_device``), and load it from here.
+__all__ = ["current_device", "on_device"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _is_compiling = torch.compiler.is_compiling
@@ -130,6 +128,11 @@ class on_device:
         exact: also put a mode on torch's stack, as ``with torch.device`` does (see the
             cost below), for code that called a constructor by a name bound before the
             first block opened.
+        precision: also run the block under ``torch.autocast`` for ``device``'s type, the
+            precision named as Lightning names it: ``"bf16-mixed"``, ``"16-mixed"``,
+            ``"32"`` (or ``"32-true"``: autocast off, an outer one included), or ``"auto"``,
+            what the device runs best (:func:`~devicectx.choose_precision` says which, and
+            why). None (the default) leaves autocast as it is.
         audit: ``True`` warns (``StrayTensorWarning``, once per line and op), ``"raise"``
             raises ``StrayTensorError`` (every time, before the tensor reaches the code),
             where code in the block makes a tensor that does not land on ``device``:
@@ -147,7 +150,7 @@ class on_device:
     context variable (a fixed spec such as ``"meta"`` is resolved once per process;
     docs/performance.md compares it with ``with torch.device``). Every other
     torch call costs what it costs outside: ``with torch.device`` instead sends every torch
-    call in the thread through a Python mode (1.3x to 1.7x on small ops). With
+    call in the thread through a Python mode, which slows the launch of small ops. With
     ``exact=True`` the block costs what ``with torch.device`` does. With ``audit``, the
     thread has a mode on torch's stack while the block is open: every torch call in it
     pays a mode dispatch, and a call that makes tensors a look at their device.
@@ -156,6 +159,10 @@ class on_device:
     Raises:
         InvalidDeviceError: ``device`` is malformed.
         DeviceUnavailableError: this machine lacks ``device``.
+        InvalidPrecisionError: ``precision`` is not one of those names (a ``ValueError``),
+            raised where the block is made.
+        PrecisionUnsupportedError: ``device`` cannot run ``precision`` (a
+            ``RuntimeError``), raised where the block is entered.
         ValueError: ``audit`` is not ``False``, ``True`` or ``"raise"``.
         TypeError: decorating a class.
 

@@ -1,9 +1,13 @@
 """The accelerator's current index under the scopes: per thread, as torch keeps it.
 
 ``.cuda()``, ``"cuda"``, streams and ``synchronize()`` follow the current index, which torch
-(CUDA's runtime) keeps per thread. A block on a device of an accelerator with several
-(``cuda:1``) keeps the index in step with its device:
+(CUDA's runtime) keeps per thread; torch's own ``with torch.device("cuda:1")`` leaves it as it
+is. A block on a device of an accelerator with several (``cuda:1``) keeps the index in step
+with its device:
 
+- Which devices those are (an indexed device of torch's accelerator, where it has more
+  than one) is asked of torch once per device, at the first scope on it
+  (:func:`learn_index_reader`), and kept in :data:`INDEX_READERS`.
 - In the thread that enters it, it makes its index current at entry where it is not, and
   gives the old one back at exit (:mod:`devicectx.scope._stack`). The blocks of asyncio
   tasks sharing a thread close in any order: each thread lists its open blocks that changed
@@ -27,14 +31,55 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from devicectx.devices._resolve import accelerator_type
+
 if TYPE_CHECKING:
     from devicectx.scope._stack import Block
 
-__all__ = ["ThreadIndex", "follow", "left_out_of_order"]
+__all__ = [
+    "INDEX_READERS",
+    "ThreadIndex",
+    "follow",
+    "index_reader_of",
+    "learn_index_reader",
+    "left_out_of_order",
+]
+
+INDEX_READERS: dict[torch.device, object] = {}
+"""For each device met, how to read the current index of its type where a scope may have to
+change it, else None (:func:`index_reader_of`). Keyed by the device, not its type:
+``device.type`` builds a new string each time, a large part of a decorated call's scope,
+and a device's hash is cheap. Asked once per device: the answer changes only when a
+PrivateUse1 backend registers (the emulated accelerator's ``enable()`` clears it)."""
+
+
+def learn_index_reader(device: torch.device) -> bool:
+    """Whether a scope on ``device``, met for the first time, keeps its index current;
+    remembered in :data:`INDEX_READERS` (asking torch at each scope would ask the driver,
+    on CUDA)."""
+    index_of = INDEX_READERS[device] = index_reader_of(device)
+    return index_of is not None
+
+
+def index_reader_of(device: torch.device) -> Callable[[], int] | None:
+    """How to read the current index of ``device``'s type where a scope may have to change
+    it; None where it never does: ``device`` has no index, its type is not torch's
+    accelerator, or the accelerator has one device, whose index is always the current one
+    (a single-GPU machine: the read, a driver call on CUDA, is then saved at every
+    scope). The count is fixed for the process (``CUDA_VISIBLE_DEVICES`` is read
+    once)."""
+    if (
+        device.index is None
+        or device.type != accelerator_type()
+        or torch.accelerator.device_count() < 2
+    ):
+        return None
+    return torch.accelerator.current_device_index
 
 
 class ThreadIndex:

@@ -293,10 +293,18 @@ def check_precision_name(precision: object) -> str:
         if isinstance(precision, str)
         else f"{article} {kind} is not a precision name"
     )
-    try:
-        hint = _HINTS.get(precision)
-    except TypeError:  # unhashable
-        hint = None
+    hint: str | None
+    if isinstance(precision, Precision):
+        # Its name, not "auto": the precision it stands for, wherever a name is taken.
+        hint = (
+            f'precision="{precision.name}", its name (Precision.name); a block can also '
+            "enter the Precision itself, with its .autocast()"
+        )
+    else:
+        try:
+            hint = _HINTS.get(precision)
+        except TypeError:  # unhashable
+            hint = None
     fix = hint or 'one of those, such as precision="auto" (it picks what each device supports)'
     msg = f"invalid precision {precision!r}: {problem}\nvalid names: {_VALID_NAMES}\nfix: {fix}"
     _raise(InvalidPrecisionError, msg)

@@ -3,7 +3,7 @@
 How it works. Each ``on_device`` block is a :class:`Block` listed in ``_ACTIVE``, a context
 variable: asyncio gives each task its own copy, and each thread starts with an empty one. The
 scope of a decorated call (``@device_agnostic``, a plain function) is a ``_Call`` on a list of
-the thread (``_CALLS``) instead: its body runs to its end before any other task of the thread
+the thread (``_THREAD``) instead: its body runs to its end before any other task of the thread
 runs, and a context variable costs each change an allocation (half the cost of a decorated
 call to an accelerator); a call knows the blocks open at its start, so a block entered in its
 body is the inner one. From the first scope of the process that changes the device, torch's
@@ -40,6 +40,7 @@ from devicectx._torch.dynamo import (
     tracing,
 )
 from devicectx._torch.modes import (
+    CURRENT_DEVICE_KEY,
     DEVICE_MODULE_GLOBALS,
     EMPTY_SLOT,
     GLOBAL_DEVICE_CONTEXT,
@@ -50,11 +51,11 @@ from devicectx._torch.modes import (
     innermost_of,
     stack_length,
 )
-from devicectx.devices._resolve import accelerator_type, with_index
+from devicectx.devices._resolve import with_index
 from devicectx.scope import _index
 from devicectx.scope._audit import AuditLevel, Auditor
 from devicectx.scope._constructors import constructor_patch
-from devicectx.scope._index import ThreadIndex
+from devicectx.scope._index import INDEX_READERS, ThreadIndex, learn_index_reader
 
 _CPU = torch.device("cpu")
 
@@ -66,30 +67,36 @@ around it: the CPU): constructors in it need no device, and are left to torch at
 
 
 class Scope:
-    """One scope entered by ``@device_agnostic`` (or the base of a block): its target, and
-    what it changed to get there. Five slots: it is made at every decorated call."""
+    """A scope: its target, and what it changed to get there. The base of :class:`Block`
+    and :class:`_Call`; a plain ``Scope`` is what :func:`push_nested` enters on the task's
+    context variable, for ``@device_agnostic`` at every resume of a generator or coroutine
+    and around a call with ``precision=`` (a plain call makes a :class:`_Call`)."""
 
-    __slots__ = ("below", "closed", "default", "previous", "target")
+    __slots__ = ("closed", "previous", "target", "torch_mode_at_entry", "torch_slot_at_entry")
 
     # What only a block (:class:`Block`) sets; read as None here.
     audit: AuditLevel | None = None  # audit=True: "warn"; audit="raise": "raise"
     mode: _ExactMode | None = None  # exact=True: a mode on torch's stack
     previous_index: int | None = None  # the index that was current before it made its own
     # A block on an indexed device of an accelerator with several: the thread where its
-    # index is current (its list of call scopes, as :class:`_Calls` says). Another thread
+    # index is current (its list of call scopes, as :class:`_ThreadScopes` says). Another thread
     # that sees the block (in a copy of the context) follows it: :mod:`._index`.
     index_thread: list[_Call] | None = None
 
     def __init__(
-        self, target: torch.device, below: DeviceContext | None, default: object, previous: object
+        self,
+        target: torch.device,
+        torch_mode: DeviceContext | None,
+        torch_slot: object,
+        previous: object,
     ) -> None:
         self.target = target
         # torch's innermost DeviceContext when the block was entered: a different one later
         # means a `with torch.device` block was entered inside this one, and it wins.
-        self.below = below
+        self.torch_mode_at_entry = torch_mode
         # What torch's per-thread default slot held: set_default_device called inside the
         # block puts another object there, and takes over at once.
-        self.default = default
+        self.torch_slot_at_entry = torch_slot
         # dynamo's CURRENT_DEVICE before the block, given back at exit; _UNCHANGED where the
         # block changed nothing, _TORCH_OWN where torch gives its device by itself.
         self.previous = previous
@@ -103,12 +110,16 @@ class Block(Scope):
     __slots__ = ("audit", "index_thread", "mode", "previous_index")
 
     def __init__(
-        self, target: torch.device, below: DeviceContext | None, default: object, previous: object
+        self,
+        target: torch.device,
+        torch_mode: DeviceContext | None,
+        torch_slot: object,
+        previous: object,
     ) -> None:
         # Scope.__init__'s lines, not a call of it: a block is entered per call too.
         self.target = target
-        self.below = below
-        self.default = default
+        self.torch_mode_at_entry = torch_mode
+        self.torch_slot_at_entry = torch_slot
         self.previous = previous
         self.closed = False
         self.audit = None
@@ -130,21 +141,22 @@ class _Call(Scope):
     def __init__(
         self,
         target: torch.device,
-        below: DeviceContext | None,
-        default: object,
+        torch_mode: DeviceContext | None,
+        torch_slot: object,
         outer: tuple[Scope, ...],
     ) -> None:
         self.target = target
-        self.below = below
-        self.default = default
+        self.torch_mode_at_entry = torch_mode
+        self.torch_slot_at_entry = torch_slot
         # The task's blocks when the call began: a block not among them was entered inside.
         self.outer = outer
         # (``closed`` and ``previous`` stay unset: a call's scope is never read for them.)
 
 
-class _Calls(threading.local):
-    """The scopes of the decorated calls running in this thread, innermost last; and the
-    thread's accelerator index (:mod:`devicectx.scope._index`).
+class _ThreadScopes(threading.local):
+    """What the scopes keep per thread: the scopes of the decorated calls running in this
+    thread, innermost last; and the thread's accelerator index
+    (:mod:`devicectx.scope._index`).
 
     A block records ``scopes``, the list, as the thread where its index is current: the
     reads of a scope have it at hand already (``index`` would cost a look-up more).
@@ -189,14 +201,14 @@ _ACTIVE: ContextVar[tuple[Scope, ...]] = ContextVar("devicectx_active_scopes", d
 _active = _ACTIVE.get
 
 
-_CALLS = _Calls()
+_THREAD = _ThreadScopes()
 
 
 def _open_scope() -> Scope | None:
     """The innermost open scope here: a block of the running task, or a decorated call
     running in this thread, whichever was entered last; None outside every scope."""
     active = _active()
-    calls = _CALLS.scopes
+    calls = _THREAD.scopes
     if calls:
         call = calls[-1]
         outer = call.outer
@@ -234,7 +246,7 @@ def scope_device() -> torch.device | None:
     # Asked at every constructor called in a block: _open_scope (its last loop: change both
     # together), innermost_device_mode and default_slot are written out here for the
     # common case (no decorated call running, no mode on torch's stack).
-    calls = _CALLS.scopes
+    calls = _THREAD.scopes
     if calls:
         scope = _open_scope()
         if scope is None or (type(scope) is Block and scope.previous is _TORCH_OWN):
@@ -251,8 +263,11 @@ def scope_device() -> torch.device | None:
         # Code that runs while dynamo compiles: its own (not in the block), or a call of a
         # constructor in its graph, run on fake tensors (as traced code, in the block).
         return traced_scope_device() if faking() else None
-    below = innermost_device_mode() if _stack_length() else None
-    if below is not scope.below or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not scope.default:
+    torch_mode = innermost_device_mode() if _stack_length() else None
+    if (
+        torch_mode is not scope.torch_mode_at_entry
+        or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not scope.torch_slot_at_entry
+    ):
         return None  # torch.device entered, or set_default_device called, inside the block
     owner = scope.index_thread
     if owner is not None and owner is not calls:  # a block of another thread
@@ -266,16 +281,16 @@ def _follow(scope: Block) -> None:
     as changing nothing records the thread of the block below, which may be on another
     device)."""
     if _index_reader(scope.target) is not None:
-        _index.follow(scope, _CALLS.index)
+        _index.follow(scope, _THREAD.index)
 
 
 @constant  # dynamo cannot trace a context variable: it runs this while tracing
 def traced_scope_device() -> torch.device | None:
     """:func:`scope_device` for code dynamo traces, which has its own mode stack."""
     scope = _open_scope()
-    if scope is None or default_slot() is not scope.default:
+    if scope is None or default_slot() is not scope.torch_slot_at_entry:
         return None
-    return scope.target if innermost_of(traced_mode_stack()) is scope.below else None
+    return scope.target if innermost_of(traced_mode_stack()) is scope.torch_mode_at_entry else None
 
 
 def _torch_default() -> torch.device:
@@ -308,14 +323,14 @@ def current_device() -> torch.device:
 
 
 _PATCH = constructor_patch(
-    _active, _CALLS, scope_device, traced_scope_device, current_device, _TORCH_OWN
+    _active, _THREAD, scope_device, traced_scope_device, current_device, _TORCH_OWN
 )
 _MODULES = sys.modules
 _stack_length = stack_length
 # torch's state a scope reads and sets at entry, read here directly (a function call costs
 # as much as the read): see :mod:`devicectx._torch.modes`.
 _DEVICE_GLOBALS = DEVICE_MODULE_GLOBALS
-_CURRENT = "CURRENT_DEVICE"
+_CURRENT = CURRENT_DEVICE_KEY
 _SLOT = GLOBAL_DEVICE_CONTEXT
 _SLOT_KEY, _EMPTY_SLOT = SLOT_KEY, EMPTY_SLOT
 
@@ -324,7 +339,7 @@ def audit_state() -> tuple[AuditLevel, torch.device] | None:
     """The running task's audit: the innermost audited block's level, and the device of
     its innermost block (audited or not); None where no open block of the task audits."""
     device = None
-    for scope in _open_scopes(_active(), _CALLS.scopes):
+    for scope in _open_scopes(_active(), _THREAD.scopes):
         if device is None:
             device = scope.target
         if scope.audit is not None:
@@ -341,7 +356,7 @@ def active_device() -> torch.device | None:
     Unlike :func:`current_device`, this ignores torch's own default (``set_default_device``,
     ``with torch.device``): it answers "did the caller ask for a device with on_device?".
     """
-    if not _active() and not _CALLS.scopes:  # the common case, on every decorated call
+    if not _active() and not _THREAD.scopes:  # the common case, on every decorated call
         return None
     scope = _open_scope()
     return None if scope is None else scope.target
@@ -371,23 +386,24 @@ def push_device(
 def push_block(device: torch.device) -> Block:
     """:func:`push_device` without ``exact`` or ``audit``: every plain ``with on_device``."""
     active = _active()
-    calls = _CALLS.scopes
-    below = _below(device, active, calls)
-    if below is _UNCHANGED or below is _TORCH_OWN:  # recorded, for active_device
-        under = None if below is _TORCH_OWN else innermost_device_mode()
-        scope = Block(device, under, default_slot(), below)
+    calls = _THREAD.scopes
+    effect = _entry_effect(device, active, calls)
+    if effect is _UNCHANGED or effect is _TORCH_OWN:  # recorded, for active_device
+        torch_mode = None if effect is _TORCH_OWN else innermost_device_mode()
+        scope = Block(device, torch_mode, default_slot(), effect)
         if active:  # the device in force already, mostly the last block's: its index too
             scope.index_thread = active[-1].index_thread
         _ACTIVE.set((*active, scope))
         return scope
-    return cast(Block, _enter(device, active, below, calls, Block))  # type: ignore[arg-type]
+    return cast(Block, _enter(device, active, effect, calls, Block))  # type: ignore[arg-type]
 
 
-def _below(device: torch.device, active: tuple[Scope, ...], calls: list[_Call]) -> object:
-    """What a scope for ``device`` would enter above: torch's innermost ``DeviceContext``
-    (None where there is none); or ``_UNCHANGED`` where ``device`` already is the effective
-    default, ``_TORCH_OWN`` where nothing is open and ``device`` is the CPU, torch's own
-    default: entering it would change nothing. Asked at every scope's entry."""
+def _entry_effect(device: torch.device, active: tuple[Scope, ...], calls: list[_Call]) -> object:
+    """What entering a scope for ``device`` would do: ``_UNCHANGED`` where ``device``
+    already is the effective default, ``_TORCH_OWN`` where nothing is open and ``device``
+    is the CPU, torch's own default (entering either would change nothing); else it
+    changes the device, above torch's innermost ``DeviceContext``, which comes back (None
+    where there is none) for the scope to record. Asked at every scope's entry."""
     if active or calls or _stack_length():
         return _UNCHANGED if current_device() == device else innermost_device_mode()
     return _TORCH_OWN if device == _CPU else None
@@ -396,16 +412,16 @@ def _below(device: torch.device, active: tuple[Scope, ...], calls: list[_Call]) 
 def _enter(
     device: torch.device,
     active: tuple[Scope, ...],
-    below: DeviceContext | None,
+    torch_mode: DeviceContext | None,
     calls: list[_Call],
     kind: type[Scope] = Scope,
 ) -> Scope:
     """Enter a scope that changes the device, on the task's context variable (a block, or a
-    resumed generator's call)."""
+    resumed generator's call), above ``torch_mode`` (:func:`_entry_effect`)."""
     previous = _switch(device)
     if previous is _INDEXED:
-        return _enter_index(device, active, below, calls, _current_index())
-    scope = kind(device, below, _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT), previous)
+        return _enter_index(device, active, torch_mode, calls, _current_index())
+    scope = kind(device, torch_mode, _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT), previous)
     _ACTIVE.set((*active, scope))
     return scope
 
@@ -421,7 +437,7 @@ def _switch(device: torch.device) -> object:
     # None for a device whose index a scope never changes (the CPU, meta, a machine's only
     # accelerator): one look-up, no call.
     index_of = _index_reader(device, _UNKNOWN)
-    if index_of is not None and (index_of is not _UNKNOWN or _learn_index_reader(device)):
+    if index_of is not None and (index_of is not _UNKNOWN or learn_index_reader(device)):
         return _INDEXED
     # As torch's DeviceContext does: dynamo guards compiled code on CURRENT_DEVICE.
     previous = _DEVICE_GLOBALS[_CURRENT]
@@ -436,57 +452,29 @@ _INDEXED = object()
 def _enter_index(
     device: torch.device,
     active: tuple[Scope, ...],
-    below: DeviceContext | None,
+    torch_mode: DeviceContext | None,
     calls: list[_Call],
     current: int,
 ) -> Block:
     """:func:`_enter` for a device of an accelerator with several, where ``current`` is the
     current index: the block makes its own current (listed, to give the old one back in
     order: :mod:`devicectx.scope._index`), and records its thread, where another thread
-    that sees it follows it. torch's own scope does not (pytorch/pytorch#148864), but
-    `.cuda()`, streams and synchronize() follow the current index."""
+    that sees it follows it. torch's own scope leaves the index as it is, but ``.cuda()``,
+    streams and ``synchronize()`` follow it."""
     previous = _DEVICE_GLOBALS[_CURRENT]
     _DEVICE_GLOBALS[_CURRENT] = device
-    scope = Block(device, below, _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT), previous)
+    scope = Block(device, torch_mode, _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT), previous)
     _ACTIVE.set((*active, scope))
     scope.index_thread = calls
     if current != device.index:
         scope.previous_index = current
         _set_index(device.index)
-        _CALLS.index.changed.append(scope)
+        _THREAD.index.changed.append(scope)
     return scope
 
 
-def _learn_index_reader(device: torch.device) -> bool:
-    """Whether a scope on ``device``, met for the first time, keeps its index current;
-    remembered (asking torch at each scope would ask the driver, on CUDA)."""
-    index_of = INDEX_READERS[device] = _current_index_of(device)
-    return index_of is not None
-
-
-def _current_index_of(device: torch.device) -> Callable[[], int] | None:
-    """How to read the current index of ``device``'s type where a scope may have to change
-    it; None where it never does: ``device`` has no index, its type is not torch's
-    accelerator, or the accelerator has one device, whose index is always the current one
-    (a single-GPU machine: the read, a driver call on CUDA, is then saved at every
-    scope). The count is fixed for the process (``CUDA_VISIBLE_DEVICES`` is read
-    once)."""
-    if (
-        device.index is None
-        or device.type != accelerator_type()
-        or torch.accelerator.device_count() < 2
-    ):
-        return None
-    return torch.accelerator.current_device_index
-
-
+# A device not yet in INDEX_READERS: learn_index_reader asks torch once.
 _UNKNOWN = object()
-INDEX_READERS: dict[torch.device, object] = {}
-"""For each device met, how to read the current index of its type where a scope may have to
-change it, else None (:func:`_current_index_of`). Keyed by the device, not its type:
-``device.type`` builds a new string each time, a large part of a decorated call's scope,
-and a device's hash is cheap. Asked once per device: the answer changes only when a
-PrivateUse1 backend registers (the emulated accelerator's ``enable()`` clears it)."""
 _index_reader = INDEX_READERS.get
 # The one reader a device there can have (torch's accelerator's), and its setter: read once,
 # as a scope on such a device calls them at its entry and exit.
@@ -500,8 +488,8 @@ def open_here(scope: Scope) -> bool:
 
 
 def pop_device(scope: Scope) -> None:
-    """Leave a scope entered with :func:`push_device` or :func:`push_nested`, whatever was
-    entered since."""
+    """Leave a scope entered with :func:`push_device`, :func:`push_block` or
+    :func:`push_nested`, whatever was entered since."""
     scope.closed = True
     active = _active()
     _ACTIVE.set(
@@ -524,7 +512,7 @@ def _leave_extras(scope: Block) -> None:
         _torch_modes.remove_mode(scope.mode)
         scope.mode = None
     if scope.previous_index is not None:
-        changed = _CALLS.index.changed
+        changed = _THREAD.index.changed
         if changed and changed[-1] is scope:  # the last entered here: blocks nest, mostly
             changed.pop()
             _set_index(scope.previous_index)
@@ -541,11 +529,11 @@ def push_nested(device: torch.device) -> Scope | None:
     change nothing), so the common case costs one look at the task's scopes; None comes back.
     """
     active = _active()
-    calls = _CALLS.scopes
-    below = _below(device, active, calls)
-    if below is _UNCHANGED or below is _TORCH_OWN:
+    calls = _THREAD.scopes
+    effect = _entry_effect(device, active, calls)
+    if effect is _UNCHANGED or effect is _TORCH_OWN:
         return None
-    return _enter(device, active, below, calls)  # type: ignore[arg-type]
+    return _enter(device, active, effect, calls)  # type: ignore[arg-type]
 
 
 def call_scoped(
@@ -560,15 +548,15 @@ def call_scoped(
     """
     __tracebackhide__ = True
     active = _active()
-    calls = _CALLS.scopes
-    below = _below(device, active, calls)
-    if below is _UNCHANGED or below is _TORCH_OWN:
+    calls = _THREAD.scopes
+    effect = _entry_effect(device, active, calls)
+    if effect is _UNCHANGED or effect is _TORCH_OWN:
         return fn(*args, **kwargs)
     previous = _switch(device)
     if previous is _INDEXED:
         current = _current_index()
         if current != device.index:
-            entered = _enter_index(device, active, below, calls, current)  # type: ignore[arg-type]
+            entered = _enter_index(device, active, effect, calls, current)  # type: ignore[arg-type]
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -577,7 +565,7 @@ def call_scoped(
         previous = _DEVICE_GLOBALS[_CURRENT]
         _DEVICE_GLOBALS[_CURRENT] = device
     slot = _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT)
-    scope = _Call(device, below, slot, active)  # type: ignore[arg-type]
+    scope = _Call(device, effect, slot, active)  # type: ignore[arg-type]
     calls.append(scope)
     try:
         return fn(*args, **kwargs)

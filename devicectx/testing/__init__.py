@@ -12,6 +12,13 @@
 
 Both names are imported on first use: the pytest plugin lives in this package, so it is
 imported into every test session, and must cost nothing there and work without hypothesis.
+
+The modules: ``_assertions`` (``assert_device_agnostic``), with ``_inputs`` (each device's
+copies of the call's inputs), ``_compare`` (the comparison of the outputs and its message)
+and ``_sets`` (sets of tensors paired across devices); ``strategies``; ``emulated`` (the
+emulated accelerator's API), ``_emulated`` (its C++ sources, their build, and its device
+module) and ``emulate`` (its command-line runner, ``python -m devicectx.testing.emulate
+train.py``); ``_plugin`` (the pytest plugin).
 """
 
 from __future__ import annotations

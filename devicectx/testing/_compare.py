@@ -18,11 +18,14 @@ from devicectx._torch.tensors import base_of
 from devicectx.move._move import iter_tensors
 from devicectx.testing._sets import (
     Holds,
+    Shape,
     Walked,
     compared_leaf,
     is_container,
     paired,
     same_dtype,
+    same_shape,
+    shape_of,
     walked,
 )
 
@@ -109,7 +112,9 @@ def compare(
         # iteration order, which follows hashes (ids, for tensors): another order in each
         # output. Members are numbered instead as the reference's members they equal.
         def differs(path: str, actual: torch.Tensor, expected: torch.Tensor) -> bool:
-            return _value_problem(path, actual, expected, tolerances) is not None
+            # Values that cannot be read tell no members apart: reported once paired.
+            found = _tensor_value_problems(path, actual, expected, tolerances)
+            return any(problem.kind != "unreadable" for problem in found)
 
         walks = paired(outputs, 0, differs, holds)
         if value_index is not None and value_index > 0:
@@ -152,7 +157,8 @@ def compare(
     if not sections:
         return None
     ran = ", ".join(str(device) for device, _ in outputs)
-    lines = [f"{name} is not device-agnostic (ran on {ran}):", *sections]
+    verdict = "could not be checked" if found.keys() == {"unreadable"} else "is not device-agnostic"
+    lines = [f"{name} {verdict} (ran on {ran}):", *sections]
     hints = hints or Hints(name, _no_training)
     for kind, fix in _FIXES.items():
         if kind not in found:
@@ -241,6 +247,12 @@ _FIXES = {
         "{path} may differ, make {name} return it as a float and allow the difference: "
         "assert_device_agnostic({name}, ..., rtol=0, atol=1)"
     ),
+    "unreadable": (
+        "fix: compare {path} on a device that can copy it to the CPU (the emulated "
+        "accelerator has no kernels for sparse compressed or strided nested tensors), or "
+        "make {name} return it in a layout that device copies: dense, or a nested tensor "
+        "of layout=torch.jagged"
+    ),
 }
 
 
@@ -288,9 +300,7 @@ def _structure_problems(
                     "structure", path, f"{path}: dtype {actual.dtype}, expected {expected.dtype}"
                 )
             )
-        if actual.shape != expected.shape:
-            shapes = f"shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
-            problems.append(Problem("structure", path, f"{path}: {shapes}"))
+        problems += _shape_problems(path, shape_of(actual), shape_of(expected))
         if actual.layout != expected.layout:
             problems.append(
                 Problem(
@@ -301,6 +311,29 @@ def _structure_problems(
             grad = f"requires_grad={actual.requires_grad}, expected {expected.requires_grad}"
             problems.append(Problem("grad", path, f"{path}: {grad}"))
     return problems + _aliasing_problems(reference_leaves, leaves, reference_run, run)
+
+
+def _shape_problems(path: str, shape: Shape, expected: Shape) -> list[Problem]:
+    """Shapes that differ; a nested tensor's components that differ, each by its path."""
+    if (shape.nested, shape.dims) != (expected.nested, expected.dims):
+        line = f"{path}: {shape.versus(expected)}"
+        return [Problem("structure", path, line)]
+    if same_shape(shape, expected) or shape.components is None or expected.components is None:
+        return []
+    problems: list[Problem] = []
+    # As many components: their count is the first dimension.
+    pairs = zip(shape.components, expected.components, strict=True)
+    for index, (got, want) in enumerate(pairs):
+        if got != want:
+            at = _component(path, index)
+            line = f"{at}: {Shape(got).versus(Shape(want))}"
+            problems.append(Problem("structure", at, line))
+    return problems
+
+
+def _component(path: str, index: int) -> str:
+    """The path of component ``index`` of the nested tensor at ``path``."""
+    return f"{path}.unbind()[{index}]"
 
 
 def _equal_problems(
@@ -479,11 +512,32 @@ def _value_problems(
         expected = expected_leaves.get(path)
         if (
             expected is None
-            or expected.shape != actual.shape
+            or expected.is_nested != actual.is_nested
+            or not same_shape(shape_of(actual), shape_of(expected))
             or not same_dtype(actual.dtype, expected.dtype, holds, expected_holds)
         ):
             continue  # reported as a structure problem
-        problems += _values_differ(path, actual, expected, tolerances)
+        problems += _tensor_value_problems(path, actual, expected, tolerances)
+    return problems
+
+
+def _tensor_value_problems(
+    path: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tolerances: tuple[float, float] | None,
+) -> list[Problem]:
+    """The problems of two tensors' values (of one shape); a nested tensor's component by
+    component, each named by its path."""
+    if not actual.is_nested:
+        return _values_differ(path, actual, expected, tolerances)
+    try:
+        pairs = zip(_components(actual), _components(expected), strict=True)
+    except Unreadable as unreadable:
+        return [unreadable.problem(path)]
+    problems: list[Problem] = []
+    for index, (part, expected_part) in enumerate(pairs):  # as many: the shapes agree
+        problems += _values_differ(_component(path, index), part, expected_part, tolerances)
     return problems
 
 
@@ -494,8 +548,12 @@ def _values_differ(
     tolerances: tuple[float, float] | None,
 ) -> list[Problem]:
     """The problem of two tensors' values, if any: ``"values"`` (with the tolerances that
-    would cover it) for floating point, ``"exact"`` for integers and bools."""
-    problem = _value_problem(path, actual, expected, tolerances)
+    would cover it) for floating point, ``"exact"`` for integers and bools, ``"unreadable"``
+    where a device cannot give them back."""
+    try:
+        problem = _value_problem(path, actual, expected, tolerances)
+    except Unreadable as unreadable:
+        return [unreadable.problem(path)]
     if problem is None:
         return []
     if _inexact(actual, expected):
@@ -605,13 +663,59 @@ def _value_problem(
     return "\n      ".join(lines)
 
 
+class Unreadable(Exception):
+    """A tensor's values, which its device cannot copy to the CPU for the comparison."""
+
+    def __init__(self, tensor: torch.Tensor, error: Exception) -> None:
+        super().__init__(str(error))
+        self.device = tensor.device
+        layout = str(tensor.layout).removeprefix("torch.")
+        self.what = f"{layout} nested tensor" if tensor.is_nested else f"{layout} tensor"
+        self.error = error
+
+    def problem(self, path: str) -> Problem:
+        """The line that says which values were not compared, and why."""
+        reason = str(self.error).strip().partition("\n")[0]
+        if len(reason) > _REASON:
+            reason = reason[: _REASON - 3] + "..."
+        line = (
+            f"{path}: not compared: {self.device} cannot copy this {self.what} to the CPU "
+            f"({type(self.error).__name__}: {reason})"
+        )
+        return Problem("unreadable", path, line)
+
+
+# How much of torch's error a line quotes: its first sentence says why; the rest lists
+# backends.
+_REASON = 160
+
+
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` on the CPU, strided, with no pending conjugation or negation: sparse
-    tensors are compared as the dense tensors they stand for."""
-    cpu = tensor.detach().to("cpu")
+    tensors are compared as the dense tensors they stand for.
+
+    Raises:
+        Unreadable: its device cannot copy it to the CPU.
+    """
+    try:
+        cpu = tensor.detach().to("cpu")
+    except RuntimeError as error:
+        raise Unreadable(tensor, error) from None
     if cpu.layout != torch.strided:
         cpu = cpu.to_dense()
     return cpu.resolve_conj().resolve_neg()
+
+
+def _components(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A nested tensor's components, on the CPU.
+
+    Raises:
+        Unreadable: its device cannot copy it to the CPU.
+    """
+    try:
+        return tensor.detach().to("cpu").unbind()
+    except RuntimeError as error:
+        raise Unreadable(tensor, error) from None
 
 
 def _default_tolerances(*dtypes: torch.dtype) -> tuple[float, float]:

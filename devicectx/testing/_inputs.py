@@ -23,14 +23,16 @@ from devicectx._errors import (
     MoveOutOfMemoryError,
     with_article,
 )
+from devicectx._torch.module_tree import move as move_module
 from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx._torch.optim import keep_step_tracking
 from devicectx._torch.tensors import base_of
 from devicectx.decorator._params import Params
 from devicectx.devices._capabilities import nearest_dtype
-from devicectx.move._alias import dense, view_of
-from devicectx.move._containers import CONTAINER, LEAF, MODULE, TENSOR, kind_for
+from devicectx.move._alias import anchor_among, view_of
+from devicectx.move._containers import kind_for
 from devicectx.move._dtypes import DtypesLike, policy_for
+from devicectx.move._kinds import CONTAINER, LEAF, MODULE, TENSOR
 from devicectx.move._move import iter_tensors, move_call
 from devicectx.move._paths import join
 from devicectx.testing._sets import Holds
@@ -77,9 +79,9 @@ class Inputs:
         self._groups: dict[int, list[torch.Tensor]] | None = None
 
     def anchor_of(self, view: torch.Tensor) -> torch.Tensor | None:
-        """The input tensor that ``view``'s copy is made a view of, as the move chooses it:
-        the largest dense tensor of the inputs on the same memory, of its dtype, that
-        covers ``view`` (its base, where it is there); None where ``view`` is copied alone."""
+        """The input tensor that ``view``'s copy is made a view of, as the move chooses it
+        (the largest tensor of the inputs that covers its memory); None where ``view`` is
+        copied alone."""
         if self._groups is None:  # found once, and only for inputs with views in them
             groups: dict[int, list[torch.Tensor]] = {}
             met: set[int] = set()
@@ -89,23 +91,8 @@ class Inputs:
                     base = base_of(tensor)
                     groups.setdefault(id(tensor if base is None else base), []).append(tensor)
             self._groups = groups
-        span = _span(view)
-        if span is None:
-            return None
-        best, best_key = None, (False, 0, 0)
-        for index, member in enumerate(self._groups.get(id(base_of(view)), ())):
-            covers = _span(member)
-            key = (base_of(member) is None, member.numel(), -index)
-            if (
-                covers is not None
-                and member.dtype == view.dtype
-                and covers[0] <= span[0]
-                and span[1] <= covers[1]
-                and dense(member.shape, member.stride())
-                and key > best_key
-            ):
-                best, best_key = member, key
-        return None if best is view else best
+        members = self._groups.get(id(base_of(view)), [])
+        return anchor_among(members, view) if any(m is view for m in members) else None
 
     def on(
         self, device: torch.device
@@ -290,7 +277,7 @@ class _Copies:
         if base_of(tensor) is not None:
             anchor = self.inputs.anchor_of(tensor)
             if anchor is not None:
-                view = _view_in(self.tensor(anchor), anchor, tensor)
+                view = view_of(anchor, self.tensor(anchor), tensor)
                 if view is not None:
                     return view
         return tensor.clone()
@@ -310,7 +297,7 @@ class _Copies:
             copied = copy.deepcopy(module, self.memo)
             if self.cast:
                 _cast(copied, self.cast)
-            return copied.to(self.device)
+            return move_module(copied, self.device)
         except Exception as error:
             kind = type(module).__qualname__
             msg = (
@@ -362,26 +349,6 @@ class _Copies:
                 group["params"] = [now[id(p)] for p in kept["params"]]
             copied.load_state_dict(saved)
             keep_step_tracking(optimizer, copied)
-
-
-def _span(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """The first and last element of its storage that a strided ``tensor`` reads; None
-    for an empty one (it reads none: copied alone) or another layout."""
-    if tensor.layout != torch.strided or tensor.numel() == 0:
-        return None
-    first = int(tensor.storage_offset())
-    steps = zip(tensor.shape, tensor.stride(), strict=True)
-    return first, first + sum((int(n) - 1) * stride for n, stride in steps)
-
-
-def _view_in(
-    copied_anchor: torch.Tensor, anchor: torch.Tensor, view: torch.Tensor
-) -> torch.Tensor | None:
-    """``view``, which ``anchor`` covers, re-made as a view of ``copied_anchor``, a copy of
-    ``anchor``, as the move re-makes one; None where that cannot be."""
-    if view.is_conj() != anchor.is_conj() or view.is_neg() != anchor.is_neg():
-        return None  # the move groups tensors by these bits; anchor_of does not
-    return view_of(anchor, copied_anchor, view)
 
 
 def _unowned(optimizer: Optimizer, inputs: Inputs) -> str:
@@ -497,8 +464,8 @@ def _dtype_fix(
 
 def _leave_out(device: torch.device, devices: list[torch.device]) -> str:
     others = [str(d) for d in devices if d != device]
-    if len(others) < 2 and "meta" not in others:
-        others.append("meta")
+    if len(others) < 2 and "meta" not in others and device.type != "meta":
+        others.append("meta")  # a second device to compare with, where it is not the one
     return f"leave {device} out: devices={others!r}"
 
 

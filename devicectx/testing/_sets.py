@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from devicectx.move._containers import TENSOR, Split, kind_for
+from devicectx.move._containers import kind_for
+from devicectx.move._kinds import TENSOR, Split
 from devicectx.move._paths import MEMBER, join
 
 _META = torch.device("meta")
@@ -82,6 +83,82 @@ def same_dtype(
     other (float32 on a device that holds no float64, for float64 on the CPU)."""
     return actual == expected or (
         actual_holds.get(expected, expected) == expected_holds.get(actual, actual)
+    )
+
+
+class Shape(NamedTuple):
+    """A tensor's shape as the comparison compares it. A nested tensor's ragged dimension is
+    None in ``dims``, not its symbol (``j1``: a new one for each tensor made, so on each
+    run), and its components' shapes are compared instead, where they can be read: not on
+    meta, which holds no lengths, nor on a device that cannot copy them to the CPU."""
+
+    dims: tuple[int | None, ...]
+    nested: bool = False
+    components: tuple[tuple[int, ...], ...] | None = None
+
+    def __str__(self) -> str:
+        """``(2, 3)``, as a tuple prints; ``(2, j, 3)``, j for a ragged dimension."""
+        shown = ["j" if dim is None else str(dim) for dim in self.dims]
+        return f"({shown[0]},)" if len(shown) == 1 else f"({', '.join(shown)})"
+
+    def versus(self, expected: Shape) -> str:
+        """``shape (3,), expected (2,)``; ``nested shape (2, j), expected shape (2, 2)``."""
+        shape = f"{'nested ' * self.nested}shape {self}"
+        if self.nested == expected.nested:
+            return f"{shape}, expected {expected}"
+        return f"{shape}, expected {'nested ' * expected.nested}shape {expected}"
+
+
+def shape_of(tensor: torch.Tensor) -> Shape:
+    """``tensor``'s :class:`Shape`: a nested tensor's ragged dimensions left out, and its
+    components' shapes, from the lengths of a jagged one, by ``unbind()`` of one of the
+    strided layout (which has no shape of its own)."""
+    if not tensor.is_nested:
+        return Shape(tuple(tensor.shape))
+    if tensor.layout == torch.jagged:
+        dims = tuple(dim if isinstance(dim, int) else None for dim in tensor.shape)
+        return Shape(dims, True, _jagged_components(tensor, dims))
+    regular = tuple(_regular_size(tensor, dim) for dim in range(tensor.dim()))
+    try:
+        components = tuple(tuple(part.shape) for part in tensor.unbind())
+    except RuntimeError:  # a device without nested kernels (the emulated one)
+        components = None
+    return Shape(regular, True, components)
+
+
+def _jagged_components(
+    tensor: torch.Tensor, dims: tuple[int | None, ...]
+) -> tuple[tuple[int, ...], ...] | None:
+    """The shapes of a jagged tensor's components, from their lengths on the CPU; None on
+    meta, which holds none, or where the device cannot copy them."""
+    if tensor.is_meta:
+        return None
+    jagged: Any = tensor  # offsets() and lengths() are missing from torch's type stubs
+    lengths = jagged.lengths()  # where the components leave gaps in values(); else None
+    lengths = jagged.offsets().diff() if lengths is None else lengths
+    try:
+        counts = lengths.to("cpu").tolist()
+    except RuntimeError:
+        return None
+    return tuple(tuple(count if dim is None else dim for dim in dims[1:]) for count in counts)
+
+
+def _regular_size(tensor: torch.Tensor, dim: int) -> int | None:
+    """The size of a strided-layout nested tensor's dimension ``dim``, None where its
+    components differ in it."""
+    try:
+        return tensor.size(dim)
+    except RuntimeError:  # "Given dimension 1 is irregular and does not have a size."
+        return None
+
+
+def same_shape(actual: Shape, expected: Shape) -> bool:
+    """Whether two shapes agree: their dimensions, and their components' where both are
+    known."""
+    return (actual.nested, actual.dims) == (expected.nested, expected.dims) and (
+        actual.components is None
+        or expected.components is None
+        or actual.components == expected.components
     )
 
 
@@ -200,7 +277,7 @@ class Pairing:
             return False
         for path, want in expected.items():
             got = actual[path]
-            if got.shape != want.shape:
+            if not same_shape(shape_of(got), shape_of(want)):
                 return False
             if not same_dtype(got.dtype, want.dtype, self.holds, self.reference_holds):
                 return False

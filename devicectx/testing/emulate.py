@@ -22,10 +22,9 @@ words, for a script that does not exist.
 The process ends as Python ends one (the script's exit status, or 1 and the traceback for
 an exception; non-daemon threads joined; ``atexit`` handlers run; output flushed), short of
 the interpreter's finalization: the emulated device's worker threads and torch's autograd
-thread for the device may still be running then, and a process that had printed its
-results was seen to abort in C++'s static destructors ("terminate called without an
-active exception", pytorch/pytorch#38228 for CUDA's kind), under load, about one run in
-ten of ``examples/mixed_precision.py``.
+thread for the device may still be running then, and C++'s static destructors, run
+under them, can abort a process that has already printed its results ("terminate called
+without an active exception", as a CUDA process can abort in the same case).
 """
 
 from __future__ import annotations

@@ -19,9 +19,15 @@ device that is not the CPU and has an accelerator's semantics:
   reads old bytes, and code overwriting a source too early sends new ones;
 - every op on the device waits for the device's current stream to drain, then runs on
   the CPU (the values are real); work on other streams is not waited for, so races
-  between streams show as they do on a GPU; a random op refuses a generator of another
-  device (a CPU ``torch.Generator``), as CUDA's do (the device has no generator of its
-  own: without ``generator=``, its ops draw from the CPU's default generator);
+  between streams show as they do on a GPU;
+- random numbers of its own, as CUDA's and MPS's: ``torch.Generator(device="emu")``, and a
+  default generator per device (``torch.emu.manual_seed``, ``get_rng_state``, ...), which
+  ``torch.manual_seed`` seeds and a random op draws from without ``generator=``; an emu
+  generator holds a CPU generator (torch's Mersenne Twister), which the op's CPU kernel
+  draws from, seeded with the seed mixed with a constant: a seed draws the same numbers
+  on every emu device, and other numbers than on the CPU, as on CUDA (not CUDA's numbers);
+  a random op refuses a generator of another device (a CPU ``torch.Generator``), as
+  CUDA's do;
 - ``torch.accelerator``, ``devicectx.resolve_device("auto")``, ``available_devices()``
   and the pytest plugin see it (torch prefers a registered PrivateUse1 backend, so it is
   the accelerator even on a machine with a GPU); ``torch.autocast("emu")`` casts the ops
@@ -43,13 +49,16 @@ Example::
 It plays the devices users have, by :data:`PROFILES` (``enable(profile="mps")``, or
 ``with profile("mps"):`` for a block) or by single switches of :func:`configure`:
 
-- ``"cuda"`` (the default): every dtype, ``record_stream``, pinned memory, events;
+- ``"cuda"`` (the default): every dtype, ``record_stream``, pinned memory, events, generators;
 - ``"mps"``: no float64 and no complex128, as Apple's MPS: making such a tensor on the
   device (a factory, ``.to()``, an op's result) raises ``TypeError`` with MPS's words
   (printing a tensor works, as on MPS); and no ``Tensor.record_stream``
   (``NotImplementedError``), as MPS and some other backends;
 - ``configure(memory_limit=bytes)``: each device holds that many bytes of live tensors;
-  an allocation past it raises ``torch.OutOfMemoryError`` worded as CUDA's.
+  an allocation past it raises ``torch.OutOfMemoryError`` worded as CUDA's;
+- ``configure(generators=False)``: a backend without a ``torch.Generator`` of its own
+  (some backends registered out of tree): ``torch.Generator(device="emu")`` raises
+  ``NotImplementedError``.
 
 The rule: torch allows one PrivateUse1 backend per process, so the backend and its device
 count are fixed at the first :func:`enable`; everything a profile or :func:`configure`
@@ -112,6 +121,7 @@ PROFILES: Mapping[str, Mapping[str, bool | int]] = MappingProxyType(
                 "float64": True,
                 "record_stream": True,
                 "memory_limit": 0,
+                "generators": True,
             }
         ),
         "mps": MappingProxyType(
@@ -121,6 +131,7 @@ PROFILES: Mapping[str, Mapping[str, bool | int]] = MappingProxyType(
                 "float64": False,
                 "record_stream": False,
                 "memory_limit": 0,
+                "generators": True,
             }
         ),
     }
@@ -213,6 +224,7 @@ def configure(
     float64: bool | None = None,
     record_stream: bool | None = None,
     memory_limit: int | None = None,
+    generators: bool | None = None,
 ) -> _Settings:
     """Change the emulated device's behaviour at run time; as a context, only in the block.
 
@@ -240,6 +252,10 @@ def configure(
             allocation past it raises ``torch.OutOfMemoryError``, worded as CUDA's.
             Lowering it below what is allocated frees nothing: the next allocation fails.
             Refused where a CUDA GPU is present: that error crashes the process there.
+        generators: False emulates a backend without generators of its own:
+            ``torch.Generator(device="emu")`` raises ``NotImplementedError``, as torch
+            does for such a backend (random ops still draw from each device's default
+            generator).
 
     Returns:
         An object whose ``with`` block restores the previous settings on exit.
@@ -256,6 +272,7 @@ def configure(
         "float64": float64,
         "record_stream": record_stream,
         "memory_limit": memory_limit,
+        "generators": generators,
     }
     _check(asked)
     previous: dict[str, Any] = settings()
@@ -298,7 +315,7 @@ def settings() -> dict[str, float | bool]:
 
         settings()["float64"]  # True, False in the "mps" profile
         # {'delay_ms': 2.0, 'pinned': True, 'events': True, 'poison': True,
-        #  'float64': True, 'record_stream': True, 'memory_limit': 0}
+        #  'float64': True, 'record_stream': True, 'memory_limit': 0, 'generators': True}
     """
     extension = _require()
     return {
@@ -309,6 +326,7 @@ def settings() -> dict[str, float | bool]:
         "float64": bool(extension.float64_enabled()),
         "record_stream": bool(extension.record_stream_enabled()),
         "memory_limit": int(extension.memory_limit()),
+        "generators": bool(extension.generators_enabled()),
     }
 
 
@@ -353,6 +371,8 @@ def _apply(settings: dict[str, Any]) -> None:
         extension.set_record_stream_enabled(bool(settings["record_stream"]))
     if settings["memory_limit"] is not None:
         extension.set_memory_limit(int(settings["memory_limit"]))
+    if settings["generators"] is not None:
+        extension.set_generators_enabled(bool(settings["generators"]))
     if settings["float64"] is not None:
         # devicectx asked once which dtypes the device holds: ask again.
         from devicectx.devices._capabilities import CAPABILITIES
@@ -478,15 +498,16 @@ def _register(devices: int) -> None:
     rename_privateuse1_backend(DEVICE_TYPE)
     extension.register_backend(devices)
     _device_module._extension = extension
+    _device_module.default_generators = tuple(map(extension.default_generator, range(devices)))
     register_device_module(DEVICE_TYPE, _device_module)
     generate_methods_for_privateuse1_backend(for_storage=True)
     _print_as_mps(extension)
     _extension = extension
     # torch's accelerator is now this one: forget what devicectx worked out before.
     from devicectx.move import _staging
-    from devicectx.scope import _stack
+    from devicectx.scope import _index
 
-    _stack.INDEX_READERS.clear()
+    _index.INDEX_READERS.clear()
     _staging.forget_accelerator()
 
 

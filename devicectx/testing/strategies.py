@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -128,9 +129,10 @@ def nested(
     """Structures of every container kind :func:`~devicectx.to_device` supports.
 
     Each example draws a few tensors from ``leaves`` and views of them (slices,
-    transposes, ``expand``, views of views), then builds a container whose tensor leaves
-    are picked from those: so the same tensor shows up at several places, and views show
-    up with or without their base, before or after it. The container kinds are listed in
+    transposes, ``expand``, views of views; sparse and nested leaves, which refuse most of
+    these, come as they are), then builds a container whose tensor leaves are picked from
+    those: so the same tensor shows up at several places, and views show up with or
+    without their base, before or after it. The container kinds are listed in
     :data:`KINDS`; :func:`kind_of` names the kind of a container. Empty lists, tuples and
     dicts show up too.
 
@@ -220,6 +222,8 @@ KINDS: tuple[str, ...] = (
     "dict",
     "OrderedDict",
     "defaultdict",
+    "ChainMap",
+    "mappingproxy",
     "deque",
     "set",
     "frozenset",
@@ -243,6 +247,8 @@ _KIND_OF_TYPE: dict[type, str] = {
     dict: "dict",
     collections.OrderedDict: "OrderedDict",
     collections.defaultdict: "defaultdict",
+    collections.ChainMap: "ChainMap",
+    types.MappingProxyType: "mappingproxy",
     collections.deque: "deque",
     set: "set",
     frozenset: "frozenset",
@@ -345,7 +351,10 @@ def _make_tensor(
 
 
 def _view_ops(tensor: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-    """View-making functions that apply to ``tensor``'s shape."""
+    """View-making functions that apply to ``tensor``'s layout and shape: none for a
+    sparse or nested tensor, whose layouts refuse unsqueeze, expand, view or diagonal."""
+    if tensor.layout != torch.strided or tensor.is_nested:
+        return []
     ops: list[Callable[[torch.Tensor], torch.Tensor]] = [
         lambda t: t.unsqueeze(0),
         lambda t: t.view(t.shape),
@@ -360,10 +369,17 @@ def _view_ops(tensor: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tenso
     return ops
 
 
-@st.composite
-def _view(draw: st.DrawFn, base: torch.Tensor) -> torch.Tensor:
-    op = draw(st.sampled_from(_view_ops(base)))
-    return op(base)
+def _views(draw: st.DrawFn, bases: Sequence[torch.Tensor], max_size: int) -> list[torch.Tensor]:
+    """Up to ``max_size`` views of tensors of ``bases``, of those that have views."""
+    viewable = [base for base in bases if _view_ops(base)]
+    if not viewable:
+        return []
+    count = draw(st.integers(0, max_size))
+    views: list[torch.Tensor] = []
+    for _ in range(count):
+        base = draw(st.sampled_from(viewable))
+        views.append(draw(st.sampled_from(_view_ops(base)))(base))
+    return views
 
 
 @st.composite
@@ -373,11 +389,11 @@ def _pool(
     if not with_views:
         return draw(st.lists(leaves, min_size=1, max_size=4))
     bases = draw(st.lists(leaves, min_size=1, max_size=2))
-    views = draw(st.lists(st.sampled_from(bases).flatmap(_view), max_size=2))
+    views = _views(draw, bases, 2)
     if views:  # a view of a view: torch gives it the root base as its _base
-        views += draw(st.lists(st.sampled_from(views).flatmap(_view), max_size=1))
+        views += _views(draw, views, 1)
     # Views of a tensor that is not in the pool, so never in the structure.
-    hidden = draw(st.lists(leaves.flatmap(_view), max_size=1))
+    hidden = _views(draw, [draw(leaves)], 1) if draw(st.booleans()) else []
     return bases + views + hidden
 
 
@@ -411,7 +427,9 @@ def _hashable_plain() -> st.SearchStrategy[Any]:
 
 def _packed(data: torch.Tensor) -> PackedSequence:
     # One sequence as long as the first dimension: the simplest valid batch_sizes.
-    if data.dim() == 0:  # copied, not viewed: with views=False, no tensor shares memory
+    if data.layout != torch.strided or data.is_nested:  # no sequence of such steps
+        data = torch.zeros(1, dtype=data.dtype, device=data.device)
+    elif data.dim() == 0:  # copied, not viewed: with views=False, no tensor shares memory
         data = data.reshape(1).clone()
     if data.shape[0] == 0:
         data = torch.zeros(1, dtype=data.dtype, device=data.device)
@@ -436,6 +454,8 @@ def _containers(
             mapping,
             mapping.map(collections.OrderedDict),
             mapping.map(lambda m: collections.defaultdict(list, m)),
+            st.builds(_chained, mapping, st.integers(0, 5)),
+            mapping.map(types.MappingProxyType),
             st.builds(collections.deque, small, st.sampled_from([None, 5])),
             st.lists(hashable, max_size=3).map(set),
             st.lists(hashable, max_size=3).map(frozenset),
@@ -456,6 +476,14 @@ def _containers(
 def _weighted(choices: list[st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
     """One of ``choices``, each as often as it is listed."""
     return st.sampled_from(choices).flatmap(lambda chosen: chosen)
+
+
+def _chained(mapping: dict[Any, Any], cut: int) -> collections.ChainMap[Any, Any]:
+    """``mapping``'s entries in two maps of a ChainMap, split at ``cut``. No key is in
+    both: a walk through the ChainMap's items, as a test's own walk is, then sees every
+    entry (an entry behind another of its key is seen only through ``.maps``)."""
+    items = list(mapping.items())
+    return collections.ChainMap(dict(items[:cut]), dict(items[cut:]))
 
 
 def _box(value: Any, late: Any) -> Box:

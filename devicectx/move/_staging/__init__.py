@@ -62,12 +62,7 @@ from devicectx.move import _pinned
 from devicectx.move._staging._back import to_host
 from devicectx.move._staging._layout import THRESHOLDS, Thresholds
 from devicectx.move._staging._seam import FORCED_THRESHOLDS, forced
-from devicectx.move._staging._seam import _host_buffer as _host_buffer
-from devicectx.move._staging._seam import _landed as _landed
-from devicectx.move._staging._seam import _never_pinned as _never_pinned
-from devicectx.move._staging._seam import _no_stream as _no_stream
 from devicectx.move._staging._sending import HandedTo, _capturing, to_accelerator
-from devicectx.move._staging._sending import _Sender as _Sender
 from devicectx.move._staging._state import STATE, StagingState, swapped
 from devicectx.move._walk import collect
 

@@ -2,8 +2,10 @@
 
 torch asks a renamed PrivateUse1 backend's module for these names
 (``torch.utils.backend_registration``, ``torch.amp.autocast_mode``, ``torch.random``,
-``Tensor.emu()``): the device count and current index, seeding, the dtypes autocast
-accepts. Registered with ``torch._register_device_module("emu", this module)``.
+``Tensor.emu()``): the device count and current index, the dtypes autocast accepts, and
+the default generators (``torch.manual_seed`` calls :func:`manual_seed_all`;
+``torch.random.fork_rng`` calls :func:`get_rng_state` and :func:`set_rng_state`), named as
+``torch.cuda`` names them. Registered with ``torch._register_device_module("emu", this module)``.
 """
 
 from __future__ import annotations
@@ -120,21 +122,70 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
 
 
+default_generators: tuple[torch.Generator, ...] = ()
+"""Each emulated device's default generator, by index (set by ``enable``), as
+``torch.cuda.default_generators``: what a random op on the device draws from without
+``generator=``."""
+
+
+def _default_generator(device: torch.device | str | int | None) -> torch.Generator:
+    if isinstance(device, (str, torch.device)) and torch.device(device).type != "emu":
+        msg = f"{str(device)!r} is not an emulated device\nfix: pass 'emu', 'emu:0' or an index"
+        raise ValueError(msg)
+    index, count = _index(device), len(default_generators)
+    if not 0 <= index < count:
+        msg = (
+            f"emu:{index} does not exist: there are {count} emulated devices\n"
+            f"fix: pass emu:0 to emu:{count - 1}"
+        )
+        raise ValueError(msg)
+    return default_generators[index]
+
+
 def manual_seed(seed: int) -> None:
-    """Seed the emulated devices' random numbers: the CPU generator, which their ops use."""
-    torch.default_generator.manual_seed(seed)
+    """Seed the current emulated device's default generator (``torch.manual_seed`` seeds
+    every device's, through :func:`manual_seed_all`)."""
+    _default_generator(None).manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
-    """Seed every emulated device (they share the CPU generator)."""
-    torch.default_generator.manual_seed(seed)
+    """Seed every emulated device's default generator."""
+    for generator in default_generators:
+        generator.manual_seed(int(seed))
 
 
-def get_rng_state(device: torch.device | str | int | None = None) -> torch.Tensor:
-    """The random state of the emulated devices: the CPU generator's."""
-    return torch.default_generator.get_state()
+def seed() -> None:
+    """Seed the current emulated device's default generator with a random number."""
+    _default_generator(None).seed()
 
 
-def set_rng_state(state: torch.Tensor, device: torch.device | str | int | None = None) -> None:
-    """Restore a state from :func:`get_rng_state`."""
-    torch.default_generator.set_state(state)
+def seed_all() -> None:
+    """Seed every emulated device's default generator with one random number."""
+    manual_seed_all(default_generators[0].seed())
+
+
+def initial_seed() -> int:
+    """The seed of the current emulated device's default generator."""
+    return _default_generator(None).initial_seed()
+
+
+def get_rng_state(device: torch.device | str | int = "emu") -> torch.Tensor:
+    """The state of ``device``'s default generator (default: the current device), a CPU
+    ``torch.uint8`` tensor, as ``torch.cuda.get_rng_state`` gives."""
+    return _default_generator(device).get_state()
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    """The states of every emulated device's default generator, by index."""
+    return [generator.get_state() for generator in default_generators]
+
+
+def set_rng_state(new_state: torch.Tensor, device: torch.device | str | int = "emu") -> None:
+    """Restore a state from :func:`get_rng_state` into ``device``'s default generator."""
+    _default_generator(device).set_state(new_state)
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    """Restore the states from :func:`get_rng_state_all`."""
+    for index, state in enumerate(new_states):
+        set_rng_state(state, index)

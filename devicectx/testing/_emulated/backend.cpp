@@ -5,12 +5,17 @@
 // memory; copies are where streams and pinned memory matter); every other operator runs
 // on the CPU through torch's boxed CPU fallback, after the current stream has drained.
 //
+// Random numbers: each device has a default generator, and torch.Generator(device="emu")
+// makes more (EmuGenerator); a random operator on the device runs the CPU kernel with the
+// CPU generator inside the emu one.
+//
 // Written against torch 2.6 to 2.15 (the range devicectx supports). Hooks that only some
 // releases declare are written without `override`, so that they override where torch
 // declares them and are plain methods elsewhere.
 #include "runtime.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/core/op_registration/adaption.h>
@@ -29,15 +34,31 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #define DEVICECTX_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR >= (major) * 100 + (minor))
 
 #if DEVICECTX_TORCH_AT_LEAST(2, 8)
 #include <ATen/core/CachingHostAllocator.h>
+#endif
+
+// torch.Generator(device="emu"): torch 2.6 makes it with the function registered by
+// REGISTER_GENERATOR_PRIVATEUSE1 (at::GetGeneratorForPrivateuse1); later releases ask the
+// hooks' getNewGenerator, and deprecate the registration (a warning). The releases that ask
+// the hooks are those whose hooks header includes the registration's header, for its
+// backward compatibility (2.13 does; 2.6 does not); from 2.13 on, the hooks whatever a
+// later release does with that header.
+#if !defined(REGISTER_GENERATOR_PRIVATEUSE1) && !DEVICECTX_TORCH_AT_LEAST(2, 13)
+#define DEVICECTX_REGISTER_GENERATOR 1
+#include <ATen/core/GeneratorForPrivateuseone.h>
+#else
+#define DEVICECTX_REGISTER_GENERATOR 0
 #endif
 
 namespace devicectx_emu {
@@ -191,6 +212,114 @@ void resize_storage(c10::StorageImpl* storage, int index, size_t nbytes) {
   storage->set_nbytes(nbytes);
 }
 
+// ---- generators ----
+
+// A seed's numbers on the device are not the CPU's for that seed, as on CUDA and MPS (other
+// algorithms), so that code comparing a device's draws with the CPU's fails here as there:
+// the CPU generator inside an emu one is seeded with the seed XOR this constant (the golden
+// ratio's bits; the low 32 bits, all that torch's Mersenne Twister takes, are not 0), and
+// initial_seed() gives the seed back.
+constexpr uint64_t kSeedMix = 0x9E3779B97F4A7C15ULL;
+
+// An emu generator: a CPU generator (torch's Mersenne Twister) on an emu device. A random
+// operator on the device runs the CPU kernel with it (the fallback swaps it in); get_state()
+// and set_state() take the CPU generator's state. The CPU kernels lock the CPU generator's
+// mutex, so every method here locks it too (after the emu generator's, which torch's Python
+// methods lock).
+class EmuGenerator final : public c10::GeneratorImpl {
+ public:
+  explicit EmuGenerator(
+      c10::DeviceIndex index,
+      at::Generator cpu =
+          at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val ^ kSeedMix))
+      : c10::GeneratorImpl(
+            c10::Device(kEmu, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+        cpu_(std::move(cpu)) {}
+
+  const at::Generator& cpu() const {
+    return cpu_;
+  }
+
+  void set_current_seed(uint64_t seed) override {
+    std::lock_guard<std::mutex> lock(impl()->mutex_);
+    impl()->set_current_seed(seed ^ kSeedMix);
+  }
+
+  uint64_t current_seed() const override {
+    std::lock_guard<std::mutex> lock(impl()->mutex_);
+    return impl()->current_seed() ^ kSeedMix;
+  }
+
+  uint64_t seed() override {
+    uint64_t random = c10::detail::getNonDeterministicRandom();
+    set_current_seed(random);
+    return random;
+  }
+
+  void set_state(const c10::TensorImpl& state) override {
+    std::lock_guard<std::mutex> lock(impl()->mutex_);
+    impl()->set_state(state);
+  }
+
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    std::lock_guard<std::mutex> lock(impl()->mutex_);
+    return impl()->get_state();
+  }
+
+  // A Mersenne Twister has no offset (CUDA's and MPS's Philox generators do); torch's
+  // pickling of a generator on a device that is not the CPU saves and restores one, so it
+  // is 0 here, and setting any other offset is refused.
+  uint64_t get_offset() const override {
+    return 0;
+  }
+
+  void set_offset(uint64_t offset) override {
+    TORCH_CHECK(
+        offset == 0,
+        "emu: an emulated device's generator draws as the CPU's (a Mersenne Twister), which "
+        "has no offset; got set_offset(",
+        offset,
+        ")\nfix: save and restore its state, g.set_state(g.get_state())");
+  }
+
+ private:
+  c10::GeneratorImpl* impl() const {
+    return cpu_.unsafeGetGeneratorImpl();
+  }
+
+  EmuGenerator* clone_impl() const override {
+    std::lock_guard<std::mutex> lock(impl()->mutex_);
+    return new EmuGenerator(device().index(), cpu_.clone());
+  }
+
+  at::Generator cpu_;
+};
+
+at::Generator new_generator(c10::DeviceIndex index) {
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      generators_enabled(),
+      "emu: generators are switched off (devicectx.testing.emulated.configure("
+      "generators=False)), as on a backend without a torch.Generator of its own");
+  return at::make_generator<EmuGenerator>(static_cast<c10::DeviceIndex>(checked_index(index)));
+}
+
+}  // namespace
+
+const at::Generator& default_generator(int index) {
+  // One per device that can exist, seeded as torch seeds a new generator; never freed (see
+  // runtime.cpp).
+  static const std::vector<at::Generator>* generators = [] {
+    auto* made = new std::vector<at::Generator>;
+    for (int i = 0; i < kMaxDevices; ++i) {
+      made->push_back(at::make_generator<EmuGenerator>(static_cast<c10::DeviceIndex>(i)));
+    }
+    return made;
+  }();
+  return (*generators)[static_cast<size_t>(checked_index(index))];
+}
+
+namespace {
+
 // ---- the hooks ----
 
 struct Hooks final : public at::PrivateUse1HooksInterface {
@@ -247,6 +376,14 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
 
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
     resize_storage(storage.unsafeGetStorageImpl(), index_of(storage.device()), nbytes);
+  }
+
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override {
+    return default_generator(index);
+  }
+
+  at::Generator getNewGenerator(c10::DeviceIndex index) const override {
+    return new_generator(index);
   }
 };
 
@@ -538,13 +675,32 @@ bool checks_per_position(const c10::FunctionSchema& schema) {
   return name.rfind("aten::_foreach_", 0) == 0 || name.rfind("aten::_fused_", 0) == 0;
 }
 
+// Whether an operator's argument is a generator (`Generator?` in its schema).
+bool takes_generator(const c10::Argument& argument) {
+  const c10::TypePtr& type = argument.type();
+  if (type->kind() == c10::TypeKind::OptionalType) {
+    return type->expectRef<c10::OptionalType>().getElementType()->kind() ==
+        c10::TypeKind::GeneratorType;
+  }
+  return type->kind() == c10::TypeKind::GeneratorType;
+}
+
 // A random operator on the device with a generator of another device (a CPU
 // torch.Generator): CUDA's and MPS's kernels refuse it (check_generator), in these words.
 // The CPU kernel that the fallback runs would take it, hiding code that fails on a GPU.
-void check_generator(const c10::FunctionSchema& schema, const at::Generator& generator) {
-  if (!generator.defined() || generator.device().type() == kEmu) {
+void check_generator(
+    const c10::FunctionSchema& schema, const at::Generator& generator, int index) {
+  if (generator.device().type() == kEmu) {
     return;
   }
+  std::string fix = generators_enabled()
+      ? "fix: make the generator on the device, torch.Generator(device=\"emu:" +
+          std::to_string(index) +
+          "\"), or draw on the generator's device and move the numbers, "
+          "torch.randn(3, generator=g).to(device)"
+      : "fix: draw on the generator's device and move the numbers, "
+        "torch.randn(3, generator=g).to(device), or leave generator= out (generators are "
+        "switched off: devicectx.testing.emulated.configure(generators=False))";
   TORCH_CHECK(
       false,
       "Expected a 'emu' device type for generator but found '",
@@ -552,9 +708,53 @@ void check_generator(const c10::FunctionSchema& schema, const at::Generator& gen
       "' (",
       schema.name(),
       " on the emulated device, which refuses another device's generator as CUDA and MPS "
-      "do)\nfix: draw on the generator's device and move the numbers, "
-      "torch.randn(3, generator=g).to(device), or leave generator= out (the emulated device "
-      "has no torch.Generator of its own)");
+      "do)\n",
+      fix);
+}
+
+// A random operator's generators, once its device is known: an emu generator (given, or
+// the device's default one for a generator left out) becomes the CPU generator inside it,
+// which the CPU kernel takes. An operator whose tensors are on the CPU (reached here only by
+// an emu generator) keeps it, and the CPU kernel refuses it as it refuses a CUDA generator.
+void swap_generators(
+    const c10::FunctionSchema& schema,
+    torch::jit::Stack* stack,
+    size_t first,
+    const std::vector<size_t>& positions,
+    const std::optional<c10::Device>& common) {
+  if (common.has_value() && common->type() != kEmu) {
+    return;
+  }
+  int index = common.has_value() ? common->index() : current_device();
+  for (size_t position : positions) {
+    c10::IValue& value = (*stack)[first + position];
+    at::Generator emu = value.isNone() ? default_generator(index) : value.toGenerator();
+    if (emu.defined()) {
+      check_generator(schema, emu, index);
+      value = c10::IValue(emu.get<EmuGenerator>()->cpu());
+    }
+  }
+}
+
+// The dropout of torch.nn.functional.dropout on the device (torch calls native_dropout for
+// backends out of tree, as for CUDA): torch's CPU kernel, which the fallback would run,
+// draws its mask from the CPU's default generator, since the operator takes no generator;
+// here the mask is drawn on the device (bernoulli_, from its default generator), as CUDA's
+// kernel draws from CUDA's. The rest is the CPU kernel's arithmetic and a mask of bools.
+std::tuple<at::Tensor, at::Tensor> native_dropout(
+    const at::Tensor& input, double p, std::optional<bool> train) {
+  if (input.numel() == 0) {
+    return std::make_tuple(input, at::empty_like(input));
+  }
+  if (train.has_value() && !*train) {
+    return std::make_tuple(input.clone(), at::ones_like(input, input.options().dtype(at::kBool)));
+  }
+  double keep = 1. - p;
+  double scale = keep == 0 ? 0. : 1. / keep;
+  at::Tensor mask = at::empty_like(
+      input, input.options().dtype(at::kBool), at::MemoryFormat::Contiguous);
+  mask.bernoulli_(keep);
+  return std::make_tuple(input.mul(mask).mul_(scale), mask);
 }
 
 // Every other operator: on the CPU, after the streams of the devices involved drained, once
@@ -563,6 +763,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = op.schema();
   size_t count = schema.arguments().size();
   auto arguments = torch::jit::last(*stack, count);
+  std::vector<size_t> generators;
   SameDevice same(schema);
   bool per_position = checks_per_position(schema);
   std::optional<c10::Device> common;
@@ -574,8 +775,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   };
   for (size_t i = 0; i < count; ++i) {
     const c10::IValue& value = arguments[i];
-    if (value.isGenerator()) {
-      check_generator(schema, value.toGenerator());
+    if (value.isGenerator() || (value.isNone() && takes_generator(schema.arguments()[i]))) {
+      generators.push_back(i);
     } else if (value.isTensor()) {
       drain(value.toTensor());
       same.check(common, value.toTensor(), i);
@@ -610,6 +811,9 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
     }
   }
+  if (!generators.empty()) {
+    swap_generators(schema, stack, stack->size() - count, generators, common);
+  }
   at::native::cpu_fallback(op, stack);
 }
 
@@ -618,6 +822,10 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 void register_hooks() {
   static Hooks* hooks = new Hooks;
   at::RegisterPrivateUse1HooksInterface(hooks);
+#if DEVICECTX_REGISTER_GENERATOR
+  static auto* generators = new at::_GeneratorRegister(&new_generator);
+  (void)generators;
+#endif
 #if DEVICECTX_TORCH_AT_LEAST(2, 8)
   static HostAllocator* host = new HostAllocator;
   at::setHostAllocator(kEmu, host);
@@ -643,6 +851,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_local_scalar_dense", local_scalar_dense);
   m.impl("record_stream", record_stream);
+  m.impl("native_dropout", native_dropout);
   // Ops whose meta function resizes the output after sizing it as the inputs: for a backend
   // without a kernel, torch's composite kernel allocates that output and calls the out=
   // variant, whose CPU kernel (through the fallback) sizes a one-element output again and

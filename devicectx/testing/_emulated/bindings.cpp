@@ -3,6 +3,7 @@
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Generator.h>
 
 #include <vector>
 
@@ -45,6 +46,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_record_stream_enabled", &emu::set_record_stream_enabled);
   m.def("memory_limit", &emu::memory_limit);
   m.def("set_memory_limit", &emu::set_memory_limit);
+  m.def("generators_enabled", &emu::generators_enabled);
+  m.def("set_generators_enabled", &emu::set_generators_enabled);
+  m.def("default_generator", [](int index) {
+    // The Python object torch keeps for the generator, made at the first call.
+    return pybind11::reinterpret_steal<pybind11::object>(
+        THPGenerator_Wrap(emu::default_generator(index)));
+  });
   m.def("set_float64_for_printing", &emu::set_float64_for_printing);
   m.def("set_paused", &emu::set_paused);
   m.def("is_paused", &emu::is_paused);

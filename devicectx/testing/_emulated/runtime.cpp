@@ -45,6 +45,7 @@ std::atomic<bool> g_poison{true};
 std::atomic<bool> g_float64{true};
 std::atomic<bool> g_record_stream{true};
 std::atomic<int64_t> g_memory_limit{0};
+std::atomic<bool> g_generators{true};
 std::atomic<int> g_device_count{0};
 std::atomic<uint32_t> g_initialized{0};
 
@@ -538,6 +539,12 @@ int64_t memory_limit() {
 void set_memory_limit(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "emu: the memory limit must be >= 0 bytes (0: none), got ", bytes);
   g_memory_limit.store(bytes);
+}
+bool generators_enabled() {
+  return g_generators.load();
+}
+void set_generators_enabled(bool value) {
+  g_generators.store(value);
 }
 
 // ---- devices ----

@@ -11,6 +11,7 @@
 // thread, which gives the same order.
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/Stream.h>
 
@@ -46,6 +47,10 @@ bool record_stream_enabled();
 void set_record_stream_enabled(bool value);
 int64_t memory_limit();
 void set_memory_limit(int64_t bytes);
+// Whether torch.Generator(device="emu") can be made (false: a backend without generators
+// of its own; random ops still draw from each device's default generator).
+bool generators_enabled();
+void set_generators_enabled(bool value);
 // Float64 on the calling thread even where float64_enabled() is false, for torch's tensor
 // printing (backend.cpp says why); returns the previous value.
 bool set_float64_for_printing(bool value);
@@ -88,8 +93,10 @@ bool query_event(void* event);
 void synchronize_event(void* event);
 double elapsed_ms(void* start, void* end);
 
-// Registers the hooks and allocators with torch (backend.cpp).
+// Registers the hooks, the allocators and the generators with torch (backend.cpp).
 void register_hooks();
+// Each device's default generator, as torch.emu.default_generators holds it (backend.cpp).
+const at::Generator& default_generator(int index);  // -1: the current device
 // Registers torch.autocast("emu") (autocast.cpp).
 void register_autocast();
 

@@ -1,0 +1,325 @@
+"""Collections other than the built-in ones and dataclasses: how each family is taken apart
+and rebuilt.
+
+- torch's ``PackedSequence`` (its tensors, not ``batch_sizes``, which stays on the CPU);
+- ``ChainMap``, through its maps;
+- namedtuples and structseqs (``torch.return_types``, ``time.struct_time``);
+- torch_geometric's graphs and tensordict's lazy stacks, read through their stores and
+  stacked tensordicts (objects with their own ``.to``): known by where they come from,
+  so the optional packages are never imported;
+- ``UserDict`` and ``UserList``: their entries, then the other attributes an instance was
+  given;
+- any other ``Mapping``, ``Sequence`` or ``Set``: the generic rebuilds, by the type's own
+  protocol (a copy, then item assignment), else its constructor, checked.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import MutableMapping, MutableSequence, MutableSet, Sequence
+from typing import Any
+
+from torch.nn.utils.rnn import PackedSequence
+
+from devicectx.move._attributes import (
+    _MISSING,
+    _add_attributes,
+    _cached_names,
+    _forget_cached,
+    slot_names,
+)
+from devicectx.move._kinds import (
+    CONTAINER,
+    OWN,
+    CannotRebuild,
+    Kind,
+    Rebuild,
+    Split,
+    _items,
+    _positions,
+)
+from devicectx.move._paths import ATTR, DUAL, ITEM, Entry
+
+
+def _is_graph(tp: type) -> bool:
+    """torch_geometric's ``Data``, ``Batch`` (and the ``DataBatch`` types it makes),
+    ``HeteroData``: known by where they come from, so the package is never imported."""
+    return isinstance(getattr(tp, "stores", None), property) and any(
+        klass.__module__.partition(".")[0] == "torch_geometric" for klass in tp.__mro__
+    )
+
+
+def _graph_split(obj: Any) -> tuple[list[Any], list[Any]]:
+    # Its stores, not items(): a HeteroData's items() is empty. The global store's entries
+    # are attributes of the object (data.x); each node or edge type's store is an entry
+    # (data['paper']), itself a mapping with its own .to.
+    keys: list[Any] = []
+    values: list[Any] = []
+    for store in obj.stores:
+        key = getattr(store, "_key", None)
+        if key is None:
+            for name, value in store.items():
+                keys.append(name)
+                values.append(value)
+        else:
+            keys.append(Entry(key) if type(key) is str else key)
+            values.append(store)
+    return keys, values
+
+
+def _is_lazy_stack(tp: type) -> bool:
+    """tensordict's ``LazyStackedTensorDict`` (and its subclasses): known by where it comes
+    from, so the package is never imported."""
+    return any(
+        klass.__name__ == "LazyStackedTensorDict"
+        and klass.__module__.partition(".")[0] == "tensordict"
+        for klass in tp.__mro__
+    )
+
+
+def _stack_split(obj: Any) -> tuple[tuple[str], tuple[Any]]:
+    # Its stacked tensordicts, not its items: items() stacks them, copying every tensor on
+    # each read, and fails where their shapes differ (a ragged stack, the reason lazy
+    # stacks exist). The list is walked as any list: paths read lazy.tensordicts[0]['a'].
+    return ("tensordicts",), (obj.tensordicts,)
+
+
+def _stack_rebuild(obj: Any, keys: object, old: object, new: list[Any]) -> Any:
+    # A copy keeps what the stack holds beside its tensordicts (stack_dim, hooks, names);
+    # its own tensordicts (fresh shallow copies) are then replaced by the moved ones.
+    # Used by the dtype policy's cast, which walks into objects with their own .to.
+    clone = copy.copy(obj)
+    object.__setattr__(clone, "tensordicts", new[0])
+    return clone
+
+
+_STACK_KIND = Kind(OWN, ATTR, _stack_split, _stack_rebuild)
+
+
+_PACKED_FIELDS = ("data", "sorted_indices", "unsorted_indices")
+
+
+def _packed_split(obj: PackedSequence) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    # batch_sizes is not a child: PyTorch requires it on the CPU, whatever the data's device.
+    return _PACKED_FIELDS, (obj.data, obj.sorted_indices, obj.unsorted_indices)
+
+
+def _packed_rebuild(obj: PackedSequence, keys: object, old: object, new: list[Any]) -> Any:
+    data, sorted_indices, unsorted_indices = new
+    return type(obj)(data, obj.batch_sizes, sorted_indices, unsorted_indices)
+
+
+_PACKED_KIND = Kind(CONTAINER, ATTR, _packed_split, _packed_rebuild)
+
+
+def _chain_split(obj: collections.ChainMap[Any, Any]) -> tuple[tuple[str], tuple[Any]]:
+    # Its maps, not its items: a key in an earlier map hides the same key in the later
+    # ones, whose tensors the chain still holds (chain.parents reaches them), and item
+    # assignment on a copy would write every moved item into the first map.
+    return ("maps",), (obj.maps,)
+
+
+def _chain_rebuild(
+    obj: collections.ChainMap[Any, Any], keys: object, old: object, new: list[Any]
+) -> Any:
+    # Not copy.copy: ChainMap's copies the first map and forgets the chain's other
+    # attributes; the moved maps replace all of them anyway.
+    clone: Any = object.__new__(type(obj))
+    clone.__dict__.update(vars(obj))
+    for slot in slot_names(type(obj)):
+        value = getattr(obj, slot, _MISSING)
+        if value is not _MISSING:
+            object.__setattr__(clone, slot, value)
+    clone.maps = new[0]
+    _forget_cached(clone)
+    return clone
+
+
+_CHAIN_KIND = Kind(CONTAINER, ATTR, _chain_split, _chain_rebuild)
+
+
+def _tuple_kind(tp: type) -> Kind:
+    fields = getattr(tp, "_fields", None)
+    if isinstance(fields, tuple) and callable(getattr(tp, "_make", None)):
+        make = tp._make  # type: ignore[attr-defined]
+
+        def namedtuple_split(obj: Any) -> tuple[tuple[str, ...], Any]:
+            return fields, obj
+
+        return Kind(CONTAINER, ATTR, namedtuple_split, lambda o, k, old, new: make(new))
+    count = getattr(tp, "n_sequence_fields", None)
+    if count is not None:  # a structseq, such as torch.return_types.max
+        names = getattr(tp, "__match_args__", ())
+        if count != getattr(tp, "n_fields", None) or len(names) != count:
+            return _hidden_structseq_kind(tp, count)
+
+        def structseq_split(obj: Any) -> tuple[tuple[str, ...], Any]:
+            return names, obj
+
+        return Kind(CONTAINER, ATTR, structseq_split, lambda o, k, old, new: tp(new))
+    return Kind(CONTAINER, ITEM, _positions, _rebuild_sequence)
+
+
+def _hidden_structseq_kind(tp: type, count: int) -> Kind:
+    """A structseq with fields that are no positions (``time.struct_time``'s ``tm_zone``,
+    ``os.stat_result``'s ``st_atime_ns``): taken apart and rebuilt as pickle does it,
+    by ``__reduce__``, which gives ``(tp, (visible fields, {hidden name: value}))``.
+    The visible fields are keyed by position, as ``obj[0]`` reads them; the hidden ones
+    by name, as ``obj.tm_zone`` does."""
+
+    def split(obj: Any) -> tuple[list[Any], list[Any]]:
+        _, (visible, hidden) = obj.__reduce__()
+        return [*range(len(visible)), *hidden], [*visible, *hidden.values()]
+
+    def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+        visible = len(obj)
+        return tp(tuple(new[:visible]), dict(zip(keys[visible:], new[visible:], strict=True)))
+
+    return Kind(CONTAINER, DUAL, split, rebuild)
+
+
+_USER_DICT_READS = ("__iter__", "__getitem__", "__len__", "keys", "values", "items")
+
+
+def _entries(tp: type) -> Split:
+    """A ``UserDict``'s items, each ``str`` key an :class:`Entry`: paths then write it
+    ``ud['k']``, and a plain ``str`` key is an attribute, ``ud.k``. Read from its ``data``
+    where the type reads its entries as ``UserDict`` does (faster than ``items()``, which
+    looks each key up again, by ``__getitem__``), else by ``items()``."""
+    own = collections.UserDict
+    if all(getattr(tp, name) is getattr(own, name) for name in _USER_DICT_READS):
+
+        def read(obj: Any) -> tuple[list[Any], list[Any]]:
+            data = obj.data
+            return [Entry(key) if type(key) is str else key for key in data], list(data.values())
+
+        return read
+
+    def read_items(obj: Any) -> tuple[list[Any], list[Any]]:
+        keys, values = _items(obj)
+        return [Entry(key) if type(key) is str else key for key in keys], values
+
+    return read_items
+
+
+def _user_kind(tp: type, entries: Split, rebuild_entries: Rebuild) -> Kind:
+    """A ``UserDict`` or ``UserList`` (or a subclass): its entries, then the other
+    attributes an instance was given (``self.scale = ...`` in its ``__init__``), which
+    its copy carries over as they are. ``data``, where the entries live, is no child."""
+    hidden = frozenset({"data", *_cached_names(tp)})
+
+    def split(obj: Any) -> tuple[Any, Sequence[Any]]:
+        keys, values = entries(obj)
+        state = obj.__dict__
+        if len(state) > 1 or "data" not in state:
+            names: list[Any] = []
+            more: list[Any] = []
+            _add_attributes(state, hidden, names, more)
+            if names:  # after the entries, keyed by name
+                keys = [*(range(len(values)) if keys is None else keys), *names]
+                values = [*values, *more]
+        return keys, values
+
+    def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+        if keys is None:  # a list's entries only
+            return rebuild_entries(obj, keys, old, new)
+        # The entries' keys are Entry objects or positions, the attributes' plain strs.
+        count = next((i for i, key in enumerate(keys) if type(key) is str), len(keys))
+        entry_keys = [_unwrapped(key) for key in keys[:count]]
+        clone = rebuild_entries(obj, entry_keys, old[:count], new[:count])
+        state = clone.__dict__
+        for name, before, after in zip(keys[count:], old[count:], new[count:], strict=True):
+            if after is not before:
+                state[name] = after
+        return clone
+
+    return Kind(CONTAINER, DUAL, split, rebuild)
+
+
+def _unwrapped(key: Any) -> Any:
+    """An :class:`Entry` key as the plain ``str`` the mapping holds; any other as it is."""
+    return str(key) if type(key) is Entry else key
+
+
+# The generic rebuilds below try the type's own protocol (a copy, then item assignment),
+# then its constructor, and check the result; a type that takes neither raises
+# CannotRebuild rather than come back half-moved or turned into another type.
+
+
+def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    failed: Exception | None = None
+    if isinstance(obj, MutableMapping):
+        try:
+            clone = copy.copy(obj)
+            if clone is not obj and type(clone) is type(obj):
+                if getattr(obj, "__dict__", None) is obj:
+                    # A dict that is its own __dict__ (an attribute dict): the copy gets a
+                    # copy of it instead, whose attributes would keep the old children.
+                    # Not by clone.__dict__ = ...: the type's __setattr__ may set entries.
+                    object.__setattr__(clone, "__dict__", clone)
+                _forget_cached(clone)
+                for key, before, after in zip(keys, old, new, strict=True):
+                    if after is not before:
+                        clone[key] = after
+                return clone
+        except Exception as error:  # the constructor may still work; if not, both are told
+            failed = error
+    return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)", failed)
+
+
+def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    failed: Exception | None = None
+    if isinstance(obj, MutableSequence):
+        try:
+            clone = copy.copy(obj)
+            if clone is not obj and type(clone) is type(obj):
+                _forget_cached(clone)
+                for index, (before, after) in enumerate(zip(old, new, strict=True)):
+                    if after is not before:
+                        clone[index] = after
+                return clone
+        except Exception as error:  # the constructor may still work; if not, both are told
+            failed = error
+    return _construct(obj, new, len(new), "new_items", failed)
+
+
+def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    failed: Exception | None = None
+    if isinstance(obj, MutableSet):
+        try:
+            clone = copy.copy(obj)
+            if clone is not obj and type(clone) is type(obj):
+                _forget_cached(clone)
+                for before, after in zip(old, new, strict=True):
+                    if after is not before:
+                        clone.discard(before)
+                        clone.add(after)
+                return clone
+        except Exception as error:  # the constructor may still work; if not, both are told
+            failed = error
+    return _construct(obj, new, len(new), "new_members", failed)
+
+
+def _construct(
+    obj: Any, contents: Any, size: int, argument: str, failed: Exception | None = None
+) -> Any:
+    """``type(obj)(contents)``, checked; ``failed``: why a copy could not be updated."""
+    tp = type(obj)
+    call = f"{tp.__qualname__}({argument})"
+    if failed is not None:
+        how = f"updating a copy of it raised {type(failed).__name__}: {failed}, and"
+    elif isinstance(obj, (MutableMapping, MutableSequence, MutableSet)):
+        how = "a copy of it cannot be updated, and"
+    else:
+        how = "it is immutable, and"
+    try:
+        made = tp(contents)
+    except Exception as error:
+        if failed is not None:  # chained through it, so the traceback shows both
+            error.__context__ = failed
+        raise CannotRebuild(tp, f"{how} {call} raised {type(error).__name__}: {error}") from error
+    if type(made) is not tp or len(made) != size:
+        got = f"a {type(made).__qualname__} of length {len(made)}, not {size}"
+        raise CannotRebuild(tp, f"{how} {call} gave {got}")
+    return made
