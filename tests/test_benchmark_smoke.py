@@ -273,3 +273,32 @@ def test_prefetch_loop_ran_on_the_host_and_the_accelerator_there_is(run: dict[st
         assert "ok" == case["subjects"]["prefetch, batches as a pin-memory thread's"]["status"]
     rows = [row for row in run["json"]["rows"] if row["section"] == "7 prefetch"]
     assert 3 * len(kinds) + len(pinned) == len(rows)
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+def test_staged_breakdown_times_every_subject() -> None:
+    """benchmarks/staged_breakdown.py --quick prints a time for every subject, with every
+    core and with a quarter of them (one table where that is the same count)."""
+    done = subprocess.run(
+        [*python_command(str(ROOT / "benchmarks" / "staged_breakdown.py")), "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert 0 == done.returncode, done.stderr
+    rows = [
+        line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line
+    ]
+    subjects = [row.split(" | ")[0].removeprefix("| ") for row in rows if "subject" not in row]
+    assert not [row for row in rows if "error" in row or "not available" in row], rows
+    chunked = [
+        f"staged, {kind}, {size} MiB chunks"
+        for size in (4, 16, 64)
+        for kind in ("blocking", "host's share")
+    ]
+    alone = ["packing alone", "one host copy", "link, a copy per tensor", "link, one copy"]
+    tables = done.stdout.count(" torch threads, ")
+    assert tables in (1, 2)
+    assert sorted([*alone, "per tensor", *chunked] * tables) == sorted(subjects)

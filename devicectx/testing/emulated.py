@@ -69,7 +69,10 @@ fixed), CUDA graphs, the sync-debug mode, real GPU kernels and their numerics (T
 reduction orders), device-side asserts, a caching allocator's fragmentation (the memory
 limit counts live tensors' bytes), peer access, IPC, ``torch.compile`` for the device, an
 MPS device's single queue (the "mps" profile keeps the streams). Ops queue no work on
-streams: only copies and events do.
+streams: only copies and events do. Where a CUDA GPU is present, two of its errors crash the
+process instead of raising (a segmentation fault, seen with torch 2.11 on an H100): the
+out-of-memory error (so :func:`configure` refuses a memory limit there) and
+``torch.Generator(device="emu:N")`` for a device that does not exist.
 
 Build cost: about 40-60 s of a C++ compiler the first time per torch and Python (cached
 under ``~/.cache/devicectx/emulated``), then a fraction of a second to load. It needs a

@@ -1,0 +1,170 @@
+"""Where a staged move of a pageable batch spends its time on an accelerator.
+
+``python benchmarks/staged_breakdown.py`` on a GPU machine (or under ``python -m
+devicectx.testing.emulate --devices 1``, where the figures show the shape of the work, not a
+device's speed). The transfer section of ``bench.py`` times the whole move; this script
+takes it apart, for the pageable detection batch (16 images 3x512x512, boxes, labels:
+50 MB), with every core the process has:
+
+- ``staged, blocking``: ``to_device(batch, d)``, the copies waited for;
+- ``staged, host's share``: ``to_device(batch, d, non_blocking=True)`` until it returns
+  (collecting, packing into pinned chunks, queueing the copies), a synchronize after each
+  call, untimed; what is left of the blocking move is the link's tail the host did not
+  overlap;
+- ``packing alone``: each tensor copied into its place in a pinned buffer of the batch's
+  size, as the staging packs them, no device involved;
+- ``one host copy``: the batch's bytes as one copy into pinned memory (the host's bound);
+- ``link, a copy per tensor``: from that pinned buffer, one copy per tensor to the device,
+  waited for; ``link, one copy``: the batch's bytes in one copy (the link's bound);
+- ``per tensor``: ``to_device(batch, d, coalesce=False)``.
+
+The staged rows are timed for staging chunks of 4 MiB (the default), 16 MiB and 64 MiB
+(the pool four times the batch, so that no chunk is waited for), and with a quarter of the
+cores: if the host's share is near packing alone and the blocking move near the sum of
+packing and the link, the two do not overlap; if packing alone is far above one host
+copy, the per-copy cost of the packing is what to cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _devices import script_accelerator
+from _timing import Config, Subject, fmt_ns, measure_group
+from _trees import detection
+
+from devicectx import to_device
+from devicectx.move._staging import Thresholds
+from devicectx.move._staging._state import STATE, swapped
+
+_MIB = 1024 * 1024
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return [leaf for value in tree.values() for leaf in _leaves(value)]
+
+
+def _chunks(chunk_mib: int | None) -> Callable[[], Any]:
+    """The scope of a subject staging with chunks of ``chunk_mib`` (a pool of its own, made
+    at the subject's first call and kept across its loops, at least four times the batch);
+    None: the default pool."""
+    if chunk_mib is None:
+        return contextlib.nullcontext
+    thresholds = Thresholds(
+        chunk_bytes=chunk_mib * _MIB, pool_bytes=max(256, 16 * chunk_mib) * _MIB
+    )
+    state = STATE.replace(thresholds=thresholds, hosts={}, backoff={})
+    return functools.partial(swapped, state)
+
+
+def _synced(fn: Callable[[], Any]) -> Callable[[], None]:
+    sync = torch.accelerator.synchronize
+
+    def call() -> None:
+        fn()
+        sync()
+
+    return call
+
+
+def _host_share(batch: Any, device: torch.device) -> Callable[[], None]:
+    """The non-blocking move's own time: a synchronize before each call, outside the
+    timed part as far as a loop allows (its cost is the same for every chunk size)."""
+    sync = torch.accelerator.synchronize
+
+    def call() -> None:
+        sync()
+        to_device(batch, device, non_blocking=True)
+
+    return call
+
+
+def run(device: torch.device, config: Config, threads: int, quick: bool) -> dict[str, Any]:
+    """Every subject's measurement with ``threads`` torch threads."""
+    torch.set_num_threads(threads)
+    batch = (detection(images=2, side=64) if quick else detection()).tree
+    leaves = _leaves(batch)
+    nbytes = sum(leaf.nbytes for leaf in leaves)
+    flat = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    places = []
+    at = 0
+    for leaf in leaves:
+        places.append(flat[at : at + leaf.nbytes].view(leaf.dtype).view(leaf.shape))
+        at += leaf.nbytes
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    device_places = []
+    at = 0
+    for leaf in leaves:
+        device_places.append(on_device[at : at + leaf.nbytes])
+        at += leaf.nbytes
+
+    def packing() -> None:
+        for place, leaf in zip(places, leaves, strict=True):
+            place.copy_(leaf)
+
+    def link_per_tensor() -> None:
+        for target, place in zip(device_places, places, strict=True):
+            target.copy_(place.view(torch.uint8).view(-1), non_blocking=True)
+
+    subjects: dict[str, Subject] = {
+        "packing alone": Subject(lambda: packing),
+        "one host copy": Subject(lambda: functools.partial(flat.copy_, source)),
+        "link, a copy per tensor": Subject(lambda: _synced(link_per_tensor)),
+        "link, one copy": Subject(
+            lambda: _synced(functools.partial(on_device.copy_, flat, non_blocking=True))
+        ),
+        "per tensor": Subject(
+            lambda: _synced(functools.partial(to_device, batch, device, coalesce=False))
+        ),
+    }
+    for chunk_mib in (None, 16, 64):
+        name = "4 MiB chunks" if chunk_mib is None else f"{chunk_mib} MiB chunks"
+        scope = _chunks(chunk_mib)
+        subjects[f"staged, blocking, {name}"] = Subject(
+            lambda: functools.partial(to_device, batch, device), scope
+        )
+        subjects[f"staged, host's share, {name}"] = Subject(
+            lambda: _host_share(batch, device), scope
+        )
+    measured = measure_group(subjects, config)
+    return {"threads": threads, "bytes": nbytes, "tensors": len(leaves), "measured": measured}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=7, help="timed loops a subject")
+    parser.add_argument(
+        "--quick", action="store_true", help="a small batch, one short loop: a smoke run"
+    )
+    args = parser.parse_args(argv)
+    device = script_accelerator()
+    if device is None:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    config = Config(min_time=0.002, trials=1) if args.quick else Config(0.02, args.trials)
+    print(f"{device}, torch {torch.__version__}, {cores} cores; medians of {config.trials} trials")
+    for threads in sorted({cores or 1, max(1, (cores or 1) // 4)}, reverse=True):
+        out = run(device, config, threads, args.quick)
+        print(f"\n{threads} torch threads, {out['tensors']} tensors, {out['bytes'] / 1e6:.1f} MB")
+        print("| subject | median | GB/s |\n| --- | --- | --- |")
+        for name, measurement in out["measured"].items():
+            if not measurement.ok:
+                print(f"| {name} | {measurement.status}: {measurement.detail} | |")
+                continue
+            rate = out["bytes"] / measurement.median_ns
+            print(f"| {name} | {fmt_ns(measurement.median_ns)} | {rate:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
