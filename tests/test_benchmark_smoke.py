@@ -298,7 +298,13 @@ def test_staged_breakdown_times_every_subject() -> None:
         for size in (4, 16, 64)
         for kind in ("blocking", "host's share")
     ]
-    alone = ["packing alone", "one host copy", "link, a copy per tensor", "link, one copy"]
+    alone = [
+        "packing alone",
+        "packed and sent by hand, tensor by tensor",
+        "one host copy",
+        "link, a copy per tensor",
+        "link, one copy",
+    ]
     tables = done.stdout.count(" torch threads, ")
     assert tables in (1, 2)
     assert sorted([*alone, "per tensor", *chunked] * tables) == sorted(subjects)
