@@ -16,10 +16,11 @@ takes it apart, for the pageable detection batch (16 images 3x512x512, boxes, la
 - ``one host copy``: the batch's bytes as one copy into pinned memory (the host's bound);
 - ``link, a copy per tensor``: from that pinned buffer, one copy per tensor to the device,
   waited for; ``link, one copy``: the batch's bytes in one copy (the link's bound);
-- ``packed and sent by hand, tensor by tensor``: each tensor copied into its place in that
-  pinned buffer, then its copy to the device queued, the next packed meanwhile: the
-  pipeline a staged move makes, without its chunks, pool or bookkeeping;
-- ``per tensor``: ``to_device(batch, d, coalesce=False)``.
+- ``packed and sent by hand``: each piece of 4 (or 16) MiB of each tensor copied into its
+  place in that pinned buffer, then its copy to the device queued, the next packed
+  meanwhile: the pipeline a staged move makes, without its chunks, pool or bookkeeping;
+- ``per tensor``: ``to_device(batch, d, coalesce=False)``;
+- the same batch pinned: ``per tensor``, and the staged move blocking and its host share.
 
 The staged rows are timed for staging chunks of 4 MiB (the default), 16 MiB and 64 MiB
 (the pool four times the batch, so that no chunk is waited for), and with a quarter of the
@@ -50,6 +51,12 @@ from devicectx.move._staging import Thresholds
 from devicectx.move._staging._state import STATE, swapped
 
 _MIB = 1024 * 1024
+
+
+def _pinned(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.pin_memory()
+    return {key: _pinned(value) for key, value in tree.items()}
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:
@@ -125,16 +132,30 @@ def run(device: torch.device, config: Config, threads: int, quick: bool) -> dict
         for target, place in zip(device_places, places, strict=True):
             target.copy_(place.view(torch.uint8).view(-1), non_blocking=True)
 
-    def by_hand() -> None:
-        # Each tensor packed, then its copy queued: the next one is packed while it is
-        # on its way; no chunks, no pool, nothing of devicectx.
+    def by_hand(piece_mib: int) -> Callable[[], None]:
+        # Each piece of at most piece_mib packed, then its copy queued: the next piece is
+        # packed while it is on its way; no chunks, no pool, nothing of devicectx.
+        pieces = []
+        step = piece_mib * _MIB
         for target, place, leaf in zip(device_places, places, leaves, strict=True):
-            place.copy_(leaf)
-            target.copy_(place.view(torch.uint8).view(-1), non_blocking=True)
+            raw_place, raw_leaf = place.view(torch.uint8).view(-1), leaf.view(torch.uint8).view(-1)
+            for at in range(0, leaf.nbytes, step):
+                size = min(step, leaf.nbytes - at)
+                pieces.append(
+                    (target[at : at + size], raw_place[at : at + size], raw_leaf[at : at + size])
+                )
+
+        def send() -> None:
+            for target, place, piece in pieces:
+                place.copy_(piece)
+                target.copy_(place, non_blocking=True)
+
+        return _synced(send)
 
     subjects: dict[str, Subject] = {
         "packing alone": Subject(lambda: packing),
-        "packed and sent by hand, tensor by tensor": Subject(lambda: _synced(by_hand)),
+        "packed and sent by hand, 4 MiB pieces": Subject(lambda: by_hand(4)),
+        "packed and sent by hand, 16 MiB pieces": Subject(lambda: by_hand(16)),
         "one host copy": Subject(lambda: functools.partial(flat.copy_, source)),
         "link, a copy per tensor": Subject(lambda: _synced(link_per_tensor)),
         "link, one copy": Subject(
@@ -144,7 +165,17 @@ def run(device: torch.device, config: Config, threads: int, quick: bool) -> dict
             lambda: _synced(functools.partial(to_device, batch, device, coalesce=False))
         ),
     }
-    shares: dict[str, _HostShare] = {}
+    pinned = _pinned(batch)
+    subjects["per tensor, pinned"] = Subject(
+        lambda: _synced(functools.partial(to_device, pinned, device, coalesce=False))
+    )
+    subjects["staged, blocking, pinned"] = Subject(
+        lambda: functools.partial(to_device, pinned, device)
+    )
+    shares: dict[str, _HostShare] = {"staged, host's share, pinned": _HostShare(pinned, device)}
+    subjects["staged, host's share, pinned"] = Subject(
+        lambda: shares["staged, host's share, pinned"]
+    )
     for chunk_mib in (None, 16, 64):
         name = "4 MiB chunks" if chunk_mib is None else f"{chunk_mib} MiB chunks"
         scope = _chunks(chunk_mib)

@@ -300,7 +300,11 @@ def test_staged_breakdown_times_every_subject() -> None:
     ]
     alone = [
         "packing alone",
-        "packed and sent by hand, tensor by tensor",
+        "packed and sent by hand, 4 MiB pieces",
+        "packed and sent by hand, 16 MiB pieces",
+        "per tensor, pinned",
+        "staged, blocking, pinned",
+        "staged, host's share, pinned",
         "one host copy",
         "link, a copy per tensor",
         "link, one copy",
