@@ -588,6 +588,66 @@ def test_a_memory_limit_is_refused_where_a_cuda_gpu_is_present(emu: torch.device
     assert DEFAULTS == emulated.settings()
 
 
+# Errors raised in the device's C++, each in the words torch's own devices use. Where a CUDA
+# GPU is present, some crash the process instead of raising: a segmentation fault, seen
+# with torch 2.11 on an H100 for the out-of-memory error and a generator of a device that
+# does not exist. Each case there runs in a process of its own, and a crash is an expected
+# failure naming the cases that crashed, so that a run on a GPU machine shows which do.
+ERRORS_FROM_CPP = {
+    "a generator of a device that does not exist": (
+        'torch.Generator(device="emu:2")',
+        "IndexError: emu:2 does not exist: there are 2 emu devices",
+    ),
+    "an allocation past the memory limit": (
+        "extension.set_memory_limit(1024); torch.empty(10**6, device='emu')",
+        "OutOfMemoryError: emu out of memory. Tried to allocate 3.81 MiB.",
+    ),
+    "a generator where generators are switched off": (
+        "extension.set_generators_enabled(False); torch.Generator(device='emu')",
+        "NotImplementedError: emu: generators are switched off",
+    ),
+    "a tensor on a device that does not exist": (
+        'torch.empty(2, device="emu:5")',
+        "IndexError: emu:5 does not exist: there are 2 emu devices",
+    ),
+    "float64 on a device without it": (
+        "extension.set_float64_enabled(False); torch.zeros(2, dtype=torch.float64, device='emu')",
+        "TypeError: Cannot convert a emu Tensor to float64 dtype",
+    ),
+}
+
+
+def test_errors_raised_in_the_devices_cpp_reach_python(emu: torch.device) -> None:
+    """Each error above reaches Python as its exception, in a fresh process (one for all,
+    or one each where a CUDA GPU is present)."""
+    cases = list(ERRORS_FROM_CPP)
+    crashed = []
+    for group in [[case] for case in cases] if GPU_PRESENT else [cases]:
+        tries = "".join(
+            f"try:\n    {ERRORS_FROM_CPP[case][0]}\n"
+            "except Exception as exc:\n"
+            "    print(type(exc).__name__ + ': ' + str(exc).splitlines()[0])\n"
+            for case in group
+        )
+        source = (
+            "import torch\nfrom devicectx.testing import emulated\n"
+            "emulated.enable()\nextension = emulated._require()\n" + tries
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", source], capture_output=True, text=True, check=False
+        )
+        if done.returncode < 0 and GPU_PRESENT:
+            crashed.append(f"{group[0]} (signal {-done.returncode})")
+            continue
+        assert 0 == done.returncode, done.stderr[-3000:]
+        printed = done.stdout.splitlines()
+        assert len(group) == len(printed), printed
+        for case, line in zip(group, printed, strict=True):
+            assert line.startswith(ERRORS_FROM_CPP[case][1]), (case, line)
+    if crashed:
+        pytest.xfail(f"a CUDA GPU is present: these crashed the process: {'; '.join(crashed)}")
+
+
 @no_memory_limit_here
 def test_memory_limit_raises_out_of_memory(emu: torch.device) -> None:
     """configure(memory_limit=...) bounds each device's live bytes: past it, an allocation
