@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import MutableMapping, MutableSequence, MutableSet, Sequence
+from collections.abc import Callable, MutableMapping, MutableSequence, MutableSet, Sequence
 from typing import Any
 
 from torch.nn.utils.rnn import PackedSequence
@@ -248,57 +248,72 @@ def _unwrapped(key: Any) -> Any:
 
 
 def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
-    failed: Exception | None = None
-    if isinstance(obj, MutableMapping):
-        try:
-            clone = copy.copy(obj)
-            if clone is not obj and type(clone) is type(obj):
-                if getattr(obj, "__dict__", None) is obj:
-                    # A dict that is its own __dict__ (an attribute dict): the copy gets a
-                    # copy of it instead, whose attributes would keep the old children.
-                    # Not by clone.__dict__ = ...: the type's __setattr__ may set entries.
-                    object.__setattr__(clone, "__dict__", clone)
-                _forget_cached(clone)
-                for key, before, after in zip(keys, old, new, strict=True):
-                    if after is not before:
-                        clone[key] = after
-                return clone
-        except Exception as error:  # the constructor may still work; if not, both are told
-            failed = error
+    def own_attributes(clone: Any) -> None:
+        if getattr(obj, "__dict__", None) is obj:
+            # A dict that is its own __dict__ (an attribute dict): the copy gets a copy of
+            # it instead, whose attributes would keep the old children. Not by
+            # clone.__dict__ = ...: the type's __setattr__ may set entries.
+            object.__setattr__(clone, "__dict__", clone)
+
+    def update(clone: Any) -> None:
+        for key, before, after in zip(keys, old, new, strict=True):
+            if after is not before:
+                clone[key] = after
+
+    clone, failed = _updated_copy(obj, MutableMapping, update, own_attributes)
+    if clone is not None:
+        return clone
     return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)", failed)
 
 
 def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
-    failed: Exception | None = None
-    if isinstance(obj, MutableSequence):
-        try:
-            clone = copy.copy(obj)
-            if clone is not obj and type(clone) is type(obj):
-                _forget_cached(clone)
-                for index, (before, after) in enumerate(zip(old, new, strict=True)):
-                    if after is not before:
-                        clone[index] = after
-                return clone
-        except Exception as error:  # the constructor may still work; if not, both are told
-            failed = error
+    def update(clone: Any) -> None:
+        for index, (before, after) in enumerate(zip(old, new, strict=True)):
+            if after is not before:
+                clone[index] = after
+
+    clone, failed = _updated_copy(obj, MutableSequence, update)
+    if clone is not None:
+        return clone
     return _construct(obj, new, len(new), "new_items", failed)
 
 
 def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
-    failed: Exception | None = None
-    if isinstance(obj, MutableSet):
-        try:
-            clone = copy.copy(obj)
-            if clone is not obj and type(clone) is type(obj):
-                _forget_cached(clone)
-                for before, after in zip(old, new, strict=True):
-                    if after is not before:
-                        clone.discard(before)
-                        clone.add(after)
-                return clone
-        except Exception as error:  # the constructor may still work; if not, both are told
-            failed = error
+    def update(clone: Any) -> None:
+        for before, after in zip(old, new, strict=True):
+            if after is not before:
+                clone.discard(before)
+                clone.add(after)
+
+    clone, failed = _updated_copy(obj, MutableSet, update)
+    if clone is not None:
+        return clone
     return _construct(obj, new, len(new), "new_members", failed)
+
+
+def _updated_copy(
+    obj: Any,
+    mutable: type,
+    update: Callable[[Any], None],
+    prepare: Callable[[Any], None] | None = None,
+) -> tuple[Any, Exception | None]:
+    """A shallow copy of ``obj`` (``prepare`` applied to it, its cached properties
+    forgotten), then ``update`` applied, where ``obj`` is an instance of ``mutable`` and
+    its copy is a new object of its type: ``(copy, None)``; else ``(None, why)``, ``why``
+    the exception that stopped it (None: no copy to update)."""
+    if not isinstance(obj, mutable):
+        return None, None
+    try:
+        clone = copy.copy(obj)
+        if clone is obj or type(clone) is not type(obj):
+            return None, None
+        if prepare is not None:
+            prepare(clone)
+        _forget_cached(clone)
+        update(clone)
+    except Exception as error:  # the constructor may still work; if not, both are told
+        return None, error
+    return clone, None
 
 
 def _construct(
