@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-_MISSING = object()
+MISSING_ATTRIBUTE = object()
 
 
 def slot_names(tp: type) -> tuple[str, ...]:
@@ -28,7 +28,7 @@ def slot_names(tp: type) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _add_attributes(
+def add_attributes(
     state: dict[Any, Any], hidden: frozenset[str], keys: list[Any], values: list[Any]
 ) -> None:
     """The attributes in ``state`` (an instance's ``__dict__``) not in ``hidden``, added to
@@ -39,7 +39,7 @@ def _add_attributes(
             values.append(value)
 
 
-def _cached_names(tp: type) -> tuple[str, ...]:
+def cached_names(tp: type) -> tuple[str, ...]:
     """The names under which ``functools.cached_property``s of ``tp`` keep their values."""
     names = _CACHED_NAMES.get(tp)
     if names is None:
@@ -61,14 +61,14 @@ def _work_out_cached_names(tp: type) -> tuple[str, ...]:
     )
 
 
-def _forget_cached(clone: Any) -> None:
-    """:func:`_drop_cached` for a copy of any container type (a ``dict`` subclass, say);
+def forget_cached(clone: Any) -> None:
+    """:func:`drop_cached` for a copy of any container type (a ``dict`` subclass, say);
     nothing to do, and nothing asked of the type, where the copy has no ``__dict__``."""
     if getattr(clone, "__dict__", None):
-        _drop_cached(clone, _cached_names(type(clone)))
+        drop_cached(clone, cached_names(type(clone)))
 
 
-def _drop_cached(clone: Any, cached: tuple[str, ...]) -> None:
+def drop_cached(clone: Any, cached: tuple[str, ...]) -> None:
     """Forget the values the copy's cached properties hold: they were worked out from the
     children before the move (a tensor on the old device, say), and are worked out again,
     from the moved children, when next read. Lightning's apply_to_collection does the same."""

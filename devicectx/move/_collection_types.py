@@ -23,10 +23,10 @@ from typing import Any
 from torch.nn.utils.rnn import PackedSequence
 
 from devicectx.move._attributes import (
-    _MISSING,
-    _add_attributes,
-    _cached_names,
-    _forget_cached,
+    MISSING_ATTRIBUTE,
+    add_attributes,
+    cached_names,
+    forget_cached,
     slot_names,
 )
 from devicectx.move._kinds import (
@@ -36,13 +36,13 @@ from devicectx.move._kinds import (
     Kind,
     Rebuild,
     Split,
-    _items,
-    _positions,
+    items_split,
+    positional_split,
 )
 from devicectx.move._paths import ATTR, DUAL, ITEM, Entry
 
 
-def _is_graph(tp: type) -> bool:
+def is_graph(tp: type) -> bool:
     """torch_geometric's ``Data``, ``Batch`` (and the ``DataBatch`` types it makes),
     ``HeteroData``: known by where they come from, so the package is never imported."""
     return isinstance(getattr(tp, "stores", None), property) and any(
@@ -50,7 +50,7 @@ def _is_graph(tp: type) -> bool:
     )
 
 
-def _graph_split(obj: Any) -> tuple[list[Any], list[Any]]:
+def graph_split(obj: Any) -> tuple[list[Any], list[Any]]:
     # Its stores, not items(): a HeteroData's items() is empty. The global store's entries
     # are attributes of the object (data.x); each node or edge type's store is an entry
     # (data['paper']), itself a mapping with its own .to.
@@ -68,7 +68,7 @@ def _graph_split(obj: Any) -> tuple[list[Any], list[Any]]:
     return keys, values
 
 
-def _is_lazy_stack(tp: type) -> bool:
+def is_lazy_stack(tp: type) -> bool:
     """tensordict's ``LazyStackedTensorDict`` (and its subclasses): known by where it comes
     from, so the package is never imported."""
     return any(
@@ -94,7 +94,7 @@ def _stack_rebuild(obj: Any, keys: object, old: object, new: list[Any]) -> Any:
     return clone
 
 
-_STACK_KIND = Kind(OWN, ATTR, _stack_split, _stack_rebuild)
+STACK_KIND = Kind(OWN, ATTR, _stack_split, _stack_rebuild)
 
 
 _PACKED_FIELDS = ("data", "sorted_indices", "unsorted_indices")
@@ -110,7 +110,7 @@ def _packed_rebuild(obj: PackedSequence, keys: object, old: object, new: list[An
     return type(obj)(data, obj.batch_sizes, sorted_indices, unsorted_indices)
 
 
-_PACKED_KIND = Kind(CONTAINER, ATTR, _packed_split, _packed_rebuild)
+PACKED_KIND = Kind(CONTAINER, ATTR, _packed_split, _packed_rebuild)
 
 
 def _chain_split(obj: collections.ChainMap[Any, Any]) -> tuple[tuple[str], tuple[Any]]:
@@ -128,18 +128,18 @@ def _chain_rebuild(
     clone: Any = object.__new__(type(obj))
     clone.__dict__.update(vars(obj))
     for slot in slot_names(type(obj)):
-        value = getattr(obj, slot, _MISSING)
-        if value is not _MISSING:
+        value = getattr(obj, slot, MISSING_ATTRIBUTE)
+        if value is not MISSING_ATTRIBUTE:
             object.__setattr__(clone, slot, value)
     clone.maps = new[0]
-    _forget_cached(clone)
+    forget_cached(clone)
     return clone
 
 
-_CHAIN_KIND = Kind(CONTAINER, ATTR, _chain_split, _chain_rebuild)
+CHAIN_KIND = Kind(CONTAINER, ATTR, _chain_split, _chain_rebuild)
 
 
-def _tuple_kind(tp: type) -> Kind:
+def tuple_kind(tp: type) -> Kind:
     fields = getattr(tp, "_fields", None)
     if isinstance(fields, tuple) and callable(getattr(tp, "_make", None)):
         make = tp._make  # type: ignore[attr-defined]
@@ -158,7 +158,7 @@ def _tuple_kind(tp: type) -> Kind:
             return names, obj
 
         return Kind(CONTAINER, ATTR, structseq_split, lambda o, k, old, new: tp(new))
-    return Kind(CONTAINER, ITEM, _positions, _rebuild_sequence)
+    return Kind(CONTAINER, ITEM, positional_split, rebuild_sequence)
 
 
 def _hidden_structseq_kind(tp: type, count: int) -> Kind:
@@ -182,7 +182,7 @@ def _hidden_structseq_kind(tp: type, count: int) -> Kind:
 _USER_DICT_READS = ("__iter__", "__getitem__", "__len__", "keys", "values", "items")
 
 
-def _entries(tp: type) -> Split:
+def entries_split(tp: type) -> Split:
     """A ``UserDict``'s items, each ``str`` key an :class:`Entry`: paths then write it
     ``ud['k']``, and a plain ``str`` key is an attribute, ``ud.k``. Read from its ``data``
     where the type reads its entries as ``UserDict`` does (faster than ``items()``, which
@@ -197,17 +197,17 @@ def _entries(tp: type) -> Split:
         return read
 
     def read_items(obj: Any) -> tuple[list[Any], list[Any]]:
-        keys, values = _items(obj)
+        keys, values = items_split(obj)
         return [Entry(key) if type(key) is str else key for key in keys], values
 
     return read_items
 
 
-def _user_kind(tp: type, entries: Split, rebuild_entries: Rebuild) -> Kind:
+def user_kind(tp: type, entries: Split, rebuild_entries: Rebuild) -> Kind:
     """A ``UserDict`` or ``UserList`` (or a subclass): its entries, then the other
     attributes an instance was given (``self.scale = ...`` in its ``__init__``), which
     its copy carries over as they are. ``data``, where the entries live, is no child."""
-    hidden = frozenset({"data", *_cached_names(tp)})
+    hidden = frozenset({"data", *cached_names(tp)})
 
     def split(obj: Any) -> tuple[Any, Sequence[Any]]:
         keys, values = entries(obj)
@@ -215,7 +215,7 @@ def _user_kind(tp: type, entries: Split, rebuild_entries: Rebuild) -> Kind:
         if len(state) > 1 or "data" not in state:
             names: list[Any] = []
             more: list[Any] = []
-            _add_attributes(state, hidden, names, more)
+            add_attributes(state, hidden, names, more)
             if names:  # after the entries, keyed by name
                 keys = [*(range(len(values)) if keys is None else keys), *names]
                 values = [*values, *more]
@@ -247,7 +247,7 @@ def _unwrapped(key: Any) -> Any:
 # CannotRebuild rather than come back half-moved or turned into another type.
 
 
-def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+def rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
     def own_attributes(clone: Any) -> None:
         if getattr(obj, "__dict__", None) is obj:
             # A dict that is its own __dict__ (an attribute dict): the copy gets a copy of
@@ -266,7 +266,7 @@ def _rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) ->
     return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)", failed)
 
 
-def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+def rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
     def update(clone: Any) -> None:
         for index, (before, after) in enumerate(zip(old, new, strict=True)):
             if after is not before:
@@ -278,7 +278,7 @@ def _rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -
     return _construct(obj, new, len(new), "new_items", failed)
 
 
-def _rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+def rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
     def update(clone: Any) -> None:
         for before, after in zip(old, new, strict=True):
             if after is not before:
@@ -309,7 +309,7 @@ def _updated_copy(
             return None, None
         if prepare is not None:
             prepare(clone)
-        _forget_cached(clone)
+        forget_cached(clone)
         update(clone)
     except Exception as error:  # the constructor may still work; if not, both are told
         return None, error

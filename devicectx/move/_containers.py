@@ -1,6 +1,6 @@
 """The container registry: which :class:`~devicectx.move._kinds.Kind` each type gets.
 
-:func:`kind_for` works a type's kind out once and caches it (``_CACHE``, which the walks
+:func:`kind_for` works a type's kind out once and caches it (``KIND_CACHE``, which the walks
 read directly on the hot path). The rules, first match wins: a registered type (nearest in
 the MRO, :func:`register_container`), a tensor, a module, a known leaf (``str``,
 ``torch.Size``, ``range``, ...), the built-in container types (and the package's own,
@@ -31,26 +31,26 @@ from torch.nn.utils.rnn import PackedSequence
 
 from devicectx._errors import RegistrationError
 from devicectx.move._collection_types import (
-    _CHAIN_KIND,
-    _PACKED_KIND,
-    _STACK_KIND,
-    _entries,
-    _graph_split,
-    _is_graph,
-    _is_lazy_stack,
-    _rebuild_mapping,
-    _rebuild_sequence,
-    _rebuild_set,
-    _tuple_kind,
-    _user_kind,
+    CHAIN_KIND,
+    PACKED_KIND,
+    STACK_KIND,
+    entries_split,
+    graph_split,
+    is_graph,
+    is_lazy_stack,
+    rebuild_mapping,
+    rebuild_sequence,
+    rebuild_set,
+    tuple_kind,
+    user_kind,
 )
 from devicectx.move._dataclasses import (
-    _dataclass_rebuild,
-    _dataclass_split,
-    _dual_rebuild,
-    _dual_split,
-    _namespace_kind,
-    _two_views,
+    dataclass_rebuild,
+    dataclass_split,
+    dual_rebuild,
+    dual_split,
+    namespace_kind,
+    two_views,
 )
 from devicectx.move._distributed import is_dtensor_type
 from devicectx.move._kinds import (
@@ -64,9 +64,9 @@ from devicectx.move._kinds import (
     TENSOR_KIND,
     TUPLE_KIND,
     Kind,
-    _dict_items,
-    _items,
-    _listed,
+    dict_split,
+    items_split,
+    listed_split,
 )
 
 # Named here too, for the tests that reach them as ``_containers.X``.
@@ -84,20 +84,20 @@ _BUILTIN: dict[type, Kind] = {
     collections.OrderedDict: Kind(
         CONTAINER,
         ITEM,
-        _dict_items,
+        dict_split,
         lambda o, k, old, new: collections.OrderedDict(zip(k, new, strict=True)),
     ),
     collections.defaultdict: Kind(
         CONTAINER,
         ITEM,
-        _dict_items,
+        dict_split,
         lambda o, k, old, new: collections.defaultdict(o.default_factory, zip(k, new, strict=True)),
     ),
     collections.deque: Kind(
-        CONTAINER, ITEM, _listed, lambda o, k, old, new: collections.deque(new, o.maxlen)
+        CONTAINER, ITEM, listed_split, lambda o, k, old, new: collections.deque(new, o.maxlen)
     ),
-    set: Kind(CONTAINER, MEMBER, _listed, lambda o, k, old, new: set(new)),
-    frozenset: Kind(CONTAINER, MEMBER, _listed, lambda o, k, old, new: frozenset(new)),
+    set: Kind(CONTAINER, MEMBER, listed_split, lambda o, k, old, new: set(new)),
+    frozenset: Kind(CONTAINER, MEMBER, listed_split, lambda o, k, old, new: frozenset(new)),
 }
 
 # Never iterated, though some are Sequences or Sets: iterating a str or a range is
@@ -118,7 +118,7 @@ _LEAF_BASES: tuple[type, ...] = (
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 _REGISTRY: dict[type, Kind] = {}
-_CACHE: dict[type, Kind] = {}
+KIND_CACHE: dict[type, Kind] = {}
 """Each type's kind once worked out. Other modules read it directly on the hot path, so it
 is only ever cleared, never rebound; :func:`kind_for` adds to it only under ``_LOCK``."""
 _LOCK = threading.Lock()
@@ -143,9 +143,9 @@ def _reset_cache() -> None:
     """Forget every worked-out kind, after the rules changed; called under ``_LOCK``."""
     global FAST_LIST, FAST_TUPLE, FAST_DICT, PLAIN_BUILTINS, _generation
     _generation += 1
-    _CACHE.clear()
-    _CACHE.update(dict.fromkeys(_PLAIN_LEAVES, LEAF_KIND))
-    _CACHE[torch.Tensor] = TENSOR_KIND
+    KIND_CACHE.clear()
+    KIND_CACHE.update(dict.fromkeys(_PLAIN_LEAVES, LEAF_KIND))
+    KIND_CACHE[torch.Tensor] = TENSOR_KIND
     FAST_LIST = _Never if list in _REGISTRY else list
     FAST_TUPLE = _Never if tuple in _REGISTRY else tuple
     FAST_DICT = _Never if dict in _REGISTRY else dict
@@ -161,7 +161,7 @@ def kind_for(tp: type) -> Kind:
     Safe beside a registration in another thread: a kind worked out from the rules as they
     were before a (un)registration is never cached after it, but worked out again.
     """
-    kind = _CACHE.get(tp)
+    kind = KIND_CACHE.get(tp)
     if kind is None:
         kind = _worked_out(tp)
     return kind
@@ -176,7 +176,7 @@ def _worked_out(tp: type) -> Kind:
         kind = _work_out(tp)
         with _LOCK:
             if generation == _generation:
-                _CACHE[tp] = kind
+                KIND_CACHE[tp] = kind
                 return kind
     # The rules changed on each try (a type whose own code registers as it is read):
     # this answer is not cached, so the next look works the kind out again.
@@ -358,29 +358,29 @@ def _work_out(tp: type) -> Kind:
     if builtin is not None:
         return builtin
     if issubclass(tp, PackedSequence):
-        return _PACKED_KIND
+        return PACKED_KIND
     if issubclass(tp, collections.ChainMap):
-        return _CHAIN_KIND
+        return CHAIN_KIND
     if callable(getattr(tp, "to", None)):
         return _own_kind(tp)
     if dataclasses.is_dataclass(tp):
-        if _two_views(tp):
-            return Kind(CONTAINER, DUAL, _dual_split(tp), _dual_rebuild(tp))
-        return Kind(CONTAINER, ATTR, _dataclass_split(tp, True), _dataclass_rebuild(tp))
+        if two_views(tp):
+            return Kind(CONTAINER, DUAL, dual_split(tp), dual_rebuild(tp))
+        return Kind(CONTAINER, ATTR, dataclass_split(tp, True), dataclass_rebuild(tp))
     if issubclass(tp, types.SimpleNamespace):
-        return _namespace_kind(tp)
+        return namespace_kind(tp)
     if issubclass(tp, tuple):
-        return _tuple_kind(tp)
+        return tuple_kind(tp)
     if issubclass(tp, collections.UserDict):
-        return _user_kind(tp, _entries(tp), _rebuild_mapping)
+        return user_kind(tp, entries_split(tp), rebuild_mapping)
     if issubclass(tp, Mapping):
-        return Kind(CONTAINER, ITEM, _items, _rebuild_mapping)
+        return Kind(CONTAINER, ITEM, items_split, rebuild_mapping)
     if issubclass(tp, Set):
-        return Kind(CONTAINER, MEMBER, _listed, _rebuild_set)
+        return Kind(CONTAINER, MEMBER, listed_split, rebuild_set)
     if issubclass(tp, collections.UserList):
-        return _user_kind(tp, _listed, _rebuild_sequence)
+        return user_kind(tp, listed_split, rebuild_sequence)
     if issubclass(tp, Sequence):
-        return Kind(CONTAINER, ITEM, _listed, _rebuild_sequence)
+        return Kind(CONTAINER, ITEM, listed_split, rebuild_sequence)
     return LEAF_KIND
 
 
@@ -388,13 +388,13 @@ def _own_kind(tp: type) -> Kind:
     """An object with its own ``.to``: a split where its children can be read, and a
     rebuild where what its ``.to`` leaves behind can be moved by the type's own protocol."""
     if dataclasses.is_dataclass(tp):  # a tensorclass, say: its fields are its own business
-        if _two_views(tp):
-            return Kind(OWN, DUAL, _dual_split(tp), _dual_rebuild(tp))
-        return Kind(OWN, ATTR, _dataclass_split(tp))
-    if _is_graph(tp):
-        return Kind(OWN, DUAL, _graph_split)
-    if _is_lazy_stack(tp):
-        return _STACK_KIND
+        if two_views(tp):
+            return Kind(OWN, DUAL, dual_split(tp), dual_rebuild(tp))
+        return Kind(OWN, ATTR, dataclass_split(tp))
+    if is_graph(tp):
+        return Kind(OWN, DUAL, graph_split)
+    if is_lazy_stack(tp):
+        return STACK_KIND
     if issubclass(tp, Mapping):
-        return Kind(OWN, ITEM, _items, _rebuild_mapping)
+        return Kind(OWN, ITEM, items_split, rebuild_mapping)
     return Kind(OWN)

@@ -19,23 +19,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from devicectx.move._attributes import (
-    _MISSING,
-    _add_attributes,
-    _cached_names,
-    _drop_cached,
+    MISSING_ATTRIBUTE,
+    add_attributes,
+    cached_names,
+    drop_cached,
     slot_names,
 )
 from devicectx.move._kinds import CONTAINER, CannotRebuild, Kind, Rebuild, Split
 from devicectx.move._paths import ATTR, DUAL, Entry, join
 
 
-def _dataclass_split(tp: type, attributes: bool = False) -> Split:
+def dataclass_split(tp: type, attributes: bool = False) -> Split:
     """The fields of a dataclass, in order; with ``attributes``, then the other attributes
     of the instance (set in ``__post_init__``, say), in the order they were set: the
     rebuild copies them as they are, so a tensor among them would stay where it was.
 
     ``functools.cached_property`` values are no children: the rebuild drops them
-    (:func:`_drop_cached`). Where reading a field from an instance's ``__dict__`` gives
+    (:func:`drop_cached`). Where reading a field from an instance's ``__dict__`` gives
     what ``getattr`` gives (:func:`_read_from_dict`), the fields are read from it, which is
     faster than a ``getattr`` each; at once where it holds the fields, in field order, and
     nothing else, as the dataclass's ``__init__`` leaves it (the common case: a batch's
@@ -49,19 +49,19 @@ def _dataclass_split(tp: type, attributes: bool = False) -> Split:
         keys: list[str] = []
         values: list[Any] = []
         for name in names:
-            value = getattr(obj, name, _MISSING)  # an init=False field may never be set
-            if value is not _MISSING:
+            value = getattr(obj, name, MISSING_ATTRIBUTE)  # an init=False field may never be set
+            if value is not MISSING_ATTRIBUTE:
                 keys.append(name)
                 values.append(value)
         return keys, values
 
     if not attributes or tp.__dictoffset__ == 0:  # or its instances have no __dict__
         return fields
-    hidden = frozenset(names).union(_cached_names(tp))
+    hidden = frozenset(names).union(cached_names(tp))
 
     def scan(obj: Any) -> tuple[list[str], list[Any]]:
         keys, values = fields(obj)
-        _add_attributes(obj.__dict__, hidden, keys, values)
+        add_attributes(obj.__dict__, hidden, keys, values)
         return keys, values
 
     if slot_names(tp) or not _read_from_dict(tp, names):
@@ -77,16 +77,16 @@ def _dataclass_split(tp: type, attributes: bool = False) -> Split:
         get = state.get
         elsewhere = 0  # fields read from the class body: the rest are in the __dict__
         for name in names:
-            value = get(name, _MISSING)
-            if value is _MISSING:  # a default in the class body, or never set
-                value = getattr(obj, name, _MISSING)
-                if value is _MISSING:
+            value = get(name, MISSING_ATTRIBUTE)
+            if value is MISSING_ATTRIBUTE:  # a default in the class body, or never set
+                value = getattr(obj, name, MISSING_ATTRIBUTE)
+                if value is MISSING_ATTRIBUTE:
                     continue
                 elsewhere += 1
             keys.append(name)
             values.append(value)
         if len(state) > len(keys) - elsewhere:  # an entry that is no field
-            _add_attributes(state, hidden, keys, values)
+            add_attributes(state, hidden, keys, values)
         return keys, values
 
     return read
@@ -108,9 +108,9 @@ def _read_from_dict(tp: type, names: Iterable[str]) -> bool:
     return True
 
 
-def _dataclass_rebuild(tp: type) -> Rebuild:
+def dataclass_rebuild(tp: type) -> Rebuild:
     slots = slot_names(tp)
-    cached = _cached_names(tp)
+    cached = cached_names(tp)
 
     def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
         # Not the constructor: init=False fields, InitVars and __post_init__ side effects
@@ -127,21 +127,21 @@ def _dataclass_rebuild(tp: type) -> Rebuild:
             if state is not None:
                 clone.__dict__.update(state)
             for slot in slots:
-                value = getattr(obj, slot, _MISSING)
-                if value is not _MISSING:
+                value = getattr(obj, slot, MISSING_ATTRIBUTE)
+                if value is not MISSING_ATTRIBUTE:
                     object.__setattr__(clone, slot, value)
         for key, before, after in zip(keys, old, new, strict=True):
             if after is not before:
                 object.__setattr__(clone, key, after)
-        _drop_cached(clone, cached)
+        drop_cached(clone, cached)
         return clone
 
     return rebuild
 
 
-def _namespace_kind(tp: type) -> Kind:
+def namespace_kind(tp: type) -> Kind:
     """A ``SimpleNamespace`` (or a subclass): its attributes, in order, as children."""
-    hidden = frozenset(_cached_names(tp))
+    hidden = frozenset(cached_names(tp))
     slots = slot_names(tp)
 
     def split(obj: Any) -> tuple[list[Any], list[Any]]:
@@ -150,7 +150,7 @@ def _namespace_kind(tp: type) -> Kind:
             return list(state), list(state.values())
         keys: list[Any] = []
         values: list[Any] = []
-        _add_attributes(state, hidden, keys, values)
+        add_attributes(state, hidden, keys, values)
         return keys, values
 
     def rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
@@ -161,21 +161,21 @@ def _namespace_kind(tp: type) -> Kind:
         state.update(obj.__dict__)
         state.update(zip(keys, new, strict=True))
         for slot in slots:
-            value = getattr(obj, slot, _MISSING)
-            if value is not _MISSING:
+            value = getattr(obj, slot, MISSING_ATTRIBUTE)
+            if value is not MISSING_ATTRIBUTE:
                 object.__setattr__(clone, slot, value)
-        _drop_cached(clone, tuple(hidden))
+        drop_cached(clone, tuple(hidden))
         return clone
 
     return Kind(CONTAINER, ATTR, split, rebuild)
 
 
-def _two_views(tp: type) -> bool:
+def two_views(tp: type) -> bool:
     """Whether a dataclass is also a mapping or a sequence: its tensors have two views."""
     return issubclass(tp, Mapping) or (issubclass(tp, Sequence) and not issubclass(tp, str))
 
 
-def _dual_split(tp: type) -> Split:
+def dual_split(tp: type) -> Split:
     """Children of a dataclass that is also a mapping (``ModelOutput``) or a sequence.
 
     Entries first, in their order, then the fields no entry stands for. An entry and the
@@ -193,7 +193,7 @@ def _dual_split(tp: type) -> Split:
         named: set[str] = set()
         for key, value in obj.items() if mapping else enumerate(obj):
             if type(key) is str:
-                if key in field_names and getattr(obj, key, _MISSING) is value:
+                if key in field_names and getattr(obj, key, MISSING_ATTRIBUTE) is value:
                     named.add(key)
                 else:
                     key = Entry(key)
@@ -201,8 +201,9 @@ def _dual_split(tp: type) -> Split:
             values.append(value)
         for name in fields:
             if name not in named:
-                value = getattr(obj, name, _MISSING)  # an init=False field may never be set
-                if value is not _MISSING:
+                # An init=False field may never be set.
+                value = getattr(obj, name, MISSING_ATTRIBUTE)
+                if value is not MISSING_ATTRIBUTE:
                     keys.append(name)
                     values.append(value)
         return keys, values
@@ -210,10 +211,10 @@ def _dual_split(tp: type) -> Split:
     return split
 
 
-def _dual_rebuild(tp: type) -> Rebuild:
-    split = _dual_split(tp)
+def dual_rebuild(tp: type) -> Rebuild:
+    split = dual_split(tp)
     names = tuple(f.name for f in dataclasses.fields(tp)) + slot_names(tp)
-    cached = _cached_names(tp)
+    cached = cached_names(tp)
     mapping = issubclass(tp, Mapping)
     storage = next((k for k in tp.__mro__ if k in (dict, collections.OrderedDict, list)), None)
 
@@ -228,19 +229,19 @@ def _dual_rebuild(tp: type) -> Rebuild:
             why = f"copy.copy() raised {type(error).__name__}: {error}"
             raise CannotRebuild(tp, why) from error
         fresh = clone is not obj and type(clone) is tp
-        _drop_cached(clone, cached)
+        drop_cached(clone, cached)
         if not fresh:
             raise CannotRebuild(tp, "copy.copy() does not make a new object of its type")
         if mapping:
             _keep_order(clone, list(obj.keys()), storage)
         for name in (*names, *getattr(clone, "__dict__", ())):
-            after = changed.get(id(getattr(clone, name, _MISSING)), _MISSING)
-            if after is not _MISSING:
+            after = changed.get(id(getattr(clone, name, MISSING_ATTRIBUTE)), MISSING_ATTRIBUTE)
+            if after is not MISSING_ATTRIBUTE:
                 object.__setattr__(clone, name, after)
         entries = clone.items() if mapping else enumerate(clone)
         for key, value in list(entries):
-            after = changed.get(id(value), _MISSING)
-            if after is not _MISSING:
+            after = changed.get(id(value), MISSING_ATTRIBUTE)
+            if after is not MISSING_ATTRIBUTE:
                 _set_entry(clone, key, after, storage)
         again, now = split(clone)
         if [(type(k), k) for k in again] != [(type(k), k) for k in keys] or any(
@@ -292,8 +293,8 @@ def _disagreement(
     expected = dict(zip(((type(k), k) for k in keys), new, strict=True))
     start = "a copy given the moved children"
     for key, value in zip(again, now, strict=True):
-        found = expected.pop((type(key), key), _MISSING)
-        if found is _MISSING:
+        found = expected.pop((type(key), key), MISSING_ATTRIBUTE)
+        if found is MISSING_ATTRIBUTE:
             return f"{start} has something new at {join('', DUAL, key)}"
         if found is not value:
             return f"{start} shows another object at {join('', DUAL, key)}"

@@ -44,7 +44,7 @@ from devicectx.devices._capabilities import (
     nearest_dtype,
 )
 from devicectx.move._alias import TensorMover
-from devicectx.move._containers import _CACHE
+from devicectx.move._containers import KIND_CACHE
 from devicectx.move._kinds import LEAF_KIND, MODULE_KIND
 from devicectx.move._paths import within
 from devicectx.move._rebuild import Fix, Rebuild
@@ -222,7 +222,7 @@ def _plain_holds(
             if _plain_holds(inner, wanted, modules, skip_types, depth - 1):
                 return True
         else:
-            kind = _CACHE.get(tp)
+            kind = KIND_CACHE.get(tp)
             if kind is MODULE_KIND:
                 if (
                     modules

@@ -102,27 +102,25 @@ MODULE_KIND = Kind(MODULE)
 LEAF_KIND = Kind(LEAF)
 
 
-def _positions(obj: Any) -> tuple[None, Any]:
+def positional_split(obj: Any) -> tuple[None, Any]:
     return None, obj
 
 
-def _listed(obj: Any) -> tuple[None, list[Any]]:
+def listed_split(obj: Any) -> tuple[None, list[Any]]:
     return None, list(obj)
 
 
-def _items(obj: Any) -> tuple[list[Any], list[Any]]:
+def items_split(obj: Any) -> tuple[list[Any], list[Any]]:
     # items(), not iteration: some mappings iterate over something else (a TensorDict
     # iterates over its batch dimension).
     pairs = list(obj.items())
     return [k for k, _ in pairs], [v for _, v in pairs]
 
 
-def _dict_items(obj: dict[Any, Any]) -> tuple[list[Any], list[Any]]:
+def dict_split(obj: dict[Any, Any]) -> tuple[list[Any], list[Any]]:
     return list(obj), list(obj.values())
 
 
-LIST_KIND = Kind(CONTAINER, ITEM, _positions, lambda o, k, old, new: new)
-TUPLE_KIND = Kind(CONTAINER, ITEM, _positions, lambda o, k, old, new: tuple(new))
-DICT_KIND = Kind(
-    CONTAINER, ITEM, _dict_items, lambda o, k, old, new: dict(zip(k, new, strict=True))
-)
+LIST_KIND = Kind(CONTAINER, ITEM, positional_split, lambda o, k, old, new: new)
+TUPLE_KIND = Kind(CONTAINER, ITEM, positional_split, lambda o, k, old, new: tuple(new))
+DICT_KIND = Kind(CONTAINER, ITEM, dict_split, lambda o, k, old, new: dict(zip(k, new, strict=True)))

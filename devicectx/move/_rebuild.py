@@ -63,7 +63,7 @@ from devicectx.move._unmaterialised import unmaterialised
 from devicectx.move._walk import all_on, iter_tensors, module_on
 
 _Tensor = torch.Tensor
-_CACHE = _containers._CACHE
+_CACHE = _containers.KIND_CACHE
 _DEPTH = 100  # containers deeper than this go on with an explicit stack
 _BUSY = object()  # a container whose rebuild is under way: meeting it again is a cycle
 _PUSHED = object()  # the explicit-stack walk started a container: descend into it

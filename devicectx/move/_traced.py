@@ -40,7 +40,7 @@ from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip
 
 _Tensor = torch.Tensor
-_CACHE = _containers._CACHE
+_CACHE = _containers.KIND_CACHE
 
 
 class TracedMove:

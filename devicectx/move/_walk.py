@@ -43,7 +43,7 @@ from devicectx.move._kinds import (
 from devicectx.move._paths import ITEM, build, join, keyed_modules, module_path
 
 _Tensor = torch.Tensor
-_CACHE = _containers._CACHE
+_CACHE = _containers.KIND_CACHE
 
 
 _UNTRACKED = 64
