@@ -135,7 +135,14 @@ def test_device_report_json_in_a_job(verdicts: list[dict[str, str]]) -> None:
 
 @pytest.fixture
 def mesh() -> Iterator[object]:
-    """A one-process gloo group and its CPU mesh, for the length of one test."""
+    """A one-process gloo group and its CPU mesh, for the length of one test.
+
+    The tests on it make their DTensors with ``DTensor.from_local`` (on one rank, what
+    ``distribute_tensor`` makes) and read them with ``to_local``: no collective runs. On
+    torch 2.6, destroying a gloo group just after an asynchronous collective can deadlock
+    (a gloo thread frees the collective's tensors, which takes the GIL, while the group's
+    destructor, holding the GIL, waits for that thread's lock); seen in a CI run.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
@@ -148,11 +155,11 @@ def mesh() -> Iterator[object]:
 def test_find_layouts_tells_sharded_replicated_and_plain_apart(mesh: object) -> None:
     """find_devices lists three tensors on one device; find_layouts gives each its kind,
     placements and mesh, in the same order and with the same paths."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     batch = {
-        "w": distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]),  # type: ignore[arg-type]
-        "b": distribute_tensor(torch.ones(4), mesh, [Replicate()]),  # type: ignore[arg-type]
+        "w": DTensor.from_local(torch.ones(4, 4), mesh, [Shard(0)]),  # type: ignore[arg-type]
+        "b": DTensor.from_local(torch.ones(4), mesh, [Replicate()]),  # type: ignore[arg-type]
         "x": torch.ones(2),
     }
     cpu = torch.device("cpu")
@@ -182,13 +189,13 @@ def test_a_partial_dtensor_is_partial(mesh: object) -> None:
 
 def test_mixed_message_every_line(mesh: object) -> None:
     """The mixed-DTensor error: the call, each path with its layout, the rule, the fix."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 
     @device_agnostic(move=False)
     def loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise AssertionError("the body ran")
 
-    pred = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])  # type: ignore[arg-type]
+    pred = DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)])  # type: ignore[arg-type]
     with pytest.raises(DeviceMismatchError) as caught:
         loss(pred, torch.ones(4, 2))
 
@@ -208,15 +215,15 @@ def test_mixed_message_every_line(mesh: object) -> None:
 
 def test_dtensors_alone_pass_the_check(mesh: object) -> None:
     """DTensors with one-element plain tensors (which DTensor ops take) run the body."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 
     @device_agnostic(move=False)
     def scale(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
         return x * factor
 
-    x = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])  # type: ignore[arg-type]
+    x = DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)])  # type: ignore[arg-type]
 
-    assert 8.0 * 2 == scale(x, torch.tensor(2.0)).full_tensor().sum().item()
+    assert 8.0 * 2 == scale(x, torch.tensor(2.0)).to_local().sum().item()
 
 
 def test_dtensor_kind_is_told_apart(mesh: object) -> None:
