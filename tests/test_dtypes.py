@@ -256,6 +256,26 @@ def test_a_cast_keeps_views_aliasing_and_autograd() -> None:
     assert F64 == x.grad.dtype
 
 
+@pytest.mark.parametrize("held", ["alone", "in a dict", "in a list"])
+def test_a_cast_loose_parameter_passes_its_gradient_back(held: str) -> None:
+    """A float64 parameter passed to a decorated call with a mapping (not in a module)
+    reaches the body cast, through autograd: its gradient lands on the caller's parameter,
+    as without ``dtypes=`` (a new leaf parameter would train nothing)."""
+    temperature = nn.Parameter(torch.tensor(2.0, dtype=F64))
+
+    @device_agnostic(device="cpu", dtypes={F64: F32})
+    def scaled(w: torch.Tensor, temp: Any) -> torch.Tensor:
+        inside = temp if held == "alone" else temp["t"] if held == "in a dict" else temp[0]
+        assert F32 == inside.dtype
+        assert not isinstance(inside, nn.Parameter)
+        return (w / inside).sum()
+
+    passed = {"alone": temperature, "in a dict": {"t": temperature}, "in a list": [temperature]}
+    scaled(torch.ones(3), passed[held]).backward()
+    assert temperature.grad is not None
+    assert (-0.75, F64) == (temperature.grad.item(), temperature.grad.dtype)
+
+
 def test_a_mapping_casts_everywhere_even_without_a_move() -> None:
     """A mapping casts on every device, tensors already on the target included: the same
     dtypes on a CPU run as on an MPS one. Other tensors come back as they were."""

@@ -104,6 +104,7 @@ class Policy:
         fix: Fix,
         suggest: Suggest,
         values: Iterable[Any] | None = None,
+        parameters: bool = True,
     ) -> T:
         """``obj`` with the casts made, or ``obj`` itself where none applies.
 
@@ -113,6 +114,8 @@ class Policy:
                 (modules are not cast); every such path is named.
 
         ``values``: what ``obj`` holds, for the quick look (default: ``obj`` itself).
+        ``parameters``: as :func:`devicectx.move._move.move_call`'s (False: a cast
+        ``nn.Parameter`` is a differentiable copy, whose gradient reaches the parameter).
         """
         # Our frames, hidden from pytest's report: it shows the caller's line and our message.
         __tracebackhide__ = True
@@ -122,7 +125,7 @@ class Policy:
         look = (obj,) if values is None else values
         if not holds_any(look, self.wanted, self.unheld, skip_types):
             return obj
-        caster = _Caster(self)
+        caster = _Caster(self, parameters)
         walk = Rebuild.moving(None, caster, skip, name, fix, who)
         # Rebuild's hot loops copy a plain tensor with .to(device) themselves, which is a
         # move's work: here every tensor goes to the caster, which picks the ones to cast.
@@ -158,8 +161,8 @@ class _Caster(TensorMover):
 
     __slots__ = ("missing", "refused", "target")
 
-    def __init__(self, policy: Policy) -> None:
-        super().__init__(None, False, policy.cast)
+    def __init__(self, policy: Policy, parameters: bool = True) -> None:
+        super().__init__(None, False, policy.cast, parameters=parameters)
         self.target = policy.device
         self.missing = policy.missing
         self.refused: dict[int, torch.dtype] = {}

@@ -353,7 +353,9 @@ def move_call(
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
         values = (*args, *kwargs.values())
         call = _Call(args, kwargs, names, rest)
-        cast = policy.apply(call, compiled, "", who, _call_fix, _decorator_suggest, values)
+        cast = policy.apply(
+            call, compiled, "", who, _call_fix, _decorator_suggest, values, parameters
+        )
         args, kwargs = cast.args, cast.kwargs
     if compiled is None:
         if _nothing_to_move((args, kwargs), device, ()):
