@@ -720,3 +720,34 @@ def test_bert_on_an_accelerator_answers_on_the_cpu(device: torch.device) -> None
         out = encode(tiny_bert().to(device), encoding())
     assert_agrees(CLIENTS["transformers-ModelOutput"], expected, out, CPU)
     torch.testing.assert_close(expected.to_tuple(), out.to_tuple())
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["TensorDict", "LazyStackedTensorDict"])
+def test_a_cast_keeps_a_tensordict_locked(lazy: bool) -> None:
+    """A move that casts (``dtypes=``) takes a locked TensorDict or lazy stack apart to cast
+    its tensors; it comes back locked, nested tensordicts too, as its own ``.to`` keeps it,
+    and the original is unchanged."""
+    tensordict = client("tensordict")
+    if lazy:
+        batch = trajectories().to(torch.float64).lock_()
+    else:
+        batch = tensordict.TensorDict(
+            {"obs": torch.randn(2, dtype=torch.float64), "next": {"r": torch.randn(2)}}, []
+        ).lock_()
+
+    def parts(td: Any) -> list[Any]:  # the stacked tensordicts, or the one
+        return list(td.tensordicts) if lazy else [td]
+
+    def dtypes(td: Any) -> list[torch.dtype]:
+        return [t.dtype for part in parts(td) for t in part.values(True, True)]
+
+    before = dtypes(batch)
+    assert torch.float64 in before
+    for device in (torch.device("cpu"), torch.device("meta")):
+        moved = to_device(batch, device, dtypes={torch.float64: torch.float32})
+        assert type(moved) is type(batch)
+        assert moved.is_locked
+        assert {torch.float32} == set(dtypes(moved))
+        assert all(part.is_locked and part["next"].is_locked for part in parts(moved))
+    assert batch.is_locked
+    assert before == dtypes(batch)

@@ -52,6 +52,7 @@ from devicectx.move._kinds import (
     LEAF,
     LIST_KIND,
     MODULE,
+    OWN,
     TENSOR,
     TUPLE_KIND,
     CannotRebuild,
@@ -365,7 +366,7 @@ class Rebuild:
             key = index if keys is None else keys[index]
             raise _failed(old[index], error, kind.style, key) from error
         self.keep.append(old)
-        return kind.rebuild(obj, keys, old, new) if changed else obj  # type: ignore[misc]
+        return _rebuilt(kind, obj, keys, old, new) if changed else obj
 
     def _iterate(self, root: Any, path: str) -> Any:
         frames: list[_Frame] = []
@@ -415,7 +416,7 @@ class Rebuild:
                 obj, kind = frame.obj, frame.kind
                 if kind not in _FAST_KINDS:
                     keep.append(old)
-                result = kind.rebuild(obj, frame.keys, old, new) if changed else obj  # type: ignore[misc]
+                result = _rebuilt(kind, obj, frame.keys, old, new) if changed else obj
                 memo[id(obj)] = result
                 if not frames:
                     return result
@@ -708,6 +709,16 @@ def _whole_fix(obj: object, path: str) -> str | None:
         f"teach devicectx how to take it apart: register_container({kind}, children=..., "
         f"rebuild=...)"
     )
+
+
+def _rebuilt(kind: Kind, obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    """``kind.rebuild``'s result; a locked object with its own ``.to`` (a TensorDict, a
+    lazy stack, taken apart to cast its tensors) comes back locked, as its ``.to`` keeps
+    it."""
+    result = kind.rebuild(obj, keys, old, new)  # type: ignore[misc]
+    if kind.role == OWN and _lost_lock(obj, result):
+        result.lock_()
+    return result
 
 
 def _lost_lock(obj: Any, result: Any) -> bool:
