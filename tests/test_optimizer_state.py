@@ -63,6 +63,63 @@ def test_optimizer_state_left_behind_is_named_and_its_fix_works(foreach: bool, s
     assert target == optimizer.state[model.weight]["momentum_buffer"].device
 
 
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.usefixtures("swapping")
+def test_an_optimizers_cpu_step_counters_are_not_named() -> None:
+    """Adam's ``step`` counters: 0-dim CPU tensors, where torch keeps them on purpose and
+    its kernels take them on any device, and where the fix leaves them. The message names
+    only the state tensors off the device, all of them."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, foreach=True)
+    step(model, optimizer, torch.ones(2))
+    assert torch.device("cpu") == optimizer.state[model.weight]["step"].device
+    target = accelerator()
+    model.to(target)
+
+    with pytest.raises(DeviceMismatchError) as raised:
+        step(model, optimizer, torch.ones(2))
+
+    named = str(raised.value).splitlines()[1]
+    assert "'step'" not in named
+    assert "and " not in named.rpartition("(in Adam)")[2]  # none left out
+    assert 4 == named.count("(in Adam)")  # exp_avg and exp_avg_sq of both parameters
+    optimizer.load_state_dict(optimizer.state_dict())
+    step(model, optimizer, torch.ones(2))
+    assert target == optimizer.state[model.weight]["exp_avg"].device
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.usefixtures("swapping")
+@pytest.mark.parametrize("name", ["RMSprop", "NAdam", "RAdam"])
+def test_step_counters_made_on_a_device_are_moved_by_the_fix(name: str) -> None:
+    """These optimizers make their ``step`` counters without a device: in a decorated step
+    on an accelerator, the scope puts them there. After the model moves on, the fix,
+    applied as printed, moves them too (load_state_dict alone leaves them), and the step
+    runs."""
+    if torch.accelerator.device_count() < 2:
+        pytest.skip("needs two devices of the accelerator")
+    source, target = accelerator(0), accelerator(1)
+    model = nn.Linear(2, 2).to(source)
+    optimizer = getattr(torch.optim, name)(model.parameters(), lr=0.01)
+    step(model, optimizer, torch.ones(2, device=source))
+    model.to(target)
+
+    with pytest.raises(DeviceMismatchError) as raised:
+        step(model, optimizer, torch.ones(2, device=target))
+
+    fix = str(raised.value).splitlines()[-1].removeprefix("fix: ")
+    reload, _, rest = fix.partition(" once the model")
+    counters = rest.partition("back to the CPU: ")[2].partition(" (not with")[0]
+    assert counters.startswith("for s in optimizer.state.values(): ")
+    exec(reload)  # the printed fix, as a user pastes it
+    exec(counters)
+    step(model, optimizer, torch.ones(2, device=target))
+    assert (
+        target
+        == optimizer.state[model.weight]["square_avg" if name == "RMSprop" else "exp_avg"].device
+    )
+
+
 def test_a_path_through_a_tensor_key_names_the_tensor_not_its_values() -> None:
     """A dict keyed by tensors (an optimizer's state) gives paths with the key's kind, shape
     and device, not its printed values, in the fast walk of plain dicts and the full one."""

@@ -131,6 +131,10 @@ def unseen_tensors(
                     continue
                 shared.add((shared_by, name))
             if holders:
+                if value.dim() == 0 and value.is_cpu and issubclass(holders[0][0], Optimizer):
+                    # An optimizer's 0-dim CPU tensors (Adam's `step` counters): torch keeps
+                    # them there on purpose, and its kernels take CPU scalars on any device.
+                    continue
                 holder, holder_path = holders[-1]
                 found.append(
                     Unseen(path, value.device, holder, holder_path, None, holders, shared_by)
@@ -288,11 +292,20 @@ def fix_for(
     if issubclass(root, Optimizer):
         # Its state follows its parameters only when loaded; a container registered for it
         # would move the state into a copy at every call, and the updates would be lost.
-        return (
+        fix = (
             f"{root_path}.load_state_dict({root_path}.state_dict()) once the model is on its "
             f"device (torch puts an optimizer's state on its parameters' devices as it "
             f"loads it), or build the {root.__qualname__} after moving the model"
         )
+        if any(u.path.endswith("['step']") and u.device.type != "cpu" for u in unseen):
+            # Made on a device by a step run under a scope (a decorated training step):
+            # load_state_dict leaves a step counter where it is, unless capturable or fused.
+            fix += (
+                f"; then its step counters, which load_state_dict leaves where they are, "
+                f"back to the CPU: for s in {root_path}.state.values(): "
+                f's["step"] = s["step"].cpu() (not with capturable=True or fused=True)'
+            )
+        return fix
     group = [
         u
         for u in unseen
