@@ -24,6 +24,7 @@ from devicectx import (
     explain_device,
     on_device,
     register_container,
+    to_device,
     unregister_container,
 )
 from devicectx.decorator._target import module_devices
@@ -505,6 +506,42 @@ def test_modules_in_a_container_are_named_when_torch_fails() -> None:
     assert lines_of(error)[-1] == (
         "fix: models['dec'].to(\"meta\") before the call: modules are never moved implicitly"
     )
+
+
+class _TiedLM(nn.Module):
+    """An embedding and a head sharing one weight (a language model's tie)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)  # type: ignore[no-any-return]
+
+
+def test_the_fix_for_a_tied_module_in_a_container_keeps_its_tie() -> None:
+    """A tied model that the decorator does not check (in a list): the fix moves it with
+    to_device, which keeps the tie (module.to to meta unties it); applied as printed, the
+    call runs and the weight is still one tensor."""
+
+    @device_agnostic(device="meta")
+    def step(models: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+        return models[0](x).sum()
+
+    models = [_TiedLM()]
+    with pytest.raises(DeviceMismatchError) as error:
+        step(models, torch.ones(1, 4))
+    fix = lines_of(error)[-1].removeprefix("fix: ")
+    assert fix == (
+        'to_device(models[0], "meta") before the call, which keeps its tied weights tied '
+        "(models[0].to() can untie them): modules are never moved implicitly"
+    )
+    exec(fix.partition(" before the call")[0], {"to_device": to_device, "models": models})
+    step(models, torch.ones(1, 4))
+    assert models[0].head.weight is models[0].emb.weight
+    assert META == models[0].emb.weight.device
 
 
 def test_slots_and_lists_inside_them_are_looked_into() -> None:

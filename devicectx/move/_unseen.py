@@ -82,6 +82,9 @@ class Unseen(NamedTuple):
     shared_by: type | None = None
     """For a class attribute (reached as ``self.table``, held in a class body): the class
     that holds it, one tensor for every instance; else None."""
+    tied: bool = False
+    """For a whole module: whether it holds a tensor at several places (a tied weight),
+    which ``module.to`` unties off the devices where torch keeps parameter objects."""
 
 
 def is_device_mismatch(error: BaseException) -> bool:
@@ -152,8 +155,11 @@ def unseen_tensors(
             unchecked = bool(holders) or (checked is not None and id(value) not in checked)
             if unchecked and id(value) not in covered:
                 owner = holders[-1] if holders else (type(value), path)
+                tied = _ties(value)
                 for device, tensors in _by_device(value).items():
-                    found.append(Unseen(path, device, owner[0], owner[1], type(value), holders))
+                    found.append(
+                        Unseen(path, device, owner[0], owner[1], type(value), holders, None, tied)
+                    )
                     ids.append(0)
                     owned.update(tensors)
                 covered.update(id(module) for module in value.modules())
@@ -263,6 +269,16 @@ def _class_tensors(
     return [(name, value, klass) for name, value, klass in tensors if name not in own]
 
 
+def _ties(module: nn.Module) -> bool:
+    """Whether ``module`` holds a parameter or buffer at several places (a tied weight)."""
+    every = [
+        tensor
+        for named in (module.named_parameters, module.named_buffers)
+        for _, tensor in named(remove_duplicate=False)
+    ]
+    return len({id(tensor) for tensor in every}) < len(every)
+
+
 def fix_for(
     unseen: Sequence[Unseen], target: torch.device | None = None, follow: bool = True
 ) -> str:
@@ -278,6 +294,12 @@ def fix_for(
     first = unseen[0]
     if first.module is not None:
         if target is not None and not follow:
+            if first.tied:  # module.to may give each place of a tied weight its own copy
+                return (
+                    f'to_device({first.path}, "{target}") before the call, which keeps its '
+                    f"tied weights tied ({first.path}.to() can untie them): modules are "
+                    "never moved implicitly"
+                )
             return (
                 f'{first.path}.to("{target}") before the call: modules are never moved implicitly'
             )
