@@ -8,8 +8,10 @@ import dataclasses
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -134,3 +136,48 @@ def staged_counts() -> Iterator[list[int]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_staging, "to_accelerator", counted)
         yield counts
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def passing_run(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """pytest run with ``arguments`` (test files or ids, and options) in a fresh process,
+    which must pass; the test skips where the emulated accelerator cannot be built."""
+    command = [sys.executable, "-m", "pytest", *arguments, "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        [*command, "-p", "no:xdist"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if "the emulated accelerator is unavailable" in done.stdout:
+        pytest.skip(done.stdout[-2000:])
+    assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
+    return done
+
+
+def emulated_tests_in_a_child(request: pytest.FixtureRequest, file: str) -> list[str]:
+    """In a session without the emulated accelerator, the tests of ``file`` that need it
+    (its ``emu`` fixture), run in a fresh pytest that enables it; they must pass, none
+    skipped for want of the device. The child's output lines (``-rsp``: each passed test
+    and each skip with its reason)."""
+    from devicectx.testing import emulated
+
+    if emulated.enabled():
+        pytest.skip("the emulated accelerator is enabled here: the tests ran in this process")
+    needing = [
+        item.nodeid.partition("::")[2]
+        for item in request.session.items
+        if item.path == Path(file) and "emu" in getattr(item, "fixturenames", ())
+    ]
+    if not needing:  # deselected (-k): a child given no ids would run the whole suite
+        pytest.skip(f"none of the tests of {Path(file).name} that need the device was collected")
+    selected = [f"{file}::{name}" for name in needing]
+    lines = passing_run(*selected, "--devicectx-accelerator=emulated", "-rsp").stdout.splitlines()
+    # What matters: the tests that need the device ran there (other skips are the child's
+    # business: a torch release may lack what one test checks).
+    skipped = [line for line in lines if line.startswith("SKIPPED")]
+    assert not [line for line in skipped if "needs --devicectx" in line]
+    return lines

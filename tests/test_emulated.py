@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import python_output
+from helpers import emulated_tests_in_a_child, passing_run, python_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +36,6 @@ from devicectx.testing import strategies as dst
 pytestmark = pytest.mark.torch_internals
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parent.parent
 EMU0 = torch.device("emu", 0) if emulated.enabled() else None
 EMU1 = torch.device("emu", 1) if emulated.enabled() else None
 DEFAULTS = {
@@ -85,43 +84,11 @@ def pinned(values: list[float]) -> torch.Tensor:
     return torch.tensor(values).pin_memory()
 
 
-def passing_run(*arguments: str) -> subprocess.CompletedProcess[str]:
-    """pytest run with ``arguments`` (test files or ids, and options) in a fresh process,
-    which must pass; the test skips where the emulated accelerator cannot be built."""
-    command = [sys.executable, "-m", "pytest", *arguments, "-q", "-p", "no:cacheprovider"]
-    done = subprocess.run(
-        [*command, "-p", "no:xdist"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if "the emulated accelerator is unavailable" in done.stdout:
-        pytest.skip(done.stdout[-2000:])
-    assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
-    return done
-
-
 def test_this_file_on_the_emulated_accelerator(request: pytest.FixtureRequest) -> None:
     """Without the option, this file's tests that need the device pass in a fresh process
     that enables it (the others ran here)."""
-    if emulated.enabled():
-        pytest.skip("the emulated accelerator is enabled here: the tests ran in this process")
-    needing = [
-        item.nodeid.partition("::")[2]
-        for item in request.session.items
-        if item.path == Path(__file__) and "emu" in getattr(item, "fixturenames", ())
-    ]
-    assert "test_enable_is_idempotent" in needing
-    selected = [f"{__file__}::{name}" for name in needing]
-    done = passing_run(*selected, "--devicectx-accelerator=emulated", "-rsp")
-    # What matters: the tests that need the device ran there (the skips in between are
-    # the child's business: a torch release may lack what one test checks).
-    lines = done.stdout.splitlines()
+    lines = emulated_tests_in_a_child(request, __file__)
     assert any(line.startswith("PASSED") and "test_enable_is_idempotent" in line for line in lines)
-    assert not [
-        line for line in lines if line.startswith("SKIPPED") and "needs --devicectx" in line
-    ]
 
 
 def test_enable_is_idempotent(emu: torch.device) -> None:

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import copy
 import pickle
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import emulated_tests_in_a_child
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +26,6 @@ from devicectx.testing import emulated
 
 pytestmark = pytest.mark.torch_internals  # the device's C++ meets torch's generator API
 
-ROOT = Path(__file__).resolve().parent.parent
 EMU1 = torch.device("emu", 1) if emulated.enabled() else None  # "emu" exists once enabled
 TORCH_SEED = 67280421310721  # what torch seeds a new generator with (c10::default_rng_seed_val)
 SEEDS = st.integers(min_value=0, max_value=2**64 - 1)
@@ -89,26 +86,9 @@ def emu(request: pytest.FixtureRequest) -> Iterator[torch.device]:
 def test_this_file_on_the_emulated_accelerator(request: pytest.FixtureRequest) -> None:
     """Without the option, this file's tests that need the device pass in a fresh process
     that enables it."""
-    if emulated.enabled():
-        pytest.skip("the emulated accelerator is enabled here: the tests ran in this process")
-    needing = [
-        item.nodeid.partition("::")[2]
-        for item in request.session.items
-        if item.path == Path(__file__) and "emu" in getattr(item, "fixturenames", ())
-    ]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    selected = [f"{__file__}::{name}" for name in needing]
-    done = subprocess.run(
-        [*command, *selected, "--devicectx-accelerator=emulated"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if "the emulated accelerator is unavailable" in done.stdout:
-        pytest.skip(done.stdout[-2000:])
-    assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout.splitlines()[-1]
+    lines = emulated_tests_in_a_child(request, __file__)
+    passed = [line for line in lines if line.startswith("PASSED")]
+    assert any("test_a_generator_on_the_device" in line for line in passed)
 
 
 # torch.Generator(device="emu").

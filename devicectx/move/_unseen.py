@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx.move._attributes import slot_names
 from devicectx.move._containers import is_plain_leaf, kind_for
 from devicectx.move._kinds import CONTAINER, LEAF, MODULE, TENSOR
@@ -271,12 +272,8 @@ def _class_tensors(
 
 def _ties(module: nn.Module) -> bool:
     """Whether ``module`` holds a parameter or buffer at several places (a tied weight)."""
-    every = [
-        tensor
-        for named in (module.named_parameters, module.named_buffers)
-        for _, tensor in named(remove_duplicate=False)
-    ]
-    return len({id(tensor) for tensor in every}) < len(every)
+    every = [id(tensor) for _, tensor in module_tensors(module)]
+    return len(set(every)) < len(every)
 
 
 def fix_for(
