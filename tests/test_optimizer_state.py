@@ -92,8 +92,8 @@ def test_an_optimizers_cpu_step_counters_are_not_named() -> None:
 @pytest.mark.usefixtures("swapping")
 @pytest.mark.parametrize("name", ["RMSprop", "NAdam", "RAdam"])
 def test_step_counters_made_on_a_device_are_moved_by_the_fix(name: str) -> None:
-    """These optimizers make their ``step`` counters without a device: in a decorated step
-    on an accelerator, the scope puts them there. After the model moves on, the fix,
+    """These optimizers make their ``step`` counters without a device: stepped under torch's
+    own ``with torch.device``, they land there. After the model moves on, the fix,
     applied as printed, moves them too (load_state_dict alone leaves them), and the step
     runs."""
     if torch.accelerator.device_count() < 2:
@@ -101,7 +101,8 @@ def test_step_counters_made_on_a_device_are_moved_by_the_fix(name: str) -> None:
     source, target = accelerator(0), accelerator(1)
     model = nn.Linear(2, 2).to(source)
     optimizer = getattr(torch.optim, name)(model.parameters(), lr=0.01)
-    step(model, optimizer, torch.ones(2, device=source))
+    with torch.device(source):
+        step(model, optimizer, torch.ones(2, device=source))
     model.to(target)
 
     with pytest.raises(DeviceMismatchError) as raised:

@@ -9,5 +9,7 @@
   block's context;
 - ``_resumed``: generators and coroutines that re-enter their block on every resume;
 - ``_precision``: ``precision_scope`` and ``choose_precision``;
-- ``_audit``: ``on_device(audit=...)``, naming constructors the block did not reach.
+- ``_audit``: ``on_device(audit=...)``, naming constructors the block did not reach;
+- ``_optimizer_step``: torch's optimizers step as outside every scope, their closures in it;
+  ``_suspended``: a scope set aside for one call in one thread, which that takes.
 """

@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -56,6 +57,7 @@ from devicectx.scope import _index
 from devicectx.scope._audit import AuditLevel, Auditor
 from devicectx.scope._constructors import constructor_patch
 from devicectx.scope._index import INDEX_READERS, ThreadIndex, learn_index_reader
+from devicectx.scope._suspended import Suspended, inside
 
 _CPU = torch.device("cpu")
 
@@ -264,15 +266,70 @@ def scope_device() -> torch.device | None:
         # constructor in its graph, run on fake tensors (as traced code, in the block).
         return traced_scope_device() if faking() else None
     torch_mode = innermost_device_mode() if _stack_length() else None
+    at_entry = scope.torch_slot_at_entry
     if (
         torch_mode is not scope.torch_mode_at_entry
-        or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not scope.torch_slot_at_entry
-    ):
-        return None  # torch.device entered, or set_default_device called, inside the block
+        or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not at_entry
+    ) and (type(at_entry) is not Suspended or _set_aside(scope, at_entry, calls, torch_mode)):
+        # torch.device entered, or set_default_device called, inside the block; or the
+        # block is set aside for a call running here (an optimizer's step)
+        return None
     owner = scope.index_thread
     if owner is not None and owner is not calls:  # a block of another thread
         _follow(scope)  # type: ignore[arg-type]
     return scope.target
+
+
+def _set_aside(
+    scope: Scope, marker: Suspended, calls: list[_Call], torch_mode: DeviceContext | None
+) -> bool:
+    """For :func:`scope_device`, where ``scope`` is set aside: whether it does not apply.
+
+    Set aside for a call running here: it does not. Set aside by a call of this thread that
+    has ended (it raised): given back now. Set aside by another thread: it applies here, as
+    far as torch's own state lets it (the slot it recorded at entry, compared as usual).
+    """
+    if marker.thread is calls:
+        if inside(marker):
+            return True
+        scope.torch_slot_at_entry = marker.slot
+    return (
+        torch_mode is not scope.torch_mode_at_entry
+        or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not marker.slot
+    )
+
+
+def set_aside(frame: FrameType) -> tuple[Scope, Suspended] | None:
+    """Set the innermost open scope here aside for the call running ``frame``: constructors
+    called below it, in this thread, get torch's own default device, as outside every scope
+    (:mod:`devicectx.scope._suspended`). Returns what :func:`give_back` takes; None where
+    no scope that changes the device is open, or where it is set aside already."""
+    calls = _THREAD.scopes
+    if not calls and not _active():
+        return None
+    scope = _open_scope()
+    if scope is None or (type(scope) is Block and scope.previous is _TORCH_OWN):
+        return None
+    at_entry = scope.torch_slot_at_entry
+    if type(at_entry) is Suspended:
+        if at_entry.thread is calls and inside(at_entry):
+            return None
+        at_entry = at_entry.slot  # set aside by a call that has ended, or another thread
+    marker = Suspended(at_entry, frame, calls)
+    scope.torch_slot_at_entry = marker
+    return scope, marker
+
+
+def give_back(scope: Scope, marker: Suspended) -> None:
+    """Undo :func:`set_aside` (nothing where the scope was given back already)."""
+    if scope.torch_slot_at_entry is marker:
+        scope.torch_slot_at_entry = marker.slot
+
+
+def take_again(scope: Scope, marker: Suspended) -> None:
+    """Set ``scope`` aside again for the call that :func:`set_aside` gave ``marker`` (after
+    code of the caller's that it runs in the scope: an optimizer's closure)."""
+    scope.torch_slot_at_entry = marker
 
 
 def _follow(scope: Block) -> None:
@@ -288,7 +345,14 @@ def _follow(scope: Block) -> None:
 def traced_scope_device() -> torch.device | None:
     """:func:`scope_device` for code dynamo traces, which has its own mode stack."""
     scope = _open_scope()
-    if scope is None or default_slot() is not scope.torch_slot_at_entry:
+    if scope is None:
+        return None
+    at_entry = scope.torch_slot_at_entry
+    if type(at_entry) is Suspended:
+        if at_entry.thread is _THREAD.scopes and inside(at_entry):
+            return None
+        at_entry = at_entry.slot
+    if default_slot() is not at_entry:
         return None
     return scope.target if innermost_of(traced_mode_stack()) is scope.torch_mode_at_entry else None
 
@@ -320,6 +384,13 @@ def current_device() -> torch.device:
         return device
     device = scope_device()
     return _torch_default() if device is None else device
+
+
+def _watch_optimizer_steps() -> None:
+    # Imported here: the hooks' module builds on this one.
+    from devicectx.scope._optimizer_step import watch_optimizer_steps
+
+    watch_optimizer_steps()
 
 
 _PATCH = constructor_patch(
@@ -434,6 +505,7 @@ def _switch(device: torch.device) -> object:
     index the scope keeps current (:func:`_enter_index`)."""
     if len(_MODULES) != _PATCH.seen:  # the first block, or modules loaded since the last
         _PATCH.install()
+        _watch_optimizer_steps()
     # None for a device whose index a scope never changes (the CPU, meta, a machine's only
     # accelerator): one look-up, no call.
     index_of = _index_reader(device, _UNKNOWN)
