@@ -65,10 +65,12 @@ def watch_optimizer_steps() -> None:
 def _before_step(
     optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if _is_compiling():
+        return None
     aside = _STEPS.aside
     while aside and not inside(aside[-1][1]):  # steps that raised: their scopes back
         give_back(*aside.pop())
-    if _is_compiling() or not _torch_step(type(optimizer)):
+    if not _torch_step(type(optimizer)):
         return None
     entered = set_aside(sys._getframe(1))  # the frame of torch's step wrapper
     if entered is None:
@@ -81,6 +83,8 @@ def _after_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, A
     # Its own scope only: a step that set nothing aside (not torch's) may run inside one
     # that did. Those of steps that raised are given back at the next step, or by the
     # scope itself at its next constructor (:mod:`devicectx.scope._suspended`).
+    if _is_compiling():
+        return
     aside = _STEPS.aside
     if aside and aside[-1][1].frame is sys._getframe(1):
         give_back(*aside.pop())
