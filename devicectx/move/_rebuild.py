@@ -525,17 +525,13 @@ class Rebuild:
                         self._check_modules(device)
                     self._module_to(obj, device, mover)
                 return obj
-            if kind.split is not None and all_on(kind.split(obj)[1], device):
+            # One walk lists its tensors that its .to copies; only where it finds none,
+            # a second asks whether anything it cannot read is off the device.
+            if not self._sending(obj) and (
+                kind.split is not None and all_on(kind.split(obj)[1], device)
+            ):
                 return obj
-            self._sending(obj)
-            # A copy first: some .to methods work in place (BatchEncoding's does), and the
-            # input must not change.
-            try:
-                target = copy.copy(obj)
-            except Exception:
-                target = obj
-            else:
-                _own_containers(target)
+            target = obj if _returns_new(type(obj)) else _shallow_copy(obj)
             result = _NOT_CALLED
             if mover.non_blocking:
                 with contextlib.suppress(TypeError):  # a .to that takes no non_blocking
@@ -621,14 +617,16 @@ class Rebuild:
             if result is not None and result.device == device:
                 mover.adopt(tensor, was if result is tensor else tensor, result)
 
-    def _sending(self, obj: Any) -> None:
+    def _sending(self, obj: Any) -> int:
         """List the tensors an object's own ``.to`` is about to copy (a module's are listed
-        by :meth:`_module_to`)."""
+        by :meth:`_module_to`); how many."""
         seen: set[int] = set()
+        device, sent = self.device, self.sent
         for _, tensor in iter_tensors(obj, modules=True):
-            if tensor.device != self.device and id(tensor) not in seen:
+            if tensor.device != device and id(tensor) not in seen:
                 seen.add(id(tensor))
-                self.sent.append(tensor)
+                sent.append(tensor)
+        return len(seen)
 
     def _error(self, failed: _Failed) -> MoveError:
         path = build(self.name, reversed(failed.parts))
@@ -725,6 +723,30 @@ def _lost_lock(obj: Any, result: Any) -> bool:
     """Whether ``result`` came back unlocked from a locked ``obj`` (tensordict's
     ``is_locked``: a locked TensorDict refuses new keys, and a move must keep that)."""
     return getattr(obj, "is_locked", False) is True and getattr(result, "is_locked", True) is False
+
+
+_RETURNS_NEW: dict[type, bool] = {}
+
+
+def _returns_new(tp: type) -> bool:
+    """Whether the ``.to`` of ``tp`` is tensordict's, which returns a new object and leaves
+    its input as it was: the input needs no copy first (another's may move it in place)."""
+    known = _RETURNS_NEW.get(tp)
+    if known is None:
+        module = getattr(getattr(tp, "to", None), "__module__", None) or ""
+        known = _RETURNS_NEW[tp] = module.partition(".")[0] == "tensordict"
+    return known
+
+
+def _shallow_copy(obj: Any) -> Any:
+    """A copy to call ``.to`` on: some ``.to`` methods move in place (BatchEncoding's,
+    torch_geometric's), and the input must not change."""
+    try:
+        target = copy.copy(obj)
+    except Exception:
+        return obj
+    _own_containers(target)
+    return target
 
 
 def _own_containers(clone: Any) -> None:
