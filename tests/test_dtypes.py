@@ -480,6 +480,73 @@ def test_prefetch_default_refuses_naming_batch_and_path() -> None:
     )
 
 
+# The refusal's fix keeps the caller's other arguments
+
+
+def fix_line(raised: pytest.ExceptionInfo[DtypeUnsupportedError]) -> str:
+    """The code of a refusal's fix."""
+    fix = str(raised.value).splitlines()[-1]
+    assert fix.startswith("fix: ")
+    return fix.removeprefix("fix: ")
+
+
+@needs_accelerator
+def test_the_fix_of_a_checkpoint_moved_with_skip_keeps_the_skip() -> None:
+    """A float64 checkpoint moved with its RNG state kept on the CPU: the fix keeps
+    skip=["rng"]; followed as written, the RNG state is still one torch can set."""
+    checkpoint = {"model": nn.Linear(2, 2).double().state_dict(), "rng": torch.get_rng_state()}
+    with mps_like() as device:
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(checkpoint, device, skip=["rng"])
+        code = fix_line(raised)
+        assert f"to_device(obj, {str(device)!r}, skip=['rng'], dtypes=\"device\")" == code
+        moved = eval(code, {"to_device": to_device, "obj": checkpoint})
+    assert CPU == moved["rng"].device
+    torch.set_rng_state(moved["rng"])
+    assert (device, F32) == (moved["model"]["weight"].device, moved["model"]["weight"].dtype)
+
+
+@needs_accelerator
+def test_the_fix_keeps_non_blocking_and_coalesce() -> None:
+    """Every argument the caller changed from its default is written back."""
+    with mps_like() as device, pytest.raises(DtypeUnsupportedError) as raised:
+        to_device(torch.ones(2, dtype=F64), device, non_blocking=True, coalesce=False)
+    assert (
+        f'to_device(obj, {str(device)!r}, non_blocking=True, coalesce=False, dtypes="device")'
+    ) == fix_line(raised)
+
+
+@needs_accelerator
+def test_the_fix_writes_a_skip_of_types_by_name_and_marks_one_it_cannot_write() -> None:
+    """A type is written by its name (torch's under torch.); a lambda cannot be written,
+    and is marked so that the line fails when pasted rather than move what it kept."""
+    with mps_like() as device:
+        batch = {"x": torch.ones(2, dtype=F64), "n": nn.Linear(2, 2)}
+        with pytest.raises(DtypeUnsupportedError) as by_type:
+            to_device(batch, device, skip=[torch.nn.Module, "n"])
+        with pytest.raises(DtypeUnsupportedError) as by_lambda:
+            to_device(batch, device, skip=lambda path, value: False)
+    assert (
+        f"to_device(obj, {str(device)!r}, skip=[torch.nn.Module, 'n'], dtypes=\"device\")"
+    ) == fix_line(by_type)
+    assert (
+        f'to_device(obj, {str(device)!r}, skip=<your skip= as it was>, dtypes="device")'
+    ) == fix_line(by_lambda)
+
+
+@needs_accelerator
+def test_the_fix_of_prefetch_keeps_its_depth_and_skip() -> None:
+    """prefetch's fix keeps depth= and skip=."""
+    with mps_like() as device:
+        loader = [{"x": torch.ones(2, dtype=F64), "rng": torch.get_rng_state()}]
+        batches = iter(prefetch(loader, device, depth=3, skip=["rng"]))
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            next(batches)
+    assert (
+        f"prefetch(batches, {str(device)!r}, depth=3, skip=['rng'], dtypes=\"device\")"
+    ) == fix_line(raised)
+
+
 # Constructors inside on_device, and precision="auto"
 
 

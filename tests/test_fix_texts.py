@@ -13,7 +13,7 @@ import torch
 from helpers import accelerator
 from torch import nn
 
-from devicectx import DeviceMismatchError, declare_spread, device_agnostic, to_device
+from devicectx import DeviceMismatchError, MoveError, declare_spread, device_agnostic, to_device
 from devicectx.decorator import _mismatch
 from devicectx.decorator._target import module_devices, module_dtypes, shared_devices
 
@@ -394,3 +394,80 @@ def test_a_mismatch_in_a_set_nested_in_a_mapping_names_the_argument() -> None:
     batch = follow(f"batch = {code.removeprefix('pass ')}", batch=batch)["batch"]
     assert frozenset is type(batch["s"])
     assert 2 == count(model, batch)
+
+
+# --- a tied model made anew from meta: the fix ties it again ------------------------------
+
+
+def meta_fix(model: nn.Module) -> str:
+    """The code of the refusal's fix for moving ``model`` (on meta) to the CPU: up to its
+    ``, then initialise``."""
+    with pytest.raises(MoveError) as raised:
+        to_device(model, "cpu")
+    fix = str(raised.value).splitlines()[-1]
+    assert fix.startswith("fix: ")
+    return fix.removeprefix("fix: ").partition(", then initialise")[0].partition(" (to_empty")[0]
+
+
+def test_the_to_empty_fix_of_a_tied_model_on_meta_ties_it_again() -> None:
+    """to_empty gives each place of a tied weight a tensor of its own: the fix assigns the
+    tied weight back; followed, then loaded, the model has its one weight again."""
+    model = Lm()
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    to_device(model, "meta")
+    code = meta_fix(model)
+    assert "obj.to_empty(device='cpu'); obj.head.weight = obj.embed.weight" == code
+    follow(code, obj=model)
+    model.load_state_dict(state)
+    assert tied(model)
+    assert len(state) - 1 == len(list(model.parameters()))
+    assert torch.equal(state["embed.weight"], model.head.weight)
+
+
+def test_the_to_empty_fix_of_a_tied_transformers_model_calls_tie_weights() -> None:
+    """A transformers model ties its own weights: the fix calls its tie_weights()."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=99, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    to_device(model, "meta")
+    code = meta_fix(model)
+    assert "obj.to_empty(device='cpu'); obj.tie_weights()" == code
+    follow(code, obj=model)
+    model.load_state_dict(state)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_a_tie_across_two_modules_made_anew_is_assigned_back() -> None:
+    """A weight shared by two modules made anew one by one: assigned back across them."""
+    first = nn.Embedding(10, 4, device="meta")
+    second = nn.Linear(4, 10, bias=False, device="meta")
+    second.weight = first.weight
+    batch = {"a": first, "b": second}
+    with pytest.raises(MoveError) as raised:
+        to_device(batch, "cpu")
+    code = str(raised.value).splitlines()[-1].removeprefix("fix: ").partition(" (to_empty")[0]
+    assert (
+        "obj['a'].to_empty(device='cpu'); obj['b'].to_empty(device='cpu'); "
+        "obj['b'].weight = obj['a'].weight"
+    ) == code
+    follow(code, obj=batch)
+    assert second.weight is first.weight
+
+
+def test_an_untied_model_on_meta_keeps_the_plain_to_empty_fix() -> None:
+    """Without a tensor held twice, nothing is assigned back."""
+    model = nn.Linear(2, 2, device="meta")
+    assert "obj.to_empty(device='cpu')" == meta_fix(model)
+
+
+def test_an_untied_transformers_model_on_meta_is_not_told_to_tie_weights() -> None:
+    """tie_weights() is called only where a weight is tied."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=99, n_embd=16, n_layer=1, n_head=2, n_positions=16, tie_word_embeddings=False
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    to_device(model, "meta")
+    assert "obj.to_empty(device='cpu')" == meta_fix(model)

@@ -1,5 +1,6 @@
 """An optimizer's state on another device than its parameters: the decorator names it, in
-the words of both of torch's optimizer paths, and its fix (reloading the state) works."""
+the words of both of torch's optimizer paths, and its fix (reloading the state) works. An
+optimizer left holding the parameters a move replaced is stopped before the body."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch
 from helpers import accelerator
 from torch import nn
 
-from devicectx import DeviceMismatchError, device_agnostic, find_devices
+from devicectx import (
+    DeviceMismatchError,
+    declare_spread,
+    device_agnostic,
+    find_devices,
+    to_device,
+)
 
 
 @pytest.fixture
@@ -134,3 +141,203 @@ def test_a_path_through_a_tensor_key_names_the_tensor_not_its_values() -> None:
     assert [f"state[{key}][0]", f"state['x'][{key}]"] == find_devices(held, name="state")[
         torch.device("cpu")
     ]
+
+
+# --- an optimizer built before a move that made new parameters ---------------------------
+
+META = torch.device("meta")
+
+
+def stale(momentum: float = 0.9) -> tuple[nn.Linear, torch.optim.SGD]:
+    """A model moved to meta after its optimizer stepped: to_device made new parameters
+    there (module.to does too), and the optimizer holds the old ones, on the CPU."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    step(model, optimizer, torch.ones(2))
+    to_device(model, "meta")
+    return model, optimizer
+
+
+def test_an_optimizer_holding_the_parameters_a_move_replaced_is_stopped() -> None:
+    """The call stops before the body, naming the optimizer, where its parameters are, the
+    target and the fix; the fix, pasted, points the optimizer at the model's parameters,
+    keeping its state (moved beside them), and the step runs."""
+    model, optimizer = stale()
+    ran: list[int] = []
+
+    @device_agnostic
+    def counted(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        ran.append(1)
+
+    with pytest.raises(DeviceMismatchError) as raised:
+        counted(model, optimizer, torch.ones(2))
+    assert [] == ran
+    name = "test_an_optimizer_holding_the_parameters_a_move_replaced_is_stopped.<locals>.counted"
+    assert [
+        f"{name}() got optimizer (SGD) stepping parameters no module of the call holds:",
+        "    cpu <- optimizer.param_groups[0]['params'][0], optimizer.param_groups[0]['params'][1]",
+        "target meta (from the parameters of model (Linear))",
+        "fix: state = optimizer.state_dict(); "
+        "optimizer.param_groups[0]['params'] = list(model.parameters()); "
+        "optimizer.load_state_dict(state) (a move to meta makes new parameters, and "
+        "optimizer steps the old ones: it would train nothing), or build the optimizer "
+        "after the move",
+    ] == str(raised.value).splitlines()
+    assert META == raised.value.target
+    code = str(raised.value).splitlines()[-1].removeprefix("fix: ").partition(" (a move")[0]
+    exec(code, {"optimizer": optimizer, "model": model})
+    assert [model.weight, model.bias] == optimizer.param_groups[0]["params"]
+    assert META == optimizer.state[model.weight]["momentum_buffer"].device
+    step(model, optimizer, torch.ones(2, device="meta"))
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_stale_optimizer_on_the_accelerator_is_stopped_and_its_fix_trains() -> None:
+    """Moved to a device where module.to and to_device make new parameters (the emulated
+    one, as an NPU): without the check the loss never moves; with the fix it does."""
+    target = accelerator()
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    x = torch.randn(8, 4)
+
+    @device_agnostic
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> float:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss.item())
+
+    train(model, optimizer, x)
+    kept = model.weight
+    to_device(model, target)
+    if model.weight is kept:
+        pytest.skip(f"module moves to {target.type} keep the parameter objects")
+    with pytest.raises(DeviceMismatchError) as raised:
+        train(model, optimizer, x)
+    code = str(raised.value).splitlines()[-1].removeprefix("fix: ").partition(" (a move")[0]
+    exec(code, {"optimizer": optimizer, "model": model})
+    x = x.to(target)
+    losses = [train(model, optimizer, x) for _ in range(3)]
+    assert 3 == len(set(losses))  # it trains: without the check, the loss never moved
+
+
+def test_a_decorated_method_of_a_trainer_is_stopped_too() -> None:
+    """The model and its optimizer passed to a decorated method of a plain object."""
+
+    class Trainer:
+        @device_agnostic
+        def train_step(
+            self, net: nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer
+        ) -> None:
+            raise AssertionError("the body ran")
+
+    model, optimizer = stale(momentum=0.0)
+    with pytest.raises(DeviceMismatchError) as raised:
+        Trainer().train_step(model, torch.ones(2, device="meta"), optimizer)
+    assert "optimizer.param_groups[0]['params'] = list(net.parameters())" in str(raised.value)
+
+
+def test_the_fix_of_a_model_in_several_groups_says_how_to_rebuild() -> None:
+    """Two groups (no weight decay on biases): no one expression gives each group its
+    parameters back, so the fix says what to do, with the state kept."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(
+        [{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}]
+    )
+    to_device(model, "meta")
+    with pytest.raises(DeviceMismatchError) as raised:
+        step(model, optimizer, torch.ones(2, device="meta"))
+    assert str(raised.value).splitlines()[-1] == (
+        "fix: build the optimizer after the move, from model's parameters (a move to meta "
+        "makes new parameters, and optimizer steps the old ones: it would train nothing); "
+        "to keep its state, take state = optimizer.state_dict() before and "
+        "optimizer.load_state_dict(state) after"
+    )
+
+
+def test_move_false_is_stopped_the_same() -> None:
+    """move=False checks the optimizer as it checks the tensors."""
+    model, optimizer = stale()
+
+    @device_agnostic(move=False, scope=False)
+    def checked(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        raise AssertionError("the body ran")
+
+    with pytest.raises(DeviceMismatchError, match="stepping parameters no module"):
+        checked(model, optimizer, torch.ones(2, device="meta"))
+
+
+# The optimizers that are no stale ones run as before.
+
+
+def test_an_optimizer_built_after_the_move_runs() -> None:
+    """Its parameters are the model's, on the target."""
+    model = to_device(nn.Linear(2, 2), "meta")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step(model, optimizer, torch.ones(2))
+
+
+def test_an_excluded_optimizer_is_not_checked() -> None:
+    """exclude= leaves an argument alone: neither moved nor checked."""
+    model, optimizer = stale(momentum=0.0)
+
+    @device_agnostic(exclude="optimizer")
+    def lenient(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> int:
+        return len(optimizer.param_groups)
+
+    assert 1 == lenient(model, optimizer, torch.ones(2))
+
+
+def test_an_optimizer_of_a_loose_parameter_passed_beside_the_model_runs() -> None:
+    """A learned temperature on the CPU, passed as an argument of its own, with its own
+    optimizer (or in the model's): it is the caller's parameter, stepped where it is."""
+    model = to_device(nn.Linear(2, 2), "meta")
+    temperature = nn.Parameter(torch.ones(()))
+    alone = torch.optim.SGD([temperature], lr=0.1)
+    together = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+
+    @device_agnostic
+    def scaled(
+        model: nn.Module, temperature: nn.Parameter, optimizer: torch.optim.Optimizer
+    ) -> torch.Size:
+        return model(torch.ones(2) * temperature).shape
+
+    assert (2,) == scaled(model, temperature, alone)
+    assert (2,) == scaled(model, temperature, together)
+
+
+def test_an_optimizer_over_a_model_spread_on_purpose_runs() -> None:
+    """A model with its first layer kept on the CPU on purpose (declare_spread), its inputs
+    on meta: an optimizer over all its parameters, or over the CPU layer's, starts off the
+    target, with the model's own parameters, and runs. Once that layer moved too (new
+    parameters), the optimizer over it is stopped: what the call knew of the model's
+    parameters went with the move."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    to_device(model[1], "meta")
+    declare_spread(model, inputs="meta")
+    whole = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+
+    @device_agnostic(move=False)
+    def predict(model: nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
+        x = model[0](torch.ones(2, device="cpu")).to("meta")  # the first layer on the CPU
+        return model[1](x).device.type  # type: ignore[no-any-return]
+
+    x = torch.ones(2, device="meta")
+    ran = [predict(model, x, whole), predict(model, x, first), predict(model, x, first)]
+    assert ["meta", "meta", "meta"] == ran
+    to_device(model[0], "meta")
+    with pytest.raises(DeviceMismatchError, match="stepping parameters no module"):
+        predict(model, x, first)
+
+
+def test_without_a_module_in_the_call_an_optimizer_is_not_checked() -> None:
+    """No module: nothing says which parameters the step trains."""
+    _, optimizer = stale(momentum=0.0)
+
+    @device_agnostic(device="meta")
+    def no_model(optimizer: torch.optim.Optimizer, x: torch.Tensor) -> str:
+        return x.device.type
+
+    assert "meta" == no_model(optimizer, torch.ones(2))

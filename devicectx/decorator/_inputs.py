@@ -3,7 +3,8 @@
 :func:`scan` is the hot path of ``@device_agnostic``: it answers "is every tensor
 already on one device, and which?", with the recursive walk for plain batches where it can,
 else looking at top-level tensors directly and handing containers to the move engine.
-:class:`Held` keeps ``exclude=`` arguments out of it.
+:class:`Held` keeps ``exclude=`` arguments out of it. The optimizer arguments it notes
+beside a module are :mod:`devicectx.decorator._optimizers`' business.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from devicectx.move._walk import MIXED, NotPlain, plain_device
 
 _Tensor = torch.Tensor
 _Module = nn.Module
+_Optimizer = torch.optim.Optimizer
 # Values that hold no tensor and need no walk: the scan steps over them.
 _LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.device, torch.dtype})
 
 
 def scan(
     values: tuple[Any, ...], expected: torch.device | None
-) -> tuple[torch.device | None, bool, nn.Module | None]:
+) -> tuple[torch.device | None, bool, nn.Module | None, tuple[Any, ...] | None]:
     """One look at a call's arguments: the hot path of every call.
 
     Args:
@@ -38,18 +40,20 @@ def scan(
 
     Returns:
         A device of the inputs (the first tensor's, or ``expected``), whether every
-        tensor is on it, and the first module argument. A batch of plain containers
+        tensor is on it, the first module argument, and the optimizer arguments beside
+        it (None: none; :func:`left_behind` looks at them). A batch of plain containers
         takes :func:`~devicectx.move._walk.plain_device`; anything else, this loop: top-level
         tensors and scalars are looked at directly, containers are checked by the move
         engine (modules are not looked into: they are the module rule's business).
     """
     try:
-        return plain_device(values), True, None
+        return plain_device(values), True, None, None
     except NotPlain:
         pass  # a module, another type, or two devices: the loop below tells which
     first: torch.device | None = None
     uniform = True
     module: nn.Module | None = None
+    optimizers: tuple[Any, ...] | None = None
     for value in values:
         if isinstance(value, _Tensor):
             device = value.device
@@ -64,6 +68,8 @@ def scan(
         elif isinstance(value, _Module):
             if module is None:
                 module = value
+        elif isinstance(value, _Optimizer):  # holds no tensor the walk would see
+            optimizers = (value,) if optimizers is None else (*optimizers, value)
         elif uniform:
             # One walk: checks a container against the device known so far, or finds it.
             # Modules nested in containers are checked by their parameters here; one off
@@ -75,7 +81,10 @@ def scan(
                 uniform = False
             elif shared is not None:
                 first = shared
-    return first, uniform, module
+    # Beside a module argument only: a call of plain values takes plain_device() above,
+    # which steps over an optimizer (a leaf), so a call without a module never gets here
+    # for sure, and a decorated method's instance is no argument.
+    return first, uniform, module, optimizers if module is not None else None
 
 
 def found_devices(

@@ -211,6 +211,28 @@ def spread_strays(
     return _error(function, what, shown, target, reason, fix, count=False)
 
 
+def optimizer_left_behind(
+    function: str,
+    optimizer: str,
+    kind: str,
+    found: Mapping[torch.device, Sequence[str]],
+    target: torch.device,
+    reason: str,
+    fix: str,
+) -> DeviceMismatchError:
+    """An optimizer argument holding parameters no module of the call holds, off
+    ``target``: those a move replaced (:func:`devicectx.decorator._optimizers.left_behind`).
+
+    Args:
+        optimizer: how the call names it (``"optimizer"``); ``kind``: its class name.
+        found: each device with the paths of those parameters
+            (``optimizer.param_groups[0]['params'][1]``).
+        fix: the code that points it at the module's parameters, or how to rebuild it.
+    """
+    what = f"{optimizer} ({kind}) stepping parameters no module of the call holds"
+    return _error(function, what, found, target, reason, fix, count=False)
+
+
 def not_materialised(
     function: str, module: str, kind: str, target: torch.device, reason: str
 ) -> DeviceMismatchError:

@@ -26,6 +26,7 @@ from torch import nn
 from devicectx._errors import DeviceError, DeviceMismatchError
 from devicectx.decorator import _mismatch, _unseen
 from devicectx.decorator._inputs import Held, found_devices, scan
+from devicectx.decorator._optimizers import left_behind, off_target
 from devicectx.decorator._params import Params, self_offset
 from devicectx.decorator._spread import SpreadModel, Unmaterialised
 from devicectx.decorator._target import (
@@ -197,28 +198,32 @@ class Plan:
         cast_free = True
         casts = self.casts
         if self.exclude is not None:
-            first, uniform, module = None, False, None
+            first, uniform, module, optimizers = None, False, None, None
         elif casts is not None:
             # A dtype mapping: the devices and the dtypes to cast looked at together, inline
             # where every argument is a plain tensor on the target (twin of the loop below).
             values = (*args, *kwargs.values()) if kwargs else args
             for value in values:
                 if type(value) is not _Tensor or value.device != target or value.dtype in casts:
-                    first, uniform, module, cast_free = self._scan_casts(values, target, casts)
+                    first, uniform, module, optimizers, cast_free = self._scan_casts(
+                        values, target, casts
+                    )
                     break
             else:
-                first, uniform, module = (target if values else None), True, None
+                first, uniform, module, optimizers = (target if values else None), True, None, None
         elif kwargs or not args or target is None:
-            first, uniform, module = scan((*args, *kwargs.values()) if kwargs else args, target)
+            first, uniform, module, optimizers = scan(
+                (*args, *kwargs.values()) if kwargs else args, target
+            )
         else:
             # scan()'s answer where every argument is a plain tensor on the target (a
             # training step's tensors on the accelerator), without its three calls.
             for value in args:
                 if type(value) is not _Tensor or value.device != target:
-                    first, uniform, module = scan(args, target)
+                    first, uniform, module, optimizers = scan(args, target)
                     break
             else:
-                first, uniform, module = target, True, None
+                first, uniform, module, optimizers = target, True, None, None
         if instance is not None and isinstance(instance, _Module):
             module = instance
         if module is not None and uniform:
@@ -231,6 +236,8 @@ class Plan:
         ):
             if target is None:
                 target = first
+            if optimizers is not None and module is not None and target is not None:
+                self._optimizers(optimizers, wrapped, instance, args, kwargs, module, target)
             back = self.output.resolve() if self.output is not None else None
             if self.to_input:
                 back = first
@@ -300,6 +307,31 @@ class Plan:
         follow = reason == _FROM_INPUTS
         return _unseen.explain(error, self.name, named, target, reason, checked, follow)
 
+    def _optimizers(
+        self,
+        optimizers: tuple[Any, ...],
+        wrapped: Callable[..., Any],
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        module: nn.Module,
+        target: torch.device,
+    ) -> None:
+        """Stop a call whose optimizer argument holds parameters that a move replaced
+        (:func:`~devicectx.decorator._optimizers.left_behind`); one look per group where
+        none does."""
+        __tracebackhide__ = True
+        if not off_target(optimizers, module, target):
+            return
+        offset = self_offset(wrapped, instance)
+        named = [(name, value) for name, value, _ in self.params.named(args, kwargs, offset)]
+        if instance is not None:
+            named.insert(0, ("self", instance))
+        reason = self._reason(module, instance, args, kwargs, offset)
+        error = left_behind(self.name, named, target, reason)
+        if error is not None:
+            raise error
+
     def _autocast_call(
         self,
         wrapped: Callable[..., Any],
@@ -343,7 +375,7 @@ class Plan:
         option = self.device
         # Rules 1 and 3 first, so the scan can test the inputs against a known device.
         target = (option.fixed or option.resolve()) if option is not None else active_device()
-        first, uniform, module = scan(
+        first, uniform, module, optimizers = scan(
             seen_args if not seen_kwargs else (*seen_args, *seen_kwargs.values()), target
         )
         if instance is not None and isinstance(instance, _Module):
@@ -360,6 +392,8 @@ class Plan:
         chosen = target is not None
         if target is None:
             target = home
+        if optimizers is not None and module is not None and target is not None:
+            self._optimizers(optimizers, wrapped, instance, seen_args, seen_kwargs, module, target)
         if target is not None and (
             self.casts is not None  # a mapping casts also where nothing moves
             or (chosen and not (uniform and (first is None or first == target)))
@@ -392,15 +426,15 @@ class Plan:
     @staticmethod
     def _scan_casts(
         values: tuple[Any, ...], target: torch.device | None, casts: frozenset[torch.dtype]
-    ) -> tuple[torch.device | None, bool, nn.Module | None, bool]:
+    ) -> tuple[torch.device | None, bool, nn.Module | None, tuple[Any, ...] | None, bool]:
         """:func:`scan`'s answer, and whether no argument holds a tensor of a dtype in
         ``casts`` (else the call takes prepare(), whose move casts what it must): in one walk
         for plain batches."""
         try:
-            return plain_device_uncast(values, casts), True, None, True
+            return plain_device_uncast(values, casts), True, None, None, True
         except NotPlain:
-            first, uniform, module = scan(values, target)
-            return first, uniform, module, not holds_any(values, casts)
+            first, uniform, module, optimizers = scan(values, target)
+            return first, uniform, module, optimizers, not holds_any(values, casts)
 
     def _target(
         self,

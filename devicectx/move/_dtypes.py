@@ -29,7 +29,8 @@ its ``.to`` (torch_geometric's ``Data``), which cannot cast.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
 from typing import Any, Literal, TypeAlias, TypeVar
 
@@ -51,7 +52,15 @@ from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip
 from devicectx.move._walk import iter_tensors
 
-__all__ = ["DtypesLike", "Policy", "cast_batch", "check_dtypes", "holds_any", "policy_for"]
+__all__ = [
+    "DtypesLike",
+    "Policy",
+    "call_suggest",
+    "cast_batch",
+    "check_dtypes",
+    "holds_any",
+    "policy_for",
+]
 
 T = TypeVar("T")
 _Tensor = torch.Tensor
@@ -281,9 +290,17 @@ def _named(spec: str | None, device: torch.device) -> Policy:
 
 
 def cast_batch(
-    batch: T, device: torch.device, dtypes: DtypesLike, skip: Skip | None, index: int
+    batch: T,
+    device: torch.device,
+    dtypes: DtypesLike,
+    skip: Skip | None,
+    index: int,
+    suggest: Suggest | None = None,
 ) -> T:
-    """:func:`~devicectx.prefetch`'s batch ``index`` with the policy's casts made."""
+    """:func:`~devicectx.prefetch`'s batch ``index`` with the policy's casts made.
+
+    ``suggest``: the refusal's fix line, with the caller's other arguments (None: the
+    call with ``dtypes=`` alone)."""
     __tracebackhide__ = True
     policy = policy_for(dtypes, device)
     if policy is None:
@@ -292,10 +309,82 @@ def cast_batch(
     def fix(path: str) -> str:
         return f"leave it where it is: prefetch(batches, {str(device)!r}, skip=[{path!r}])"
 
-    def suggest(argument: str) -> str:
-        return f"prefetch(batches, {str(device)!r}, dtypes={argument})"
-
+    if suggest is None:
+        suggest = call_suggest("prefetch", ("batches", repr(str(device))), ())
     return policy.apply(batch, skip, "batch", f"prefetch() at batch {index}", fix, suggest)
+
+
+def call_suggest(
+    function: str, positional: Sequence[str], keywords: Iterable[tuple[str, object]]
+) -> Suggest:
+    """The fix line of a refusal: the caller's call (``positional`` as code, then
+    ``keywords``, those it set off their defaults, as values) with ``dtypes=`` added.
+
+    Each argument the caller set is written back, as a fix that dropped one would change
+    the call (``skip=["rng"]`` dropped moves the RNG state, which torch then refuses).
+    One that cannot be written as code (a lambda) is marked, so that the pasted line
+    fails rather than run without it.
+
+    Example:
+        >>> print(call_suggest("to_device", ["obj", "'mps:0'"], [("skip", ["rng"])])('"device"'))
+        to_device(obj, 'mps:0', skip=['rng'], dtypes="device")
+    """
+    written = [*positional]
+    for name, value in keywords:
+        code = _code_of(value)
+        written.append(f"{name}={code if code is not None else f'<your {name}= as it was>'}")
+
+    def suggest(dtypes: str) -> str:
+        return f"{function}({', '.join([*written, f'dtypes={dtypes}'])})"
+
+    return suggest
+
+
+_WRITTEN = (type(None), bool, int, float, str, bytes)
+
+
+def _code_of(value: object) -> str | None:
+    """``value`` as code, or None where it has none: a value, a container of them, a type
+    or a function by its name (torch's under ``torch.``)."""
+    if type(value) in _WRITTEN:
+        return repr(value)
+    if isinstance(value, torch.device):
+        return repr(str(value))
+    if isinstance(value, torch.dtype):
+        return _code(value)
+    if type(value) in (list, tuple, set, frozenset):
+        items = [_code_of(item) for item in value]  # type: ignore[attr-defined]
+        if any(item is None for item in items):
+            return None
+        inner = ", ".join(items)  # type: ignore[arg-type]
+        if isinstance(value, list):
+            return f"[{inner}]"
+        if isinstance(value, tuple):
+            return f"({inner},)" if len(items) == 1 else f"({inner})"
+        braced = f"{{{inner}}}" if items else ""
+        return braced if type(value) is set and items else f"{type(value).__name__}({braced})"
+    if isinstance(value, type) or inspect.isfunction(value) or inspect.isbuiltin(value):
+        return _name_of(value)
+    return None
+
+
+# Where torch's types are written from: `torch.nn.Module`, not `torch.nn.modules.module.Module`.
+_PUBLIC = {"torch": torch, "torch.nn": torch.nn, "torch.optim": torch.optim}
+
+
+def _name_of(value: Any) -> str | None:
+    """How code names a type or a function: ``torch.nn.Module``, ``dict``, ``MyState``;
+    None for one no code can name (a lambda, one defined in a function)."""
+    qualname = getattr(value, "__qualname__", "")
+    if not qualname or "<" in qualname:
+        return None
+    module = getattr(value, "__module__", "") or ""
+    if module.partition(".")[0] != "torch":
+        return str(qualname)
+    for public, namespace in _PUBLIC.items():
+        if getattr(namespace, qualname, None) is value:
+            return f"{public}.{qualname}"
+    return f"{module}.{qualname}"
 
 
 def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:

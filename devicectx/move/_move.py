@@ -39,7 +39,7 @@ from devicectx.move import _repeats, _staging, _transfers
 from devicectx.move._alias import TensorMover
 from devicectx.move._containers import register_builtin_kind
 from devicectx.move._containers import register_container as register_container
-from devicectx.move._dtypes import DtypesLike, Suggest, policy_for
+from devicectx.move._dtypes import DtypesLike, Suggest, call_suggest, policy_for
 from devicectx.move._kinds import CONTAINER, Kind
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Fix, Rebuild
@@ -252,8 +252,17 @@ def to_device(
         fix = _to_device_fix(target, "obj")
         return _move(obj, target, non_blocking, None, "obj", fix, "to_device()", coalesce)
     compiled = compile_skip(skip)
+    suggest = None  # a dtype refusal's fix, with the caller's arguments (its skip= as given)
+    if dtypes is not None or not holds_every_dtype(target):
+        suggest = _to_device_suggest(target, "obj", non_blocking, skip, coalesce)
     return move_to(
-        obj, target, non_blocking=non_blocking, skip=compiled, coalesce=coalesce, dtypes=dtypes
+        obj,
+        target,
+        non_blocking=non_blocking,
+        skip=compiled,
+        coalesce=coalesce,
+        dtypes=dtypes,
+        suggest=suggest,
     )
 
 
@@ -311,7 +320,7 @@ def move_to(
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
         fix = _to_device_fix(device, name)
         if suggest is None:
-            suggest = _to_device_suggest(device, name)
+            suggest = _to_device_suggest(device, name, non_blocking, skip, coalesce)
         obj = policy.apply(obj, compiled, name, "to_device()", fix, suggest)
     if (compiled is None or not compiled.slow) and _nothing_to_move(obj, device, _types(compiled)):
         return obj
@@ -441,11 +450,24 @@ def _to_device_fix(device: torch.device, name: str) -> Fix:
     return fix
 
 
-def _to_device_suggest(device: torch.device, name: str) -> Suggest:
-    def suggest(dtypes: str) -> str:
-        return f"to_device({name}, {str(device)!r}, dtypes={dtypes})"
-
-    return suggest
+def _to_device_suggest(
+    device: torch.device,
+    name: str,
+    non_blocking: bool = False,
+    skip: SkipLike = None,
+    coalesce: bool = True,
+) -> Suggest:
+    """The fix line of a dtype refusal: the call, with the arguments the caller set."""
+    keywords = [
+        (keyword, value)
+        for keyword, value, unset in (
+            ("non_blocking", non_blocking, False),
+            ("skip", skip, None),
+            ("coalesce", coalesce, True),
+        )
+        if value is not unset
+    ]
+    return call_suggest("to_device", (name, repr(str(device))), keywords)
 
 
 def _decorator_suggest(dtypes: str) -> str:

@@ -54,7 +54,7 @@ import torch
 from devicectx.devices._resolve import DeviceLike, accelerator_type, resolve_device
 from devicectx.move import _repeats
 from devicectx.move._background import Ticket, Worker
-from devicectx.move._dtypes import DtypesLike, cast_batch, check_dtypes
+from devicectx.move._dtypes import DtypesLike, Suggest, call_suggest, cast_batch, check_dtypes
 from devicectx.move._move import _move, _nothing_to_move
 from devicectx.move._skip import Skip, SkipLike, compile_skip
 from devicectx.move._staging import HandedTo
@@ -189,6 +189,10 @@ def prefetch(
     prefetcher = Prefetcher(batches, target, depth, compiled, _repeats.caller_place())
     check_dtypes(dtypes)
     prefetcher._dtypes = dtypes
+    # A dtype refusal's fix: this call with dtypes= added, the caller's depth= and skip= kept.
+    kept: list[tuple[str, object]] = [("depth", depth)] if depth != 2 else []
+    kept += [("skip", skip)] if skip is not None else []
+    prefetcher._suggest = call_suggest("prefetch", ("batches", repr(str(target))), kept)
     return prefetcher
 
 
@@ -218,6 +222,7 @@ class Prefetcher(Generic[T]):
         self._skip = skip
         self._where = where
         self._dtypes: DtypesLike = None  # the dtype policy (devicectx.move._dtypes)
+        self._suggest: Suggest | None = None  # its refusal's fix line
         self._streams = streams_for(device, pinned_when_read=_pins_on_the_host(batches))
         self.streams = self._streams is not None
         self._passes: weakref.WeakSet[_Pass[T]] = weakref.WeakSet()
@@ -342,6 +347,7 @@ class _Pass(Iterator[T]):
             owner._where,
             self._streams is not None,
             dtypes=owner._dtypes,
+            suggest=owner._suggest,
         )
         self._depth = owner.depth
         self._source: Iterator[Any] | None = source
@@ -439,11 +445,12 @@ def _move_batch(
     index: int,
     handed: HandedTo | None = None,
     dtypes: DtypesLike = None,
+    suggest: Suggest | None = None,
 ) -> Any:
     """``batch`` on ``device`` through the move engine, its errors naming ``index``;
     ``non_blocking`` and ``handed`` where it is moved on a copy stream."""
     # The dtype policy: casts made (or refused, naming every path) before the move.
-    batch = cast_batch(batch, device, dtypes, skip, index)
+    batch = cast_batch(batch, device, dtypes, skip, index, suggest)
     types = () if skip is None else skip.types
     if (skip is None or not skip.slow) and _nothing_to_move(batch, device, types):
         return batch

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from devicectx._errors import MoveError, with_article
-from devicectx._torch.module_tree import buffers_of, parameters_of
-from devicectx.move._paths import module_path
+from devicectx._torch.module_tree import buffers_of, parameters_of, submodules
+from devicectx.move._paths import keyed_modules, module_path
 from devicectx.move._walk import module_paths
 
 Fix = Callable[[str], str]  # a failed move's fix for a path, as Rebuild takes it
@@ -88,6 +88,9 @@ def _meta_fix(made: list[tuple[str, nn.Module]], device: torch.device) -> str:
     """The fix: each part made anew on ``device`` with ``to_empty`` (what torch's own error
     asks for), then initialised, as a model built on meta is."""
     remade = "; ".join(f"{path}.to_empty(device={str(device)!r})" for path, _ in made)
+    retie = _retie(made)
+    if retie:
+        remade = f"{remade}; {'; '.join(retie)} (to_empty unties tied weights)"
     resettable = all(hasattr(part, "reset_parameters") for _, part in made)
     if len(made) == 1:
         path = made[0][0]
@@ -97,6 +100,39 @@ def _meta_fix(made: list[tuple[str, nn.Module]], device: torch.device) -> str:
         how = "load a state dict, or each one's reset_parameters()" if resettable else ""
         init = f"initialise them ({how or 'load a state dict'})"
     return f"{remade}, then {init}, before the move"
+
+
+def _retie(made: list[tuple[str, nn.Module]]) -> list[str]:
+    """The code that ties again what ``to_empty`` of the parts ``made`` unties: each tensor
+    on meta held at several places (a tied weight) gets a tensor of its own at each.
+
+    A part with ``tie_weights()`` (a transformers model) ties its own; elsewhere each
+    other place is assigned the first one's parameter (or buffer).
+    """
+    places: dict[int, list[tuple[int, str]]] = {}  # id(tensor): (part, path) at each place
+    owners: set[int] = set()  # a module held at several places is made anew once
+    for index, (path, part) in enumerate(made):
+        named = list(submodules(part))
+        keyed = keyed_modules(named)
+        for qualified, owner in named:
+            if id(owner) in owners:
+                continue
+            owners.add(id(owner))
+            for name, tensor in chain(parameters_of(owner).items(), buffers_of(owner).items()):
+                if tensor is not None and tensor.is_meta:
+                    at = module_path(path, f"{qualified}.{name}" if qualified else name, keyed)
+                    places.setdefault(id(tensor), []).append((index, at))
+    lines: dict[str, None] = {}  # each once, in order
+    for held in places.values():
+        if len(held) < 2:
+            continue
+        parts = {index for index, _ in held}
+        (index, first), *others = held
+        if len(parts) == 1 and callable(getattr(made[index][1], "tie_weights", None)):
+            lines[f"{made[index][0]}.tie_weights()"] = None
+        else:
+            lines.update((f"{at} = {first}", None) for _, at in others)
+    return list(lines)
 
 
 def _holds_meta(module: nn.Module) -> bool:

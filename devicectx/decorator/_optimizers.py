@@ -1,0 +1,181 @@
+"""An optimizer argument left holding the parameters that a move replaced.
+
+torch's ``module.to``, and
+:func:`~devicectx.to_device`, keep each parameter object only between the CPU, CUDA, MPS,
+XPU and HPU. To ``meta``, or to a device registered out of tree (an Ascend NPU, the
+emulated accelerator), they make new parameters. An optimizer built before such a move
+holds the old ones, and a step with it runs without error and trains nothing, where the
+same program on CUDA trains. A call whose arguments include a module and an optimizer is
+stopped before the body where:
+
+- a group of the optimizer starts with a parameter off the target, and no group starts
+  with one of the module's (:func:`off_target`, the look every such call takes: one
+  parameter per group); and then
+- the optimizer holds none of the parameters of the call's modules, and some of its
+  parameters are off the target and are not arguments of the call themselves
+  (:func:`left_behind`).
+
+So these run as before: an optimizer built after the move; one over a model spread over
+devices on purpose (its parameters off the target are the model's); one over a loose
+parameter passed as an argument of its own (a learned temperature, stepped where it is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from devicectx._errors import DeviceMismatchError
+from devicectx._torch.module_tree import parameters_of, submodules
+from devicectx.decorator import _mismatch
+from devicectx.decorator._module_watch import ModuleCache, Sample
+from devicectx.move import _move
+
+__all__ = ["left_behind", "off_target"]
+
+_Optimizer = torch.optim.Optimizer
+
+
+def off_target(
+    optimizers: Iterable[torch.optim.Optimizer], module: nn.Module, target: torch.device
+) -> bool:
+    """Whether one of ``optimizers`` may hold parameters a move replaced: a group of it
+    starts with a parameter off ``target`` (a left-behind optimizer has all of them off),
+    and no group starts with one of ``module``'s (as over a model spread on purpose, whose
+    parameters off the target are its own). The look at each call with an optimizer: one
+    parameter per group, and ``module``'s parameters cached until torch reports a change."""
+    for optimizer in optimizers:
+        groups = optimizer.param_groups
+        for group in groups:
+            params = group["params"]
+            if params and params[0].device != target:
+                break
+        else:
+            continue  # every group starts on the target: the common case
+        held = _parameter_ids(module)
+        if not any(group["params"] and id(group["params"][0]) in held for group in groups):
+            return True
+    return False
+
+
+def _walk_parameter_ids(module: nn.Module) -> tuple[frozenset[int], Sample | None]:
+    """The ids of ``module``'s parameters, and the first one, which a cached answer is
+    checked by (:class:`~devicectx.decorator._module_watch.ModuleCache`)."""
+    owned = _parameters(module)
+    if not owned:
+        return frozenset(), None
+    owner, parameter = owned[0]
+    return frozenset(id(p) for _, p in owned), Sample(owner, False, parameter, parameter.device)
+
+
+def _parameters(module: nn.Module) -> list[tuple[nn.Module, nn.Parameter]]:
+    """``module.parameters()``, each with its owner, walked by identity (a module class
+    with ``__eq__`` and no ``__hash__`` breaks ``parameters()``)."""
+    seen: set[int] = set()
+    owned: list[tuple[nn.Module, nn.Parameter]] = []
+    for _, owner in submodules(module):
+        for parameter in parameters_of(owner).values():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                owned.append((owner, parameter))
+    return owned
+
+
+# Kept per module till torch reports a move or a registration: the ids are those of
+# parameters the module holds, alive, so no other live object has one of them.
+_parameter_ids: ModuleCache[frozenset[int]] = ModuleCache(_walk_parameter_ids)
+
+
+def left_behind(
+    function: str, named: Sequence[tuple[str, Any]], target: torch.device, reason: str
+) -> DeviceMismatchError | None:
+    """The error for the first optimizer argument that holds none of the parameters of
+    the call's modules and some off ``target`` that no argument is; None where none does.
+
+    Args:
+        function: the qualname of the decorated function.
+        named: the call's arguments by name (``self`` first, for a method).
+        target: the device the call runs on.
+        reason: why ``target``, in words.
+    """
+    modules = [(name, value) for name, value in named if isinstance(value, nn.Module)]
+    if not modules:
+        return None
+    held = {id(p) for _, module in modules for _, p in _parameters(module)}
+    passed = {
+        id(tensor)
+        for _, value in named
+        if not isinstance(value, (nn.Module, _Optimizer))
+        for _, tensor in _move.iter_tensors(value)
+    }
+    for name, optimizer in named:
+        if not isinstance(optimizer, _Optimizer):
+            continue
+        places = [
+            (g, i, p)
+            for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+        ]
+        if any(id(p) in held for _, _, p in places):
+            continue
+        strays = [(g, i, p) for g, i, p in places if p.device != target and id(p) not in passed]
+        if not strays:
+            continue
+        found: dict[torch.device, list[str]] = {}
+        for g, i, p in strays:
+            found.setdefault(p.device, []).append(f"{name}.param_groups[{g}]['params'][{i}]")
+        stale = {g for g, _, _ in strays}
+        fix = _fix(name, optimizer, stale, modules, target)
+        kind = type(optimizer).__name__
+        return _mismatch.optimizer_left_behind(function, name, kind, found, target, reason, fix)
+    return None
+
+
+def _fix(
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    stale: set[int],
+    modules: Sequence[tuple[str, nn.Module]],
+    target: torch.device,
+) -> str:
+    """Point each stale group at the module's parameters, keeping the state (which
+    ``load_state_dict`` puts beside them), where one expression gives a group's
+    parameters back; else say how to build the optimizer anew."""
+    why = (
+        f"a move to {target} makes new parameters, and {name} steps the old ones: it would "
+        "train nothing"
+    )
+    groups: list[str] = []
+    for g, group in enumerate(optimizer.param_groups):
+        if g not in stale:
+            continue
+        source = _source(group["params"], modules)
+        if source is None:
+            return (
+                f"build the optimizer after the move, from {modules[0][0]}'s parameters "
+                f"({why}); to keep its state, take state = {name}.state_dict() before and "
+                f"{name}.load_state_dict(state) after"
+            )
+        groups.append(f"{name}.param_groups[{g}]['params'] = {source}")
+    return (
+        f"state = {name}.state_dict(); {'; '.join(groups)}; {name}.load_state_dict(state) "
+        f"({why}), or build the optimizer after the move"
+    )
+
+
+def _source(params: Sequence[torch.Tensor], modules: Sequence[tuple[str, nn.Module]]) -> str | None:
+    """The code of a module's parameters that stand, one for one, where ``params`` (the
+    old ones) stood: all of a module's, or those that require grad; None where none
+    matches (a group of some of a module's parameters cannot be told from another)."""
+    shapes = [p.shape for p in params]
+    for name, module in modules:
+        own = [p for _, p in _parameters(module)]
+        if shapes == [p.shape for p in own]:
+            return f"list({name}.parameters())"
+        trained = [p for p in own if p.requires_grad]
+        if len(trained) < len(own) and shapes == [p.shape for p in trained]:
+            return f"[p for p in {name}.parameters() if p.requires_grad]"
+    return None
