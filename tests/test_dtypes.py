@@ -388,7 +388,7 @@ def test_decorator_default_refuses_before_the_body() -> None:
     assert str(raised.value) == (
         f"@device_agnostic cannot move 2 tensors to {device}, which holds no torch.float64:\n"
         "    torch.float64 <- x, batch['y']\n"
-        'fix: @device_agnostic(dtypes="device")'
+        f'fix: @device_agnostic(device={str(device)!r}, dtypes="device")'
     )
 
 
@@ -612,3 +612,25 @@ def test_decorator_casts_under_torch_compile() -> None:
     result = compiled(torch.ones(2, dtype=F64))
     assert F32 == result.dtype
     assert [3.0, 3.0] == result.tolist()
+
+
+@needs_accelerator
+def test_the_fix_of_the_decorator_keeps_its_other_arguments() -> None:
+    """@device_agnostic's fix is the caller's decorator with dtypes= added: device=,
+    exclude= (which keeps an argument out of the move) and the switches stay; followed as
+    written, the call runs with the RNG state left where it was."""
+    with mps_like() as device:
+
+        @device_agnostic(device=str(device), exclude="rng", scope=False, output="input")
+        def step(x: torch.Tensor, rng: torch.Tensor) -> torch.device:
+            return rng.device
+
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            step(torch.ones(2, dtype=F64), torch.get_rng_state())
+        fix = fix_line(raised)
+        assert (
+            f"@device_agnostic(device={str(device)!r}, output='input', exclude='rng', "
+            'scope=False, dtypes="device")'
+        ) == fix
+        fixed = eval(fix.removeprefix("@"))(step.__wrapped__)  # the fix, as pasted
+        assert torch.device("cpu") == fixed(torch.ones(2, dtype=F64), torch.get_rng_state())

@@ -265,7 +265,7 @@ def traced_call(
         back = _resolve_while_tracing(plan.output.spec)
 
     if plan.move and chosen is not None:
-        refused = _dtype_refused(leaves, chosen)
+        refused = _dtype_refused(leaves, chosen, plan.written)
         if refused is not None:
             return _refuse(TracedDtypeError, refused, plan, wrapped, instance, args, kwargs)
         args, kwargs = _traced_move(plan, (args, kwargs), chosen, offset)
@@ -292,9 +292,12 @@ def _traced_leaves(
     return leaves, None
 
 
-def _dtype_refused(leaves: list[tuple[str, torch.Tensor]], target: torch.device) -> str | None:
+def _dtype_refused(
+    leaves: list[tuple[str, torch.Tensor]], target: torch.device, written: str
+) -> str | None:
     """The message refusing the tensors that would move to ``target``, which cannot hold
-    their dtype (float64 on MPS), as the eager move refuses them; None: nothing refused."""
+    their dtype (float64 on MPS), as the eager move refuses them; None: nothing refused.
+    ``written``: the decorator's other arguments, as its fix writes them."""
     missing = _missing_while_tracing(target)
     if not missing:
         return None
@@ -305,7 +308,7 @@ def _dtype_refused(leaves: list[tuple[str, torch.Tensor]], target: torch.device)
     ]
     if not refused:
         return None
-    return _dtype_message(target, _dtype_refusals(refused))
+    return _dtype_message(target, _dtype_refusals(refused), written)
 
 
 def _traced_body(
@@ -572,7 +575,9 @@ def _missing_while_tracing(device: torch.device) -> tuple[torch.dtype, ...]:
 
 
 @_dynamo_hooks.constant
-def _dtype_message(target: torch.device, refused: tuple[tuple[str, torch.dtype, int], ...]) -> str:
+def _dtype_message(
+    target: torch.device, refused: tuple[tuple[str, torch.dtype, int], ...], written: str
+) -> str:
     """The message of the eager call's :class:`~devicectx.DtypeUnsupportedError`, made by
     the eager move itself, given a stand-in for each tensor it refuses: an empty ``meta``
     tensor of its dtype (one per ``int``, which tells tensors apart), named by its path."""
@@ -581,7 +586,8 @@ def _dtype_message(target: torch.device, refused: tuple[tuple[str, torch.dtype, 
         stand_ins.setdefault(which, torch.empty(0, dtype=dtype, device=_META))
     tensors = tuple(stand_ins[which] for _, _, which in refused)
     try:
-        _move.move_call(tensors, {}, target, names=[path for path, _, _ in refused])
+        names = [path for path, _, _ in refused]
+        _move.move_call(tensors, {}, target, names=names, written=written)
     except _errors.DtypeUnsupportedError as error:
         return MADE.keep(error)
     msg = f"the move to {target} refused none of {refused}"  # pragma: no cover - a bug

@@ -43,7 +43,7 @@ from devicectx.decorator._target import (
 from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move, _repeats
 from devicectx.move._distributed import wrapper_name
-from devicectx.move._dtypes import DtypesLike, check_dtypes, holds_any
+from devicectx.move._dtypes import DtypesLike, arguments_code, check_dtypes, holds_any
 from devicectx.move._unseen import is_device_mismatch
 from devicectx.move._walk import NotPlain, plain_device_uncast
 from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
@@ -97,6 +97,7 @@ class Plan:
         "when_traced",
         "where",
         "where_result",
+        "written",
     )
 
     def __init__(
@@ -152,6 +153,23 @@ class Plan:
             )
             raise ValueError(msg)
         self.dtypes = dtypes
+        # The decorator's other arguments as code, for the fix of a dtype refusal, which
+        # adds dtypes= to them: one dropped would change the call (exclude=, device=).
+        self.written = ", ".join(
+            arguments_code(
+                (keyword, value)
+                for keyword, value, default in (
+                    ("device", device, None),
+                    ("output", output, None),
+                    ("exclude", exclude or (), ()),
+                    ("non_blocking", non_blocking, False),
+                    ("scope", scope, True),
+                    ("coalesce", coalesce, True),
+                    ("precision", precision, None),
+                )
+                if value != default
+            )
+        )
         # The dtypes an explicit mapping casts wherever the tensors are (on the target too):
         # a call with tensors of these is no fast call.
         self.casts = frozenset(mapping) or None
@@ -411,6 +429,7 @@ class Plan:
                     where=self.where,
                     dtypes=self.dtypes,
                     parameters=False,  # a loose parameter's gradient reaches the caller's
+                    written=self.written,
                 )
                 args, kwargs = moved if held is None else held.merge(*moved)
             else:

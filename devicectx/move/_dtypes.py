@@ -55,6 +55,7 @@ from devicectx.move._walk import iter_tensors
 __all__ = [
     "DtypesLike",
     "Policy",
+    "arguments_code",
     "call_suggest",
     "cast_batch",
     "check_dtypes",
@@ -329,15 +330,21 @@ def call_suggest(
         >>> print(call_suggest("to_device", ["obj", "'mps:0'"], [("skip", ["rng"])])('"device"'))
         to_device(obj, 'mps:0', skip=['rng'], dtypes="device")
     """
-    written = [*positional]
-    for name, value in keywords:
-        code = _code_of(value)
-        written.append(f"{name}={code if code is not None else f'<your {name}= as it was>'}")
+    written = [*positional, *arguments_code(keywords)]
 
     def suggest(dtypes: str) -> str:
         return f"{function}({', '.join([*written, f'dtypes={dtypes}'])})"
 
     return suggest
+
+
+def arguments_code(keywords: Iterable[tuple[str, object]]) -> list[str]:
+    """``name=value`` of each keyword argument, as code (:func:`call_suggest`)."""
+    written = []
+    for name, value in keywords:
+        code = _code_of(value)
+        written.append(f"{name}={code if code is not None else f'<your {name}= as it was>'}")
+    return written
 
 
 _WRITTEN = (type(None), bool, int, float, str, bytes)

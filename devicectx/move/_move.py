@@ -343,6 +343,7 @@ def move_call(
     check_repeats: bool = True,
     dtypes: DtypesLike = None,
     parameters: bool = True,
+    written: str = "",
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments moved as one structure, with errors that name the parameters.
 
@@ -352,9 +353,10 @@ def move_call(
     same objects when nothing moved. ``who`` starts the error message (the decorated
     function, say: ``"train.loss()"``); ``where`` names the place that moves, as in
     :func:`move_to`. ``dtypes`` is the dtype policy; its error's fix is written for
-    ``@device_agnostic``. ``parameters`` False copies an ``nn.Parameter`` as ``.to``
-    does, through autograd (the decorator's choice: a loose parameter's gradient reaches
-    the caller's), not as a new parameter.
+    ``@device_agnostic``, with its other arguments ``written`` as code
+    (``"device='mps', exclude='rng'"``). ``parameters`` False copies an ``nn.Parameter``
+    as ``.to`` does, through autograd (the decorator's choice: a loose parameter's
+    gradient reaches the caller's), not as a new parameter.
     """
     __tracebackhide__ = True
     compiled = compile_skip(skip, "")
@@ -363,7 +365,7 @@ def move_call(
         values = (*args, *kwargs.values())
         call = _Call(args, kwargs, names, rest)
         cast = policy.apply(
-            call, compiled, "", who, _call_fix, _decorator_suggest, values, parameters
+            call, compiled, "", who, _call_fix, _decorator_suggest(written), values, parameters
         )
         args, kwargs = cast.args, cast.kwargs
     if compiled is None:
@@ -470,8 +472,15 @@ def _to_device_suggest(
     return call_suggest("to_device", (name, repr(str(device))), keywords)
 
 
-def _decorator_suggest(dtypes: str) -> str:
-    return f"@device_agnostic(dtypes={dtypes})"
+def _decorator_suggest(written: str) -> Suggest:
+    """The fix line of the decorator's dtype refusal: the decorator as the caller wrote it
+    (``written``: its other arguments, as code), with ``dtypes=`` added."""
+    before = f"{written}, " if written else ""
+
+    def suggest(dtypes: str) -> str:
+        return f"@device_agnostic({before}dtypes={dtypes})"
+
+    return suggest
 
 
 def _call_fix(path: str) -> str:
