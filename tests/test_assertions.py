@@ -559,8 +559,10 @@ def test_a_tensor_the_move_cannot_see_is_named_with_the_fix() -> None:
         "    RuntimeError: Tensor on device cpu is not on the expected device meta!",
         "  tensors the move to meta could not see, left where they were:",
         "    cpu <- scales.factor (in Scales)",
-        'fix: register_container(Scales, children=lambda obj: [("factor", obj.factor)], '
-        "rebuild=...), pass scales.factor as an argument, or give Scales a .to(device) method",
+        'fix: import copy; register_container(Scales, children=lambda obj: [("factor", '
+        "obj.factor)], rebuild=lambda obj, new: (clone := copy.copy(obj), setattr(clone, "
+        '"factor", new[0]))[0]), pass scales.factor as an argument, or give Scales a '
+        ".to(device) method",
     ] == str(raised.value).splitlines()
     assert isinstance(raised.value.__cause__, RuntimeError)
 

@@ -409,14 +409,20 @@ def test_a_tensor_in_a_plain_object_is_named_when_torch_fails() -> None:
         "    cpu <- cfg.scale (in Config)",
         'target meta (from @device_agnostic(device="meta"))',
         "torch said: Tensor on device cpu is not on the expected device meta!",
-        'fix: register_container(Config, children=lambda obj: [("scale", obj.scale)], '
-        "rebuild=...), pass cfg.scale as an argument, or give Config a .to(device) method",
+        'fix: import copy; register_container(Config, children=lambda obj: [("scale", '
+        "obj.scale)], rebuild=lambda obj, new: (clone := copy.copy(obj), setattr(clone, "
+        '"scale", new[0]))[0]), pass cfg.scale as an argument, or give Config a .to(device) '
+        "method",
     ] == lines_of(error)
     assert {CPU: ["cfg.scale"]} == error.value.devices
     assert META == error.value.target
     cause = error.value.__cause__
     assert type(cause) is RuntimeError
     assert "is not on the expected device" in str(cause)
+    with printed_fix_run(lines_of(error)[-1], {"Config": Config}):
+        config = Config(torch.ones(2))
+        assert META == scaled(torch.ones(2), config).device
+        assert CPU == config.scale.device  # the call's copy moved, the caller's stays
 
 
 DEFAULT_CONFIG = Config(torch.ones(2))
@@ -550,9 +556,12 @@ def test_slots_and_lists_inside_them_are_looked_into() -> None:
         scaled(torch.ones(2), Slotted(torch.ones(2), [on_meta(2), torch.ones(2)]))
     assert "    cpu <- cfg.bias (in Slotted), cfg.extra[1] (in Slotted)" == lines_of(error)[1]
     assert lines_of(error)[-1].startswith(
-        'fix: register_container(Slotted, children=lambda obj: [("bias", obj.bias), '
-        '("extra", obj.extra)], rebuild=...)'
+        'fix: import copy; register_container(Slotted, children=lambda obj: [("bias", '
+        'obj.bias), ("extra", obj.extra)], rebuild=lambda obj, new: (clone := copy.copy(obj), '
+        'setattr(clone, "bias", new[0]), setattr(clone, "extra", new[1]))[0]), or give '
     )
+    with printed_fix_run(lines_of(error)[-1], {"Slotted": Slotted}):
+        assert META == scaled(torch.ones(2), Slotted(torch.ones(2), [torch.ones(2)])).device
 
 
 class Offset(nn.Module):
@@ -959,8 +968,10 @@ def test_a_tensor_in_a_plain_class_body_is_named_and_an_instance_one_shadows_it(
         looked_up(on_meta(2, 2), Lookup())
     assert "    cpu <- lookup.table (a class attribute of Lookup)" == lines_of(error)[1]
     assert lines_of(error)[-1] == (
-        'fix: register_container(Lookup, children=lambda obj: [("table", obj.table)], '
-        "rebuild=...), pass lookup.table as an argument, or give Lookup a .to(device) method"
+        'fix: import copy; register_container(Lookup, children=lambda obj: [("table", '
+        "obj.table)], rebuild=lambda obj, new: (clone := copy.copy(obj), setattr(clone, "
+        '"table", new[0]))[0]), pass lookup.table as an argument, or give Lookup a '
+        ".to(device) method"
     )
     shadowed = Lookup()
     shadowed.table = on_meta(2, 2)
@@ -994,20 +1005,13 @@ def cached(x: torch.Tensor, cache: Outer) -> torch.Tensor:
 
 @contextlib.contextmanager
 def printed_fix_run(fix: str, types: dict[str, type]) -> Iterator[list[type]]:
-    """Runs the ``register_container(...)`` calls a fix line prints, as printed, with
-    ``rebuild=...`` (an Ellipsis) filled by a rebuild that copies the object and sets the
-    children's attributes; unregisters them when the block ends. Yields what it registered."""
+    """Runs the ``import copy; register_container(...)`` calls a fix line prints, as
+    printed; unregisters them when the block ends. Yields what it registered."""
     calls = fix.removeprefix("fix: ").partition(", pass ")[0].partition(", or give ")[0]
     registered: list[type] = []
 
     def register(cls: type, children: Any, rebuild: Any) -> None:
-        def copied(obj: Any, new: list[Any]) -> Any:
-            clone = copy.copy(obj)
-            for (name, _), value in zip(children(obj), new, strict=True):
-                setattr(clone, name, value)
-            return clone
-
-        register_container(cls, children, copied if rebuild is Ellipsis else rebuild)
+        register_container(cls, children, rebuild)
         registered.append(cls)
 
     try:
@@ -1030,15 +1034,18 @@ def test_a_nested_plain_object_fix_teaches_every_type_the_walk_passes() -> None:
         "    cpu <- cache.inner.t (in Inner), cache.k[0] (in Outer)",
         'target meta (from @device_agnostic(device="meta"))',
         f"torch said: {error.value.__cause__}",
-        'fix: register_container(Outer, children=lambda obj: [("inner", obj.inner), '
-        '("k", obj.k)], rebuild=...); register_container(Inner, children=lambda obj: '
-        '[("t", obj.t)], rebuild=...), or give Outer a .to(device) method',
+        'fix: import copy; register_container(Outer, children=lambda obj: [("inner", '
+        'obj.inner), ("k", obj.k)], rebuild=lambda obj, new: (clone := copy.copy(obj), '
+        'setattr(clone, "inner", new[0]), setattr(clone, "k", new[1]))[0]); '
+        'register_container(Inner, children=lambda obj: [("t", obj.t)], rebuild=lambda obj, '
+        'new: (clone := copy.copy(obj), setattr(clone, "t", new[0]))[0]), or give Outer a '
+        ".to(device) method",
     ] == lines_of(error)
     fix = lines_of(error)[-1]
     with printed_fix_run(fix, {"Outer": Outer, "Inner": Inner}) as registered:
         assert [Outer, Inner] == registered
         assert META == cached(on_meta(2), Outer()).device
-    inner_only = fix.replace(fix.partition("; ")[0] + "; ", "fix: ")
+    inner_only = "fix: import copy; " + fix.split("; ", 2)[2]  # the call for Outer left out
     with printed_fix_run(inner_only, {"Inner": Inner}), pytest.raises(DeviceMismatchError):
         cached(on_meta(2), Outer())
     assert fix.endswith(", or give Outer a .to(device) method")
@@ -1173,6 +1180,143 @@ def test_the_fix_for_nested_plain_objects_runs_as_printed(
     with printed_fix_run(fix, {cls.__qualname__: cls for cls in classes}) as registered:
         assert classes == registered
         assert META == run(on_meta(2), value).device
+
+
+# Objects with a .to of their own whose children no rule reads: the look reads their
+# attributes as a plain object's, and the fix moves the object, or mends its .to.
+
+
+class OwnScale:
+    """A config with its own ``.to``, which moves what it holds."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+    def to(self, device: torch.device) -> OwnScale:
+        """A new config holding the moved tensor."""
+        return OwnScale(self.scale.to(device))
+
+
+class DroppingScale:
+    """A config whose ``.to`` drops what ``tensor.to`` returns: the tensor stays."""
+
+    def __init__(self) -> None:
+        self.scale = torch.ones(2)
+        self.offsets = [torch.zeros(2)]
+
+    def to(self, device: torch.device) -> DroppingScale:
+        """Moves nothing: ``tensor.to`` returns a copy, which is dropped."""
+        self.scale.to(device)
+        self.offsets[0].to(device)
+        return self
+
+
+def inferred(model: nn.Module, x: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """The model's output, scaled and shifted by what ``cfg`` holds."""
+    out = model(x) * cfg.scale
+    return out + cfg.offsets[0] if hasattr(cfg, "offsets") else out
+
+
+def test_an_object_whose_own_to_nothing_called_is_named_with_the_move() -> None:
+    """move=False: an object with its own ``.to`` is neither moved nor checked; torch's
+    mismatch in the body names its tensor, and the fix moves the object with its ``.to``,
+    which, run as printed, makes the call succeed."""
+    infer = device_agnostic(move=False)(inferred)
+    model = nn.Linear(2, 2, device="meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        infer(model, on_meta(2, 2), OwnScale(torch.ones(2)))
+    assert [
+        "inferred() failed in torch on tensors @device_agnostic cannot see into:",
+        "    cpu <- cfg.scale (in OwnScale)",
+        "target meta (from the parameters of model (Linear))",
+        f"torch said: {error.value.__cause__}",
+        'fix: cfg = cfg.to("meta") before the call (OwnScale.to moves what it holds, and '
+        "nothing called it for this call)",
+    ] == lines_of(error)
+    assert {CPU: ["cfg.scale"]} == error.value.devices
+    names: dict[str, Any] = {"cfg": OwnScale(torch.ones(2))}
+    exec(lines_of(error)[-1].removeprefix("fix: ").partition(" before the call")[0], names)
+    assert META == infer(model, on_meta(2, 2), names["cfg"]).device
+
+
+def test_an_object_in_a_container_whose_own_to_nothing_called_is_moved_with_it() -> None:
+    """The object inside a dict argument: the fix moves the argument, and run as printed,
+    the call succeeds."""
+    infer = device_agnostic(move=False)(lambda model, batch: model(batch["x"]) * batch["cfg"].scale)
+    model = nn.Linear(2, 2, device="meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        infer(model, {"x": on_meta(2, 2), "cfg": OwnScale(torch.ones(2))})
+    assert "    cpu <- batch['cfg'].scale (in OwnScale)" == lines_of(error)[1]
+    fix = lines_of(error)[-1]
+    assert fix == (
+        'fix: batch = to_device(batch, "meta") before the call (OwnScale.to moves '
+        "batch['cfg'], and nothing called it for this call)"
+    )
+    names: dict[str, Any] = {"batch": {"x": on_meta(2, 2), "cfg": OwnScale(torch.ones(2))}}
+    names["to_device"] = to_device
+    exec(fix.removeprefix("fix: ").partition(" before the call")[0], names)
+    assert META == infer(model, names["batch"]).device
+
+
+def test_an_own_to_that_leaves_tensors_behind_is_named_with_how_to_write_it() -> None:
+    """move=True: the object's own ``.to`` ran and left its tensors where they were; the
+    error names them and the ``.to`` that left them, and the fix writes that ``.to``:
+    pasted into it as printed, the call succeeds."""
+    infer = device_agnostic(inferred)
+    model = nn.Linear(2, 2, device="meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        infer(model, torch.ones(2, 2), DroppingScale())
+    assert [
+        "inferred() failed in torch on tensors @device_agnostic cannot see into:",
+        "    cpu <- cfg.scale (in DroppingScale), cfg.offsets[0] (in DroppingScale)",
+        "target meta (from the parameters of model (Linear))",
+        f"torch said: {error.value.__cause__}",
+        "fix: DroppingScale.to left cfg.scale, cfg.offsets[0] on cpu (tensor.to returns a "
+        "moved copy and moves nothing in place): in DroppingScale.to, self.scale = "
+        "self.scale.to(device); self.offsets[0] = self.offsets[0].to(device), then return "
+        "self (or return a new DroppingScale holding the moved tensors)",
+    ] == lines_of(error)
+    body = lines_of(error)[-1].partition(": in DroppingScale.to, ")[2].partition(", then ")[0]
+    names: dict[str, Any] = {}
+    exec(f"def to(self, device):\n    {body}\n    return self", names)
+    mended = type("Mended", (DroppingScale,), {"to": names["to"]})
+    assert META == infer(model, torch.ones(2, 2), mended()).device
+
+
+def test_an_own_to_that_moves_nothing_is_named_under_move_false_too() -> None:
+    """move=False with a ``.to`` that leaves the tensor behind: moving the object with it
+    would not do, so the fix is the ``.to``'s, not the move's."""
+    infer = device_agnostic(move=False)(inferred)
+    with pytest.raises(DeviceMismatchError) as error:
+        infer(nn.Linear(2, 2, device="meta"), on_meta(2, 2), DroppingScale())
+    assert lines_of(error)[-1].startswith(
+        "fix: DroppingScale.to left cfg.scale, cfg.offsets[0] on cpu"
+    )
+
+
+class Holder:
+    """A plain object holding an :class:`OwnScale`."""
+
+    def __init__(self) -> None:
+        self.cfg = OwnScale(torch.ones(2))
+
+
+def test_an_object_with_its_own_to_inside_a_plain_one_is_moved_by_its_to() -> None:
+    """A plain object holding one with its own ``.to``: the fix registers the plain one
+    only, as its ``.to`` moves the other once the walk reaches it; run as printed, the
+    call succeeds."""
+    infer = device_agnostic(lambda model, x, holder: model(x) * holder.cfg.scale)
+    model = nn.Linear(2, 2, device="meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        infer(model, torch.ones(2, 2), Holder())
+    assert "    cpu <- holder.cfg.scale (in OwnScale)" == lines_of(error)[1]
+    fix = lines_of(error)[-1]
+    assert fix.startswith(
+        'fix: import copy; register_container(Holder, children=lambda obj: [("cfg", obj.cfg)], '
+    )
+    with printed_fix_run(fix, {"Holder": Holder}) as registered:
+        assert [Holder] == registered
+        assert META == infer(model, torch.ones(2, 2), Holder()).device
 
 
 # A tensor a module holds as a plain attribute, alone or in a list or dict: the fix makes

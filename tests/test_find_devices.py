@@ -21,6 +21,7 @@ from devicectx import (
     device_agnostic,
     find_devices,
     register_container,
+    to_device,
     unregister_container,
 )
 from devicectx.move._move import all_on, iter_tensors, move_call, move_to, shared_device
@@ -160,6 +161,51 @@ def test_find_devices_lists_the_tensors_a_lazy_stack_holds() -> None:
         assert tds[0]["a"] is eval(paths[0], {"lazy": lazy})
         assert all_on(lazy, CPU)
         assert not all_on(lazy, META)
+
+
+class OwnMoved:
+    """An object moved by its own ``.to``, with no children a rule reads: its attributes."""
+
+    def __init__(self, scale: torch.Tensor, extra: list[torch.Tensor]) -> None:
+        self.scale = scale
+        self.extra = extra
+        self.note = "kept"
+
+    def to(self, device: torch.device) -> OwnMoved:
+        return OwnMoved(self.scale.to(device), [t.to(device) for t in self.extra])
+
+
+class OwnSlots:
+    """:class:`OwnMoved` with ``__slots__``, holding one of them."""
+
+    __slots__ = ("inner", "offset")
+
+    def __init__(self, offset: torch.Tensor, inner: OwnMoved) -> None:
+        self.offset = offset
+        self.inner = inner
+
+    def to(self, device: torch.device) -> OwnSlots:
+        return OwnSlots(self.offset.to(device), self.inner.to(device))
+
+
+def test_find_devices_lists_the_attributes_of_an_object_with_its_own_to() -> None:
+    """An object moved by its own ``.to`` whose children no rule reads (no mapping, no
+    dataclass) has the tensors of its attributes listed, as ``to_device`` moves them: at
+    the root, in a container, in slots and in another such object; each path reads its
+    tensor."""
+    cfg = OwnMoved(torch.zeros(1), [torch.ones(1, device="meta")])
+    assert {CPU: ["cfg.scale"], META: ["cfg.extra[0]"]} == find_devices(cfg, name="cfg")
+    batch = {"cfg": OwnSlots(torch.zeros(1), cfg), "x": torch.zeros(1)}
+    found = find_devices(batch, name="b")
+    assert {
+        CPU: ["b['cfg'].inner.scale", "b['cfg'].offset", "b['x']"],
+        META: ["b['cfg'].inner.extra[0]"],
+    } == found
+    for device, paths in found.items():
+        assert [device] * len(paths) == [eval(path, {"b": batch}).device for path in paths]
+    everywhere = sorted(path for paths in found.values() for path in paths)
+    moved = find_devices(to_device(batch, "meta"), name="b")
+    assert {META: everywhere} == {device: sorted(paths) for device, paths in moved.items()}
 
 
 # The internal API of the decorator.

@@ -214,8 +214,11 @@ def test_mapping_that_cannot_be_rebuilt_is_refused_not_half_moved() -> None:
         "to_device() could not move obj['m'] (a KeywordMap) to meta:",
         "    KeywordMap cannot be rebuilt with its tensors moved: it is immutable, and "
         "KeywordMap(dict(new_items)) raised TypeError: KeywordMap takes keywords only",
-        "fix: teach it with devicectx.register_container(KeywordMap, children=..., "
-        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=[\"obj['m']\"])",
+        "fix: teach it with devicectx.register_container(KeywordMap, "
+        "children=keywordmap_children, rebuild=keywordmap_rebuild), where you write def "
+        "keywordmap_children(obj) giving its (key, child) pairs and def keywordmap_rebuild(obj, "
+        "new) giving a new KeywordMap of the moved children; or leave it where it is: "
+        "to_device(obj, 'meta', skip=[\"obj['m']\"])",
     ] == str(raised.value).splitlines()
     assert isinstance(raised.value.__cause__, _containers.CannotRebuild)
 
@@ -355,8 +358,10 @@ def test_own_to_that_leaves_tensors_behind_is_refused() -> None:
         "to_device() could not move obj['h'] (a HalfMover) to meta:",
         "    HalfMover cannot be rebuilt with its tensors moved: its own .to('meta') left "
         "tensors where they were: obj['h'].rest[0] (cpu)",
-        "fix: teach it with devicectx.register_container(HalfMover, children=..., "
-        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=[\"obj['h']\"])",
+        "fix: teach it with devicectx.register_container(HalfMover, children=halfmover_children, "
+        "rebuild=halfmover_rebuild), where you write def halfmover_children(obj) giving its (key, "
+        "child) pairs and def halfmover_rebuild(obj, new) giving a new HalfMover of the moved "
+        "children; or leave it where it is: to_device(obj, 'meta', skip=[\"obj['h']\"])",
     ] == str(raised.value).splitlines()
 
 
@@ -455,8 +460,10 @@ def test_views_that_disagree_where_the_type_joins_them_are_refused() -> None:
         "to_device() could not move obj (an Output) to meta:",
         "    Output cannot be rebuilt with its tensors moved: "
         "a copy given the moved children shows another object at .logits",
-        "fix: teach it with devicectx.register_container(Output, children=..., "
-        "rebuild=...); or leave it where it is: do not move obj",
+        "fix: teach it with devicectx.register_container(Output, children=output_children, "
+        "rebuild=output_rebuild), where you write def output_children(obj) giving its (key, "
+        "child) pairs and def output_rebuild(obj, new) giving a new Output of the moved children; "
+        "or leave it where it is: do not move obj",
     ] == str(raised.value).splitlines()
 
 
@@ -552,8 +559,11 @@ def test_entries_a_copy_reorders_where_the_order_cannot_be_put_back_are_refused(
         "to_device() could not move obj (a SortedCopy) to meta:",
         "    SortedCopy cannot be rebuilt with its tensors moved: "
         "a copy given the moved children lists them in another order",
-        "fix: teach it with devicectx.register_container(SortedCopy, children=..., "
-        "rebuild=...); or leave it where it is: do not move obj",
+        "fix: teach it with devicectx.register_container(SortedCopy, "
+        "children=sortedcopy_children, rebuild=sortedcopy_rebuild), where you write def "
+        "sortedcopy_children(obj) giving its (key, child) pairs and def sortedcopy_rebuild(obj, "
+        "new) giving a new SortedCopy of the moved children; or leave it where it is: do not move "
+        "obj",
     ] == str(raised.value).splitlines()
     assert ["loss", "logits"] == list(out)
 
@@ -594,8 +604,10 @@ def test_two_views_that_cannot_agree_are_refused(
         "to_device() could not move obj[0] (a Snapshot) to meta:",
         "    Snapshot cannot be rebuilt with its tensors moved: its entry 'x' cannot be set: "
         "TypeError: 'Snapshot' object does not support item assignment",
-        "fix: teach it with devicectx.register_container(Snapshot, children=..., "
-        "rebuild=...); or leave it where it is: to_device(obj, 'meta', skip=['obj[0]'])",
+        "fix: teach it with devicectx.register_container(Snapshot, children=snapshot_children, "
+        "rebuild=snapshot_rebuild), where you write def snapshot_children(obj) giving its (key, "
+        "child) pairs and def snapshot_rebuild(obj, new) giving a new Snapshot of the moved "
+        "children; or leave it where it is: to_device(obj, 'meta', skip=['obj[0]'])",
     ] == str(raised.value).splitlines()
     assert CPU == snapshot["x"].device == snapshot.x.device
 
@@ -1055,7 +1067,10 @@ def test_registration_wins_over_built_in_rules() -> None:
             TypeError,
             [
                 "register_container() needs a container class, got <class 'object'>",
-                "fix: register_container(MyBatch, children=..., rebuild=...)",
+                "fix: register_container(MyBatch, children=mybatch_children, "
+                "rebuild=mybatch_rebuild), MyBatch your container class, with the two "
+                "functions you write for it: obj -> its (key, child) pairs, and "
+                "(obj, new children) -> a new MyBatch",
             ],
         ),
         (

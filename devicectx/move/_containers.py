@@ -245,7 +245,10 @@ def register_container(
     if not isinstance(cls, type) or cls in (object, torch.Tensor):
         msg = (
             f"register_container() needs a container class, got {cls!r}\n"
-            f"fix: register_container(MyBatch, children=..., rebuild=...)"
+            "fix: register_container(MyBatch, children=mybatch_children, "
+            "rebuild=mybatch_rebuild), MyBatch your container class, with the two "
+            "functions you write for it: obj -> its (key, child) pairs, and "
+            "(obj, new children) -> a new MyBatch"
         )
         raise TypeError(msg)
     for label, fn in (("children", children), ("rebuild", rebuild)):

@@ -531,7 +531,7 @@ class Rebuild:
                 kind.split is not None and all_on(kind.split(obj)[1], device)
             ):
                 return obj
-            target = obj if _returns_new(type(obj)) else _shallow_copy(obj)
+            target = obj if _returns_new(type(obj)) else shallow_copy(obj)
             result = _NOT_CALLED
             if mover.non_blocking:
                 with contextlib.suppress(TypeError):  # a .to that takes no non_blocking
@@ -645,10 +645,7 @@ class Rebuild:
             if error.left:
                 places = ", ".join(f"{path}{below} ({device})" for below, device in error.left)
                 detail = f"{detail}: {places}"
-            fix = (
-                f"teach it with devicectx.register_container({error.tp.__qualname__}, "
-                f"children=..., rebuild=...); or {fix}"
-            )
+            fix = f"teach it with {_registration(error.tp)}; or {fix}"
         elif isinstance(error, (RegistrationError, CannotCast)):  # their own fix, not a skip
             detail, _, fix = str(error).partition("\nfix: ")
         else:
@@ -703,9 +700,19 @@ def _whole_fix(obj: object, path: str) -> str | None:
         return f"mend the children= and rebuild= that register_container({kind}, ...) got"
     if isinstance(obj, nn.Module):
         return None
+    return f"teach devicectx how to take it apart: {_registration(type(obj))}"
+
+
+def _registration(tp: type) -> str:
+    """The ``register_container`` call for a type the move knows nothing of, with the two
+    functions the user writes named: only its author knows its children and how it is
+    built from them."""
+    stem = tp.__name__.lower()
     return (
-        f"teach devicectx how to take it apart: register_container({kind}, children=..., "
-        f"rebuild=...)"
+        f"devicectx.register_container({tp.__qualname__}, children={stem}_children, "
+        f"rebuild={stem}_rebuild), where you write def {stem}_children(obj) giving its "
+        f"(key, child) pairs and def {stem}_rebuild(obj, new) giving a new {tp.__name__} "
+        f"of the moved children"
     )
 
 
@@ -738,7 +745,7 @@ def _returns_new(tp: type) -> bool:
     return known
 
 
-def _shallow_copy(obj: Any) -> Any:
+def shallow_copy(obj: Any) -> Any:
     """A copy to call ``.to`` on: some ``.to`` methods move in place (BatchEncoding's,
     torch_geometric's), and the input must not change."""
     try:

@@ -1,13 +1,14 @@
 """Tensors the move engine cannot see: held in attributes of plain objects.
 
 The engine looks into containers it knows (:mod:`devicectx.move._containers`) and leaves
-every other object as it is, unmoved and unchecked. Where torch then fails with a device
-mismatch, :func:`unseen_tensors` looks into the attributes of those objects (``__dict__``
-and ``__slots__``, a few levels deep), into the plain tensor attributes of modules (a
-tensor set as ``self.scale = ...``, not registered as a buffer, which ``module.to`` does
-not move), and at the tensors their classes hold (``table = torch.ones(2)`` in a class
-body, one tensor every instance shares), so that the error can name them. It runs on the
-failure path only: a call that succeeds never takes it.
+every other object as it is, unmoved and unchecked; an object with a ``.to`` of its own and
+no children a rule reads, it moves with that ``.to``, trusting it, and never checks. Where
+torch then fails with a device mismatch, :func:`unseen_tensors` looks into the attributes
+of those objects (``__dict__`` and ``__slots__``, a few levels deep), into the plain tensor
+attributes of modules (a tensor set as ``self.scale = ...``, not registered as a buffer,
+which ``module.to`` does not move), and at the tensors their classes hold (``table =
+torch.ones(2)`` in a class body, one tensor every instance shares), so that the error can
+name them. It runs on the failure path only: a call that succeeds never takes it.
 
 Example:
     >>> import torch
@@ -32,8 +33,9 @@ from torch.optim import Optimizer
 from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx.move._attributes import slot_names
 from devicectx.move._containers import is_plain_leaf, kind_for
-from devicectx.move._kinds import CONTAINER, LEAF, MODULE, TENSOR
+from devicectx.move._kinds import CONTAINER, LEAF, MODULE, OWN, TENSOR
 from devicectx.move._paths import ATTR, join, keyed_modules, module_path
+from devicectx.move._rebuild import shallow_copy
 
 # torch's words for tensors on different devices, across its releases and backends.
 _MISMATCH_WORDS = (
@@ -86,6 +88,9 @@ class Unseen(NamedTuple):
     tied: bool = False
     """For a whole module: whether it holds a tensor at several places (a tied weight),
     which ``module.to`` unties off the devices where torch keeps parameter objects."""
+    own: object = None
+    """The outermost object on the path with a ``.to`` of its own whose attributes were
+    read (no rule reads its children), for a fix that tries that ``.to``; else None."""
 
 
 def is_device_mismatch(error: BaseException) -> bool:
@@ -100,6 +105,12 @@ def unseen_tensors(
     named: Iterable[tuple[str, Any]], checked: Collection[int] | None = None
 ) -> list[Unseen]:
     """Every tensor below ``named`` arguments that the move engine does not see, in order.
+
+    An object with a ``.to`` of its own and no children a rule reads is looked into as a
+    plain object is, by its attributes: the engine trusts its ``.to``, which may not have
+    run (``move=False``) or may have left them where they were. Those whose children a
+    rule reads (a TensorDict, a ``BatchEncoding``, torch_geometric's ``Data``) are not:
+    the engine checks what their ``.to`` did.
 
     A module held by a plain object is unseen as a whole: one entry per device its
     parameters and buffers are on, and those tensors are not listed again where something
@@ -125,7 +136,7 @@ def unseen_tensors(
     stack = [_Step(value, name, 0, ()) for name, value in reversed(list(named))]
     budget = _MAX_OBJECTS
     while stack and budget > 0:
-        value, path, depth, holders, shared_by = stack.pop()
+        value, path, depth, holders, shared_by, own = stack.pop()
         kind = kind_for(type(value))
         role = kind.role
         if role == TENSOR:
@@ -141,7 +152,9 @@ def unseen_tensors(
                     continue
                 holder, holder_path = holders[-1]
                 found.append(
-                    Unseen(path, value.device, holder, holder_path, None, holders, shared_by)
+                    Unseen(
+                        path, value.device, holder, holder_path, None, holders, shared_by, own=own
+                    )
                 )
                 ids.append(id(value))
             continue
@@ -169,16 +182,18 @@ def unseen_tensors(
             keys, values = kind.split(value)
             keys = range(len(values)) if keys is None else keys
             children = [
-                _Step(child, join(path, kind.style, key), depth, holders)
+                _Step(child, join(path, kind.style, key), depth, holders, None, own)
                 for key, child in zip(keys, values, strict=True)
             ]
-        elif role == LEAF and depth < _MAX_DEPTH:
+        elif (role == LEAF or (role == OWN and kind.split is None)) and depth < _MAX_DEPTH:
             here = (*holders, (type(value), path))
+            if own is None and role == OWN:
+                own = value
             children = [
-                _Step(child, join(path, ATTR, name), depth + 1, here, by)
+                _Step(child, join(path, ATTR, name), depth + 1, here, by, own)
                 for name, child, by in _attributes(value, held)
             ]
-        else:  # an object with its own .to: what it holds is its .to's business
+        else:  # too deep, or an own .to whose work the engine checks through its children
             continue
         stack.extend(reversed(children))
     return [item for item, tensor in zip(found, ids, strict=True) if tensor not in owned]
@@ -195,6 +210,8 @@ class _Step(NamedTuple):
     """The objects whose attributes led here, outermost first (:attr:`Unseen.holders`)."""
     shared_by: type | None = None
     """The class holding ``value`` in its body, for a class attribute."""
+    own: object = None
+    """:attr:`Unseen.own` for what is found below."""
 
 
 def _by_device(module: nn.Module) -> dict[torch.device, set[int]]:
@@ -286,7 +303,10 @@ def fix_for(
     block, the module rule), the module goes to it; where the inputs chose it, the call
     names the module's device, or takes the module as an argument so that the inputs follow.
     For tensors in plain objects: every type the walk must be taught to reach them, from
-    the argument's own down, since it enters a type only where it knows its parent.
+    the argument's own down, since it enters a type only where it knows its parent, and
+    down to an object with a ``.to`` of its own only, which moves the rest. For tensors in
+    such an object: its ``.to``, tried on a shallow copy as a move tries it, either moves
+    them, and the fix calls it, or leaves them, and the fix says how to write it.
     """
     first = unseen[0]
     if first.module is not None:
@@ -325,6 +345,8 @@ def fix_for(
                 f's["step"] = s["step"].cpu() (not with capturable=True or fused=True)'
             )
         return fix
+    if _moves_itself(root):
+        return _own_fix(first, root, root_path, unseen, target)
     group = [
         u
         for u in unseen
@@ -334,19 +356,90 @@ def fix_for(
     for u in group:
         chain = u.holders or ((u.holder, u.holder_path),)
         below = [path for _, path in chain[1:]] + [u.path]
-        for (tp, at), inner in zip(chain, below, strict=True):
+        # The walk hands an object with a .to of its own to that .to: taught to reach it,
+        # it needs no more.
+        cut = next((i for i, (tp, _) in enumerate(chain) if _moves_itself(tp)), len(chain))
+        for (tp, at), inner in zip(chain[:cut], below[:cut], strict=True):
             names = children.setdefault(tp, [])
             name = _attribute_of(inner[len(at) + 1 :])
             if name not in names:
                 names.append(name)
-    calls = "; ".join(_register(tp, names) for tp, names in children.items())
+    calls = "; ".join(register_call(tp, names) for tp, names in children.items())
     passed = f", pass {first.path} as an argument" if len(group) == 1 else ""
-    return f"{calls}{passed}, or give {root.__qualname__} a .to(device) method"
+    return f"import copy; {calls}{passed}, or give {root.__qualname__} a .to(device) method"
 
 
-def _register(tp: type, names: Sequence[str]) -> str:
+def register_call(tp: type, names: Sequence[str]) -> str:
+    """The ``register_container`` call that teaches the walk ``tp`` through its attributes
+    ``names``, runnable as written (after ``import copy``): its rebuild sets the moved
+    children on a shallow copy, which keeps every other attribute, as a plain object's
+    copy needs."""
     listed = ", ".join(f'("{name}", obj.{name})' for name in names)
-    return f"register_container({tp.__qualname__}, children=lambda obj: [{listed}], rebuild=...)"
+    sets = "".join(f', setattr(clone, "{name}", new[{i}])' for i, name in enumerate(names))
+    return (
+        f"register_container({tp.__qualname__}, children=lambda obj: [{listed}], "
+        f"rebuild=lambda obj, new: (clone := copy.copy(obj){sets})[0])"
+    )
+
+
+def _moves_itself(tp: type) -> bool:
+    """Whether objects of ``tp`` are moved by a ``.to`` of their own, with no children a
+    rule reads: the look reads their attributes."""
+    kind = kind_for(tp)
+    return kind.role == OWN and kind.split is None
+
+
+# Where no target was chosen, the own .to is tried on meta: no memory, no copy.
+_TRIED_ON = torch.device("meta")
+# The tensors an own .to left named in a fix, in statements written for them.
+_MAX_STATEMENTS = 4
+
+
+def _own_fix(
+    first: Unseen, root: type, at: str, unseen: Sequence[Unseen], target: torch.device | None
+) -> str:
+    """The fix for tensors in an object with its own ``.to`` (at ``at``, an argument or
+    inside one): call it where it moves them, else write it so that it does."""
+    group = [u for u in unseen if u.module is None and u.holders and u.holders[0][1] == at]
+    left = _left_by_own_to(first.own, at, target or _TRIED_ON)
+    name = root.__qualname__
+    stayed = [u for u in group if left is not None and u.path in left]
+    if not stayed:
+        device = f'"{target}"' if target is not None else "device"
+        argument = _attribute_of(at)  # the argument it is in
+        if argument == at:
+            call, what = f"{at} = {at}.to({device})", "what it holds"
+        else:
+            call, what = f"{argument} = to_device({argument}, {device})", at
+        return (
+            f"{call} before the call ({name}.to moves {what}, and nothing called it for this call)"
+        )
+    paths = ", ".join(u.path for u in stayed)
+    devices = ", ".join(dict.fromkeys(str(u.device) for u in stayed))
+    places = [u.path[len(at) :] for u in stayed if u.path.startswith(at)]
+    statements = "; ".join(f"self{p} = self{p}.to(device)" for p in places[:_MAX_STATEMENTS])
+    more = len(places) - _MAX_STATEMENTS
+    if more > 0:
+        statements = f"{statements} (and likewise {more} more)"
+    return (
+        f"{name}.to left {paths} on {devices} (tensor.to returns a moved copy and moves "
+        f"nothing in place): in {name}.to, {statements}, then return self (or return a new "
+        f"{name} holding the moved tensors)"
+    )
+
+
+def _left_by_own_to(own: object, at: str, device: torch.device) -> set[str] | None:
+    """The paths of the tensors that ``own``'s ``.to(device)`` leaves off ``device``, tried
+    on a shallow copy as a move tries it (the caller's object is not changed); None where
+    it raises. On the failure path only."""
+    copied = shallow_copy(own)
+    try:
+        result = copied.to(device)
+    except Exception:  # its own error: not this fix's to report
+        return None
+    if result is None:  # a .to that moves in place and returns nothing
+        result = copied
+    return {u.path for u in unseen_tensors([(at, result)]) if u.device != device}
 
 
 def _buffer_fix(first: Unseen, module: type, at: str, unseen: Sequence[Unseen]) -> str:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from devicectx.move import _containers
+from devicectx.move._attributes import slot_names
 from devicectx.move._containers import kind_for
 from devicectx.move._distributed import Layout, layout_of
 from devicectx.move._kinds import (
@@ -40,7 +41,7 @@ from devicectx.move._kinds import (
     TENSOR,
     Kind,
 )
-from devicectx.move._paths import ITEM, build, join, keyed_modules, module_path
+from devicectx.move._paths import ATTR, ITEM, build, join, keyed_modules, module_path
 
 _Tensor = torch.Tensor
 _CACHE = _containers.KIND_CACHE
@@ -323,16 +324,21 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
         listed at each; a container held at several places is looked into at the first.
 
     Caveats:
-        Tensors inside an object moved by its own ``.to`` are listed only when its
-        children can be read: a ``Mapping``, a dataclass, a tensordict lazy stack
+        Tensors inside an object moved by its own ``.to`` are listed through its children
+        where a rule reads them: a ``Mapping``, a dataclass, a tensordict lazy stack
         (through its ``tensordicts``), or torch_geometric's ``Data``, ``Batch`` and
-        ``HeteroData``. A dataclass that is also a mapping lists each
-        tensor once: ``out.logits`` where the entry and the field hold it, ``out['x']``
-        for an entry that is no field.
+        ``HeteroData``; for any other such object, through its attributes (``__dict__``
+        and ``__slots__``: ``cfg.scale``), which its ``.to`` is trusted to move. A
+        dataclass that is also a mapping lists each tensor once: ``out.logits`` where the
+        entry and the field hold it, ``out['x']`` for an entry that is no field. Plain
+        objects (no ``.to``, not registered) are not looked into: ``to_device`` does not
+        move them.
 
-    How: what :func:`iter_tensors` with ``modules=True`` yields, grouped by device; written
-    out rather than built on it, as it is a hot path (no generator, one dict lookup per run
-    of tensors on one device), with a recursive fast path for plain batches.
+    How: what :func:`iter_tensors` with ``modules=True`` yields, grouped by device, and
+    the tensors in the attributes of objects with their own ``.to``, which the move
+    engine's walks leave to that ``.to``; written out rather than built on it, as it is a
+    hot path (no generator, one dict lookup per run of tensors on one device), with a
+    recursive fast path for plain batches.
     """
     found: dict[torch.device, list[str]] = {}
     tp = type(obj)
@@ -346,7 +352,7 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
         return found
     found.clear()
     kind = _CACHE.get(tp) or kind_for(tp)
-    if kind.role in (TENSOR, MODULE) or kind.split is None:
+    if kind.role in (TENSOR, MODULE) or (kind.split is None and kind.role != OWN):
         for path, tensor in iter_tensors(obj, name, modules=True):
             found.setdefault(tensor.device, []).append(path)
         return found
@@ -360,7 +366,7 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
         _containers.FAST_LIST,
         _containers.FAST_TUPLE,
     )
-    stack: list[list[Any]] = [[kind.style, _children(obj, kind), None, name]]
+    stack: list[list[Any]] = [_listed(obj, kind, None, name)]
     while stack:
         style, children, _, path = stack[-1]
         for key, child in children:
@@ -403,13 +409,33 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
                         paths = found.setdefault(device, [])
                         last = device
                     paths.append(tensor_path)
-            elif kind.split is not None and id(child) not in seen:
+            elif (kind.split is not None or role == OWN) and id(child) not in seen:
                 seen.add(id(child))
-                stack.append([kind.style, _children(child, kind), key, _eager(stack, path, key)])
+                stack.append(_listed(child, kind, key, _eager(stack, path, key)))
                 break
         else:
             stack.pop()
     return found
+
+
+def _listed(obj: Any, kind: Kind, key: Any, path: str | None) -> list[Any]:
+    """find_devices' frame for a container: its children, or for an object moved by its
+    own ``.to`` whose children no rule reads, its attributes."""
+    if kind.split is None:
+        return [ATTR, _own_attributes(obj), key, path]
+    return [kind.style, _children(obj, kind), key, path]
+
+
+def _own_attributes(obj: Any) -> Iterator[tuple[str, Any]]:
+    """An object's attributes: its ``__dict__``'s, then its ``__slots__`` that are set."""
+    state = getattr(obj, "__dict__", None)
+    if isinstance(state, dict):
+        yield from ((name, value) for name, value in list(state.items()) if type(name) is str)
+    for name in slot_names(type(obj)):
+        try:
+            yield name, object.__getattribute__(obj, name)
+        except AttributeError:  # a slot never set
+            continue
 
 
 def find_layouts(obj: object, *, name: str = "obj") -> dict[Layout, list[str]]:
