@@ -44,6 +44,28 @@ class Refusing(torch.Tensor):
         raise RuntimeError("cannot leave\nthis device")
 
 
+def test_the_skip_fix_keeps_the_callers_own_skip_and_arguments() -> None:
+    """The fix adds the failing path to the caller's skip= and keeps its other arguments:
+    followed as printed, the move leaves both the caller's entries and that path alone."""
+    rng = torch.get_rng_state()
+    obj = {"rng": rng, "feats": [torch.ones(2), torch.zeros(2).as_subclass(Refusing)]}
+    with pytest.raises(MoveError) as raised:
+        to_device(obj, "meta", skip=["rng", nn.Module], non_blocking=True)
+    fix = str(raised.value).splitlines()[-1]
+    assert (
+        "fix: leave it where it is: to_device(obj, 'meta', non_blocking=True, "
+        "skip=['rng', torch.nn.Module, \"obj['feats'][1]\"])"
+    ) == fix
+    moved = eval(fix.partition("leave it where it is: ")[2])  # the fix, as pasted
+    assert moved["rng"] is rng
+    assert moved["feats"][1] is obj["feats"][1]
+    assert META == moved["feats"][0].device
+
+    with pytest.raises(MoveError) as raised:
+        to_device(obj, "meta", skip=lambda path, value: False)
+    assert str(raised.value).endswith("skip=[<your skip= entries>, \"obj['feats'][1]\"])")
+
+
 def test_unknown_device_raises_before_anything_moves() -> None:
     """A malformed or missing device raises resolve_device's error before any .to runs."""
     with pytest.raises(InvalidDeviceError) as raised:

@@ -59,6 +59,7 @@ __all__ = [
     "call_suggest",
     "cast_batch",
     "check_dtypes",
+    "code_of",
     "holds_any",
     "policy_for",
 ]
@@ -342,7 +343,7 @@ def arguments_code(keywords: Iterable[tuple[str, object]]) -> list[str]:
     """``name=value`` of each keyword argument, as code (:func:`call_suggest`)."""
     written = []
     for name, value in keywords:
-        code = _code_of(value)
+        code = code_of(value)
         written.append(f"{name}={code if code is not None else f'<your {name}= as it was>'}")
     return written
 
@@ -350,7 +351,7 @@ def arguments_code(keywords: Iterable[tuple[str, object]]) -> list[str]:
 _WRITTEN = (type(None), bool, int, float, str, bytes)
 
 
-def _code_of(value: object) -> str | None:
+def code_of(value: object) -> str | None:
     """``value`` as code, or None where it has none: a value, a container of them, a type
     or a function by its name (torch's under ``torch.``)."""
     if type(value) in _WRITTEN:
@@ -360,7 +361,7 @@ def _code_of(value: object) -> str | None:
     if isinstance(value, torch.dtype):
         return _code(value)
     if type(value) in (list, tuple, set, frozenset):
-        items = [_code_of(item) for item in value]  # type: ignore[attr-defined]
+        items = [code_of(item) for item in value]  # type: ignore[attr-defined]
         if any(item is None for item in items):
             return None
         inner = ", ".join(items)  # type: ignore[arg-type]

@@ -39,7 +39,14 @@ from devicectx.move import _repeats, _staging, _transfers
 from devicectx.move._alias import TensorMover
 from devicectx.move._containers import register_builtin_kind
 from devicectx.move._containers import register_container as register_container
-from devicectx.move._dtypes import DtypesLike, Suggest, call_suggest, policy_for
+from devicectx.move._dtypes import (
+    DtypesLike,
+    Suggest,
+    arguments_code,
+    call_suggest,
+    code_of,
+    policy_for,
+)
 from devicectx.move._kinds import CONTAINER, Kind
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Fix, Rebuild
@@ -251,6 +258,7 @@ def to_device(
             return obj
         fix = _to_device_fix(target, "obj")
         return _move(obj, target, non_blocking, None, "obj", fix, "to_device()", coalesce)
+    fix = _to_device_fix(target, "obj", non_blocking, skip, coalesce, dtypes)
     compiled = compile_skip(skip)
     suggest = None  # a dtype refusal's fix, with the caller's arguments (its skip= as given)
     if dtypes is not None or not holds_every_dtype(target):
@@ -263,6 +271,7 @@ def to_device(
         coalesce=coalesce,
         dtypes=dtypes,
         suggest=suggest,
+        fix=fix,
     )
 
 
@@ -289,6 +298,7 @@ def move_to(
     where: _repeats.Place | None = None,
     dtypes: DtypesLike = None,
     suggest: Suggest | None = None,
+    fix: Fix | None = None,
 ) -> T:
     """:func:`to_device` for a device already resolved: no resolution cost per call.
 
@@ -305,26 +315,27 @@ def move_to(
             function); None for the line that called.
         suggest: the fix line of a :class:`~devicectx.DtypeUnsupportedError`, given the
             ``dtypes=`` to write; None: ``to_device(name, device, dtypes=...)``.
+        fix: the fix of a failed move, given the path that failed; None:
+            ``to_device(name, device, skip=[path])``.
 
     Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
     passed twice becomes one moved tensor.
     """
     __tracebackhide__ = True
+    if fix is None:
+        fix = _to_device_fix(device, name)
     if skip is None and dtypes is None and holds_every_dtype(device):
         if _nothing_to_move(obj, device, ()):
             return obj
-        fix = _to_device_fix(device, name)
         return _move(obj, device, non_blocking, None, name, fix, "to_device()", coalesce, where)
     compiled = compile_skip(skip, name)
     policy = policy_for(dtypes, device)
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
-        fix = _to_device_fix(device, name)
         if suggest is None:
             suggest = _to_device_suggest(device, name, non_blocking, skip, coalesce)
         obj = policy.apply(obj, compiled, name, "to_device()", fix, suggest)
     if (compiled is None or not compiled.slow) and _nothing_to_move(obj, device, _types(compiled)):
         return obj
-    fix = _to_device_fix(device, name)
     return _move(obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce, where)
 
 
@@ -445,9 +456,37 @@ def _types(skip: Skip | None) -> tuple[type, ...]:
     return () if skip is None else skip.types
 
 
-def _to_device_fix(device: torch.device, name: str) -> Fix:
+def _to_device_fix(
+    device: torch.device,
+    name: str,
+    non_blocking: bool = False,
+    skip: SkipLike = None,
+    coalesce: bool = True,
+    dtypes: DtypesLike = None,
+) -> Fix:
+    """The fix of a failed move, given the path that failed: the call again with that path
+    added to its ``skip=``, the caller's own entries and other arguments kept (a fix that
+    dropped one would move what the caller keeps where it is). Written when a move fails:
+    making it costs a successful move nothing."""
+
     def fix(path: str) -> str:
-        return f"leave it where it is: to_device({name}, {str(device)!r}, skip=[{path!r}])"
+        others = arguments_code(
+            (keyword, value)
+            for keyword, value, default in (
+                ("non_blocking", non_blocking, False),
+                ("coalesce", coalesce, True),
+                ("dtypes", dtypes, None),
+            )
+            if value is not default
+        )
+        start = ", ".join([name, repr(str(device)), *others])
+        given = list(skip) if isinstance(skip, (list, tuple, set, frozenset)) else [skip]
+        if skip is None or isinstance(skip, Skip):  # nothing given, or nothing to write
+            given = []
+        entries = code_of([*given, path])
+        if entries is None:  # an entry no code can write (a lambda): marked, not dropped
+            entries = f"[<your skip= entries>, {path!r}]"
+        return f"leave it where it is: to_device({start}, skip={entries})"
 
     return fix
 
