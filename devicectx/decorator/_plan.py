@@ -157,8 +157,7 @@ class Plan:
         # adds dtypes= to them: one dropped would change the call (exclude=, device=).
         self.written = ", ".join(
             arguments_code(
-                (keyword, value)
-                for keyword, value, default in (
+                [
                     ("device", device, None),
                     ("output", output, None),
                     ("exclude", exclude or (), ()),
@@ -166,8 +165,7 @@ class Plan:
                     ("scope", scope, True),
                     ("coalesce", coalesce, True),
                     ("precision", precision, None),
-                )
-                if value != default
+                ]
             )
         )
         # The dtypes an explicit mapping casts wherever the tensors are (on the target too):

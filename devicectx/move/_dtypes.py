@@ -317,10 +317,10 @@ def cast_batch(
 
 
 def call_suggest(
-    function: str, positional: Sequence[str], keywords: Iterable[tuple[str, object]]
+    function: str, positional: Sequence[str], keywords: Iterable[tuple[str, object, object]]
 ) -> Suggest:
     """The fix line of a refusal: the caller's call (``positional`` as code, then
-    ``keywords``, those it set off their defaults, as values) with ``dtypes=`` added.
+    ``keywords`` as :func:`arguments_code` writes them) with ``dtypes=`` added.
 
     Each argument the caller set is written back, as a fix that dropped one would change
     the call (``skip=["rng"]`` dropped moves the RNG state, which torch then refuses).
@@ -328,7 +328,8 @@ def call_suggest(
     fails rather than run without it.
 
     Example:
-        >>> print(call_suggest("to_device", ["obj", "'mps:0'"], [("skip", ["rng"])])('"device"'))
+        >>> call = call_suggest("to_device", ["obj", "'mps:0'"], [("skip", ["rng"], None)])
+        >>> print(call('"device"'))
         to_device(obj, 'mps:0', skip=['rng'], dtypes="device")
     """
     written = [*positional, *arguments_code(keywords)]
@@ -339,10 +340,13 @@ def call_suggest(
     return suggest
 
 
-def arguments_code(keywords: Iterable[tuple[str, object]]) -> list[str]:
-    """``name=value`` of each keyword argument, as code (:func:`call_suggest`)."""
+def arguments_code(keywords: Iterable[tuple[str, object, object]]) -> list[str]:
+    """``name=value``, as code, of each ``(name, value, default)`` whose value the caller
+    set off its default: the arguments a fix line writes back."""
     written = []
-    for name, value in keywords:
+    for name, value, default in keywords:
+        if value is default or value == default:
+            continue
         code = code_of(value)
         written.append(f"{name}={code if code is not None else f'<your {name}= as it was>'}")
     return written

@@ -471,13 +471,11 @@ def _to_device_fix(
 
     def fix(path: str) -> str:
         others = arguments_code(
-            (keyword, value)
-            for keyword, value, default in (
+            [
                 ("non_blocking", non_blocking, False),
                 ("coalesce", coalesce, True),
                 ("dtypes", dtypes, None),
-            )
-            if value is not default
+            ]
         )
         start = ", ".join([name, repr(str(device)), *others])
         given = list(skip) if isinstance(skip, (list, tuple, set, frozenset)) else [skip]
@@ -500,13 +498,9 @@ def _to_device_suggest(
 ) -> Suggest:
     """The fix line of a dtype refusal: the call, with the arguments the caller set."""
     keywords = [
-        (keyword, value)
-        for keyword, value, unset in (
-            ("non_blocking", non_blocking, False),
-            ("skip", skip, None),
-            ("coalesce", coalesce, True),
-        )
-        if value is not unset
+        ("non_blocking", non_blocking, False),
+        ("skip", skip, None),
+        ("coalesce", coalesce, True),
     ]
     return call_suggest("to_device", (name, repr(str(device))), keywords)
 

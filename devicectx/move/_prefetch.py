@@ -190,8 +190,7 @@ def prefetch(
     check_dtypes(dtypes)
     prefetcher._dtypes = dtypes
     # A dtype refusal's fix: this call with dtypes= added, the caller's depth= and skip= kept.
-    kept: list[tuple[str, object]] = [("depth", depth)] if depth != 2 else []
-    kept += [("skip", skip)] if skip is not None else []
+    kept = [("depth", depth, 2), ("skip", skip, None)]
     prefetcher._suggest = call_suggest("prefetch", ("batches", repr(str(target))), kept)
     return prefetcher
 
