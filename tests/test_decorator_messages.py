@@ -1217,45 +1217,69 @@ def inferred(model: nn.Module, x: torch.Tensor, cfg: Any) -> torch.Tensor:
     return out + cfg.offsets[0] if hasattr(cfg, "offsets") else out
 
 
-def test_an_object_whose_own_to_nothing_called_is_named_with_the_move() -> None:
-    """move=False: an object with its own ``.to`` is neither moved nor checked; torch's
-    mismatch in the body names its tensor, and the fix moves the object with its ``.to``,
-    which, run as printed, makes the call succeed."""
-    infer = device_agnostic(move=False)(inferred)
+def test_an_object_whose_own_to_nothing_called_is_checked_before_the_body() -> None:
+    """move=False: nothing calls an object's own ``.to``, so the check reads its attributes
+    and stops the call before its body, naming the tensor; the fix moves the object, and
+    run as printed, the call succeeds."""
+    calls: list[str] = []
+
+    def infer(model: nn.Module, x: torch.Tensor, cfg: Any) -> torch.Tensor:
+        calls.append("body")
+        return inferred(model, x, cfg)
+
+    checked = device_agnostic(move=False)(infer)
     model = nn.Linear(2, 2, device="meta")
     with pytest.raises(DeviceMismatchError) as error:
-        infer(model, on_meta(2, 2), OwnScale(torch.ones(2)))
+        checked(model, on_meta(2, 2), OwnScale(torch.ones(2)))
+    assert lines_of(error)[0].endswith(".infer() got tensors on 2 devices:")
     assert [
-        "inferred() failed in torch on tensors @device_agnostic cannot see into:",
-        "    cpu <- cfg.scale (in OwnScale)",
+        "    meta <- x",
+        "    cpu  <- cfg.scale",
         "target meta (from the parameters of model (Linear))",
-        f"torch said: {error.value.__cause__}",
-        'fix: cfg = cfg.to("meta") before the call (OwnScale.to moves what it holds, and '
-        "nothing called it for this call)",
-    ] == lines_of(error)
-    assert {CPU: ["cfg.scale"]} == error.value.devices
-    names: dict[str, Any] = {"cfg": OwnScale(torch.ones(2))}
-    exec(lines_of(error)[-1].removeprefix("fix: ").partition(" before the call")[0], names)
-    assert META == infer(model, on_meta(2, 2), names["cfg"]).device
+        'fix: pass to_device(cfg, "meta"), or use @device_agnostic(move=True) to move the '
+        "arguments",
+    ] == lines_of(error)[1:]
+    assert [] == calls
+    assert {META: ["x"], CPU: ["cfg.scale"]} == error.value.devices
+    names: dict[str, Any] = {"cfg": OwnScale(torch.ones(2)), "to_device": to_device}
+    cfg = eval(lines_of(error)[-1].removeprefix("fix: pass ").partition(", or")[0], names)
+    assert META == checked(model, on_meta(2, 2), cfg).device
+    assert ["body"] == calls
 
 
-def test_an_object_in_a_container_whose_own_to_nothing_called_is_moved_with_it() -> None:
-    """The object inside a dict argument: the fix moves the argument, and run as printed,
-    the call succeeds."""
+def test_an_object_in_a_container_whose_own_to_nothing_called_is_checked_before_the_body() -> None:
+    """The object inside a dict argument, and in a set of its own: the path goes through
+    the container; the fix moves the argument, and run as printed, the call succeeds."""
     infer = device_agnostic(move=False)(lambda model, batch: model(batch["x"]) * batch["cfg"].scale)
     model = nn.Linear(2, 2, device="meta")
     with pytest.raises(DeviceMismatchError) as error:
         infer(model, {"x": on_meta(2, 2), "cfg": OwnScale(torch.ones(2))})
-    assert "    cpu <- batch['cfg'].scale (in OwnScale)" == lines_of(error)[1]
+    assert "    cpu  <- batch['cfg'].scale" == lines_of(error)[2]
     fix = lines_of(error)[-1]
-    assert fix == (
-        'fix: batch = to_device(batch, "meta") before the call (OwnScale.to moves '
-        "batch['cfg'], and nothing called it for this call)"
-    )
-    names: dict[str, Any] = {"batch": {"x": on_meta(2, 2), "cfg": OwnScale(torch.ones(2))}}
-    names["to_device"] = to_device
-    exec(fix.removeprefix("fix: ").partition(" before the call")[0], names)
-    assert META == infer(model, names["batch"]).device
+    assert fix.startswith('fix: pass to_device(batch, "meta"), or ')
+    batch = to_device({"x": on_meta(2, 2), "cfg": OwnScale(torch.ones(2))}, "meta")
+    assert META == infer(model, batch).device
+
+
+def test_an_object_with_its_own_to_on_the_target_passes_the_check() -> None:
+    """move=False with the object's tensors already on the target: no error, the object
+    reaches the body as it was given (nothing is moved or copied)."""
+    got: list[Any] = []
+    infer = device_agnostic(move=False)(lambda model, x, cfg: got.append(cfg) or model(x))
+    cfg = OwnScale(on_meta(2))
+    infer(nn.Linear(2, 2, device="meta"), on_meta(2, 2), cfg)
+    assert [cfg] == got
+
+
+def test_an_object_with_its_own_to_counts_among_the_inputs_devices() -> None:
+    """move=False with nothing to choose a target: an object's tensors elsewhere than the
+    other inputs make them disagree, as a tensor there would."""
+    infer = device_agnostic(move=False)(lambda x, cfg: x * cfg.scale)
+    with pytest.raises(DeviceMismatchError) as error:
+        infer(on_meta(2), OwnScale(torch.ones(2)))
+    assert ["    meta <- x", "    cpu  <- cfg.scale"] == lines_of(error)[1:3]
+    fix = 'fix: name the device with @device_agnostic(device="meta")'
+    assert lines_of(error)[-1].startswith(fix)
 
 
 def test_an_own_to_that_leaves_tensors_behind_is_named_with_how_to_write_it() -> None:
@@ -1285,13 +1309,23 @@ def test_an_own_to_that_leaves_tensors_behind_is_named_with_how_to_write_it() ->
 
 def test_an_own_to_that_moves_nothing_is_named_under_move_false_too() -> None:
     """move=False with a ``.to`` that leaves the tensor behind: moving the object with it
-    would not do, so the fix is the ``.to``'s, not the move's."""
+    would not do, so the fix starts with how to write the ``.to``, then moves the object;
+    both run as printed, the call succeeds."""
     infer = device_agnostic(move=False)(inferred)
+    model = nn.Linear(2, 2, device="meta")
     with pytest.raises(DeviceMismatchError) as error:
-        infer(nn.Linear(2, 2, device="meta"), on_meta(2, 2), DroppingScale())
-    assert lines_of(error)[-1].startswith(
-        "fix: DroppingScale.to left cfg.scale, cfg.offsets[0] on cpu"
-    )
+        infer(model, on_meta(2, 2), DroppingScale())
+    assert "    cpu  <- cfg.scale, cfg.offsets[0]" == lines_of(error)[2]
+    fix = lines_of(error)[-1]
+    assert fix.startswith("fix: DroppingScale.to left cfg.scale, cfg.offsets[0] on cpu")
+    body = fix.partition(": in DroppingScale.to, ")[2].partition(", then ")[0]
+    names: dict[str, Any] = {}
+    exec(f"def to(self, device):\n    {body}\n    return self", names)
+    mended = type("Mended", (DroppingScale,), {"to": names["to"]})
+    moved = fix.partition("; then pass ")[2].partition(", or")[0]
+    assert 'to_device(cfg, "meta")' == moved
+    cfg = eval(moved, {"cfg": mended(), "to_device": to_device})
+    assert META == infer(model, on_meta(2, 2), cfg).device
 
 
 class Holder:

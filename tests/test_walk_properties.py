@@ -158,6 +158,32 @@ class OwnMove:
         return OwnMove(to_device(self.value, device, non_blocking=non_blocking))
 
 
+class OwnAttributes:
+    """An object moved by its own ``.to`` whose children no rule reads: walks that read
+    it read its attributes."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.pair = (value, 1)
+
+    def to(self, device: torch.device) -> OwnAttributes:
+        return OwnAttributes(to_device(self.value, device))
+
+
+@given(batch=mixed_batches, own=mixed_batches)
+def test_find_devices_reads_own_attributes_as_the_full_walk_asked_to(batch: Any, own: Any) -> None:
+    """An object with its own ``.to`` and no rule for its children, in a batch: the full
+    walk with ``attributes`` (a check that moves nothing) lists what find_devices lists,
+    through its attributes; without, neither the object's tensors nor more."""
+    top = [batch, OwnAttributes(own), {"cfg": OwnAttributes(own)}]
+    found: dict[torch.device, list[str]] = {}
+    for path, tensor in _walk.iter_tensors(top, "batch", modules=True, attributes=True):
+        found.setdefault(tensor.device, []).append(path)
+    assert found == find_devices(top, name="batch")
+    assert full_paths(top) == full_paths([batch], "batch")
+    event("the object holds tensors" if full_paths(own) else "the object holds none")
+
+
 @given(batch=mixed_batches, own=st.none() | mixed_batches)
 def test_collect_finds_each_tensor_of_the_full_walk_once(batch: Any, own: Any) -> None:
     """collect's two tables hold, between them and each once, every tensor the full walk

@@ -88,12 +88,14 @@ def scan(
 
 
 def found_devices(
-    function: str, named: Iterable[tuple[str, Any, object]]
+    function: str, named: Iterable[tuple[str, Any, object]], *, attributes: bool = False
 ) -> dict[torch.device, list[str]]:
     """Each device the inputs are on, with the paths of their tensors on it: the slow
     path's look, taken when the inputs do not all agree (or hold a DTensor).
 
-    0-dim CPU tensors are left out: PyTorch lets them mix with any device.
+    0-dim CPU tensors are left out: PyTorch lets them mix with any device. With
+    ``attributes``, so are the tensors in the attributes of objects with their own ``.to``
+    (a call that moves nothing must check them; a move leaves them to that ``.to``).
 
     Raises:
         DeviceMismatchError: DTensors together with plain tensors of more than one
@@ -103,7 +105,7 @@ def found_devices(
     found: dict[torch.device, list[str]] = {}
     dtensor = False
     for name, value, _ in named:
-        for path, tensor in _move.iter_tensors(value, name):
+        for path, tensor in _move.iter_tensors(value, name, attributes=attributes):
             device = tensor.device
             if type(tensor) is not _Tensor and not dtensor:
                 dtensor = is_dtensor(tensor)

@@ -41,6 +41,7 @@ def tensors_off_target(
     found: Mapping[torch.device, Sequence[str]],
     target: torch.device,
     reason: str,
+    mend: str | None = None,
 ) -> DeviceMismatchError:
     """``move=False`` and some tensors are not on ``target``.
 
@@ -49,10 +50,14 @@ def tensors_off_target(
         found: each device with the paths of the argument tensors on it, in the order met.
         target: the device the call needs.
         reason: why ``target``, in words (``"@device_agnostic(device=\\"meta\\")"``).
+        mend: how to write an object's own ``.to`` that leaves its tensors behind, where
+            one does: moving the object with it would not do, so the fix starts there.
     """
     off = [path for device, paths in found.items() if device != target for path in paths]
     calls = _to_calls(off, target)
     fix = f"pass {calls}, or use @device_agnostic(move=True) to move the arguments"
+    if mend is not None:
+        fix = f"{mend}; then {fix}"
     if len(found) == 1:  # all on one device, the wrong one
         what = f"tensors on {next(iter(found))}, not on its target"
         return _error(function, what, found, target, reason, fix, count=False)

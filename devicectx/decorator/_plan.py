@@ -435,7 +435,9 @@ class Plan:
                     found = self._found(seen_args, seen_kwargs, offset)
                 if any(device != target for device in found):
                     reason = self._reason(module, instance, args, kwargs, offset)
-                    raise _mismatch.tensors_off_target(self.name, found, target, reason)
+                    named = self.params.named(seen_args, seen_kwargs, offset)
+                    mend = _unseen.own_to_mend(named, target)
+                    raise _mismatch.tensors_off_target(self.name, found, target, reason, mend)
         if self.output is not None:
             return args, kwargs, target, self.output.resolve()
         return args, kwargs, target, home if self.to_input else None
@@ -578,9 +580,11 @@ class Plan:
     ) -> dict[torch.device, list[str]]:
         """Each device the inputs are on, with the paths of their tensors on it.
 
-        0-dim CPU tensors are left out: PyTorch lets them mix with any device.
+        0-dim CPU tensors are left out: PyTorch lets them mix with any device. Where the
+        call moves nothing, the attributes of objects with their own ``.to`` are read too.
         """
-        return found_devices(self.name, self.params.named(args, kwargs, offset))
+        named = self.params.named(args, kwargs, offset)
+        return found_devices(self.name, named, attributes=not self.move)
 
     def place(self, result: Any, back: torch.device) -> Any:
         """Move a result (or a yielded item) to where ``output=`` says."""

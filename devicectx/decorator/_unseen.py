@@ -5,7 +5,8 @@ same device" (or "... is not on the expected device ..."), the cause is often a 
 the decorator could not see: held in an attribute of a plain object, or set on a module
 without ``register_buffer``. :func:`explain` finds them
 (:func:`devicectx.move._unseen.unseen_tensors`) and makes the error that names them, their
-devices and the fix; the caller raises it from torch's. Only the failure path gets here.
+devices and the fix; the caller raises it from torch's. :func:`own_to_mend` serves the check of
+a call that moves nothing. Only the failure path gets here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,26 @@ from typing import Any
 import torch
 
 from devicectx._errors import DeviceError, DeviceMismatchError
-from devicectx.move._unseen import Unseen, fix_for, is_device_mismatch, unseen_tensors
+from devicectx.move._unseen import (
+    Unseen,
+    fix_for,
+    is_device_mismatch,
+    own_to_fix,
+    unseen_tensors,
+)
+
+
+def own_to_mend(named: Iterable[tuple[str, Any, object]], target: torch.device) -> str | None:
+    """For a call that moves nothing, with tensors off ``target`` in an argument whose own
+    ``.to`` would leave them there (tried on a copy): how to write that ``.to``; else None.
+    On the error path only.
+
+    Args:
+        named: ``(name, value, default)`` for each argument.
+        target: the device the call needs.
+    """
+    unseen = unseen_tensors((name, value) for name, value, _ in named)
+    return own_to_fix([u for u in unseen if u.device != target], target)
 
 
 def explain(

@@ -400,20 +400,41 @@ def _own_fix(
 ) -> str:
     """The fix for tensors in an object with its own ``.to`` (at ``at``, an argument or
     inside one): call it where it moves them, else write it so that it does."""
+    written = _own_to_written(first, root, at, unseen, target)
+    if written is not None:
+        return written
+    device = f'"{target}"' if target is not None else "device"
+    argument = _attribute_of(at)  # the argument it is in
+    if argument == at:
+        call, what = f"{at} = {at}.to({device})", "what it holds"
+    else:
+        call, what = f"{argument} = to_device({argument}, {device})", at
+    name = root.__qualname__
+    return f"{call} before the call ({name}.to moves {what}, and nothing called it for this call)"
+
+
+def own_to_fix(unseen: Sequence[Unseen], target: torch.device) -> str | None:
+    """For tensors in an object with its own ``.to`` that leaves them behind (the first
+    such object's): the fix that says how to write that ``.to``; None where it moves them
+    (then moving the object is the fix) or where no tensor is in such an object."""
+    first = next((u for u in unseen if u.own is not None and u.holders), None)
+    if first is None:
+        return None
+    root, at = first.holders[0]
+    return _own_to_written(first, root, at, unseen, target)
+
+
+def _own_to_written(
+    first: Unseen, root: type, at: str, unseen: Sequence[Unseen], target: torch.device | None
+) -> str | None:
+    """How to write ``root``'s ``.to`` so that it moves the tensors it leaves (those under
+    ``at``), tried on a shallow copy; None where it leaves none."""
     group = [u for u in unseen if u.module is None and u.holders and u.holders[0][1] == at]
     left = _left_by_own_to(first.own, at, target or _TRIED_ON)
     name = root.__qualname__
     stayed = [u for u in group if left is not None and u.path in left]
     if not stayed:
-        device = f'"{target}"' if target is not None else "device"
-        argument = _attribute_of(at)  # the argument it is in
-        if argument == at:
-            call, what = f"{at} = {at}.to({device})", "what it holds"
-        else:
-            call, what = f"{argument} = to_device({argument}, {device})", at
-        return (
-            f"{call} before the call ({name}.to moves {what}, and nothing called it for this call)"
-        )
+        return None
     paths = ", ".join(u.path for u in stayed)
     devices = ", ".join(dict.fromkeys(str(u.device) for u in stayed))
     places = [u.path[len(at) :] for u in stayed if u.path.startswith(at)]

@@ -250,12 +250,14 @@ def _plain_uncast(
 
 
 def iter_tensors(
-    obj: object, name: str = "obj", *, modules: bool = False
+    obj: object, name: str = "obj", *, modules: bool = False, attributes: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in ``obj`` with its path, depth first, in the order of the structure.
 
     A tensor held at several places is listed at each; a container met again (shared,
-    or a cycle) is not looked into again. Modules are looked into only when ``modules``.
+    or a cycle) is not looked into again. Modules are looked into only when ``modules``;
+    the attributes of objects moved by their own ``.to`` whose children no rule reads,
+    only when ``attributes`` (a move leaves them to that ``.to``; a check cannot).
     """
     tp = type(obj)
     kind = _CACHE.get(tp) or kind_for(tp)
@@ -266,10 +268,10 @@ def iter_tensors(
         if modules:
             yield from _module_tensors(obj, name)  # type: ignore[arg-type]
         return
-    if kind.split is None:
+    if kind.split is None and not (attributes and kind.role == OWN):
         return
     seen = {id(obj)}
-    stack: list[list[Any]] = [[kind.style, _children(obj, kind), None, name]]
+    stack: list[list[Any]] = [_listed(obj, kind, None, name)]
     while stack:
         style, children, _, path = stack[-1]
         for key, child in children:
@@ -294,9 +296,9 @@ def iter_tensors(
             elif role == MODULE:
                 if modules:
                     yield from _module_tensors(child, join(path or _top_path(stack), style, key))
-            elif kind.split is not None and id(child) not in seen:
+            elif (kind.split is not None or (attributes and role == OWN)) and id(child) not in seen:
                 seen.add(id(child))
-                stack.append([kind.style, _children(child, kind), key, _eager(stack, path, key)])
+                stack.append(_listed(child, kind, key, _eager(stack, path, key)))
                 break
         else:
             stack.pop()
@@ -419,8 +421,8 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
 
 
 def _listed(obj: Any, kind: Kind, key: Any, path: str | None) -> list[Any]:
-    """find_devices' frame for a container: its children, or for an object moved by its
-    own ``.to`` whose children no rule reads, its attributes."""
+    """A walk's frame for a container: its children, or for an object moved by its own
+    ``.to`` whose children no rule reads, its attributes."""
     if kind.split is None:
         return [ATTR, _own_attributes(obj), key, path]
     return [kind.style, _children(obj, kind), key, path]
