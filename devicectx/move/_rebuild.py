@@ -61,7 +61,7 @@ from devicectx.move._kinds import (
 from devicectx.move._paths import ITEM, MEMBER, build, join
 from devicectx.move._skip import PredicateFailed, Skip
 from devicectx.move._unmaterialised import unmaterialised
-from devicectx.move._walk import all_on, iter_tensors, module_on
+from devicectx.move._walk import all_on, iter_tensors, module_on, shared_device
 
 _Tensor = torch.Tensor
 _CACHE = _containers.KIND_CACHE
@@ -772,7 +772,9 @@ def _off(result: Any, device: torch.device) -> bool:
     """Whether a tensor that can be read in ``result`` is not on ``device``. What cannot be
     read (an object inside with a ``.to`` of its own and no readable children) is trusted:
     the ``.to`` that moved ``result`` moved it."""
-    return any(tensor.device != device for _, tensor in iter_tensors(result, ""))
+    if shared_device(result, device) is device:  # all on it, read without paths
+        return False
+    return any(tensor.device != device for _, tensor in iter_tensors(result, "result"))
 
 
 def _left_behind(result: Any, device: torch.device) -> CannotRebuild:
