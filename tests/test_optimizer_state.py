@@ -238,6 +238,40 @@ def test_a_decorated_method_of_a_trainer_is_stopped_too() -> None:
     assert "optimizer.param_groups[0]['params'] = list(net.parameters())" in str(raised.value)
 
 
+class Stepped(nn.Linear):
+    """A model whose training step is a decorated method of its own."""
+
+    @device_agnostic
+    def train_step(self, x: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        loss = self(x).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_a_decorated_method_of_the_model_itself_is_stopped(keyword: bool) -> None:
+    """``model.train_step(x, optimizer)``: the model is the instance, no argument; an
+    optimizer beside it holding the replaced parameters is stopped before the body, by
+    position or keyword, and the fix, pasted with ``model`` named ``self``, lets it step
+    the model's parameters."""
+    model = Stepped(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train_step(torch.ones(2), optimizer)
+    to_device(model, "meta")
+    x = torch.ones(2, device="meta")
+    with pytest.raises(DeviceMismatchError) as raised:
+        model.train_step(x, optimizer=optimizer) if keyword else model.train_step(x, optimizer)
+    lines = str(raised.value).splitlines()
+    assert lines[0].endswith("got optimizer (SGD) stepping parameters no module of the call holds:")
+    assert "target meta (from the parameters of self (Stepped))" == lines[2]
+    code = lines[-1].removeprefix("fix: ").partition(" (a move")[0]
+    assert "optimizer.param_groups[0]['params'] = list(self.parameters())" in code
+    exec(code, {"optimizer": optimizer, "self": model})
+    model.train_step(x, optimizer)
+    assert [model.weight, model.bias] == optimizer.param_groups[0]["params"]
+
+
 def test_the_fix_of_a_model_in_several_groups_says_how_to_rebuild() -> None:
     """Two groups (no weight decay on biases): no one expression gives each group its
     parameters back, so the fix says what to do, with the state kept."""

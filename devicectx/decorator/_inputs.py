@@ -87,6 +87,18 @@ def scan(
     return first, uniform, module, optimizers if module is not None else None
 
 
+def optimizer_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.optim.Optimizer, ...] | None:
+    """The optimizers among a call's top-level arguments, for a method of a module (whose
+    instance :func:`scan` does not see); None where there is none."""
+    found: tuple[torch.optim.Optimizer, ...] | None = None
+    for value in (*args, *kwargs.values()) if kwargs else args:  # a loop: a forward's cost
+        if isinstance(value, _Optimizer):
+            found = (value,) if found is None else (*found, value)
+    return found
+
+
 def found_devices(
     function: str, named: Iterable[tuple[str, Any, object]], *, attributes: bool = False
 ) -> dict[torch.device, list[str]]:

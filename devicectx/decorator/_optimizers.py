@@ -5,8 +5,8 @@ torch's ``module.to``, and
 XPU and HPU. To ``meta``, or to a device registered out of tree (an Ascend NPU, the
 emulated accelerator), they make new parameters. An optimizer built before such a move
 holds the old ones, and a step with it runs without error and trains nothing, where the
-same program on CUDA trains. A call whose arguments include a module and an optimizer is
-stopped before the body where:
+same program on CUDA trains. A call whose arguments include a module and an optimizer (or
+a method of a module given an optimizer) is stopped before the body where:
 
 - a group of the optimizer starts with a parameter off the target, and no group starts
   with one of the module's (:func:`off_target`, the look every such call takes: one

@@ -25,7 +25,7 @@ from torch import nn
 
 from devicectx._errors import DeviceError, DeviceMismatchError
 from devicectx.decorator import _mismatch, _unseen
-from devicectx.decorator._inputs import Held, found_devices, scan
+from devicectx.decorator._inputs import Held, found_devices, optimizer_arguments, scan
 from devicectx.decorator._optimizers import left_behind, off_target
 from devicectx.decorator._params import Params, self_offset
 from devicectx.decorator._spread import SpreadModel, Unmaterialised
@@ -242,6 +242,8 @@ class Plan:
                 first, uniform, module, optimizers = target, True, None, None
         if instance is not None and isinstance(instance, _Module):
             module = instance
+            if optimizers is None:  # a method of the model: an optimizer argument beside it
+                optimizers = optimizer_arguments(args, kwargs)
         if module is not None and uniform:
             requested = target if option is not None else None
             target = self._target(module, requested, wrapped, instance, args, kwargs)
@@ -396,6 +398,8 @@ class Plan:
         )
         if instance is not None and isinstance(instance, _Module):
             module = instance
+            if optimizers is None:  # a method of the model: an optimizer argument beside it
+                optimizers = optimizer_arguments(seen_args, seen_kwargs)
         if module is not None:  # rule 2, between them
             requested = target if option is not None else None
             target = self._target(module, requested, wrapped, instance, args, kwargs)
