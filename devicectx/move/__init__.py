@@ -3,6 +3,7 @@
 - ``_move``: ``to_device`` and the entry points the decorator calls;
 - ``_walk``: reading walks (``find_devices``, ``find_layouts``, ``iter_tensors``);
 - ``_rebuild``: the moving walk, rebuilding each container with its moved contents;
+- ``_own_to``: objects moved by their own ``.to`` (called on a copy; what it left behind);
 - ``_traced``: the moving walk as ``torch.compile`` traces it (the same rebuild, without
   ``id()``);
 - ``_containers``: the container registry, which kind each type gets, worked out once and

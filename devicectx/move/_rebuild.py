@@ -27,9 +27,8 @@ meets it: each module's tensors are adopted by the mover as it moves
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,17 +57,17 @@ from devicectx.move._kinds import (
     CannotRebuild,
     Kind,
 )
+from devicectx.move._own_to import left_behind, lost_lock, off, own_to
 from devicectx.move._paths import ITEM, MEMBER, build, join
 from devicectx.move._skip import PredicateFailed, Skip
 from devicectx.move._unmaterialised import unmaterialised
-from devicectx.move._walk import all_on, iter_tensors, module_on, shared_device
+from devicectx.move._walk import all_on, iter_tensors, module_on
 
 _Tensor = torch.Tensor
 _CACHE = _containers.KIND_CACHE
 _DEPTH = 100  # containers deeper than this go on with an explicit stack
 _BUSY = object()  # a container whose rebuild is under way: meeting it again is a cycle
 _PUSHED = object()  # the explicit-stack walk started a container: descend into it
-_NOT_CALLED = object()  # no .to(non_blocking=True) was made: .to(device) must be
 _FAST_KINDS = (DICT_KIND, LIST_KIND, TUPLE_KIND)
 
 Fix = Callable[[str], str]
@@ -531,20 +530,8 @@ class Rebuild:
                 kind.split is not None and all_on(kind.split(obj)[1], device)
             ):
                 return obj
-            target = obj if _returns_new(type(obj)) else shallow_copy(obj)
-            result = _NOT_CALLED
-            if mover.non_blocking:
-                with contextlib.suppress(TypeError):  # a .to that takes no non_blocking
-                    result = target.to(device, non_blocking=True)
-            if result is _NOT_CALLED:
-                result = target.to(device)
-            if result is None:  # a .to that moves in place and returns nothing (no `return
-                # self`): the object it moved is the result, checked below like any other.
-                result = target
-            elif target is not obj and _lost_lock(obj, result):
-                # A TensorDict's copy is unlocked; its own .to keeps the lock.
-                cast(Any, result).lock_()
-            if kind.split is None or not _off(result, device):
+            result = own_to(obj, device, mover.non_blocking)
+            if kind.split is None or not off(result, device):
                 return result
         except _Refused:
             raise
@@ -556,8 +543,8 @@ class Rebuild:
         if kind.rebuild is not None and type(result) is type(obj):
             result = self._container(result, kind, 0)
         try:
-            if _off(result, device):
-                raise _left_behind(result, device)
+            if off(result, device):
+                raise left_behind(result, device)
         except Exception as error:
             raise _Failed(obj, error) from error
         return result
@@ -721,67 +708,9 @@ def _rebuilt(kind: Kind, obj: Any, keys: Any, old: Sequence[Any], new: list[Any]
     lazy stack, taken apart to cast its tensors) comes back locked, as its ``.to`` keeps
     it."""
     result = kind.rebuild(obj, keys, old, new)  # type: ignore[misc]
-    if kind.role == OWN and _lost_lock(obj, result):
+    if kind.role == OWN and lost_lock(obj, result):
         result.lock_()
     return result
-
-
-def _lost_lock(obj: Any, result: Any) -> bool:
-    """Whether ``result`` came back unlocked from a locked ``obj`` (tensordict's
-    ``is_locked``: a locked TensorDict refuses new keys, and a move must keep that)."""
-    return getattr(obj, "is_locked", False) is True and getattr(result, "is_locked", True) is False
-
-
-_RETURNS_NEW: dict[type, bool] = {}
-
-
-def _returns_new(tp: type) -> bool:
-    """Whether the ``.to`` of ``tp`` is tensordict's, which returns a new object and leaves
-    its input as it was: the input needs no copy first (another's may move it in place)."""
-    known = _RETURNS_NEW.get(tp)
-    if known is None:
-        module = getattr(getattr(tp, "to", None), "__module__", None) or ""
-        known = _RETURNS_NEW[tp] = module.partition(".")[0] == "tensordict"
-    return known
-
-
-def shallow_copy(obj: Any) -> Any:
-    """A copy to call ``.to`` on: some ``.to`` methods move in place (BatchEncoding's,
-    torch_geometric's), and the input must not change."""
-    try:
-        target = copy.copy(obj)
-    except Exception:
-        return obj
-    _own_containers(target)
-    return target
-
-
-def _own_containers(clone: Any) -> None:
-    """Give a shallow copy its own dicts and lists, one level down: a ``.to`` that writes
-    into one it holds (``self.tensors[k] = v.to(device)``) then writes into the copy's,
-    not into the caller's, which the shallow copy shares."""
-    state = getattr(clone, "__dict__", None)
-    if type(state) is not dict:
-        return
-    for name, value in state.items():
-        if type(value) is dict or type(value) is list:
-            state[name] = copy.copy(value)
-
-
-def _off(result: Any, device: torch.device) -> bool:
-    """Whether a tensor that can be read in ``result`` is not on ``device``. What cannot be
-    read (an object inside with a ``.to`` of its own and no readable children) is trusted:
-    the ``.to`` that moved ``result`` moved it."""
-    if shared_device(result, device) is device:  # all on it, read without paths
-        return False
-    return any(tensor.device != device for _, tensor in iter_tensors(result, "result"))
-
-
-def _left_behind(result: Any, device: torch.device) -> CannotRebuild:
-    """The error for an object whose own ``.to`` left some of its tensors where they were."""
-    left = [(path, t.device) for path, t in iter_tensors(result, "") if t.device != device]
-    why = f"its own .to({str(device)!r}) left tensors where they were"
-    return CannotRebuild(type(result), why, left)
 
 
 def _describe(obj: Any) -> str:

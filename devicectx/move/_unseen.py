@@ -34,8 +34,8 @@ from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx.move._attributes import slot_names
 from devicectx.move._containers import is_plain_leaf, kind_for
 from devicectx.move._kinds import CONTAINER, LEAF, MODULE, OWN, TENSOR
+from devicectx.move._own_to import shallow_copy
 from devicectx.move._paths import ATTR, join, keyed_modules, module_path
-from devicectx.move._rebuild import shallow_copy
 
 # torch's words for tensors on different devices, across its releases and backends.
 _MISMATCH_WORDS = (
