@@ -8,6 +8,7 @@ the CPU to meta is a real move.
 
 from __future__ import annotations
 
+import warnings
 from itertools import chain
 from typing import Any
 
@@ -20,6 +21,7 @@ from move_subjects import Pair, on_meta
 from torch import nn
 
 from devicectx import (
+    DeviceWarning,
     MoveError,
     find_devices,
     to_device,
@@ -268,6 +270,56 @@ def test_skip_forms() -> None:
     for skip, expected_kept in cases:
         moved = to_device(batch, "meta", skip=skip)
         assert expected_kept == set(find_devices(moved).get(CPU, [])), skip
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [
+        ("ckpt['rng']", "obj['rng']"),  # the path as find_devices(ckpt, name="ckpt") wrote it
+        ("obj.rng", "obj['rng']"),  # an attribute's path for a dict's key
+        ("rgn", "rng"),  # a typo
+        ("ckpt.opt", "obj['opt']"),
+    ],
+)
+def test_a_skip_entry_that_names_nothing_warns_with_what_it_meant(given: str, meant: str) -> None:
+    """A key or path in ``skip=`` that names nothing in the argument leaves nothing in
+    place, which the caller meant to: a warning at the call names it, how paths are written
+    and the ``skip=`` with the entry it most likely meant, which, run as printed, keeps it."""
+    ckpt = {"weights": torch.zeros(2), "rng": torch.get_rng_state(), "opt": {"m": torch.ones(1)}}
+    with pytest.warns(DeviceWarning) as warned:
+        moved = to_device(ckpt, "meta", skip=["weights", given])
+    assert 1 == len(warned)
+    assert __file__ == warned[0].filename
+    assert [
+        f"to_device(): skip= entries name nothing in obj, and left nothing in place: "
+        f"{given!r} (did you mean {meant!r}?)",
+        "paths in skip= start at obj (obj['x'], obj.x), as find_devices(obj) writes them; a "
+        "key or attribute name matches at any depth",
+        f"fix: skip={['weights', meant]!r}",
+    ] == str(warned[0].message).splitlines()
+    assert META == moved["rng"].device  # moved: the entry named nothing
+    fixed = eval(str(warned[0].message).splitlines()[-1].removeprefix("fix: skip="))
+    kept = to_device(ckpt, "meta", skip=fixed)
+    assert {"obj['weights']"} < set(find_devices(kept).get(CPU, []))
+    assert len(find_devices(kept)[CPU]) == 2
+
+
+def test_a_skip_entry_with_nothing_near_is_named_and_left_out_of_the_fix() -> None:
+    """An entry with nothing near it in the structure: named, and the fix keeps the rest."""
+    with pytest.warns(DeviceWarning, match="'labels'\n") as warned:
+        to_device({"x": torch.zeros(1), "y": torch.zeros(1)}, "meta", skip=["x", "labels"])
+    assert "fix: skip=['x']" == str(warned[0].message).splitlines()[-1]
+
+
+def test_skip_entries_that_name_something_do_not_warn() -> None:
+    """Keys met at any depth (also one holding no tensor), paths met, types and predicates
+    matching nothing: no warning."""
+    batch = {"x": torch.zeros(1), "meta": {"ids": torch.zeros(1), "name": "b0"}, 3: [1]}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "to_device\\(\\): skip=", DeviceWarning)
+        for skip in ["ids", "name", 3, "obj['meta']['name']", nn.Module, lambda p, v: False]:
+            to_device(batch, "meta", skip=skip)
+        to_device(torch.zeros(1), "meta", skip=nn.Module)
 
 
 def test_skip_everything_returns_the_input() -> None:

@@ -28,11 +28,13 @@ trace the memo's ``id()`` on every release, and recompiles for each batch where 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from devicectx._errors import DeviceWarning
 from devicectx.devices._capabilities import holds_every_dtype
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.move import _repeats, _staging, _transfers
@@ -50,7 +52,7 @@ from devicectx.move._dtypes import (
 from devicectx.move._kinds import CONTAINER, Kind
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Fix, Rebuild
-from devicectx.move._skip import Skip, SkipLike, compile_skip
+from devicectx.move._skip import Skip, SkipLike, compile_skip, unmatched, unmatched_message
 from devicectx.move._staging._state import STATE
 from devicectx.move._traced import TracedMove
 from devicectx.move._walk import all_on as all_on
@@ -112,7 +114,8 @@ def to_device(
         skip: what stays where it is, with everything inside it: a type, a path as
             :func:`find_devices` writes it (``"obj['meta']"``), a key or attribute name
             (``"labels"``: matched at any depth), a predicate ``(path, value) -> bool``,
-            or a list of these.
+            or a list of these. A key or path that names nothing in ``obj`` is warned of
+            (:class:`~devicectx.DeviceWarning`), with the entry it most likely meant.
         coalesce: stage moves between the host and an accelerator (see below); False
             moves every tensor with its own copy.
         dtypes: what happens to a tensor of a dtype ``device`` cannot hold (float64 and
@@ -263,7 +266,7 @@ def to_device(
     suggest = None  # a dtype refusal's fix, with the caller's arguments (its skip= as given)
     if dtypes is not None or not holds_every_dtype(target):
         suggest = _to_device_suggest(target, "obj", non_blocking, skip, coalesce)
-    return move_to(
+    moved = move_to(
         obj,
         target,
         non_blocking=non_blocking,
@@ -273,6 +276,12 @@ def to_device(
         suggest=suggest,
         fix=fix,
     )
+    if compiled is not None and (compiled.keys or compiled.paths):
+        missing = unmatched(compiled, obj, "obj")
+        if missing:
+            message = unmatched_message(skip, missing, "obj", "to_device()")
+            warnings.warn(message, DeviceWarning, stacklevel=2)
+    return moved
 
 
 # Explicit specs whose resolution cannot change: resolving costs more than a small move.

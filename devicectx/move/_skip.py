@@ -9,7 +9,9 @@ A spec is one item or a list/tuple/set of them, each one of:
   ``obj.labels``);
 - a predicate ``(path, value) -> bool``, asked about every object from the root down.
 
-Specs are compiled once into a :class:`Skip`. The engine walks fastest when a skip holds
+Specs are compiled once into a :class:`Skip`. :func:`unmatched` finds the keys and paths
+that name nothing in a structure (a path under another root, a typo), for
+:func:`~devicectx.to_device`'s warning. The engine walks fastest when a skip holds
 only types that no list, tuple, dict or plain tensor is an instance of (``nn.Module``,
 say); keys, paths, predicates, and types such as ``torch.Tensor`` need per-child checks.
 A predicate that raises is reported as its own error (:class:`PredicateFailed`), with the
@@ -18,13 +20,18 @@ signature it must have, never as an object that failed to move.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import inspect
+import re
 from collections.abc import Callable, Hashable
 from typing import Any, TypeAlias
 
 import torch
 
-from devicectx.move._paths import is_path
+from devicectx.move._containers import kind_for
+from devicectx.move._kinds import CONTAINER, OWN
+from devicectx.move._paths import MEMBER, is_path, join
 
 Predicate: TypeAlias = "Callable[[str, Any], bool]"
 SkipLike: TypeAlias = (
@@ -177,3 +184,125 @@ def _compile(spec: Any, root: str) -> Skip:
             )
             raise TypeError(msg)
     return Skip(tuple(types), frozenset(keys), frozenset(paths), tuple(predicates))
+
+
+# Bounds of the look for keys and paths a skip names: a checkpoint can hold many
+# containers, and the look runs after every to_device with keys or paths in skip=.
+_MAX_CONTAINERS = 10_000
+_OTHER_ROOT = re.compile(r"^(list\()?([A-Za-z_][A-Za-z_0-9]*)[\[.]")
+
+
+def unmatched(skip: Skip, obj: object, root: str) -> list[tuple[Any, Any]]:
+    """The keys and paths of ``skip`` that name no child in ``obj`` (whose paths start at
+    ``root``), each with a replacement that does where one is near (else None).
+
+    Looks into containers (and objects with their own ``.to`` whose children a rule reads),
+    as the moving walk does; stops as soon as every key and path has been met, and builds
+    paths only while a path is still to meet. Bounded: past a few thousand containers, what
+    was not met counts as met.
+    """
+    keys: set[Any] = set(skip.keys)
+    paths = set(skip.paths)
+    if not (keys or paths) or not _walk_names(obj, root, keys, paths, None):
+        return []
+    names: tuple[set[Any], list[str]] = (set(), [])  # every key and path, to suggest from
+    _walk_names(obj, root, set(), set(), names)
+    missing = [entry for entry in (*skip.keys, *skip.paths) if entry in keys or entry in paths]
+    return [(entry, _near(entry, root, *names)) for entry in missing]
+
+
+def _walk_names(
+    obj: object,
+    root: str,
+    keys: set[Any],
+    paths: set[str],
+    every: tuple[set[Any], list[str]] | None,
+) -> bool:
+    """Take the keys and paths met in ``obj`` out of ``keys`` and ``paths``; whether some
+    are left (never, past the bound). With ``every``, walk it all and gather each key and
+    path met there."""
+    stack: list[tuple[Any, str]] = [(obj, root)]
+    seen: set[int] = set()
+    while stack and (keys or paths or every is not None):
+        item, path = stack.pop()
+        kind = kind_for(type(item))
+        if kind.split is None or kind.role not in (CONTAINER, OWN) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if len(seen) > _MAX_CONTAINERS:
+            return False
+        named, children = kind.split(item)
+        style = kind.style
+        for index, child in enumerate(children):
+            key = index if named is None else named[index]
+            if style != MEMBER:
+                with contextlib.suppress(TypeError):  # an unhashable key: none can name it
+                    keys.discard(key)
+                    if every is not None:
+                        every[0].add(key)
+            child_path = join(path, style, key) if paths or every is not None else ""
+            if paths:
+                paths.discard(child_path)
+            if every is not None:
+                every[1].append(child_path)
+            stack.append((child, child_path))
+    return bool(keys or paths)
+
+
+def _near(entry: Any, root: str, keys: set[Any], paths: list[str]) -> Any:
+    """What ``entry`` (a key or path that names nothing) most likely meant: the same path
+    under ``root``, else the nearest key or path in the structure; None if nothing is near."""
+    if not isinstance(entry, str):
+        return None
+    other = _OTHER_ROOT.match(entry)
+    if other is not None and other.group(2) != root:
+        start = other.start(2)
+        rooted = entry[:start] + root + entry[other.end(2) :]
+        if rooted in paths:
+            return rooted
+        entry = rooted
+    texts = [k for k in keys if isinstance(k, str)] + paths
+    same = [text for text in paths if _bare(text) == _bare(entry)]  # obj.rng for obj['rng']
+    if same:
+        return same[0]
+    close = difflib.get_close_matches(entry, texts, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _bare(path: str) -> str:
+    """A path without its punctuation: ``obj rng`` for ``obj['rng']`` and ``obj.rng``."""
+    return " ".join(re.findall(r"[A-Za-z_0-9]+", path))
+
+
+def unmatched_message(spec: SkipLike, missing: list[tuple[Any, Any]], root: str, who: str) -> str:
+    """The warning for ``skip=`` entries that name nothing (from :func:`unmatched`): which,
+    how paths are written, and ``skip=`` with each replaced by what it likely meant."""
+    shown = ", ".join(
+        repr(entry) if near is None else f"{entry!r} (did you mean {near!r}?)"
+        for entry, near in missing
+    )
+    items = list(spec) if isinstance(spec, (list, tuple, set, frozenset)) else [spec]
+    replaced = {_key(entry): near for entry, near in missing}
+    kept = [replaced.get(_key(item), item) for item in items]
+    kept = [item for item in kept if item is not None]
+    fix = (
+        f"skip={kept!r}"
+        if kept
+        else f"name what to leave as find_devices({root}) writes its path (\"{root}['x']\") "
+        "or by its key ('x')"
+    )
+    return (
+        f"{who}: skip= entries name nothing in {root}, and left nothing in place: {shown}\n"
+        f"paths in skip= start at {root} ({root}['x'], {root}.x), as find_devices({root}) "
+        "writes them; a key or attribute name matches at any depth\n"
+        f"fix: {fix}"
+    )
+
+
+def _key(item: Any) -> Any:
+    """``item`` as a dict key: itself, or its id where it cannot be hashed."""
+    try:
+        hash(item)
+    except TypeError:
+        return id(item)
+    return item
