@@ -56,18 +56,26 @@ def main() -> dict[str, list[float]]:
     device = resolve_device("auto")
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    features, labels = torch.randn(32, 6), torch.randint(0, 3, (32,))  # on the CPU
+    rule = torch.randn(6, 3)  # labels a linear model can learn
+    features = torch.randn(5, 32, 6)  # five batches of 32, on the CPU
+    labels = (features @ rule).argmax(-1)
 
-    batches: dict[str, AnyBatch] = {
-        "dict": {"features": features, "labels": labels},
-        "dataclass": Batch(features, labels, ids=[f"sample-{i}" for i in range(32)]),
-        "namedtuple": Pair(features, labels),
-    }
+    def batch_of(kind: str, step: int) -> AnyBatch:
+        # A new batch each step, as a DataLoader gives: the same one every step would be
+        # copied to the device again and again (devicectx warns of that).
+        x, y = features[step], labels[step]
+        if kind == "dict":
+            return {"features": x, "labels": y}
+        if kind == "dataclass":
+            return Batch(x, y, ids=[f"sample-{step}-{i}" for i in range(32)])
+        return Pair(x, y)
+
     print(f"model on: {device}")
     losses: dict[str, list[float]] = {}
-    for kind, batch in batches.items():
-        losses[kind] = [train_step(model, optimizer, batch) for _ in range(5)]
-        caller_device = unpack(batch)[0].device
+    for kind in ("dict", "dataclass", "namedtuple"):
+        steps = [batch_of(kind, step) for step in range(5)]
+        losses[kind] = [train_step(model, optimizer, batch) for batch in steps]
+        caller_device = unpack(steps[-1])[0].device
         print(
             f"{kind:<10} loss {losses[kind][0]:.3f} -> {losses[kind][-1]:.3f}, "
             f"caller's batch still on {caller_device}"

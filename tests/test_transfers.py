@@ -710,7 +710,7 @@ def test_the_fix_prefers_the_name_written_in_the_calling_line(
 def test_the_fix_moves_a_global_where_the_module_defines_it(
     recorded: list[warnings.WarningMessage], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A module's global read in a function is moved where the module defines it (rebound
+    """A module's global read in a function is moved at the top level of its file (rebound
     in the function, the name would be a local, unbound when read); run in the module, the
     fix stops the copies."""
 
@@ -722,7 +722,7 @@ def test_the_fix_moves_a_global_where_the_module_defines_it(
     fix = _fix_line(recorded)
     assert fix == (
         "fix: pass it on meta already: _CONSTANT_TABLE = _CONSTANT_TABLE.to('meta') once, "
-        "where the module defines _CONSTANT_TABLE"
+        "at the top level of its file, where _CONSTANT_TABLE is defined"
     )
     module = train.__globals__
     monkeypatch.setitem(module, "_CONSTANT_TABLE", _CONSTANT_TABLE)  # put back after
@@ -881,6 +881,6 @@ def test_several_constants_read_as_a_global_and_an_argument(
         train_step(torch.zeros(2), weights)
     assert _fix_line(recorded) == (
         "fix: pass them on meta already, each moved once before the loop: _CONSTANT_TABLE = "
-        "_CONSTANT_TABLE.to('meta') where the module defines it, table (an argument of "
+        "_CONSTANT_TABLE.to('meta') at the top level of its file, table (an argument of "
         "train_step()) where it is called from"
     )

@@ -312,7 +312,11 @@ def _moved_once(path: str, tensor: torch.Tensor, device: str, held: dict[int, _H
             f"it is {name.text}, an argument of {name.function}(): move it to {device} "
             f"once where {name.function}() is called from, before the loop"
         )
-    where = f"where the module defines {name.text}" if name.kind == "global" else "before the loop"
+    where = (
+        f"at the top level of its file, where {name.text} is defined"
+        if name.kind == "global"
+        else "before the loop"
+    )
     return f"{name.text} = {name.text}.to({device!r}) once, {where}"
 
 
@@ -321,7 +325,7 @@ def _rebound(name: _Held, device: str) -> str:
     if name.kind == "argument":
         return f"{name.text} (an argument of {name.function}()) where it is called from"
     statement = f"{name.text} = {name.text}.to({device!r})"
-    return f"{statement} where the module defines it" if name.kind == "global" else statement
+    return f"{statement} at the top level of its file" if name.kind == "global" else statement
 
 
 def _returned(where: Place | str) -> bool:
