@@ -23,12 +23,14 @@ from torch import nn
 from devicectx import (
     DeviceWarning,
     MoveError,
+    RepeatedMoveWarning,
     find_devices,
     to_device,
 )
 from devicectx.move import _staging
 from devicectx.move._alias import TensorMover
 from devicectx.move._move import all_on, iter_tensors, move_call, move_to
+from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -851,3 +853,16 @@ def test_a_view_is_not_remade_on_a_view_autograd_did_not_record(
         assert reaches(moved_recorded, base)
     else:
         assert moved_recorded._base is moved_unrecorded
+
+
+@given(batch=nested(tensors(devices=["cpu"])))
+def test_every_path_find_devices_writes_is_a_skip_that_names_something(batch: Any) -> None:
+    """Each path find_devices lists, given as ``skip=``, names something: no warning, and
+    the tensor at it stays where it was (one in an object moved by its own ``.to`` aside,
+    which that ``.to`` moves)."""
+    for path in find_devices(batch).get(CPU, [])[:3]:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", "to_device\\(\\): skip=", DeviceWarning)
+            warnings.simplefilter("ignore", RepeatedMoveWarning)
+            moved = to_device(batch, "meta", skip=[path])
+        assert path in find_devices(moved).get(CPU, []), path
