@@ -14,9 +14,17 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 import devicectx.devices._oom
-from devicectx import BatchTooLargeError, DeviceError, MoveError, shrink_batch_on_oom, to_device
+from devicectx import (
+    BatchTooLargeError,
+    DeviceError,
+    MoveError,
+    device_agnostic,
+    shrink_batch_on_oom,
+    to_device,
+)
 from devicectx.devices._oom import is_out_of_memory
 from devicectx.testing import emulated
 
@@ -668,3 +676,44 @@ def test_a_move_out_of_memory_shrinks_the_batch() -> None:
         assert 4 == step(16)
     assert [16, 8, 4] == sizes
     assert [(True, True), (True, True)] == kinds
+
+
+@pytest.mark.skipif(
+    not emulated.enabled() or torch.cuda.is_available(),
+    reason="needs the emulated accelerator's memory limit (pytest "
+    "--devicectx-accelerator=emulated), refused where a CUDA GPU is present",
+)
+def test_the_same_move_out_of_memory_twice_stops_with_the_moves_fix() -> None:
+    """@device_agnostic's move of a whole argument does not change with the batch size:
+    after it fails on the same tensor at two sizes, the back-off stops (it halved down to
+    the minimum), and the error gives the move's own fix, which, applied, lets it run."""
+    mib = 2**20
+    data = torch.ones(4, mib // 4)  # 4 MiB
+    model = nn.Linear(mib // 4, 1, bias=False).requires_grad_(False)  # no graph holds chunks
+    sizes: list[int] = []
+
+    def evaluate(model: nn.Module, data: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
+        sizes.append(batch_size)
+        chunks = [data[i : i + batch_size] for i in range(0, len(data), batch_size)]
+        return torch.cat([model(to_device(chunk, "emu:0")) for chunk in chunks])
+
+    gc.collect()
+    model.to("emu:0")
+    with emulated.configure(memory_limit=emulated.memory_allocated("emu:0") + 3 * mib):
+        moving = shrink_batch_on_oom(minimum=1)(device_agnostic(output="input")(evaluate))
+        with pytest.raises(BatchTooLargeError) as raised:
+            moving(model, data)
+        lines = str(raised.value).splitlines()
+        assert [4, 2] == raised.value.tried
+        assert [] == sizes  # the body never ran: the move before it failed
+        assert lines[0].endswith(
+            "evaluate() ran out of memory moving the same tensor at batch_size=4 and "
+            "batch_size=2: the batch_size does not change that move"
+        )
+        assert lines[1].startswith("last error: @device_agnostic could not move data (a Tensor")
+        assert "OutOfMemoryError: emu out of memory" in lines[1]
+        assert lines[-1].endswith("@device_agnostic(exclude=('data',))")
+        excluded = shrink_batch_on_oom(minimum=1)(
+            device_agnostic(output="input", exclude=("data",))(evaluate)
+        )
+        assert (4, 1) == tuple(excluded(model, data, batch_size=1).shape)

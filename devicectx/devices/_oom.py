@@ -30,7 +30,7 @@ from typing import Any, ParamSpec, SupportsIndex, TypeVar, cast, overload
 
 import torch
 
-from devicectx._errors import BatchTooLargeError
+from devicectx._errors import BatchTooLargeError, MoveError
 from devicectx.devices._resolve import accelerator_type
 
 _P = ParamSpec("_P")
@@ -367,6 +367,7 @@ class _Attempts:
         self.args = args
         self.kwargs = kwargs
         self.tried: list[int] = []
+        self.moved: str | None = None  # what the last out-of-memory move failed to move
         requested = batch.get(args, kwargs)
         # Nothing to shrink: let the function raise its own TypeError for the missing argument.
         self.size: int | None = None
@@ -396,6 +397,13 @@ class _Attempts:
         __tracebackhide__ = True
         if self.size is None or not is_out_of_memory(error):
             return False
+        # A move (devicectx's MoveError: @device_agnostic's of the arguments, or a to_device)
+        # that fails on the same tensor at two sizes does not depend on the batch size:
+        # halving it again cannot help.
+        moved = _lines(error)[0] if isinstance(error, MoveError) else None
+        if moved is not None and moved == self.moved:
+            raise self._same_move(error) from error
+        self.moved = moved
         smaller = max(self.size // 2, self.minimum)
         if smaller >= self.size:
             raise self._too_large(error) from error
@@ -428,9 +436,23 @@ class _Attempts:
             raise ValueError(msg)
         return size
 
+    def _same_move(self, error: Exception) -> BatchTooLargeError:
+        """The refusal where the same move ran out of memory at the last two sizes: the
+        move's own fix, which the batch size cannot give."""
+        name, (before, now) = self.batch.name, self.tried[-2:]
+        lines = _lines(error)
+        fix = next((line for line in lines if line.startswith("fix: ")), None)
+        msg = (
+            f"{self.name}() ran out of memory moving the same tensor at {name}={before} and "
+            f"{name}={now}: the {name} does not change that move\n"
+            f"last error: {_first(error)}\n"
+            f"{fix or 'fix: free memory on the device, or move less at once'}"
+        )
+        return BatchTooLargeError(msg, tried=self.tried)
+
     def _too_large(self, error: Exception) -> BatchTooLargeError:
         sizes = ", ".join(str(size) for size in self.tried)
-        last = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        last = _first(error)
         decorator = f"@shrink_batch_on_oom(minimum={self.minimum // 2})"
         if self.batch.name != "batch_size":
             decorator = (
@@ -451,3 +473,17 @@ class _Attempts:
             "torch.autocast), or free memory held outside the call"
         )
         return BatchTooLargeError(msg, tried=self.tried)
+
+
+def _lines(error: BaseException) -> list[str]:
+    """``error``'s message, line by line (its type's name where it has none)."""
+    return str(error).strip().splitlines() or [type(error).__name__]
+
+
+def _first(error: BaseException) -> str:
+    """``error`` in a line: its first, and the next one where the first ends with a colon
+    (devicectx's move errors: what failed, then torch's words on the next line)."""
+    lines = _lines(error)
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1].strip()}"
+    return lines[0]
