@@ -341,6 +341,36 @@ def test_to_device_warns_per_calling_line(recorded: list[warnings.WarningMessage
     )
 
 
+class _Identity(nn.Module):
+    @device_agnostic(device="meta")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Casting(nn.Module):
+    # A dtype mapping: under torch.compile the call runs eagerly behind a graph break.
+    @device_agnostic(device="meta", dtypes={torch.float64: torch.float32})
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_decorated_forward_warns_at_the_line_that_calls_the_model(
+    recorded: list[warnings.WarningMessage], compiled: bool
+) -> None:
+    """Called through nn.Module's __call__ (and through dynamo's frame, run eagerly behind
+    a graph break), the warning is at the user's line, not in torch's files, and its fix
+    names the caller's variable."""
+    call = torch.compile(_Casting(), backend="eager") if compiled else _Identity()
+    x = torch.ones(2)
+    for _ in range(3):
+        line = _line()
+        call(x)
+    (warning,) = _repeats(recorded)
+    assert (warning.filename, warning.lineno) == (__file__, line)
+    assert "x = x.to('meta') once, before the loop" in str(warning.message)
+
+
 def test_a_batch_of_constants_is_one_warning(recorded: list[warnings.WarningMessage]) -> None:
     """A cached batch moved again is one warning that names three of its tensors and counts
     the rest, with their bytes in all; a constant added later gets a warning of its own."""

@@ -51,6 +51,10 @@ __all__ = [
 ]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # not move/
+# Frames a move's caller is not in: devicectx's, and torch's own between the user's line and
+# a decorated call (nn.Module's __call__ for a decorated forward; dynamo's frame for a call
+# run eagerly behind a graph break).
+_NOT_CALLERS = (_PACKAGE, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
 class Place:
@@ -430,9 +434,9 @@ def size_text(nbytes: int) -> str:
 
 
 def _user_frame() -> Any:
-    """The innermost frame outside devicectx: the caller of the move."""
+    """The innermost frame outside devicectx and torch: the caller of the move."""
     frame: Any = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_CALLERS):
         frame = frame.f_back
     return frame
 
