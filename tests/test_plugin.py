@@ -107,7 +107,8 @@ def test_missing_device_reason_in_the_summary(pytester: pytest.Pytester) -> None
         (
             "--devices=cpu,gpu",
             [
-                "ERROR: --devices=cpu,gpu: invalid device 'gpu': unknown device type 'gpu'",
+                "ERROR: --devices=cpu,gpu: invalid device 'gpu': unknown device type 'gpu', "
+                "did you mean 'cuda' (NVIDIA, AMD ROCm), 'mps' (Apple), 'xpu' (Intel), or 'auto'?",
                 "valid forms: 'auto', 'cpu', 'cuda', 'cuda:1', 'mps', 'xpu', 'meta' (any device "
                 "type torch knows, with an optional ':index'), an int index on the current "
                 "accelerator, a torch.device, or None (same as 'auto')",

@@ -125,7 +125,8 @@ def test_invalid_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
         resolve_device()
     expected = [
         "environment variable DEVICECTX_DEVICE='gpu' is not a usable device:",
-        "invalid device 'gpu': unknown device type 'gpu'",
+        "invalid device 'gpu': unknown device type 'gpu', did you mean 'cuda' (NVIDIA, AMD "
+        "ROCm), 'mps' (Apple), 'xpu' (Intel), or 'auto'?",
         ENV_FORMS,
         f"available here: {HERE}",
         ENV_FIX,
@@ -263,7 +264,26 @@ def test_resolve_never_sets_environment_variables(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(
     ("spec", "problem"),
     [
-        ("gpu", "unknown device type 'gpu'"),
+        (
+            "gpu",
+            "unknown device type 'gpu', did you mean 'cuda' (NVIDIA, AMD ROCm), 'mps' (Apple), "
+            "'xpu' (Intel), or 'auto'?",
+        ),
+        (
+            "tpu",
+            "unknown device type 'tpu', did you mean 'xla' (TPUs are XLA devices, with "
+            "torch_xla installed)?",
+        ),
+        ("cuda0", "unknown device type 'cuda0', did you mean 'cuda:0'?"),
+        ("CUDA1", "unknown device type 'CUDA1', did you mean 'cuda:1'?"),
+        ("cuda 1", "unknown device type 'cuda 1', did you mean 'cuda:1'?"),
+        ("Cuda:0", "unknown device type 'Cuda', did you mean 'cuda:0'?"),
+        (
+            "npu:0",
+            "unknown device type 'npu' (the Huawei Ascend package torch_npu adds it to "
+            "torch: `import torch_npu` before naming the device)",
+        ),
+        ("foo", "unknown device type 'foo'"),
         ("cuda:-1", "the index after ':' must be a whole number >= 0"),
         ("cuda:x", "the index after ':' must be a whole number >= 0"),
         ("", "an empty string"),

@@ -25,6 +25,7 @@ answer is read at trace time, with no guard.
 from __future__ import annotations
 
 import os
+import re
 from typing import TypeAlias
 
 import torch
@@ -297,9 +298,44 @@ def _parse(spec: object) -> torch.device:
         problem = "an empty string" if not text else f"unknown device type {kind!r}"
         if text and _is_known_type(kind):
             problem = "the index after ':' must be a whole number >= 0"
-        elif kind != kind.lower() and _is_known_type(kind.lower()):  # torch's types are lower case
-            problem += f", did you mean {text.lower()!r}?"
+        elif text:
+            problem += _hint(text, kind)
         raise InvalidDeviceError(f"invalid device {spec!r}: {problem}\n{_VALID_FORMS}") from None
+
+
+# Device types that exist only once their package is imported (each renames torch's
+# PrivateUse1 backend), and the words people use for a kind of device torch names otherwise.
+_PACKAGED = {
+    "npu": ("torch_npu", "Huawei Ascend"),
+    "mlu": ("torch_mlu", "Cambricon"),
+    "musa": ("torch_musa", "Moore Threads"),
+    "gcu": ("torch_gcu", "Enflame"),
+}
+_OTHER_NAMES = {
+    "gpu": "'cuda' (NVIDIA, AMD ROCm), 'mps' (Apple), 'xpu' (Intel), or 'auto'",
+    "tpu": "'xla' (TPUs are XLA devices, with torch_xla installed)",
+}
+_GLUED = re.compile(r"^([A-Za-z_]+)\s*(\d+)$")  # cuda0, emu 1: an index without its colon
+
+
+def _hint(text: str, kind: str) -> str:
+    """What an unknown device type most likely meant, as the end of the message."""
+    lower = text.lower()
+    glued = _GLUED.match(lower)
+    if glued is not None and _is_known_type(glued.group(1)):
+        return f", did you mean '{glued.group(1)}:{glued.group(2)}'?"
+    if kind != kind.lower() and _is_known_type(kind.lower()):  # torch's types are lower case
+        return f", did you mean {lower!r}?"
+    named = kind.lower()
+    if named in _PACKAGED:
+        package, maker = _PACKAGED[named]
+        return (
+            f" (the {maker} package {package} adds it to torch: `import {package}` before "
+            "naming the device)"
+        )
+    if named in _OTHER_NAMES:
+        return f", did you mean {_OTHER_NAMES[named]}?"
+    return ""
 
 
 def _is_known_type(kind: str) -> bool:
