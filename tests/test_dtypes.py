@@ -575,6 +575,24 @@ def test_constructor_of_a_dtype_the_block_device_cannot_hold() -> None:
 
 
 @needs_accelerator
+def test_a_compiled_constructor_of_a_dtype_the_block_device_cannot_hold() -> None:
+    """The same in a compiled function, after a refusal in eager code: our error (dynamo
+    compiling the refusal's own frame made the tensor again, until RecursionError)."""
+
+    @torch.compile(backend="eager")
+    def total(array: Any) -> torch.Tensor:
+        return torch.tensor(array).sum()
+
+    with mps_like() as device, on_device(device):
+        with pytest.raises(DtypeUnsupportedError):
+            torch.tensor(np.zeros(3))
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            total(np.zeros(3))
+    assert f"inside a block on {device} would make a torch.float64 tensor" in str(raised.value)
+    assert "dtype=torch.float32), or make it on the CPU" in str(raised.value)
+
+
+@needs_accelerator
 def test_precision_auto_skips_a_dtype_the_device_cannot_hold() -> None:
     """precision="auto" never picks bfloat16 on a device that cannot hold it."""
     device = accelerator()

@@ -47,6 +47,7 @@ from devicectx._torch.constructors import device_constructors, keep_builtin_ops
 from devicectx._torch.dynamo import (
     called_by_dynamo,
     constant,
+    disable,
     keep_trace_rules,
     loaded,
     never_top_level,
@@ -212,13 +213,30 @@ def _fill_device(
                 try:
                     return original(*args, **kwargs)
                 except Exception as error:
-                    refused = _dtype_refused(original, args, kwargs, error)
+                    refused = _refusal()(original, args, kwargs, error)
                     if refused is None:
                         raise
                     raise refused from error
         return original(*args, **kwargs)
 
     return constructor
+
+
+_Refusal = Callable[
+    [Callable[..., Any], tuple[Any, ...], dict[str, Any], Exception], "DtypeUnsupportedError | None"
+]
+_DISABLED: list[_Refusal] = []
+
+
+def _refusal() -> _Refusal:
+    """:func:`_dtype_refused`, kept from dynamo once it is loaded: called in code a compiled
+    function runs eagerly (behind a graph break), dynamo would compile its frame, make the
+    failed tensor again, and come back here, until Python's recursion limit."""
+    if not loaded():
+        return _dtype_refused
+    if not _DISABLED:
+        _DISABLED.append(disable(_dtype_refused))
+    return _DISABLED[0]
 
 
 def _dtype_refused(
