@@ -246,10 +246,42 @@ def test_module_spread_over_devices() -> None:
         "target cpu (from the device holding the largest share of model (Sequential)'s "
         "parameter and buffer elements, 6 of 12; nothing says it is spread on purpose: "
         "no accelerate hook, no declare_spread)",
-        'fix: model[1].to("cpu") before calling test_module_spread_over_devices.<locals>.step() '
-        "(modules are never moved implicitly), or declare_spread(model) if the split is on "
-        "purpose",
+        'fix: model[1].to_empty(device="cpu") before calling '
+        "test_module_spread_over_devices.<locals>.step() (modules are never moved "
+        "implicitly; then load its weights: model[1]'s tensors on meta hold no data), or "
+        "declare_spread(model) if the split is on purpose",
     ] == lines_of(error)
+    # On meta there is no data to copy: the fix makes the part anew, and, run as printed
+    # (its weights then loaded), the call runs on the CPU.
+    code = lines_of(error)[-1].removeprefix("fix: ").partition(" before calling")[0]
+    exec(code, {"model": model})
+    model[1].load_state_dict({"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
+    step(torch.ones(2), model=model)  # no error: the model is on the CPU
+    assert {CPU} == {p.device for p in model.parameters()}
+
+
+def test_a_model_wholly_on_meta_gets_a_fix_that_makes_it_anew() -> None:
+    """A model made on meta (init_empty_weights), never loaded, given a device: meta holds
+    no data for ``.to`` to copy (torch refuses it), so the fix is ``to_empty``, which, run
+    as printed and the weights loaded, lets the call run."""
+
+    @device_agnostic(device="cpu")
+    def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    with pytest.raises(DeviceMismatchError) as error:
+        predict(model, torch.ones(2))
+    fix = lines_of(error)[-1]
+    assert fix.startswith(
+        'fix: model.to_empty(device="cpu") before calling '
+        "test_a_model_wholly_on_meta_gets_a_fix_that_makes_it_anew.<locals>.predict(): "
+    )
+    assert fix.endswith("(then load its weights: model's tensors on meta hold no data)")
+    exec(fix.removeprefix("fix: ").partition(" before calling")[0], {"model": model})
+    model.load_state_dict({"weight": torch.eye(2), "bias": torch.zeros(2)})
+    assert torch.equal(torch.ones(2), predict(model, torch.ones(2)))
 
 
 def test_method_module_spread_names_self() -> None:

@@ -110,7 +110,9 @@ def module_off_target(
     """
     destination = target if target is not None else next(iter(found))
     keep = any(_unties(device, destination) for device in shared)
-    move, unheld = _cast_and_move(module, destination, dtypes, keep)
+    # Wholly on meta (made under init_empty_weights, not loaded): no data for .to to copy.
+    from_meta = destination.type != "meta" and all(device.type == "meta" for device in found)
+    move, unheld = _cast_and_move(module, destination, dtypes, keep, from_meta)
     if len(found) > 1:
         what = f"{module} ({kind}) with parameters on {len(found)} devices"
     else:
@@ -177,15 +179,23 @@ def spread_strays(
     # copy of their own, the module is moved whole (its parts in place stay as they are).
     whole = len(strays) == len(parts) or len(strays) > _MAX_FIXES or bool(untied)
     destinations: dict[tuple[str, torch.device], bool] = {}  # (path, to): keep its ties
+    empty: set[tuple[str, torch.device]] = set()  # those with tensors on meta: no data to copy
     if not on_purpose and whole:
         destinations[module, target] = any(p.shared and _unties(p.device, target) for p in parts)
+        if target.type != "meta" and all(p.device.type == "meta" for p in parts):
+            empty.add((module, target))
     else:
         for part in movable:
             if part.expected is not None:
                 key = (path_of(module, part.owner, keyed), part.expected)
                 destinations[key] = destinations.get(key, False) or part in untied
+                if part.expected.type != "meta" and all(
+                    p.device.type == "meta" for p in parts if within(p.path, part.owner)
+                ):
+                    empty.add(key)
     calls = dict(
-        _cast_and_move(path, to, dtypes, keep) for (path, to), keep in destinations.items()
+        _cast_and_move(path, to, dtypes, keep, (path, to) in empty)
+        for (path, to), keep in destinations.items()
     )
     unheld = "; ".join(dict.fromkeys(why for why in list(calls.values())[:_MAX_FIXES] if why))
     # Casts are statements parted by "; ": the moves are then parted so too, not by commas.
@@ -279,6 +289,7 @@ def _cast_and_move(
     destination: torch.device,
     dtypes: Sequence[tuple[str, torch.dtype]],
     keep_ties: bool = False,
+    from_meta: bool = False,
 ) -> tuple[str, str]:
     """The code that moves the module at ``path`` to ``destination``, and why it is not a
     plain ``module.to`` (``""`` where it is).
@@ -287,7 +298,12 @@ def _cast_and_move(
     ``path`` (``"mps:0 holds no torch.float64"``): ``module.to`` stops at the first of them,
     with the tensors before it moved. With ``keep_ties`` (the module holds a tensor at
     several places, which ``module.to`` would copy apart) it moves with ``to_device``.
+    With ``from_meta`` (some of its tensors on ``meta``, which hold no data to copy:
+    ``module.to`` refuses) it makes them on ``destination`` with ``to_empty``, to be loaded.
     """
+    if from_meta:
+        move = f"{path}.to_empty(device={_quote(destination)})"
+        return move, f"then load its weights: {path}'s tensors on meta hold no data"
     under = [(at, dtype) for at, dtype in dtypes if within(at, path)]
     missing = missing_dtypes(destination)
     unheld = [str(dtype) for dtype in dict.fromkeys(d for _, d in under) if dtype in missing]
