@@ -322,7 +322,8 @@ def test_marker_is_registered(pytester: pytest.Pytester) -> None:
             "requires_device('gpu')",
             [
                 "@pytest.mark.requires_device('gpu'): invalid device 'gpu': unknown device "
-                "type 'gpu'",
+                "type 'gpu', did you mean 'cuda' (NVIDIA, AMD ROCm), 'mps' (Apple), 'xpu' "
+                "(Intel), or 'auto'?",
                 "valid forms: 'auto', 'cpu', 'cuda', 'cuda:1', 'mps', 'xpu', 'meta' (any device "
                 "type torch knows, with an optional ':index'), an int index on the current "
                 "accelerator, a torch.device, or None (same as 'auto')",
