@@ -1567,3 +1567,59 @@ def test_index_add_s_mismatch_is_ours_on_an_accelerator() -> None:
     with pytest.raises(DeviceMismatchError) as error:
         scatter(torch.zeros(3, 2), torch.tensor([0]), Table())
     assert {CPU: ["table.rows"]} == error.value.devices
+
+
+# --- arguments exclude= holds out --------------------------------------------------------
+
+
+def test_an_excluded_module_torch_fails_on_is_named_as_excluded() -> None:
+    """A module in ``exclude=`` chose no target and was not checked: the message says it is
+    excluded, and the fix (dropping it from ``exclude=``) makes the call work."""
+    model = nn.Linear(4, 2, device="meta")
+
+    @device_agnostic(exclude=("model",))
+    def g(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    with pytest.raises(DeviceMismatchError) as error:
+        g(model, torch.ones(3, 4))
+    lines = str(error.value).splitlines()
+    assert [
+        f"{g.__qualname__}() failed in torch on tensors @device_agnostic cannot see into "
+        "or excludes:",
+        "    meta <- model (Linear, excluded: exclude= means not checked)",
+        "target cpu (from the tensor arguments)",
+    ] == lines[:3]
+    assert lines[-1] == (
+        'fix: drop "model" from exclude=, so that model chooses the target: modules are '
+        "never moved, and exclude= only kept model from being checked"
+    )
+    fixed = device_agnostic(g.__wrapped__)
+    assert META == fixed(model, torch.ones(3, 4)).device
+
+
+def test_an_excluded_tensor_torch_fails_on_is_named_with_its_move() -> None:
+    """A tensor in ``exclude=`` off the module's device: a devicectx error naming it as
+    excluded (was torch's raw error), whose ``.to`` works when pasted."""
+    model = nn.Linear(4, 2, device="meta")
+
+    @device_agnostic(exclude=("x",))
+    def h(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    x = torch.ones(3, 4)
+    with pytest.raises(DeviceMismatchError) as error:
+        h(model, x)
+    lines = str(error.value).splitlines()
+    assert [
+        f"{h.__qualname__}() failed in torch on tensors @device_agnostic cannot see into "
+        "or excludes:",
+        "    cpu <- x (excluded)",
+        "target meta (from the parameters of model (Linear))",
+    ] == lines[:3]
+    assert lines[-1] == (
+        'fix: pass x.to("meta"), or drop "x" from exclude= so that it is moved: exclude= '
+        "means neither moved nor checked"
+    )
+    code = lines[-1].removeprefix("fix: pass ").partition(", or")[0]
+    assert META == h(model, eval(code, {"x": x})).device

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any, ParamSpec, TypeVar, overload
+
+import torch
+from torch import nn
 
 from devicectx.decorator._params import check_switches
 from devicectx.decorator._plan import Plan
@@ -75,7 +80,8 @@ def device_agnostic(
 
     1. ``device=``;
     2. the ``nn.Module`` involved: the instance of a decorated method, else the first
-       module argument (``DataParallel`` and ``DistributedDataParallel`` looked through;
+       module argument (one bound in a decorated ``functools.partial`` counts;
+       ``DataParallel`` and ``DistributedDataParallel`` looked through;
        a model spread over devices on purpose, by accelerate or
        :func:`~devicectx.declare_spread`, where it starts);
     3. the innermost active :func:`~devicectx.on_device` (a decorated call's own scope
@@ -117,7 +123,9 @@ def device_agnostic(
             tensor argument of a key's dtype, on every device. Results are not cast.
 
     Returns:
-        The decorated function, with the same name, docstring, signature and static type.
+        The decorated function, with the same name, docstring, signature and static type
+        (for a ``functools.partial`` holding a module: the same partial of the decorated
+        function).
 
     Raises:
         DeviceMismatchError: before the body runs, when ``move=False`` and a tensor is
@@ -125,6 +133,9 @@ def device_agnostic(
             the module involved is not on the target or is spread over several devices
             by mistake (modules are never moved implicitly).
         InvalidDeviceError: at decoration, for a malformed ``device=`` or ``output=``.
+        TypeError: at decoration, for what is not a function or method: a device in its
+            place (``@device_agnostic("cuda")``: the device goes by keyword), a class, or
+            a module instance (decorate its ``forward``, or ``device_agnostic(model.forward)``).
         InvalidPrecisionError: at decoration, for an unknown ``precision=``.
         PrecisionUnsupportedError: at a call, for a precision the target cannot run.
         ValueError: at decoration, for an ``exclude`` name the function does not take,
@@ -170,6 +181,62 @@ def device_agnostic(
             precision=precision,
             dtypes=dtypes,
         )
+    check_wrapped(wrapped)
+    if type(wrapped) is functools.partial and _binds_module(wrapped):
+        # The bound arguments are fixed: the function decorated and the partial rebuilt
+        # around it is the same call, with the module an argument the rules read.
+        decorated = device_agnostic(
+            device=device,
+            move=move,
+            output=output,
+            exclude=exclude,
+            non_blocking=non_blocking,
+            scope=scope,
+            coalesce=coalesce,
+            precision=precision,
+            dtypes=dtypes,
+        )(wrapped.func)
+        return functools.partial(decorated, *wrapped.args, **wrapped.keywords)
+    plan = Plan(
+        wrapped, device, move, output, exclude, non_blocking, scope, coalesce, precision, dtypes
+    )
+    return wrap(wrapped, plan)
+
+
+def _binds_module(wrapped: functools.partial[Any]) -> bool:
+    """Whether a partial holds an ``nn.Module`` among its bound arguments."""
+    bound = (*wrapped.args, *wrapped.keywords.values())
+    return any(isinstance(value, nn.Module) for value in bound)
+
+
+def check_wrapped(wrapped: object) -> None:
+    """Refuse, where it is written, what ``@device_agnostic`` cannot decorate: a device in
+    the function's place, anything else not callable, a class, a module instance.
+
+    Raises:
+        TypeError: with what it got, and the fix.
+    """
+    __tracebackhide__ = True
+    if isinstance(wrapped, (classmethod, staticmethod)):  # a classmethod is not callable
+        return
+    if isinstance(wrapped, (str, torch.device)) or (
+        isinstance(wrapped, int) and not isinstance(wrapped, bool)
+    ):
+        written = wrapped if isinstance(wrapped, int) else f'"{wrapped}"'
+        msg = (
+            f"@device_agnostic takes the device by keyword, and got {wrapped!r} where the "
+            f"function to decorate goes\n"
+            f"fix: @device_agnostic(device={written})"
+        )
+        raise TypeError(msg)
+    if not callable(wrapped):
+        msg = (
+            f"@device_agnostic decorates functions and methods, and got a "
+            f"{type(wrapped).__qualname__}, which cannot be called\n"
+            f"fix: write @device_agnostic on the line above the `def` of the function to "
+            f"decorate"
+        )
+        raise TypeError(msg)
     if inspect.isclass(wrapped):
         name = wrapped.__name__
         msg = (
@@ -177,7 +244,39 @@ def device_agnostic(
             f"take tensors instead (`@device_agnostic` on `def forward`)"
         )
         raise TypeError(msg)
-    plan = Plan(
-        wrapped, device, move, output, exclude, non_blocking, scope, coalesce, precision, dtypes
+    if isinstance(wrapped, nn.Module):
+        raise TypeError(_module_refusal(wrapped, _name_in_caller(wrapped)))
+
+
+def _module_refusal(module: nn.Module, name: str | None) -> str:
+    """The refusal of a module instance: its bound ``forward`` decorated is what works
+    (assigned back to ``model.forward``, it would stay bound to the original in a deep
+    copy, and ``torch.save`` of the model would fail)."""
+    kind = type(module).__qualname__
+    label = f"{name} (a {kind})" if name is not None else f"a {kind}"
+    held = name if name is not None else "model"
+    bound = f"forward = device_agnostic({held}.forward), then call forward(...)"
+    if type(module).__module__.split(".")[0] == "torch":
+        fix = f"{bound} where you called {held}(...)"
+    else:  # the user's own class can take the decorator on its forward
+        fix = f"@device_agnostic above `def forward` in class {kind}, or {bound}"
+    return (
+        f"@device_agnostic cannot decorate a module instance, {label}: it decorates "
+        f"functions and methods\n"
+        f"fix: {fix}"
     )
-    return wrap(wrapped, plan)
+
+
+def _name_in_caller(value: object) -> str | None:
+    """The name the code that called the decorator holds ``value`` by (a local, else a
+    global), for the fix; None where it holds it by none. Only on the way to an error."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    for names in (frame.f_locals, frame.f_globals):
+        for name, held in names.items():
+            if held is value and not name.startswith("_"):
+                return name
+    return None

@@ -117,6 +117,25 @@ class Params:
         for key, value in kwargs.items():
             yield key, value, key
 
+    def excluded(
+        self,
+        exclusion: Exclusion,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        offset: int,
+    ) -> list[tuple[str, Any]]:
+        """``(name, value)`` of each argument of a call that ``exclusion`` holds out (not
+        moved, not checked), for an error's message. On the error path only."""
+        held = []
+        for name, value, where in self.named(args, kwargs, offset):
+            if isinstance(where, int):
+                out = exclusion.holds_position(where + offset)
+            else:
+                out = exclusion.holds_keyword(where)
+            if out:
+                held.append((name, value))
+        return held
+
     def defaults_taken(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], offset: int
     ) -> Iterator[tuple[str, Any]]:

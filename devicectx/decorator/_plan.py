@@ -317,13 +317,19 @@ class Plan:
         named += self.params.defaults_taken(args, kwargs, offset)
         if instance is not None:
             named.insert(0, ("self", instance))
+        excluded: list[tuple[str, Any]] = []
+        if self.exclude is not None:
+            excluded = self.params.excluded(self.exclude, args, kwargs, offset)
+            if module is None:  # a call with exclude= chose its module in prepare()
+                held = Held(self.exclude, args, kwargs, offset)
+                module = scan((*held.args, *held.kwargs.values()), target)[2]
         reason = self._reason(module, instance, args, kwargs, offset)
         checked: set[int] = set()
         if module is not None:  # the module the rules read, through its wrappers
             checked.add(id(module))
             checked.update(id(part) for part in unwrap(module).modules())
         follow = reason == _FROM_INPUTS
-        return _unseen.explain(error, self.name, named, target, reason, checked, follow)
+        return _unseen.explain(error, self.name, named, target, reason, checked, follow, excluded)
 
     def _optimizers(
         self,

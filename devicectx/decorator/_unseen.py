@@ -11,7 +11,8 @@ a call that moves nothing. Only the failure path gets here.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import re
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from devicectx.move._unseen import (
     own_to_fix,
     unseen_tensors,
 )
+from devicectx.move._walk import iter_tensors
 
 
 def own_to_mend(named: Iterable[tuple[str, Any, object]], target: torch.device) -> str | None:
@@ -47,6 +49,7 @@ def explain(
     reason: str,
     checked: Collection[int] = (),
     follow: bool = False,
+    excluded: Sequence[tuple[str, Any]] = (),
 ) -> DeviceMismatchError | None:
     """The error to raise instead of torch's ``error``, or None to let it through.
 
@@ -63,24 +66,79 @@ def explain(
             rules read, with its submodules); other modules are looked into as unseen.
         follow: whether the inputs chose ``target`` (no device named, no block, no
             module): a module elsewhere is then better followed than moved.
+        excluded: ``(name, value)`` of each argument ``exclude=`` held out: its tensors
+            off ``target`` are named as excluded, and the fix says to stop excluding it.
     """
     if isinstance(error, DeviceError) or not is_device_mismatch(error):
         return None
     unseen = [u for u in unseen_tensors(named, checked) if target is None or u.device != target]
-    if not unseen:
+    held = _held_out(excluded, target)
+    if not unseen and not held:
         return None
+    names = {name for name, _ in excluded}
     found = _by_device(unseen)
-    width = max(len(str(device)) for device in found)
+    shown = _shown(found, names)
+    for device, paths in held.items():
+        listed = ", ".join(f"{path} (excluded)" for path in paths)
+        shown[device] = f"{shown[device]}, {listed}" if device in shown else listed
+    width = max(len(str(device)) for device in shown)
     torch_said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    lines = [f"{function}() failed in torch on tensors @device_agnostic cannot see into:"]
-    lines += [f"    {device!s:<{width}} <- {paths}" for device, paths in _shown(found).items()]
+    held_out = "" if not held and not names & {_root(u.path) for u in unseen} else " or excludes"
+    lines = [f"{function}() failed in torch on tensors @device_agnostic cannot see into{held_out}:"]
+    lines += [f"    {device!s:<{width}} <- {paths}" for device, paths in shown.items()]
     lines.append(
         f"target {target} (from {reason})" if target is not None else f"no target: {reason}"
     )
     lines.append(f"torch said: {torch_said}")
-    lines.append(f"fix: {fix_for(unseen, target, follow)}")
+    lines.append(f"fix: {_excluded_fix(unseen, held, names, target, follow)}")
     devices = {device: [u.path for u in group] for device, group in found.items()}
+    for device, paths in held.items():
+        devices.setdefault(device, []).extend(paths)
     return DeviceMismatchError("\n".join(lines), devices=devices, target=target, reason=reason)
+
+
+def _held_out(
+    excluded: Sequence[tuple[str, Any]], target: torch.device | None
+) -> dict[torch.device, list[str]]:
+    """The paths of the tensors in excluded arguments (not in modules) off ``target``, by
+    device: the decorator saw them, and left them where they are, as told."""
+    held: dict[torch.device, list[str]] = {}
+    for name, value in excluded:
+        for path, tensor in iter_tensors(value, name):
+            if target is None or tensor.device != target:
+                held.setdefault(tensor.device, []).append(path)
+    return held
+
+
+def _excluded_fix(
+    unseen: list[Unseen],
+    held: dict[torch.device, list[str]],
+    names: Collection[str],
+    target: torch.device | None,
+    follow: bool,
+) -> str:
+    """The fix: for an excluded module, stop excluding it (modules are never moved, so
+    excluding one only keeps it from choosing the target); for excluded tensors, move
+    them; else what :func:`fix_for` says."""
+    module = next((u for u in unseen if u.module is not None and _root(u.path) in names), None)
+    if module is not None:
+        name = _root(module.path)
+        return (
+            f'drop "{name}" from exclude=, so that {name} chooses the target: modules are '
+            f"never moved, and exclude= only kept {name} from being checked"
+        )
+    if held and target is not None:
+        path = next(iter(held.values()))[0]
+        return (
+            f'pass {_root(path)}.to("{target}"), or drop "{_root(path)}" from exclude= so '
+            f"that it is moved: exclude= means neither moved nor checked"
+        )
+    return fix_for(unseen, target, follow)
+
+
+def _root(path: str) -> str:
+    """The argument a path starts from: ``batch`` of ``batch['x']``."""
+    return re.split(r"[.\[]", path, maxsplit=1)[0]
 
 
 def _by_device(unseen: list[Unseen]) -> dict[torch.device, list[Unseen]]:
@@ -94,20 +152,24 @@ def _by_device(unseen: list[Unseen]) -> dict[torch.device, list[Unseen]]:
 _MAX_PATHS = 6
 
 
-def _shown(found: dict[torch.device, list[Unseen]]) -> dict[torch.device, str]:
+def _shown(
+    found: dict[torch.device, list[Unseen]], excluded: Collection[str] = ()
+) -> dict[torch.device, str]:
     shown: dict[torch.device, str] = {}
     for device, group in found.items():
-        paths = [f"{u.path} ({_held_by(u)})" for u in group[:_MAX_PATHS]]
+        paths = [f"{u.path} ({_held_by(u, excluded)})" for u in group[:_MAX_PATHS]]
         more = f" and {len(group) - _MAX_PATHS} more" if len(group) > _MAX_PATHS else ""
         shown[device] = ", ".join(paths) + more
     return shown
 
 
-def _held_by(item: Unseen) -> str:
+def _held_by(item: Unseen, excluded: Collection[str] = ()) -> str:
     if item.module is not None:
         kind = item.module.__qualname__
         if item.holder_path != item.path:
             return f"{kind}, in {item.holder.__qualname__}"
+        if item.path in excluded:
+            return f"{kind}, excluded: exclude= means not checked"
         return f"{kind}, a module @device_agnostic does not check"
     module = issubclass(item.holder, torch.nn.Module)
     if item.shared_by is not None:

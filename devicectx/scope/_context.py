@@ -19,6 +19,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from devicectx._errors import InvalidDeviceError
 from devicectx._torch.dynamo import constant, disable, graph_break
 from devicectx._torch.modes import DeviceContext
 from devicectx.devices._resolve import DeviceLike, resolve_device
@@ -157,7 +158,9 @@ class on_device:
     ``audit=False`` costs nothing.
 
     Raises:
-        InvalidDeviceError: ``device`` is malformed.
+        InvalidDeviceError: ``device`` is malformed; a function given as the device
+            (``@on_device`` written without its parentheses) is refused where the block
+            is made, at the ``def``.
         DeviceUnavailableError: this machine lacks ``device``.
         InvalidPrecisionError: ``precision`` is not one of those names (a ``ValueError``),
             raised where the block is made.
@@ -205,6 +208,8 @@ class on_device:
         precision: PrecisionName | None = None,
         audit: AuditOption = False,
     ) -> None:
+        if callable(device):
+            _refuse_callable(device)
         self.spec = device
         self.exact = exact
         # A misspelt name fails here, where the block is written, not at its first entry.
@@ -291,12 +296,7 @@ class on_device:
 
     def __call__(self, func: _F) -> _F:
         if inspect.isclass(func):
-            name = func.__name__
-            msg = (
-                f"on_device cannot decorate the class {name}: decorate its methods instead "
-                f"(`@on_device(...)` on `def forward`), or use `with on_device(...):` inside them"
-            )
-            raise TypeError(msg)
+            raise TypeError(_class_refusal(func))
         if inspect.isasyncgenfunction(func):
             return cast(_F, self._wrap_async_generator(func))
         if inspect.isgeneratorfunction(func):
@@ -349,6 +349,40 @@ class on_device:
         self, func: Callable[..., AsyncGenerator[Any, Any]]
     ) -> Callable[..., Any]:
         return resumed_async_generator_function(func, self._resumable)
+
+
+def _class_refusal(cls: type) -> str:
+    """Why a class cannot take ``@on_device``, and what can."""
+    return (
+        f"on_device cannot decorate the class {cls.__name__}: decorate its methods instead "
+        f"(`@on_device(...)` on `def forward`), or use `with on_device(...):` inside them"
+    )
+
+
+def _refuse_callable(device: Callable[..., Any]) -> None:
+    """Refuse a function (or a class) given as the device: ``@on_device`` written without
+    its parentheses passes the function it decorates. Refused where it is written, not at
+    the first call. A module, which is callable too, is left to the device's resolution,
+    which says that it is not a device.
+
+    Raises:
+        TypeError: a class, as decorating one is refused.
+        InvalidDeviceError: anything else callable but a module, with the fix.
+    """
+    __tracebackhide__ = True
+    if inspect.isclass(device):
+        raise TypeError(_class_refusal(device))
+    if isinstance(device, torch.nn.Module):
+        return
+    name = getattr(device, "__qualname__", None)
+    what = f"the function {name}" if name is not None else f"a {type(device).__qualname__}"
+    above = f"`def {name.rpartition('.')[2]}`" if name is not None else "its `def`"
+    msg = (
+        f"on_device got {what} where the device goes (@on_device written without "
+        f"parentheses?)\n"
+        f'fix: @on_device("auto") above {above}, or name the device: @on_device("cuda:0")'
+    )
+    raise InvalidDeviceError(msg)
 
 
 def _rebuilt(

@@ -1,0 +1,251 @@
+"""Mistakes made where a function is decorated or a block is written: each raises there, at
+once, with a fix that works when pasted as written."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from devicectx import (
+    DeviceMismatchError,
+    InvalidDeviceError,
+    device_agnostic,
+    on_device,
+    resolve_device,
+)
+
+META = torch.device("meta")
+
+
+def fix_code(error: pytest.ExceptionInfo[BaseException], before: str = "\0") -> str:
+    """The code of the error's fix: its last line after ``fix: ``, up to ``before``."""
+    fix = str(error.value).splitlines()[-1]
+    assert fix.startswith("fix: ")
+    return fix.removeprefix("fix: ").partition(before)[0]
+
+
+def pasted(code: str, **names: Any) -> dict[str, Any]:
+    """Run a fix as a user would paste it into their file; the names after."""
+    scope: dict[str, Any] = {
+        "device_agnostic": device_agnostic,
+        "on_device": on_device,
+        "torch": torch,
+        **names,
+    }
+    exec(code, scope)
+    return scope
+
+
+class Net(nn.Module):
+    """A model of the user's own: its class can take the decorator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)  # type: ignore[no-any-return]
+
+
+# --- @device_agnostic given the device in the function's place -----------------------
+
+
+def test_a_positional_device_name_is_refused_with_the_keyword_fix() -> None:
+    """``@device_agnostic("meta")`` raises at the decorator's line, not at the ``def``
+    with Python's "'str' object is not callable"."""
+    with pytest.raises(TypeError) as error:
+        device_agnostic("meta")  # type: ignore[call-overload]
+    expected = (
+        "@device_agnostic takes the device by keyword, and got 'meta' where the function "
+        "to decorate goes\n"
+        'fix: @device_agnostic(device="meta")'
+    )
+    assert expected == str(error.value)
+
+
+def test_the_positional_device_fix_works_when_pasted() -> None:
+    """The fix, written above a ``def``, decorates it for that device."""
+    with pytest.raises(TypeError) as error:
+        device_agnostic("meta")  # type: ignore[call-overload]
+    code = fix_code(error) + "\ndef step(model, x):\n    return model(x)\n"
+    step = pasted(code)["step"]
+    assert META == step(nn.Linear(4, 2, device="meta"), torch.ones(3, 4)).device
+
+
+@pytest.mark.parametrize(
+    ("spec", "written"),
+    [(torch.device("meta"), '"meta"'), (torch.device("cpu"), '"cpu"'), (0, "0")],
+)
+def test_a_positional_torch_device_or_index_is_refused_with_its_keyword_fix(
+    spec: Any, written: str
+) -> None:
+    """A ``torch.device`` or an index where the function goes gets the same fix, the
+    device written as ``device=`` takes it."""
+    with pytest.raises(TypeError) as error:
+        device_agnostic(spec)
+    assert f"and got {spec!r} where the function to decorate goes" in str(error.value)
+    assert f"@device_agnostic(device={written})" == fix_code(error)
+
+
+@pytest.mark.parametrize("value", [[1, 2], torch.ones(2), True, 2.5])
+def test_anything_else_that_cannot_be_called_is_refused_at_once(value: Any) -> None:
+    """A value that is neither a function nor a device is refused where it is passed,
+    naming its type."""
+    with pytest.raises(TypeError) as error:
+        device_agnostic(value)
+    expected = (
+        f"@device_agnostic decorates functions and methods, and got a "
+        f"{type(value).__qualname__}, which cannot be called\n"
+        "fix: write @device_agnostic on the line above the `def` of the function to decorate"
+    )
+    assert expected == str(error.value)
+
+
+def test_a_classmethod_and_a_staticmethod_are_still_decorated() -> None:
+    """``classmethod`` objects are not callable, yet the decorator takes them (written above
+    ``@classmethod``): the check of what it got lets them through."""
+
+    class Maker:
+        @device_agnostic(device="meta")  # type: ignore[misc]
+        @classmethod
+        def make(cls, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+        @device_agnostic(device="meta")  # type: ignore[misc]
+        @staticmethod
+        def same(x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    assert META == Maker.make(torch.ones(1)).device
+    assert META == Maker.same(torch.ones(1)).device
+
+
+# --- @on_device without its parentheses ------------------------------------------------
+
+
+def test_bare_on_device_is_refused_at_the_def_with_the_fix() -> None:
+    """``@on_device`` without parentheses took the function for the device: refused at the
+    ``def``, not at the first call with "missing 1 required positional argument"."""
+    with pytest.raises(InvalidDeviceError) as error:
+
+        @on_device  # type: ignore[arg-type]
+        def make() -> torch.Tensor:
+            return torch.ones(1)
+
+    qualname = "test_bare_on_device_is_refused_at_the_def_with_the_fix.<locals>.make"
+    expected = (
+        f"on_device got the function {qualname} where the device goes "
+        "(@on_device written without parentheses?)\n"
+        'fix: @on_device("auto") above `def make`, or name the device: @on_device("cuda:0")'
+    )
+    assert expected == str(error.value)
+
+
+def test_the_bare_on_device_fix_works_when_pasted() -> None:
+    """The fix's first form, written above the ``def``, scopes the function."""
+    with pytest.raises(InvalidDeviceError) as error:
+
+        @on_device  # type: ignore[arg-type]
+        def make() -> torch.Tensor:
+            return torch.ones(1)
+
+    code = fix_code(error, " above") + "\ndef make():\n    return torch.ones(1)\n"
+    make = pasted(code)["make"]
+    assert resolve_device("auto") == make().device
+
+
+def test_on_device_given_a_callable_object_is_refused_where_written() -> None:
+    """A partial (any callable that is not a device) is refused where the block is made."""
+    with pytest.raises(InvalidDeviceError, match=r"got a partial where the device goes"):
+        on_device(functools.partial(print))  # type: ignore[arg-type]
+
+
+def test_on_device_above_a_class_without_parentheses_says_to_decorate_methods() -> None:
+    """A bare ``@on_device`` above a class gets the refusal of decorating a class."""
+    with pytest.raises(TypeError, match="on_device cannot decorate the class Net"):
+        on_device(Net)  # type: ignore[arg-type]
+
+
+# --- @device_agnostic given a module instance ---------------------------------------------
+
+
+def test_a_module_instance_is_refused_with_the_bound_forward_fix() -> None:
+    """``model = device_agnostic(model)`` is refused: the proxy it made did not take the
+    model for the module that picks the device. The fix names the caller's variable."""
+    model = nn.Linear(4, 2, device="meta")
+    with pytest.raises(TypeError) as error:
+        model = device_agnostic(model)
+    expected = (
+        "@device_agnostic cannot decorate a module instance, model (a Linear): it decorates "
+        "functions and methods\n"
+        "fix: forward = device_agnostic(model.forward), then call forward(...) where you "
+        "called model(...)"
+    )
+    assert expected == str(error.value)
+    forward = pasted(fix_code(error, ", then"), model=model)["forward"]
+    assert META == forward(torch.ones(3, 4)).device
+
+
+def test_a_module_instance_of_the_users_class_gets_the_class_fix_first() -> None:
+    """For a module class of the user's own, the fix is the decorator on its ``forward``."""
+    net = Net()
+    with pytest.raises(TypeError) as error:
+        device_agnostic(device="meta")(net)
+    assert (
+        "@device_agnostic above `def forward` in class Net, or "
+        "forward = device_agnostic(net.forward), then call forward(...)"
+    ) == fix_code(error)
+
+
+def test_a_module_instance_with_no_name_is_named_by_its_class() -> None:
+    """A module made in the call has no name: the message says its class, the fix
+    ``model``."""
+    with pytest.raises(TypeError) as error:
+        device_agnostic(nn.ReLU())
+    assert str(error.value).startswith(
+        "@device_agnostic cannot decorate a module instance, a ReLU: "
+    )
+    assert fix_code(error, ", then") == "forward = device_agnostic(model.forward)"
+
+
+# --- a module bound in a decorated partial ----------------------------------------------
+
+
+def fwd(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)  # type: ignore[no-any-return]
+
+
+def fwd_keyword(x: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    return model(x)  # type: ignore[no-any-return]
+
+
+def test_a_module_bound_in_a_partial_is_the_calls_module() -> None:
+    """The model bound in ``partial(fwd, model)`` picks the target as a module argument
+    does: the input follows it (before, torch failed on the mix)."""
+    model = nn.Linear(4, 2, device="meta")
+    step = device_agnostic(functools.partial(fwd, model))
+    assert META == step(torch.ones(3, 4)).device
+    keyword = device_agnostic(functools.partial(fwd_keyword, model=model))
+    assert META == keyword(torch.ones(3, 4)).device
+
+
+def test_a_module_bound_in_a_partial_off_the_device_is_named() -> None:
+    """With ``device=`` elsewhere, the module bound in the partial is refused by its
+    parameter's name, before the body runs."""
+    model = nn.Linear(4, 2, device="meta")
+    step = device_agnostic(device="cpu")(functools.partial(fwd, model))
+    with pytest.raises(DeviceMismatchError, match=r"model"):
+        step(torch.ones(3, 4))
+
+
+def test_a_partial_keeps_its_options_and_signature() -> None:
+    """What the decorator returns for such a partial takes the same arguments and keeps the
+    decorator's options (``output=``)."""
+    step = device_agnostic(output="meta")(functools.partial(fwd, nn.Linear(4, 2)))
+    assert ["x"] == list(inspect.signature(step).parameters)
+    assert META == step(torch.ones(3, 4)).device
