@@ -358,15 +358,20 @@ def test_a_module_on_meta_leaves_every_module_where_it_was() -> None:
     assert {device} == {d for _, _, d in where(first) + where(model)}
 
 
-def test_a_model_offloaded_by_accelerate_is_left_to_its_own_refusal() -> None:
-    """accelerate keeps offloaded weights on meta behind its hooks, on purpose: no to_empty
-    is offered for it (that would throw its weights away); the move fails as its .to does."""
+def test_a_model_offloaded_by_accelerate_is_refused_with_accelerates_way_out() -> None:
+    """accelerate keeps offloaded weights on meta behind its hooks, on purpose: the move is
+    refused before anything moves, no to_empty is offered for it (that would throw its
+    weights away), and the fix removes the hooks, which puts the weights back."""
     accelerate = pytest.importorskip("accelerate")
     model = accelerate.cpu_offload(nn.Linear(2, 2), execution_device=CPU)
     with pytest.raises(MoveError) as raised:
         to_device(model, "cpu")
-    assert "to_empty" not in str(raised.value).splitlines()[-1]
-    assert str(raised.value).startswith("to_device() could not move obj (a Linear) to cpu:")
+    fix = str(raised.value).splitlines()[-1]
+    assert "to_empty" not in fix
+    assert "remove_hook_from_module(obj, recurse=True)" in fix
+    assert str(raised.value).startswith(
+        "to_device() cannot move obj (a Linear) to cpu, and moved nothing: accelerate offloaded it"
+    )
 
 
 # Tracebacks: pytest shows the line that called and the message, not the engine's frames.

@@ -17,7 +17,10 @@ constant time instead, from a cache that two things keep honest:
   tensor of a module on one device: ``load_state_dict(assign=True)`` with swapping on,
   ``torch.func.functional_call`` given all the parameters, ``param.data = ...`` or
   ``torch.utils.swap_tensors`` on the sample itself. A module wholly on one device that
-  ends up wholly on another has moved its sample too.
+  ends up wholly on another has moved its sample too. An answer that rests on something
+  other than tensors (accelerate's hook on the module that says where a dispatched model
+  starts, which ``remove_hook_from_module`` deletes without telling torch) is checked by
+  that too (a :class:`Mark`): still held, by id.
 
 Example:
     >>> import torch
@@ -69,13 +72,41 @@ from devicectx._torch.module_tree import buffers_of, parameters_of
 _T = TypeVar("_T")
 
 
+class Mark(NamedTuple):
+    """An attribute (not a tensor) a cached answer rests on, such as accelerate's hook on
+    a module: checked at every hit to still hold the same object, since removing it tells
+    torch nothing."""
+
+    owner: nn.Module
+    name: str
+    value: object
+
+
 class Sample(NamedTuple):
-    """The tensor a cached answer is checked by: the first one the walk met."""
+    """The tensor a cached answer is checked by: the first one the walk met; and the
+    attribute it rests on, where it rests on one."""
 
     owner: nn.Module
     in_buffers: bool
     tensor: torch.Tensor
     device: torch.device
+    mark: Mark | None = None
+
+
+class _Held:
+    """A :class:`Mark`, as an entry keeps it: its owner weakly, its value by id."""
+
+    __slots__ = ("name", "owner", "value")
+
+    def __init__(self, mark: Mark) -> None:
+        self.owner = weakref.ref(mark.owner)
+        self.name = mark.name
+        self.value = id(mark.value)
+
+    def holds(self) -> bool:
+        """Whether the owner still holds the same object under the name."""
+        owner = self.owner()
+        return owner is not None and id(owner.__dict__.get(self.name)) == self.value
 
 
 _ABSENT = object()
@@ -175,7 +206,9 @@ def _on(table: str) -> Callable[[nn.Module, str, object], None]:
 
 
 class _Entry(Generic[_T]):
-    __slots__ = ("device", "in_buffers", "module", "name", "owner", "tensor", "token", "value")
+    __slots__ = (
+        "device", "in_buffers", "mark", "module", "name", "owner", "tensor", "token", "value",
+    )  # fmt: skip
 
     def __init__(self, module: weakref.ref[nn.Module], token: _Token, value: _T) -> None:
         self.module = module
@@ -188,6 +221,7 @@ class _Entry(Generic[_T]):
         self.name = ""
         self.tensor = 0
         self.device: torch.device | None = None
+        self.mark: _Held | None = None  # read only past the sample: a plain module has none
 
 
 def _forget(entries: dict[int, Any], key: int) -> Callable[[object], None]:
@@ -223,7 +257,9 @@ class ModuleCache(Generic[_T]):
                     and id(tensor) == entry.tensor
                     and tensor.device == entry.device
                 ):
-                    return entry.value
+                    mark = entry.mark
+                    if mark is None or mark.holds():
+                        return entry.value
         return self._refresh(module, entry)
 
     def __len__(self) -> int:
@@ -244,7 +280,7 @@ class ModuleCache(Generic[_T]):
             ref = weakref.ref(module, _forget(self._entries, key))
         fresh = _Entry(ref, token, value)
         if sample is not None:
-            owner, in_buffers, tensor, device = sample
+            owner, in_buffers, tensor, device, mark = sample
             table = buffers_of(owner) if in_buffers else parameters_of(owner)
             if not isinstance(table, dict):
                 return value  # a ScriptModule's tables: walk every time
@@ -259,5 +295,7 @@ class ModuleCache(Generic[_T]):
             fresh.name = name
             fresh.in_buffers = in_buffers
             fresh.device = device  # as the walk saw it, not as it may be now
+            if mark is not None:
+                fresh.mark = _Held(mark)
         self._entries[key] = fresh
         return value

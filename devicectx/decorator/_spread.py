@@ -23,7 +23,9 @@ registration, as for any module); the call then costs what a module on one devic
 
 accelerate is never imported: its hooks are read by duck typing, from the attribute
 ``_hf_hook`` accelerate sets on each hooked module (``AlignDevicesHook.execution_device``
-and ``.offload``; a ``SequentialHook``'s ``.hooks``), as in accelerate 0.20 to 1.15.
+and ``.offload``; a ``SequentialHook``'s ``.hooks``), as in accelerate 0.20 to 1.15. A
+model gathered onto one device after dispatch is read too: its hooks may still run a part
+on another device, which torch would refuse inside the hook.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.move._paths import keyed_modules, module_path, within
 
 __all__ = [
+    "HOOK",
     "Cover",
     "Part",
     "SpreadModel",
@@ -55,7 +58,7 @@ __all__ = [
 # Where declare_spread writes its declaration, in the module's __dict__: an attribute of
 # the module, so it goes wherever the module goes (deepcopy, pickle, a spawned process).
 DECLARED = "_devicectx_spread"
-_HOOK = "_hf_hook"  # accelerate's add_hook_to_module sets it on every hooked module
+HOOK = "_hf_hook"  # accelerate's add_hook_to_module sets it on every hooked module
 _CPU = torch.device("cpu")
 _META = "meta"
 
@@ -356,7 +359,8 @@ def _parent(path: str) -> str:
 
 
 def _listed(devices: list[torch.device]) -> str:
-    return f"{len(devices)} devices ({', '.join(str(device) for device in devices)})"
+    count = f"{len(devices)} device{'s' if len(devices) != 1 else ''}"
+    return f"{count} ({', '.join(str(device) for device in devices)})"
 
 
 def path_of(name: str, qualified: str, keyed: Collection[str] = ()) -> str:
@@ -370,13 +374,14 @@ def path_of(name: str, qualified: str, keyed: Collection[str] = ()) -> str:
 
 def _hook_cover(path: str, module: nn.Module) -> Cover | None:
     """The cover of accelerate's hook on ``module``; None without one (or one that places
-    nothing: no execution device)."""
-    hook = module.__dict__.get(_HOOK)
+    nothing: no execution device, or ``cpu_offload_with_hook``'s ``CpuOffload``, which
+    moves the whole module to its device at each forward: anywhere is in place)."""
+    hook = module.__dict__.get(HOOK)
     if hook is None:
         return None
     for each in getattr(hook, "hooks", None) or (hook,):  # a SequentialHook holds several
         device = getattr(each, "execution_device", None)
-        if device is not None:
+        if device is not None and hasattr(each, "offload"):  # an AlignDevicesHook
             return Cover(path, _device(device), bool(getattr(each, "offload", False)), False)
     return None
 
@@ -408,11 +413,17 @@ def _covers(module: nn.Module) -> dict[str, Cover]:
     return found
 
 
-def analyse(module: nn.Module) -> SpreadModel | None:
+def analyse(module: nn.Module, *, on_one_device: bool = False) -> SpreadModel | None:
     """What the spread of ``module`` means; ``None`` where nothing covers any part of it
     and its tensors are on one device (``meta``, say): nothing to say beyond that device.
+
+    ``on_one_device``: the caller found every tensor on one device, so that without a
+    cover nothing is to say, and no tensor is read (a model behind hooks that place
+    nothing, ``cpu_offload_with_hook``'s, moved by them at each forward).
     """
     covers = _covers(module)
+    if on_one_device and not covers:
+        return None
     named: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for path, tensor in tensors(module):
         named.setdefault(id(tensor), []).append((path, tensor))
@@ -473,7 +484,7 @@ def marked(module: nn.Module) -> bool:
     a traced call takes (dynamo traces it), where eager code takes :func:`analyse`."""
     for part in module.modules():
         attributes = part.__dict__
-        if _HOOK in attributes or DECLARED in attributes:
+        if HOOK in attributes or DECLARED in attributes:
             return True
     return False
 

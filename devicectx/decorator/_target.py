@@ -24,8 +24,8 @@ from torch import nn
 
 from devicectx._errors import DeviceUnavailableError
 from devicectx._torch.module_tree import buffers_of, children_of, parameters_of, tensors
-from devicectx.decorator._module_watch import ModuleCache, Sample
-from devicectx.decorator._spread import SpreadModel, Unmaterialised, analyse
+from devicectx.decorator._module_watch import Mark, ModuleCache, Sample
+from devicectx.decorator._spread import HOOK, SpreadModel, Unmaterialised, analyse
 from devicectx.devices._resolve import DeviceLike, explain_device, resolve_device
 from devicectx.move._distributed import fsdp_compute_device, fsdp_label
 from devicectx.move._paths import keyed_modules, module_path
@@ -170,20 +170,26 @@ def module_device(module: nn.Module) -> torch.device | Spread | None:
     return found
 
 
-def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | None]:
-    """:func:`module_device`'s answer, from the tensors themselves, and its first tensor.
+def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | None, bool]:
+    """:func:`module_device`'s answer, from the tensors themselves, its first tensor, and
+    whether accelerate hooked some module of it (met before the walk stopped).
 
     The walk reads the ``_parameters``, ``_buffers`` and ``_modules`` dicts that
     ``Module.parameters()`` reads, without its generators: three times faster (still about
     time a submodule: see docs/performance.md). The accessors are bound to locals: the walk
-    runs on every decorated call.
+    runs at every decorated call that follows a change to some module.
     """
-    params_of, bufs_of, kids_of = parameters_of, buffers_of, children_of
+    params_of, bufs_of, kids_of, hook = parameters_of, buffers_of, children_of, HOOK
     found: torch.device | None = None
     sample: Sample | None = None
+    hooked = False
     pending = [module]
     seen: set[int] | None = None  # made at the first submodule: a leaf module needs none
     for current in pending:  # grows as children are found: a breadth-first walk
+        # A model gathered onto one device may still have a part whose hook runs it on
+        # another: its hooks are read (once per change) wherever there are any.
+        if hook in current.__dict__:
+            hooked = True
         # Parameters and buffers in two loops, not one over both: a fifth faster, and most
         # modules have no buffers.
         for tensor in params_of(current).values():
@@ -192,7 +198,7 @@ def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | Non
                 if found is None:
                     found, sample = device, Sample(current, False, tensor, device)
                 elif device != found:
-                    return Spread.SPREAD, sample
+                    return Spread.SPREAD, sample, hooked
         buffers = bufs_of(current)
         if buffers:
             for buffer in buffers.values():
@@ -201,7 +207,7 @@ def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | Non
                     if found is None:
                         found, sample = device, Sample(current, True, buffer, device)
                     elif device != found:
-                        return Spread.SPREAD, sample
+                        return Spread.SPREAD, sample, hooked
         children = kids_of(current)
         if children:
             if seen is None:
@@ -210,7 +216,7 @@ def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | Non
                 if child is not None and id(child) not in seen:
                     seen.add(id(child))
                     pending.append(child)
-    return found, sample
+    return found, sample, hooked
 
 
 def _walk_placed(module: nn.Module) -> tuple[Placed, Sample | None]:
@@ -219,10 +225,11 @@ def _walk_placed(module: nn.Module) -> tuple[Placed, Sample | None]:
     An FSDP2 module's answer is where it computes (its mesh's device), which differs from
     where its parameters sit under CPU offload; one whose shards are all still on ``meta``
     is :class:`~devicectx.decorator._spread.Unmaterialised`. A module on several devices,
-    or on ``meta`` behind accelerate's offloading hooks, is analysed
-    (:func:`~devicectx.decorator._spread.analyse`): on purpose, or a mistake.
+    on ``meta``, or with accelerate's hooks is analysed
+    (:func:`~devicectx.decorator._spread.analyse`): on purpose, or a mistake. One wholly on
+    a device where its hooks run every part of it is a module on that device like any other.
     """
-    found, sample = _walk(module)
+    found, sample, hooked = _walk(module)
     if found is None:
         return found, sample
     compute = fsdp_compute_device(module)
@@ -231,11 +238,31 @@ def _walk_placed(module: nn.Module) -> tuple[Placed, Sample | None]:
             return Unmaterialised(compute), sample
         if found is not Spread.SPREAD or _offloaded(module, compute):
             return compute, sample
-    if found is Spread.SPREAD or found.type == "meta":
-        analysed = analyse(module)
-        if analysed is not None:
-            return analysed, sample
+    if found is Spread.SPREAD or found.type == "meta" or hooked:
+        analysed = analyse(module, on_one_device=found is not Spread.SPREAD)
+        if analysed is not None and not _hooked_in_place(analysed, found):
+            return analysed, _marked(sample, module, analysed)
     return found, sample
+
+
+def _marked(sample: Sample | None, module: nn.Module, analysed: SpreadModel) -> Sample | None:
+    """``sample``, and the hook that says where a dispatched model starts: removed
+    (``remove_hook_from_module``, which tells torch nothing), the answer is stale."""
+    if sample is None or analysed.kind != "accelerate":
+        return sample
+    first = module.get_submodule(analysed.first) if analysed.first else module
+    return sample._replace(mark=Mark(first, HOOK, first.__dict__.get(HOOK)))
+
+
+def _hooked_in_place(analysed: SpreadModel, found: torch.device | Spread) -> bool:
+    """Whether a module wholly on ``found`` (not ``meta``) starts there and its hooks run
+    every part of it there: nothing to say beyond that device."""
+    return (
+        found is not Spread.SPREAD
+        and found.type != "meta"
+        and analysed.entry == found
+        and not analysed.strays(None)
+    )
 
 
 def _offloaded(module: nn.Module, compute: torch.device) -> bool:

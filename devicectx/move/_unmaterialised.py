@@ -38,13 +38,18 @@ def unmaterialised(
     """The refusal of a move of ``modules`` (those a walk of ``root`` will move) where some
     hold tensors on meta; None where none does.
 
-    A module accelerate dispatched or offloaded is left out: its weights are on meta
-    behind its hooks, on purpose, and its own ``.to`` refuses the move before anything
-    moves (or it is a part of such a model, which is no model to make anew).
+    A module accelerate offloaded (its weights on meta behind its hooks, on purpose) is
+    refused by :func:`_offloaded`, with accelerate's way out: ``cpu_offload`` patches no
+    ``.to`` that would refuse first, and a buffer moved before the first weight would be
+    left behind.
     """
-    held = {id(m): m for m in modules if _holds_meta(m) and not _hooked(m)}
-    if not held:
+    meta = [m for m in modules if _holds_meta(m)]
+    if not meta:
         return None
+    hooked = [m for m in meta if _hooked(m)]
+    if hooked:
+        return _offloaded(root, hooked, device, name, fix, who)
+    held = {id(m): m for m in meta}
     paths = module_paths(root, held, name)
     lines: list[str] = []
     made: list[tuple[str, nn.Module]] = []  # what the fix makes anew on the target
@@ -74,6 +79,77 @@ def unmaterialised(
         remedy = f"{remedy}; or {fix(paths.get(key, name))}"
     head = f"{who} cannot move {what} to {device}, and moved nothing: {tensors} on meta,"
     return MoveError("\n".join([f"{head} with no data to copy:", *lines, f"fix: {remedy}"]))
+
+
+def _offloaded(
+    root: Any, modules: list[nn.Module], device: torch.device, name: str, fix: Fix, who: str
+) -> MoveError:
+    """The refusal of a move of ``modules``, offloaded by accelerate: its hooks load their
+    weights onto an execution device at each forward, and removing them
+    (``remove_hook_from_module``) puts the weights back in the module, which can then move."""
+    paths = module_paths(root, {id(m): m for m in modules}, name)
+    lines: list[str] = []
+    runs: dict[str, None] = {}
+    for module in modules:
+        path = paths.get(id(module), name)
+        parts: list[tuple[str, nn.Module, list[str]]] = []
+        _meta_parts(module, "", parts, set())
+        lines += [_meta_line(_below(path, q), part, names) for q, part, names in parts]
+        runs.update(dict.fromkeys(_execution_devices(module)))
+    if len(lines) > _SHOWN_MODULES + 1:
+        lines[_SHOWN_MODULES:] = [f"    and {len(lines) - _SHOWN_MODULES} more modules"]
+    first = paths.get(id(modules[0]), name)
+    one = len(modules) == 1
+    what = (
+        f"{first} ({with_article(type(modules[0]).__qualname__)})"
+        if one
+        else f"{len(modules)} modules"
+    )
+    whose = "its" if one else "their"
+    onto = f" onto {' or '.join(runs)}" if runs else ""
+    head = (
+        f"{who} cannot move {what} to {device}, and moved nothing: accelerate offloaded "
+        f"{'it' if one else 'them'} ({whose} hooks load {whose} weights{onto} at each forward; "
+        f"the module{'' if one else 's'} hold{'s' if one else ''} them on meta):"
+    )
+    remedy = _unhook_fix([paths.get(id(m), name) for m in modules], name, fix)
+    return MoveError("\n".join([head, *lines, f"fix: {remedy}"]))
+
+
+def _unhook_fix(paths: list[str], name: str, fix: Fix) -> str:
+    """The fix for offloaded modules at ``paths``: leave them, or remove accelerate's hooks
+    (which loads the weights back into the modules) before moving them."""
+    one = len(paths) == 1
+    # skip= leaves parts of a structure where they are, never the whole object.
+    leave = f"leave it where it is: do not move {name}" if paths[0] == name else fix(paths[0])
+    removes = "; ".join(f"remove_hook_from_module({path}, recurse=True)" for path in paths)
+    it = "it" if one else "them"
+    return (
+        f"{leave if one else 'leave them where they are'}; or, to move {it}, first remove "
+        f"accelerate's hooks, which puts the weights back in {it}: from accelerate.hooks "
+        f"import remove_hook_from_module; {removes}"
+    )
+
+
+def _execution_devices(module: nn.Module) -> list[str]:
+    """Where accelerate's offloading hooks under ``module`` load its weights, each once."""
+    found: dict[str, None] = {}
+    for part in module.modules():
+        hook = vars(part).get(_HOOK)
+        for each in getattr(hook, "hooks", None) or (hook,):  # a SequentialHook holds several
+            device = getattr(each, "execution_device", None)
+            if device is not None and getattr(each, "offload", False):
+                found[str(_as_device(device))] = None
+    return list(found)
+
+
+def _as_device(spec: object) -> object:
+    """An execution device as ``tensor.device`` writes it: an int is an index of the
+    accelerator."""
+    if isinstance(spec, int):
+        accelerator = torch.accelerator.current_accelerator()
+        return torch.device(accelerator.type, spec) if accelerator is not None else spec
+    return spec
 
 
 def _meta_line(path: str, part: nn.Module, names: list[str]) -> str:
