@@ -205,7 +205,9 @@ def spread_strays(
     n = len({part.device for part in parts})
     if on_purpose:
         off = len(strays)
-        what = f"{module} ({kind}) spread over {n} devices, {off} part{'s' if off != 1 else ''} off"
+        # Gathered onto one device while hooks still run parts elsewhere: "on cuda:0".
+        spread = f"spread over {n} devices" if n > 1 else f"on {parts[0].device}"
+        what = f"{module} ({kind}) {spread}, {off} part{'s' if off != 1 else ''} off"
         where = (
             "on the device its hook runs it on"
             if all(p.hooked for p in movable)
