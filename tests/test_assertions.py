@@ -147,7 +147,8 @@ def test_catches_a_tensor_on_the_wrong_device() -> None:
         "  on meta, compared with cpu:",
         "    out['mask'][1]: on cpu, expected meta",
         "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), "
-        "or decorate make_mask with @devicectx.device_agnostic so they land there",
+        "and move none to cpu by name (.cpu(), .to('cpu')), or decorate make_mask with "
+        "@devicectx.device_agnostic so that those made without device= land there",
     ] == message_lines(raised)
 
 
@@ -164,7 +165,8 @@ def test_catches_a_tensor_moved_off_the_reference_device() -> None:
         "  on cpu:",
         "    out.second: on meta, expected cpu",
         "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), "
-        "or decorate to_meta with @devicectx.device_agnostic so they land there",
+        "and move none to meta by name (.to('meta')), or decorate to_meta with "
+        "@devicectx.device_agnostic so that those made without device= land there",
     ] == message_lines(raised)
 
 
@@ -396,9 +398,119 @@ def test_raising_on_a_later_device_is_a_failure() -> None:
     assert [
         "to_float is not device-agnostic: it raised on meta, not on cpu:",
         "    RuntimeError: Tensor.item() cannot be called on meta tensors",
-        "fix: make to_float work on meta, or leave meta out of devices=",
+        "fix: to_float copies a tensor's values to the host (.item(), .tolist(), .cpu()), "
+        "which meta has none of: check it on the emulated accelerator instead of meta "
+        "(pytest --devicectx-accelerator=emulated, devices=['cpu', 'emu:0']), or leave meta "
+        "out: devices=['cpu']",
     ] == message_lines(raised)
     assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+def masked_double(x: torch.Tensor) -> torch.Tensor:
+    """Doubles ``x``, off the CPU with a fused op that only CUDA has a kernel for (as torch
+    itself picks fused kernels for a device that is not the CPU: its recurrent cells)."""
+    if x.is_cpu:
+        return x * 2
+    return torch._masked_scale(x, torch.ones_like(x, dtype=torch.bool), 2.0)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_an_op_the_device_lacks_is_named_with_a_fix_that_works() -> None:
+    """An op the device has no kernel for is named as the device's gap, not fn's: torch's
+    list of dispatch keys is left out, and the fix (leave the device out) passes."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the op missing here is one the emulated accelerator lacks")
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(masked_double, torch.ones(3), devices=["cpu", device])
+    assert [
+        "masked_double is not device-agnostic: it raised on emu:0, not on cpu:",
+        "    NotImplementedError: Could not run 'aten::_masked_scale' with arguments from "
+        "the 'CPU' backend. (torch's list of dispatch keys left out)",
+        "  emu:0 has no kernel for aten::_masked_scale: an op the device's backend lacks "
+        "(torch's gap, not masked_double's: it ran on cpu)",
+        "fix: leave emu:0 out: devices=['cpu', 'meta']",
+    ] == message_lines(raised)
+    assert isinstance(raised.value.__cause__, NotImplementedError)
+    assert_device_agnostic(masked_double, torch.ones(3), devices=["cpu", "meta"])
+
+
+MPS_MISSING = (
+    "The operator 'aten::_masked_scale' is not currently implemented for the MPS device. If "
+    "you want this op to be considered for addition please comment on "
+    "https://github.com/pytorch/pytorch/issues/141287 and mention use-case, that resulted in "
+    "missing op as well as commit hash 2236df1770800ffea5697b11b0bb0d910b2e59e1. As a "
+    "temporary fix, you can set the environment variable `PYTORCH_ENABLE_MPS_FALLBACK=1` to "
+    "use the CPU as a fallback for this op. WARNING: this will be slower than running "
+    "natively on MPS."
+)
+
+
+def test_an_op_mps_lacks_gets_its_fallback_as_the_fix() -> None:
+    """MPS's words for an op it lacks: named as the device's gap, with MPS's CPU fallback
+    (an environment variable) or leaving the device out as the fix."""
+
+    def on_mps(x: torch.Tensor) -> torch.Tensor:  # what MPS raises, on the second device
+        if x.is_cpu:
+            return x * 2
+        raise NotImplementedError(MPS_MISSING)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(on_mps, torch.ones(3), devices=CPU_META)
+    assert [
+        "on_mps is not device-agnostic: it raised on meta, not on cpu:",
+        "    NotImplementedError: The operator 'aten::_masked_scale' is not currently "
+        "implemented for the MPS device. (the rest of torch's text left out)",
+        "  meta has no kernel for aten::_masked_scale: an op the device's backend lacks "
+        "(torch's gap, not on_mps's: it ran on cpu)",
+        "fix: run with MPS's CPU fallback for the ops it lacks, set before Python starts "
+        "(PYTORCH_ENABLE_MPS_FALLBACK=1 pytest ...), or leave meta out: devices=['cpu']",
+    ] == message_lines(raised)
+
+
+def test_a_numpy_round_trip_is_named_with_a_fix_that_works() -> None:
+    """``.numpy()`` of a tensor off the CPU fails on every accelerator: the fix names the
+    round trip, and on meta (which has no values) the emulated accelerator."""
+
+    def clipped(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.maximum(x.numpy(), 0.0))
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(clipped, torch.ones(3), devices=CPU_META)
+    assert [
+        "clipped is not device-agnostic: it raised on meta, not on cpu:",
+        "    TypeError: can't convert meta device type tensor to numpy. Use Tensor.cpu() to "
+        "copy the tensor to host memory first.",
+        "fix: clipped converts a tensor to numpy (.numpy()), which fails on every device "
+        "but the CPU, and meta has no values to convert: check it on the emulated "
+        "accelerator instead of meta (pytest --devicectx-accelerator=emulated, "
+        "devices=['cpu', 'emu:0']), where the fix is to keep the work in torch, or copy "
+        "there and back: torch.as_tensor(f(x.detach().cpu().numpy()), device=x.device)",
+    ] == message_lines(raised)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_numpy_round_trip_on_the_accelerator_gets_a_fix_that_works() -> None:
+    """On an accelerator, the round trip's fix, applied literally, passes."""
+    device = accelerator()
+
+    def clipped(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.maximum(x.numpy(), 0.0))
+
+    def fixed(x: torch.Tensor) -> torch.Tensor:
+        def f(a: np.ndarray) -> np.ndarray:
+            return np.maximum(a, 0.0)
+
+        return torch.as_tensor(f(x.detach().cpu().numpy()), device=x.device)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(clipped, torch.ones(3), devices=["cpu", device])
+    assert (
+        "fix: clipped converts a tensor to numpy (.numpy()), which fails on every device "
+        "but the CPU: keep the work in torch, or copy there and back: "
+        "torch.as_tensor(f(x.detach().cpu().numpy()), device=x.device)"
+    ) == message_lines(raised)[-1]
+    assert_device_agnostic(fixed, torch.ones(3), devices=["cpu", device])
 
 
 def test_raising_on_the_first_device_propagates() -> None:
@@ -1228,9 +1340,10 @@ def test_a_tensor_made_in_the_call_and_kept_is_blamed_on_its_making() -> None:
         "    RuntimeError: Tensor on device cpu is not on the expected device meta!",
         "  tensors Cached made during the call, kept off meta:",
         "    cpu <- self.mask (in Cached)",
-        "fix: create the tensors Cached makes on its inputs' device, torch.zeros(n, "
-        "device=x.device) (made without device=, a tensor is on cpu), or decorate "
-        "Cached.forward with @devicectx.device_agnostic so that they land there",
+        "fix: make the tensors Cached creates on its inputs' device, torch.zeros(n, "
+        "device=x.device), and move none to cpu (a tensor made without device= is on cpu, "
+        "as is one moved there: .cpu(), .to('cpu')), or decorate Cached.forward with "
+        "@devicectx.device_agnostic so that those made without device= land there",
     ] == message_lines(raised)
     assert_device_agnostic(CachedDecorated(), torch.ones(2, 3), devices=CPU_META)
     assert_device_agnostic(CachedOnTheDevice(), torch.ones(2, 3), devices=CPU_META)
@@ -1245,9 +1358,10 @@ def test_a_tensor_made_without_device_gets_the_fix_for_it_on_any_device() -> Non
         return x + torch.zeros(x.shape)
 
     fix = (
-        "fix: create the tensors shifted makes on its inputs' device, torch.zeros(n, "
-        "device=x.device) (made without device=, a tensor is on cpu), or decorate shifted "
-        "with @devicectx.device_agnostic so that they land there"
+        "fix: make the tensors shifted creates on its inputs' device, torch.zeros(n, "
+        "device=x.device), and move none to cpu (a tensor made without device= is on cpu, "
+        "as is one moved there: .cpu(), .to('cpu')), or decorate shifted with "
+        "@devicectx.device_agnostic so that those made without device= land there"
     )
     for devices, where in [(CPU_META, "on meta, not on cpu"), (["meta", "cpu"], "on meta")]:
         with pytest.raises(AssertionError) as raised:
@@ -1259,6 +1373,133 @@ def test_a_tensor_made_without_device_gets_the_fix_for_it_on_any_device() -> Non
         ] == message_lines(raised)
         assert isinstance(raised.value.__cause__, RuntimeError)
     assert_device_agnostic(devicectx.device_agnostic(shifted), torch.ones(2), devices=CPU_META)
+
+
+class ToCpu(nn.Module):
+    """A module that moves a tensor to the CPU mid-forward, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.relu(self.body(x)).to("cpu"))
+        return out
+
+
+class ToCpuDecorated(ToCpu):
+    """``ToCpu`` with its forward decorated, which moves nothing made by an op."""
+
+    @devicectx.device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+class ToCpuFixed(ToCpu):
+    """``ToCpu`` with the printed fix followed: nothing moved to the CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.relu(self.body(x)))
+        return out
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_tensor_moved_to_the_cpu_is_no_tensor_made_without_device() -> None:
+    """A tensor moved to the CPU by name fails as one made without device=: the fix names
+    both; where fn's forward is decorated already, the decorator is not offered again;
+    the fix followed passes."""
+    devices = ["cpu", accelerator()]
+    lines = {}
+    for model in (ToCpu(), ToCpuDecorated()):
+        with pytest.raises(AssertionError) as raised:
+            assert_device_agnostic(model, torch.ones(2, 4), devices=devices)
+        lines[type(model).__name__] = message_lines(raised)[-1]
+    assert {
+        "ToCpu": "fix: make the tensors ToCpu creates on its inputs' device, torch.zeros(n, "
+        "device=x.device), and move none to cpu (a tensor made without device= is on cpu, as "
+        "is one moved there: .cpu(), .to('cpu')), or decorate ToCpu.forward with "
+        "@devicectx.device_agnostic so that those made without device= land there",
+        "ToCpuDecorated": "fix: make the tensors ToCpuDecorated creates on its inputs' "
+        "device, torch.zeros(n, device=x.device), and move none to cpu (a tensor made "
+        "without device= is on cpu, as is one moved there: .cpu(), .to('cpu'))",
+    } == lines
+    assert_device_agnostic(ToCpuFixed(), torch.ones(2, 4), devices=devices)
+
+
+def test_an_output_off_the_device_of_a_decorated_function_offers_no_decorator() -> None:
+    """A decorated function whose output is off the device gets the fixes that are left,
+    not the decorator it has; the fix followed passes."""
+
+    @devicectx.device_agnostic
+    def counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, torch.tensor([1.0, 2.0], device="cpu")
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(counts, torch.ones(2), devices=CPU_META)
+    assert (
+        "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), and "
+        "move none to cpu by name (.cpu(), .to('cpu'))"
+    ) == message_lines(raised)[-1]
+    assert_device_agnostic(
+        lambda x: (x * 2, torch.tensor([1.0, 2.0], device=x.device)),
+        torch.ones(2),
+        devices=CPU_META,
+    )
+
+
+SAMPLES = [np.zeros(3, dtype=np.float32), np.ones(3, dtype=np.float32)]
+
+
+def numpy_collate(samples: list[np.ndarray]) -> torch.Tensor:
+    """A collate function on numpy's memory, as most are."""
+    return torch.from_numpy(np.stack(samples))
+
+
+def test_a_collate_on_numpys_memory_gets_a_fix_that_works() -> None:
+    """Outputs made over numpy's memory (torch.from_numpy), which neither on_device nor the
+    decorator reaches: the fix is torch.as_tensor(array, device=...), with a device=
+    parameter where fn takes no tensor; followed, it passes."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(numpy_collate, SAMPLES, devices=CPU_META)
+    assert [
+        "numpy_collate is not device-agnostic (ran on cpu, meta):",
+        "  on meta, compared with cpu:",
+        "    out: on cpu, expected meta",
+        "fix: out is made over a numpy array's memory (torch.from_numpy, torch.as_tensor of "
+        "an array), which neither on_device nor @device_agnostic reaches, and numpy_collate "
+        "got no tensor argument: give it a device= parameter and make it there, "
+        "torch.as_tensor(array, device=device), then assert_device_agnostic(lambda like, "
+        "*a: numpy_collate(*a, device=like.device), torch.empty(0), ...)",
+    ] == message_lines(raised)
+
+    def fixed(samples: list[np.ndarray], device: torch.device | None = None) -> torch.Tensor:
+        return torch.as_tensor(np.stack(samples), device=device)
+
+    assert_device_agnostic(
+        lambda like, *a: fixed(*a, device=like.device), torch.empty(0), SAMPLES, devices=CPU_META
+    )
+
+
+def test_numpys_memory_in_a_block_gets_the_fix_that_works() -> None:
+    """The block fix followed for a numpy collate (it does not reach from_numpy) gets the
+    fix that works, not the decorator; followed, it passes."""
+
+    def run(like: torch.Tensor, samples: list[np.ndarray]) -> torch.Tensor:
+        with devicectx.on_device(like.device):
+            return numpy_collate(samples)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(run, torch.empty(0), SAMPLES, devices=CPU_META)
+    assert (
+        "fix: out is made over a numpy array's memory (torch.from_numpy, torch.as_tensor of "
+        "an array), which neither on_device nor @device_agnostic reaches: make it on the "
+        "input's device, torch.as_tensor(array, device=x.device)"
+    ) == message_lines(raised)[-1]
+
+    def fixed(like: torch.Tensor, samples: list[np.ndarray]) -> torch.Tensor:
+        return torch.as_tensor(np.stack(samples), device=like.device)
+
+    assert_device_agnostic(fixed, torch.empty(0), SAMPLES, devices=CPU_META)
 
 
 @pytest.mark.requires_device("accelerator")
@@ -1482,19 +1723,35 @@ def test_dropout_in_training_mode_gets_eval_as_its_fix() -> None:
     with pytest.raises(AssertionError) as raised:
         assert_device_agnostic(Dropping(), x, devices=["cpu", "cpu"], rtol=1e-4, atol=1e-5)
     assert (
-        "fix: Dropping is in training mode, where its drop (a Dropout) zeroes other values on "
+        "fix: Dropping is in training mode, where its submodule 'drop' (a Dropout) zeroes "
+        "other values on "
         "each device: call .eval() on it before the check (assert_device_agnostic("
         "model.eval(), ...)), and draw no other random numbers in Dropping"
     ) == message_lines(raised)[-1]
     with pytest.raises(AssertionError) as raised:
         assert_device_agnostic(forward, Dropping(), x, devices=["cpu", "cpu"])
     assert (
-        "fix: model is in training mode, where its drop (a Dropout) zeroes other values on "
+        "fix: model is in training mode, where its submodule 'drop' (a Dropout) zeroes "
+        "other values on "
         "each device: call .eval() on it before the check (pass model.eval()), and draw no "
         "other random numbers in forward"
     ) == message_lines(raised)[-1]
     assert_device_agnostic(Dropping().eval(), x, devices=["cpu", "cpu"])
     assert_device_agnostic(forward, Dropping().eval(), x, devices=["cpu", "cpu"])
+
+
+def test_dropout_in_a_sequential_is_named_as_its_submodule() -> None:
+    """The dropout of an nn.Sequential, whose children are named by number, is named as
+    a submodule, not as a number."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(model, torch.randn(16, 8), devices=["cpu", "cpu"])
+    assert (
+        "fix: Sequential is in training mode, where its submodule '1' (a Dropout) zeroes "
+        "other values on each device: call .eval() on it before the check "
+        "(assert_device_agnostic(model.eval(), ...)), and draw no other random numbers in "
+        "Sequential"
+    ) == message_lines(raised)[-1]
 
 
 # Outputs of other types: numpy arrays, sizes and dtypes compared; generators refused.

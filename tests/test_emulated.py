@@ -16,7 +16,7 @@ import sys
 import textwrap
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from helpers import emulated_tests_in_a_child, passing_run, python_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._pytree import tree_leaves
 
 import devicectx
 from devicectx.testing import emulated
@@ -454,6 +455,66 @@ def test_autograd_backward(emu: torch.device) -> None:
     model(emu_inputs).square().sum().backward()
     assert emu == model.weight.grad.device == emu_inputs.grad.device
     assert torch.allclose(expected, model.weight.grad.cpu(), atol=1e-6)
+
+
+RECURRENT = {
+    "LSTM": lambda bias: torch.nn.LSTM(4, 3, num_layers=2, bias=bias),
+    "GRU": lambda bias: torch.nn.GRU(4, 3, num_layers=2, bias=bias),
+    "LSTMCell": lambda bias: torch.nn.LSTMCell(4, 3, bias=bias),
+    "GRUCell": lambda bias: torch.nn.GRUCell(4, 3, bias=bias),
+}
+
+
+def recurrent_run(model: torch.nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of ``model`` on ``inputs``, then the gradients of a loss that reads
+    only the first output (an LSTM's last cell state gets no gradient), of the inputs and
+    of each parameter, all on the CPU."""
+    inputs = inputs.detach().requires_grad_()
+    outputs = tree_leaves(model(inputs))
+    weights = torch.linspace(-1, 1, outputs[0].shape[-1], device=inputs.device)
+    (outputs[0] * weights).sum().backward()
+    grads = [inputs.grad, *(parameter.grad for parameter in model.parameters())]
+    return [tensor.detach().cpu() for tensor in [*outputs, *grads] if tensor is not None]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("name", list(RECURRENT))
+def test_recurrent_layers_give_the_cpus_outputs_and_gradients(
+    emu: torch.device, name: str, bias: bool
+) -> None:
+    """LSTM, GRU and their cells run on the device (torch sends a backend registered out of
+    tree to the fused cells, as CUDA) and give the CPU's outputs and gradients."""
+    torch.manual_seed(0)
+    model = RECURRENT[name](bias)
+    inputs = torch.randn(5, 2, 4) if name in ("LSTM", "GRU") else torch.randn(2, 4)
+    expected = recurrent_run(model, inputs)
+    model.zero_grad()
+    actual = recurrent_run(model.to(emu), inputs.to(emu))
+    assert len(expected) == len(actual)
+    for want, got in zip(expected, actual, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_lstm_cell_takes_a_gradient_of_either_state(emu: torch.device) -> None:
+    """An LSTM cell's backward takes a gradient of the hidden state alone, of the cell state
+    alone, or of both, and a second derivative (create_graph=True), as on the CPU."""
+    torch.manual_seed(0)
+    cell, inputs = torch.nn.LSTMCell(4, 3), torch.randn(2, 4)
+    losses: list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = [
+        lambda h, c: h.sum(),
+        lambda h, c: c.sum(),
+        lambda h, c: (h * c).sum(),
+    ]
+    for loss in losses:
+        grads = []
+        for device in (torch.device("cpu"), emu):
+            x = inputs.to(device).requires_grad_()
+            (grad,) = torch.autograd.grad(loss(*cell.to(device)(x)), x)
+            x = inputs.to(device).requires_grad_()
+            (twice,) = torch.autograd.grad(loss(*cell(x)), x, create_graph=True)
+            (second,) = torch.autograd.grad(twice.square().sum(), x)
+            grads.append((grad.cpu(), second.cpu()))
+        torch.testing.assert_close(grads[1], grads[0])
 
 
 def test_autocast(emu: torch.device) -> None:
@@ -925,8 +986,8 @@ def test_the_plugin_option_refuses_what_it_does_not_know(pytester: pytest.Pytest
         assert pytest.ExitCode.USAGE_ERROR == done.ret, done.stdout.str() + done.stderr.str()
         outputs.append(done.stderr.str())
     assert (
-        "--devicectx-accelerator=gpu: the choices are emulated and emulated:PROFILE\n"
-        "fix: --devicectx-accelerator=emulated:mps"
+        "--devicectx-accelerator=gpu: the choices are emulated (which plays a CUDA GPU) and "
+        "emulated:PROFILE (emulated:mps plays MPS)\nfix: --devicectx-accelerator=emulated"
     ) in outputs[0]
     assert (
         "--devicectx-accelerator: emulated profile 'tpu' does not exist: the profiles are "

@@ -686,6 +686,22 @@ def test_emulated_device_marker_skips_when_the_build_fails(
             ],
         ),
         (
+            ["--devicectx-accelerator=cuda"],
+            [
+                "ERROR: --devicectx-accelerator=cuda: the choices are emulated (which plays a "
+                "CUDA GPU) and emulated:PROFILE (emulated:mps plays MPS)",
+                "fix: --devicectx-accelerator=emulated",
+            ],
+        ),
+        (
+            ["--devicectx-accelerator=mps"],
+            [
+                "ERROR: --devicectx-accelerator=mps: the choices are emulated (which plays a "
+                "CUDA GPU) and emulated:PROFILE (emulated:mps plays MPS)",
+                "fix: --devicectx-accelerator=emulated:mps",
+            ],
+        ),
+        (
             ["--devicectx-accelerator=emulated", "--devicectx-emulated-devices=0"],
             [
                 "ERROR: --devicectx-emulated-devices=0: between 1 and 16 emulated devices",
@@ -693,7 +709,7 @@ def test_emulated_device_marker_skips_when_the_build_fails(
             ],
         ),
     ],
-    ids=["count-without-accelerator", "unknown-profile", "count-out-of-range"],
+    ids=["count-without-accelerator", "unknown-profile", "cuda", "mps", "count-out-of-range"],
 )
 def test_bad_emulated_options_are_usage_errors(
     pytester: pytest.Pytester, options: list[str], expected: list[str]

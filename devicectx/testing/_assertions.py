@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
+import re
 import sys
 from collections.abc import Callable, Iterable
 
@@ -12,11 +14,12 @@ import torch
 from torch import nn
 
 from devicectx._errors import with_article
+from devicectx.decorator._wrappers import DeviceAgnosticWrapper, _BoundWrapper
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 from devicectx.move._dtypes import DtypesLike, check_dtypes
 from devicectx.move._unseen import Unseen, fix_for, is_device_mismatch, unseen_tensors
-from devicectx.testing._compare import Hints, Run, compare, memory_of
-from devicectx.testing._inputs import Inputs, holds_for, named_arguments, walk_arguments
+from devicectx.testing._compare import Hints, Run, compare, memory_of, moves_to
+from devicectx.testing._inputs import Inputs, holds_for, leave_out, named_arguments, walk_arguments
 
 _META = torch.device("meta")
 # What torch says where code asks for CUDA by name on a machine (or a build) without it.
@@ -24,6 +27,20 @@ _NO_CUDA = (
     "Torch not compiled with CUDA enabled",
     "Found no NVIDIA driver",
     "No CUDA GPUs are available",
+)
+# torch's words for an op without a kernel for the device: the dispatcher's (a backend's
+# missing kernel; the emulated accelerator's fallback names the CPU), then MPS's.
+_NO_KERNEL = re.compile(r"Could not run '(?P<op>[^']+)' with arguments from the '[^']+' backend\.")
+_MPS_NO_KERNEL = re.compile(
+    r"The operator '(?P<op>[^']+)' is not currently implemented for the MPS device\."
+)
+_NUMPY_OFF_CPU = "device type tensor to numpy"
+# What torch says where meta is asked for values: .item() (float(t), bool(t)), .tolist(),
+# .cpu().
+_NO_VALUES_ON_META = ("cannot be called on meta tensors", "Cannot copy out of meta tensor")
+_EMULATED_INSTEAD = (
+    "check it on the emulated accelerator instead of meta (pytest "
+    "--devicectx-accelerator=emulated, devices=['cpu', 'emu:0'])"
 )
 _DROPOUTS = (
     nn.Dropout,
@@ -94,8 +111,10 @@ def assert_device_agnostic(
             could not see, in attributes of a plain object or a module's attribute that is
             no buffer, and those ``fn`` made during the call and kept; else it points at a
             tensor made without ``device=``), and for CUDA asked for by name (``.cuda()``)
-            where there is none. Another error on the first device is ``fn``'s own, raised
-            as it is.
+            where there is none. A later device's error names an op that device has no
+            kernel for as its gap, and a host round trip (``.numpy()``; on meta
+            ``.item()`` too) as such, each with its fix. Another error on the first
+            device is ``fn``'s own, raised as it is.
         TypeError, ValueError: ``devices``, ``rtol``, ``atol`` or ``dtypes`` are not usable
             (a tolerance that is no number, negative or NaN; a hypothesis strategy for
             ``devices``, which the test draws from), before ``fn`` runs. TypeError also
@@ -271,7 +290,8 @@ def _raised(
     ``fn``'s own error to raise as it is: on the first device (``reference`` None), and
     nothing about devices in it."""
     name = inputs.name
-    detail = f"{type(error).__name__}: {error}".replace("\n", "\n    ")
+    missing = _missing_op(error)
+    detail = _trimmed(error, missing).replace("\n", "\n    ")
     where = f"on {device}" if reference is None else f"on {device}, not on {reference}"
     lines = [f"{name} is not device-agnostic: it raised {where}:", f"    {detail}"]
     if is_device_mismatch(error):
@@ -295,8 +315,77 @@ def _raised(
         return "\n".join(lines)
     if reference is None:
         return None
-    lines.append(f"fix: make {name} work on {device}, or leave {device} out of devices=")
+    if missing is not None:
+        op, mps = missing
+        lines.append(
+            f"  {device} has no kernel for {op}: an op the device's backend lacks (torch's "
+            f"gap, not {name}'s: it ran on {reference})"
+        )
+        lines.append(f"fix: {_missing_op_fix(device, inputs.devices, mps)}")
+        return "\n".join(lines)
+    lines.append(f"fix: {_host_fix(name, error, device, inputs.devices)}")
     return "\n".join(lines)
+
+
+def _missing_op(error: Exception) -> tuple[str, bool] | None:
+    """The op named by torch's error for an op without a kernel for the device, and
+    whether it is MPS's; None for any other error."""
+    if not isinstance(error, NotImplementedError):
+        return None
+    for pattern, mps in ((_NO_KERNEL, False), (_MPS_NO_KERNEL, True)):
+        found = pattern.search(str(error))
+        if found is not None:
+            return found["op"], mps
+    return None
+
+
+def _trimmed(error: Exception, missing: tuple[str, bool] | None) -> str:
+    """``error`` as the message quotes it: for an op without a kernel, torch's first
+    sentence, without the dispatch keys (fifty lines) or MPS's advice."""
+    text = str(error)
+    if missing is not None:
+        pattern = _MPS_NO_KERNEL if missing[1] else _NO_KERNEL
+        found = pattern.search(text)
+        if found is not None and text[found.end() :].strip():
+            left = "the rest of torch's text" if missing[1] else "torch's list of dispatch keys"
+            text = f"{text[: found.end()]} ({left} left out)"
+    return f"{type(error).__name__}: {text}"
+
+
+def _missing_op_fix(device: torch.device, devices: list[torch.device], mps: bool) -> str:
+    leave = leave_out(device, devices)
+    if not mps:
+        return leave
+    return (
+        "run with MPS's CPU fallback for the ops it lacks, set before Python starts "
+        f"(PYTORCH_ENABLE_MPS_FALLBACK=1 pytest ...), or {leave}"
+    )
+
+
+def _host_fix(
+    name: str, error: Exception, device: torch.device, devices: list[torch.device]
+) -> str:
+    """The fix for ``fn`` raising on a later device: a round trip through the host
+    (numpy, or values read on meta) where torch's words tell one, else to make it work."""
+    on_meta = device.type == "meta"
+    if _NUMPY_OFF_CPU in str(error):
+        what = (
+            f"{name} converts a tensor to numpy (.numpy()), which fails on every device but the CPU"
+        )
+        fix = (
+            "keep the work in torch, or copy there and back: "
+            "torch.as_tensor(f(x.detach().cpu().numpy()), device=x.device)"
+        )
+        if on_meta:
+            no_values = f"meta has no values to convert: {_EMULATED_INSTEAD}"
+            return f"{what}, and {no_values}, where the fix is to {fix}"
+        return f"{what}: {fix}"
+    if on_meta and any(words in str(error) for words in _NO_VALUES_ON_META):
+        return (
+            f"{name} copies a tensor's values to the host (.item(), .tolist(), .cpu()), "
+            f"which meta has none of: {_EMULATED_INSTEAD}, or {leave_out(device, devices)}"
+        )
+    return f"make {name} work on {device}, or leave {device} out of devices="
 
 
 def _unseen(
@@ -317,13 +406,21 @@ def _unseen(
     return [u for u in after if u.path in before], [u for u in after if u.path not in before]
 
 
-def _made_without_device(name: str, decorate: str, device: torch.device) -> str:
+def _made_without_device(name: str, decorate: str | None, device: torch.device) -> str:
     default = torch.get_default_device()
     if default != device:
+        # torch's error cannot tell a tensor made without device= from one moved to the
+        # default device by name: the fix covers both.
+        fix = (
+            f"fix: make the tensors {name} creates on its inputs' device, torch.zeros(n, "
+            f"device=x.device), and move none to {default} (a tensor made without device= "
+            f"is on {default}, as is one moved there: {moves_to(default)})"
+        )
+        if decorate is None:  # decorated already: the decorator is no fix
+            return fix
         return (
-            f"fix: create the tensors {name} makes on its inputs' device, torch.zeros(n, "
-            f"device=x.device) (made without device=, a tensor is on {default}), or decorate "
-            f"{decorate} with @devicectx.device_agnostic so that they land there"
+            f"{fix}, or decorate {decorate} with @devicectx.device_agnostic so that those "
+            "made without device= land there"
         )
     return (
         f"fix: pass {name} each tensor it uses as an argument (one in a global or a closure "
@@ -331,9 +428,21 @@ def _made_without_device(name: str, decorate: str, device: torch.device) -> str:
     )
 
 
-def _decorated(fn: Callable[..., object], name: str) -> str:
-    """What a fix says to decorate with ``@device_agnostic``: a module's ``forward``."""
-    return f"{type(fn).__qualname__}.forward" if isinstance(fn, nn.Module) else name
+def _decorated(fn: Callable[..., object], name: str) -> str | None:
+    """What a fix says to decorate with ``@device_agnostic``: a module's ``forward``, or
+    ``fn``; None where that is decorated already (the decorator is then no fix)."""
+    if isinstance(fn, nn.Module):
+        forward = inspect.getattr_static(type(fn), "forward", None)
+        return None if is_decorated(forward) else f"{type(fn).__qualname__}.forward"
+    return None if is_decorated(fn) else name
+
+
+def is_decorated(obj: object) -> bool:
+    """Whether ``obj`` (or the function a ``functools.partial`` calls) is a function or
+    method decorated with ``@device_agnostic``."""
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    return isinstance(obj, (DeviceAgnosticWrapper, _BoundWrapper))
 
 
 def _training(inputs: Inputs) -> str | None:
@@ -352,7 +461,9 @@ def _training(inputs: Inputs) -> str | None:
         )
         if dropout is not None:
             sub, kind = dropout
-            what = f"its {sub} ({with_article(kind)})" if sub else f"it ({with_article(kind)})"
+            # Quoted as a name: an nn.Sequential's children are named "0", "1", ...
+            what = f"its submodule {sub!r}" if sub else "it"
+            what = f"{what} ({with_article(kind)})"
             if path == "self":  # fn is the module, or one of its methods
                 owner, call = type(value).__qualname__, "assert_device_agnostic(model.eval(), ...)"
             else:

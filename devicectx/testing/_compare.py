@@ -80,8 +80,9 @@ class Problem(NamedTuple):
 class Hints(NamedTuple):
     """What the fixes name besides ``fn``, read only when the check fails."""
 
-    decorate: str
-    """What to decorate with ``@device_agnostic``: ``fn``'s name, ``Model.forward``."""
+    decorate: str | None
+    """What to decorate with ``@device_agnostic``: ``fn``'s name, ``Model.forward``; None
+    where it is decorated already."""
     training: Callable[[], str | None]
     """The fix for a module in training mode that holds dropout, if there is one."""
 
@@ -123,6 +124,7 @@ def compare(
             value_walks = walks
     sections: list[str] = []
     found: dict[str, str] = {}  # each kind of problem met, with its first line's path
+    away: torch.device | None = None  # where the first tensor off its device is
     covers: list[tuple[float, float] | None] = []  # each values problem's
     for index, (device, _) in enumerate(outputs):
         problems = _placement_problems(walks[index].tensors, device)
@@ -145,6 +147,8 @@ def compare(
         if problems:
             for problem in problems:
                 found.setdefault(problem.kind, problem.path)
+                if problem.kind == "device" and away is None:
+                    away = walks[index].tensors[problem.path].device
                 if problem.kind == "values":
                     covers.append(problem.covered_by)
             shown = [problem.line for problem in problems[:_MAX_PROBLEMS]]
@@ -166,9 +170,12 @@ def compare(
         if kind == "values":
             lines.append(_values_fix(name, covers, hints))
             continue
-        if kind == "device" and not any(run.inputs for run in runs):
-            fix = _NO_INPUT_FIX
-        lines.append(fix.format(name=name, path=found[kind], decorate=hints.decorate))
+        inputs = any(run.inputs for run in runs)
+        if kind == "device":
+            fix = _device_fix(inputs, hints.decorate, away or torch.get_default_device())
+        elif kind == "numpy":
+            fix = _NUMPY_FIX if inputs else _NUMPY_NO_INPUT_FIX
+        lines.append(fix.format(name=name, path=found[kind]))
     return "\n".join(lines)
 
 
@@ -224,11 +231,42 @@ _NO_INPUT_FIX = (
     "devicectx.on_device(like.device): return {name}(*a)"
 )
 
+_NUMPY_MEMORY = (
+    "fix: {path} is made over a numpy array's memory (torch.from_numpy, torch.as_tensor of "
+    "an array), which neither on_device nor @device_agnostic reaches"
+)
+_NUMPY_FIX = (
+    _NUMPY_MEMORY + ": make it on the input's device, torch.as_tensor(array, device=x.device)"
+)
+_NUMPY_NO_INPUT_FIX = _NUMPY_MEMORY + (
+    ", and {name} got no tensor argument: give it a device= parameter and make it there, "
+    "torch.as_tensor(array, device=device), then assert_device_agnostic(lambda like, *a: "
+    "{name}(*a, device=like.device), torch.empty(0), ...)"
+)
+
+
+def _device_fix(inputs: bool, decorate: str | None, away: torch.device) -> str:
+    """The fix for outputs off the device (the first on ``away``), a format of ``name``:
+    made on it (from an input's device, or one given), or, where ``fn`` is not decorated
+    yet, the decorator."""
+    if not inputs:
+        return _NO_INPUT_FIX
+    fix = (
+        "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), and "
+        f"move none to {away} by name ({moves_to(away)})"
+    )
+    if decorate is None:
+        return fix
+    escaped = decorate.replace("{", "{{").replace("}", "}}")
+    return (
+        f"{fix}, or decorate {escaped} with @devicectx.device_agnostic so that those made "
+        "without device= land there"
+    )
+
+
 _FIXES = {
-    "device": (
-        "fix: create new tensors on the input's device, torch.zeros(n, device=x.device), "
-        "or decorate {decorate} with @devicectx.device_agnostic so they land there"
-    ),
+    "numpy": "",  # written by _NUMPY_FIX or _NUMPY_NO_INPUT_FIX
+    "device": "",  # written by _device_fix
     "structure": (
         "fix: make {name} return the same containers and tensors, dtypes, shapes and layouts "
         "on every device"
@@ -256,12 +294,31 @@ _FIXES = {
 }
 
 
+def moves_to(device: torch.device) -> str:
+    """How code moves a tensor to ``device`` by name."""
+    by_name = f".to({str(device)!r})"
+    return f".cpu(), {by_name}" if device.type == "cpu" else by_name
+
+
 def _placement_problems(leaves: dict[str, torch.Tensor], device: torch.device) -> list[Problem]:
     return [
-        Problem("device", path, f"{path}: on {t.device}, expected {device}")
+        Problem(_misplaced(t), path, f"{path}: on {t.device}, expected {device}")
         for path, t in leaves.items()
         if t.device != device
     ]
+
+
+def _misplaced(tensor: torch.Tensor) -> str:
+    """A misplaced tensor's kind of problem: ``"numpy"`` for one over memory torch did
+    not allocate (torch.from_numpy, torch.frombuffer: its storage cannot grow), which no
+    default device reaches; else ``"device"``."""
+    if tensor.layout != torch.strided or not tensor.is_cpu:
+        return "device"
+    try:
+        resizable = tensor.untyped_storage().resizable()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return "device"
+    return "device" if resizable else "numpy"
 
 
 def _structure_problems(

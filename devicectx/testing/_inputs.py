@@ -133,17 +133,17 @@ class Inputs:
         """``error`` with a fix for this kit: the move's is written for ``@device_agnostic``
         (``exclude=``, which the kit has not)."""
         *lines, fix = str(error).splitlines()
-        leave_out = _leave_out(device, self.devices)
+        left_out = leave_out(device, self.devices)
         if isinstance(error, MoveOutOfMemoryError):
             fix = (
                 f"fix: give {self.name} smaller inputs (a smaller batch, a smaller model) that "
-                f"fit on {device}, or {leave_out}"
+                f"fit on {device}, or {left_out}"
             )
             return MoveOutOfMemoryError("\n".join([*lines, fix]))
         decorators = fix.find(_CALL_FIX)
         if decorators >= 0:
             kept = fix[:decorators].removesuffix("; or ")
-            ours = f"make it inside {self.name} rather than pass it, or {leave_out}"
+            ours = f"make it inside {self.name} rather than pass it, or {left_out}"
             fix = f"{kept}; or {ours}" if kept != "fix: " else f"fix: {ours}"
         return MoveError("\n".join([*lines, fix]))
 
@@ -446,23 +446,24 @@ def _dtype_fix(
     dtypes: DtypesLike,
     devices: list[torch.device],
 ) -> str:
-    leave_out = _leave_out(device, devices)
+    left_out = leave_out(device, devices)
     nearest = {dtype: nearest_dtype(device, dtype) for dtype in paths}
     held = {dtype: to for dtype, to in nearest.items() if to is not None}
     if len(held) < len(nearest):
-        return leave_out
+        return left_out
     if dtypes is None:
         casts = ", ".join(f"{dtype} to {to}" for dtype, to in held.items())
         return (
             f'assert_device_agnostic({name}, ..., dtypes="device"), which casts {casts} on '
-            f"{device} only, or {leave_out}"
+            f"{device} only, or {left_out}"
         )
     mapping = {**(dtypes if isinstance(dtypes, Mapping) else {}), **held}
     pairs = ", ".join(f"{k}: {v}" for k, v in mapping.items())  # torch.float64: ...
-    return f"assert_device_agnostic({name}, ..., dtypes={{{pairs}}}), or {leave_out}"
+    return f"assert_device_agnostic({name}, ..., dtypes={{{pairs}}}), or {left_out}"
 
 
-def _leave_out(device: torch.device, devices: list[torch.device]) -> str:
+def leave_out(device: torch.device, devices: list[torch.device]) -> str:
+    """A fix that leaves ``device`` out of ``devices``, keeping a second device to compare."""
     others = [str(d) for d in devices if d != device]
     if len(others) < 2 and "meta" not in others and device.type != "meta":
         others.append("meta")  # a second device to compare with, where it is not the one

@@ -138,8 +138,9 @@ def pytest_configure(config: pytest.Config) -> None:
         kind, colon, profile = accelerator.partition(":")
         if kind != _EMULATED or (colon and not profile):
             msg = (
-                f"--devicectx-accelerator={accelerator}: the choices are emulated and "
-                f"emulated:PROFILE\nfix: --devicectx-accelerator=emulated:mps"
+                f"--devicectx-accelerator={accelerator}: the choices are emulated (which "
+                f"plays a CUDA GPU) and emulated:PROFILE (emulated:mps plays MPS)\n"
+                f"fix: --devicectx-accelerator={_emulated_for(kind)}"
             )
             raise pytest.UsageError(msg)
         _check_emulated_options(profile or None, count)
@@ -241,6 +242,16 @@ def _choices(config: pytest.Config) -> list[_Choice]:
             choices += [_Choice(f"emu:{index}", None, reason) for index in range(count)]
         config.stash[_CHOICES] = choices
     return choices
+
+
+def _emulated_for(kind: str) -> str:
+    """The emulated accelerator's option value that plays the device ``kind`` names: its
+    profile where one is named for it (not the default), else the default, which plays
+    CUDA."""
+    from devicectx.testing import emulated
+
+    named = kind.strip().lower()
+    return f"{_EMULATED}:{named}" if named in emulated.PROFILES and named != "cuda" else _EMULATED
 
 
 def _emulated_count(config: pytest.Config) -> int:

@@ -19,7 +19,9 @@ device that is not the CPU and has an accelerator's semantics:
   reads old bytes, and code overwriting a source too early sends new ones;
 - every op on the device waits for the device's current stream to drain, then runs on
   the CPU (the values are real); work on other streams is not waited for, so races
-  between streams show as they do on a GPU;
+  between streams show as they do on a GPU; the fused recurrent cells torch calls for
+  ``nn.LSTM`` and ``nn.GRU`` (and their cells) off the CPU, which have no CPU kernels,
+  are the device's own, forward and backward;
 - random numbers of its own, as CUDA's and MPS's: ``torch.Generator(device="emu")``, and a
   default generator per device (``torch.emu.manual_seed``, ``get_rng_state``, ...), which
   ``torch.manual_seed`` seeds and a random op draws from without ``generator=``; an emu

@@ -143,6 +143,10 @@ def nested(
         views: also draw views; False keeps only the tensors drawn from ``leaves``, each
             with memory of its own (still at several places), for properties that count
             copies or bytes.
+
+    An example holds up to 125 tensor leaves at the default depth, so hypothesis may warn
+    of an overly large repr (``HypothesisWarning``) where it prints one; ``max_depth=2``
+    draws smaller structures.
     """
     if max_depth < 0:
         msg = f"nested(max_depth={max_depth}): the depth cannot be negative\nfix: max_depth=3"

@@ -36,7 +36,7 @@ from types import ModuleType
 import torch
 from packaging.version import Version
 
-SOURCES = ("runtime.cpp", "backend.cpp", "autocast.cpp", "bindings.cpp")
+SOURCES = ("runtime.cpp", "backend.cpp", "autocast.cpp", "recurrent.cpp", "bindings.cpp")
 FILES = (*SOURCES, "runtime.h")
 EXTENSION = "devicectx_emulated"
 FINISHED = "devicectx-built"  # written in a build folder once its module has been imported
