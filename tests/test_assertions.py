@@ -2058,3 +2058,45 @@ def test_a_move_to_meta_that_fails_is_not_fixed_by_listing_meta_again() -> None:
         assert_device_agnostic(lambda n: n * 2, nested, devices=CPU_META)
     assert str(raised.value).splitlines()[-1].endswith("leave meta out: devices=['cpu']")
     assert_device_agnostic(lambda n: n * 2, nested, devices=["cpu"])
+
+
+def _moving_the_original(model: nn.Module) -> Callable[..., Any]:
+    """A ``.to`` set on the instance that calls the original's, as accelerate's
+    ``dispatch_model`` sets one: a function, which a deep copy keeps as it is."""
+    original = model.to
+
+    def to(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    return to
+
+
+def test_a_copy_moves_with_its_own_to_not_the_one_its_instance_held() -> None:
+    """A model whose instance holds a ``.to`` bound to itself: the kit's copies move with
+    the class's own, and the caller's model stays where it was."""
+    model = nn.Linear(2, 2)
+    model.to = _moving_the_original(model)  # type: ignore[method-assign]
+    assert_device_agnostic(lambda m, x: m(x), model, torch.ones(2), devices=["cpu", "meta"])
+    assert {torch.device("cpu")} == {p.device for p in model.parameters()}
+
+
+def test_a_model_accelerate_placed_is_refused_and_left_as_it_was() -> None:
+    """accelerate's hooks run each part where they say, which a copy moved to each device
+    would not follow: the model is refused before anything is copied, with the fix, and
+    the caller's model is unchanged."""
+    accelerate = pytest.importorskip("accelerate")
+    model = accelerate.cpu_offload(
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), execution_device="cpu"
+    )
+    before = devicectx.find_devices(model, name="model")
+    with pytest.raises(TypeError) as raised:
+        assert_device_agnostic(lambda m, x: m(x), model, torch.ones(2), devices=["cpu", "meta"])
+    lines = str(raised.value).splitlines()
+    assert lines[0].startswith(
+        "assert_device_agnostic cannot run the Sequential on each device: accelerate placed it"
+    )
+    assert lines[-1] == (
+        "fix: check the model as built, before accelerate places it "
+        "(assert_device_agnostic(fn, model, ...) before dispatch_model(model, ...))"
+    )
+    assert before == devicectx.find_devices(model, name="model")

@@ -138,7 +138,8 @@ def assert_device_agnostic(
           ``.to`` are passed as they are, to every run.
         - Every ``nn.Module`` in the call (``fn`` itself, an argument, or one inside a
           container argument: a dict, a list, a dataclass) is deep-copied for each device,
-          one copy per module, so the caller's model is never moved or changed; a module's
+          one copy per module, so the caller's model is never moved or changed (a model
+          accelerate placed with its hooks is refused: a copy would not follow them); a module's
           parameter passed beside it is the copy's. One inside an object with its own
           ``.to``, or in a plain object (a trainer's ``self.model``), is left as it is.
         - An optimizer (``torch.optim.Optimizer``) or LR scheduler in the arguments is

@@ -28,6 +28,7 @@ from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx._torch.optim import keep_step_tracking
 from devicectx._torch.tensors import base_of
 from devicectx.decorator._params import Params
+from devicectx.decorator._spread import HOOK as _HOOK
 from devicectx.devices._capabilities import nearest_dtype
 from devicectx.move._alias import anchor_among, view_of
 from devicectx.move._containers import kind_for
@@ -293,8 +294,10 @@ class _Copies:
         return copied
 
     def _copy(self, module: nn.Module) -> nn.Module:
+        _refuse_dispatched(module)
         try:
             copied = copy.deepcopy(module, self.memo)
+            _own_methods(copied)
             if self.cast:
                 _cast(copied, self.cast)
             return move_module(copied, self.device)
@@ -493,3 +496,40 @@ def named_arguments(
         else:
             named.append((parameter, value))
     return named
+
+
+# Module methods accelerate's dispatch_model replaces on the instance with wrappers that
+# hold the original model: kept in a deep copy, they would move the caller's model.
+_MOVES = ("to", "cuda", "cpu", "xpu", "npu", "half", "float", "double", "bfloat16", "type")
+
+
+def _own_methods(copied: nn.Module) -> None:
+    """Give a copied module its class's moving methods back, where its instance held others
+    (accelerate's ``dispatch_model`` puts a ``.to`` that calls the original's)."""
+    for part in copied.modules():
+        for name in _MOVES:
+            part.__dict__.pop(name, None)
+
+
+def _refuse_dispatched(module: nn.Module) -> None:
+    """Refuse a model accelerate placed with its hooks (``dispatch_model``, a ``device_map``,
+    ``cpu_offload``): each hook moves its part's inputs, and loads offloaded weights, to the
+    device it names, which a copy moved to each device in turn would not follow.
+
+    Raises:
+        TypeError: naming the model, with the fix.
+    """
+    hooked = next((name for name, part in module.named_modules() if _HOOK in vars(part)), None)
+    if hooked is None:
+        return
+    kind = type(module).__qualname__
+    where = f"on its submodule {hooked!r}" if hooked else "on it"
+    msg = (
+        f"assert_device_agnostic cannot run the {kind} on each device: accelerate placed it "
+        f"(a hook {where}, from dispatch_model, a device_map or cpu_offload), and its hooks "
+        f"run its parts on devices of their own, which a copy moved to each device would "
+        f"not follow\n"
+        f"fix: check the model as built, before accelerate places it "
+        f"(assert_device_agnostic(fn, model, ...) before dispatch_model(model, ...))"
+    )
+    raise TypeError(msg)
