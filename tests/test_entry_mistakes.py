@@ -13,6 +13,7 @@ from torch import nn
 
 from devicectx import (
     DeviceMismatchError,
+    DeviceUnavailableError,
     InvalidDeviceError,
     device_agnostic,
     on_device,
@@ -249,3 +250,24 @@ def test_a_partial_keeps_its_options_and_signature() -> None:
     step = device_agnostic(output="meta")(functools.partial(fwd, nn.Linear(4, 2)))
     assert ["x"] == list(inspect.signature(step).parameters)
     assert META == step(torch.ones(3, 4)).device
+
+
+@pytest.mark.parametrize("option", ["device", "output"])
+def test_a_device_this_machine_lacks_names_the_option_and_function_at_the_call(
+    option: str,
+) -> None:
+    """A well-formed device the machine lacks waits for a call (another machine may have
+    it); there the error says whose option it is."""
+    if torch.mtia.is_available():  # pragma: no cover - Meta's accelerator
+        pytest.skip("this machine has an MTIA device")
+
+    @device_agnostic(**{option: "mtia:0"})
+    def helper(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    with pytest.raises(DeviceUnavailableError) as raised:
+        helper(torch.ones(1))
+    assert str(raised.value).startswith(
+        f'@device_agnostic({option}="mtia:0") of '
+        f"{helper.__qualname__}(): device 'mtia:0' is not available: "
+    )

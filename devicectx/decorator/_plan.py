@@ -115,12 +115,11 @@ class Plan:
     ) -> None:
         function = getattr(wrapped, "__func__", wrapped)  # classmethod, staticmethod
         self.name: str = getattr(function, "__qualname__", repr(function))
-        self.device = None if device is None else DeviceOption(device, argument="device")
+        named = functools.partial(DeviceOption, owner=self.name)
+        self.device = None if device is None else named(device, argument="device")
         self.move = move
         self.to_input = isinstance(output, str) and output == "input"
-        self.output = (
-            None if output is None or self.to_input else DeviceOption(output, argument="output")
-        )
+        self.output = None if output is None or self.to_input else named(output, argument="output")
         self.non_blocking = non_blocking
         self.scope = scope
         self.coalesce = coalesce

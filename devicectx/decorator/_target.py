@@ -48,12 +48,13 @@ class DeviceOption:
     first call that succeeds, and kept.
     """
 
-    __slots__ = ("fixed", "label", "spec")
+    __slots__ = ("fixed", "label", "owner", "spec")
 
-    def __init__(self, spec: DeviceLike, *, argument: str) -> None:
+    def __init__(self, spec: DeviceLike, *, argument: str, owner: str = "") -> None:
         self.spec = spec
         shown = f'"{spec}"' if isinstance(spec, (str, torch.device)) else repr(spec)
         self.label = f"@device_agnostic({argument}={shown})"
+        self.owner = owner  # the decorated function's name, for an error at a call
         # The resolved device, once it is known not to change; None until then.
         self.fixed: torch.device | None = None
         if _is_fixed(spec):
@@ -67,7 +68,11 @@ class DeviceOption:
         fixed = self.fixed
         if fixed is not None:
             return fixed
-        device = resolve_device(self.spec)
+        try:
+            device = resolve_device(self.spec)
+        except DeviceUnavailableError as error:  # at a call: say whose option it is
+            where = f"{self.label} of {self.owner}()" if self.owner else self.label
+            raise DeviceUnavailableError(f"{where}: {error}") from None
         if _is_fixed(self.spec):
             self.fixed = device
         return device
