@@ -162,6 +162,17 @@ def device_agnostic(
           first use), they run eagerly instead: graph breaks.
     """
     check_switches(move=move, non_blocking=non_blocking, scope=scope, coalesce=coalesce)
+    options: dict[str, Any] = {
+        "device": device,
+        "move": move,
+        "output": output,
+        "exclude": exclude,
+        "non_blocking": non_blocking,
+        "scope": scope,
+        "coalesce": coalesce,
+        "precision": precision,
+        "dtypes": dtypes,
+    }
     if wrapped is None:
         for spec, argument in ((device, "device"), (output, "output")):
             if spec is not None and not (argument == "output" and spec == "input"):
@@ -169,33 +180,12 @@ def device_agnostic(
         if precision is not None:
             check_precision_name(precision)
         check_dtypes(dtypes)
-        return functools.partial(
-            device_agnostic,
-            device=device,
-            move=move,
-            output=output,
-            exclude=exclude,
-            non_blocking=non_blocking,
-            scope=scope,
-            coalesce=coalesce,
-            precision=precision,
-            dtypes=dtypes,
-        )
+        return functools.partial(device_agnostic, **options)
     check_wrapped(wrapped)
     if type(wrapped) is functools.partial and _binds_module(wrapped):
         # The bound arguments are fixed: the function decorated and the partial rebuilt
         # around it is the same call, with the module an argument the rules read.
-        decorated = device_agnostic(
-            device=device,
-            move=move,
-            output=output,
-            exclude=exclude,
-            non_blocking=non_blocking,
-            scope=scope,
-            coalesce=coalesce,
-            precision=precision,
-            dtypes=dtypes,
-        )(wrapped.func)
+        decorated = device_agnostic(wrapped.func, **options)
         return functools.partial(decorated, *wrapped.args, **wrapped.keywords)
     plan = Plan(
         wrapped, device, move, output, exclude, non_blocking, scope, coalesce, precision, dtypes
