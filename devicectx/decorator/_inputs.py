@@ -106,8 +106,9 @@ def found_devices(
     path's look, taken when the inputs do not all agree (or hold a DTensor).
 
     0-dim CPU tensors are left out: PyTorch lets them mix with any device. With
-    ``attributes``, so are the tensors in the attributes of objects with their own ``.to``
-    (a call that moves nothing must check them; a move leaves them to that ``.to``).
+    ``attributes``, the tensors in the attributes of objects with their own ``.to`` are
+    listed too (a call that moves nothing must check them; a move leaves them to that
+    ``.to``).
 
     Raises:
         DeviceMismatchError: DTensors together with plain tensors of more than one

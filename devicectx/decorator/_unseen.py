@@ -11,7 +11,6 @@ a call that moves nothing. Only the failure path gets here.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from devicectx._errors import DeviceError, DeviceMismatchError
 from devicectx.move._unseen import (
     Unseen,
+    attribute_of,
     fix_for,
     is_device_mismatch,
     own_to_fix,
@@ -83,7 +83,8 @@ def explain(
         shown[device] = f"{shown[device]}, {listed}" if device in shown else listed
     width = max(len(str(device)) for device in shown)
     torch_said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    held_out = "" if not held and not names & {_root(u.path) for u in unseen} else " or excludes"
+    roots = {attribute_of(u.path) for u in unseen}
+    held_out = "" if not held and not names & roots else " or excludes"
     lines = [f"{function}() failed in torch on tensors @device_agnostic cannot see into{held_out}:"]
     lines += [f"    {device!s:<{width}} <- {paths}" for device, paths in shown.items()]
     lines.append(
@@ -120,25 +121,22 @@ def _excluded_fix(
     """The fix: for an excluded module, stop excluding it (modules are never moved, so
     excluding one only keeps it from choosing the target); for excluded tensors, move
     them; else what :func:`fix_for` says."""
-    module = next((u for u in unseen if u.module is not None and _root(u.path) in names), None)
+    module = next(
+        (u for u in unseen if u.module is not None and attribute_of(u.path) in names), None
+    )
     if module is not None:
-        name = _root(module.path)
+        name = attribute_of(module.path)
         return (
             f'drop "{name}" from exclude=, so that {name} chooses the target: modules are '
             f"never moved, and exclude= only kept {name} from being checked"
         )
     if held and target is not None:
-        path = next(iter(held.values()))[0]
+        argument = attribute_of(next(iter(held.values()))[0])
         return (
-            f'pass {_root(path)}.to("{target}"), or drop "{_root(path)}" from exclude= so '
+            f'pass {argument}.to("{target}"), or drop "{argument}" from exclude= so '
             f"that it is moved: exclude= means neither moved nor checked"
         )
     return fix_for(unseen, target, follow)
-
-
-def _root(path: str) -> str:
-    """The argument a path starts from: ``batch`` of ``batch['x']``."""
-    return re.split(r"[.\[]", path, maxsplit=1)[0]
 
 
 def _by_device(unseen: list[Unseen]) -> dict[torch.device, list[Unseen]]:

@@ -282,8 +282,8 @@ def unmatched_message(spec: SkipLike, missing: list[tuple[Any, Any]], root: str,
         for entry, near in missing
     )
     items = list(spec) if isinstance(spec, (list, tuple, set, frozenset)) else [spec]
-    replaced = {_key(entry): near for entry, near in missing}
-    kept = [replaced.get(_key(item), item) for item in items]
+    replaced = dict(missing)  # every item of a compiled spec is hashable
+    kept = [replaced.get(item, item) for item in items]
     kept = [item for item in kept if item is not None]
     fix = (
         f"skip={kept!r}"
@@ -297,12 +297,3 @@ def unmatched_message(spec: SkipLike, missing: list[tuple[Any, Any]], root: str,
         "writes them; a key or attribute name matches at any depth\n"
         f"fix: {fix}"
     )
-
-
-def _key(item: Any) -> Any:
-    """``item`` as a dict key: itself, or its id where it cannot be hashed."""
-    try:
-        hash(item)
-    except TypeError:
-        return id(item)
-    return item

@@ -361,7 +361,7 @@ def fix_for(
         cut = next((i for i, (tp, _) in enumerate(chain) if _moves_itself(tp)), len(chain))
         for (tp, at), inner in zip(chain[:cut], below[:cut], strict=True):
             names = children.setdefault(tp, [])
-            name = _attribute_of(inner[len(at) + 1 :])
+            name = attribute_of(inner[len(at) + 1 :])
             if name not in names:
                 names.append(name)
     calls = "; ".join(register_call(tp, names) for tp, names in children.items())
@@ -404,7 +404,7 @@ def _own_fix(
     if written is not None:
         return written
     device = f'"{target}"' if target is not None else "device"
-    argument = _attribute_of(at)  # the argument it is in
+    argument = attribute_of(at)  # the argument it is in
     if argument == at:
         call, what = f"{at} = {at}.to({device})", "what it holds"
     else:
@@ -470,7 +470,7 @@ def _buffer_fix(first: Unseen, module: type, at: str, unseen: Sequence[Unseen]) 
     buffer would make ``load_state_dict`` of every checkpoint saved before miss it.
     """
     if first.holder is not module:  # in a plain object that a plain attribute holds
-        name = _attribute_of(first.path[len(first.holder_path) + 1 :])
+        name = attribute_of(first.path[len(first.holder_path) + 1 :])
         return (
             f'self.register_buffer("{name}", ..., persistent=False) in '
             f"{module.__qualname__}.__init__, read as self.{name}, not "
@@ -478,7 +478,7 @@ def _buffer_fix(first: Unseen, module: type, at: str, unseen: Sequence[Unseen]) 
             f"(.to does not look into plain attributes)"
         )
     below = _read(first.path, at)[1]
-    name = _attribute_of(below)
+    name = attribute_of(below)
     if first.shared_by is not None:
         owner = first.shared_by if issubclass(first.shared_by, nn.Module) else module
         return (
@@ -511,7 +511,7 @@ def _buffers_fix(first: Unseen, module: type, at: str, name: str, unseen: Sequen
     ]
     buffers: list[tuple[str, str]] = []
     used = {name}
-    for read, below in dict.fromkeys(r for r in reads if _attribute_of(r[1]) == name):
+    for read, below in dict.fromkeys(r for r in reads if attribute_of(r[1]) == name):
         buffer = _identifier(below)
         while buffer in used:  # a key with no letter or digit, or written like another's
             buffer = f"{buffer}_"
@@ -544,7 +544,7 @@ def _identifier(below: str) -> str:
     return "_".join(part for part in re.split(r"\W+", below) if part)
 
 
-def _attribute_of(path: str) -> str:
+def attribute_of(path: str) -> str:
     """The attribute a path below an object starts with: ``items`` for ``items[0].x``."""
     for index, char in enumerate(path):
         if char in "[.":
