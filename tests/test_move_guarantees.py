@@ -8,6 +8,7 @@ the CPU to meta is a real move.
 
 from __future__ import annotations
 
+import re
 import warnings
 from itertools import chain
 from typing import Any
@@ -859,10 +860,17 @@ def test_a_view_is_not_remade_on_a_view_autograd_did_not_record(
 def test_every_path_find_devices_writes_is_a_skip_that_names_something(batch: Any) -> None:
     """Each path find_devices lists, given as ``skip=``, names something: no warning, and
     the tensor at it stays where it was (one in an object moved by its own ``.to`` aside,
-    which that ``.to`` moves)."""
+    which that ``.to`` moves). A set's members are rebuilt, and a rebuilt set may list
+    them in another order, so a member's place in its set is not compared."""
     for path in find_devices(batch).get(CPU, [])[:3]:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", "to_device\\(\\): skip=", DeviceWarning)
             warnings.simplefilter("ignore", RepeatedMoveWarning)
             moved = to_device(batch, "meta", skip=[path])
-        assert path in find_devices(moved).get(CPU, []), path
+        left_behind = [any_set_member(p) for p in find_devices(moved).get(CPU, [])]
+        assert any_set_member(path) in left_behind, path
+
+
+def any_set_member(path: str) -> str:
+    """``path`` with the place of each set member (``list(obj[0])[2]``) left out."""
+    return re.sub(r"\)\[\d+\]", ")[*]", path)
