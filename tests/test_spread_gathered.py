@@ -95,7 +95,6 @@ def two() -> tuple[torch.device, torch.device]:
 GATHER: dict[str, Callable[[nn.Module, torch.device], object]] = {
     "its part moved": lambda model, first: model.head.to(first),  # type: ignore[operator]
     "model.to": lambda model, first: model.to(first),
-    "to_device": lambda model, first: to_device(model, first),
 }
 
 
@@ -282,6 +281,97 @@ def test_to_device_refuses_a_model_dispatched_with_offloaded_parts_by_the_same_r
     assert {second: ["model"]} == module_placement(model)
     with torch.no_grad():
         torch.testing.assert_close(model(x.to(second)).cpu(), expected)
+
+
+# --- a dispatched model moved by to_device -------------------------------------------------
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("onto", [0, 1, "cpu"])
+def test_to_device_refuses_a_dispatched_model_and_its_fix_moves_it(
+    accelerate: Any, two: tuple[torch.device, torch.device], onto: int | str
+) -> None:
+    """A model dispatched over two devices, moved whole onto one (or the CPU): refused
+    before anything moves, naming each part whose hook runs it elsewhere (gathered, its
+    hooks would send those parts their inputs on the other device, and torch would fail
+    at the next forward); the printed fix, applied as written, moves it and it runs."""
+    net, x, expected = made()
+    model = accelerate.dispatch_model(net, device_map={"embed": 0, "body": 0, "head": 1})
+    target = CPU if onto == "cpu" else two[int(onto)]
+    before = find_devices(model)
+
+    with pytest.raises(MoveError) as error:
+        to_device(model, target)
+    assert before == find_devices(model)
+    message = str(error.value).splitlines()
+    assert message[0] == (
+        f"to_device() cannot move obj (a Net) to {target}, and moved nothing: accelerate "
+        "dispatched it (at each forward, each part's hook moves its inputs to the device it "
+        "names, so a part moved off that device would fail there, in torch):"
+    )
+    hooks = {"obj": "", "obj.embed": "", "obj.body": "", "obj.head": ""}
+    for path in hooks:
+        part = model.get_submodule(path[4:]) if path != "obj" else model
+        hooks[path] = str(part._hf_hook.execution_device)
+    away = [
+        f"    {path} ({type(model.get_submodule(path[4:])).__name__}): its hook runs it on "
+        f"{accelerator(int(device)) if device.isdigit() else device}"
+        for path, device in hooks.items()
+        if (accelerator(int(device)) if device.isdigit() else torch.device(device)) != target
+    ]
+    assert away == message[1:-1]
+    assert message[-1] == (
+        "fix: leave it where it is: do not move obj; or, to move it, first remove "
+        "accelerate's hooks: from accelerate.hooks import remove_hook_from_module; "
+        "remove_hook_from_module(obj, recurse=True)"
+    )
+
+    accelerate.hooks.remove_hook_from_module(model, recurse=True)  # the fix, as printed
+    to_device(model, target)
+    assert {target} == devices_of(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x.to(target)).cpu(), expected)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_to_device_of_a_batch_holding_a_dispatched_model_leaves_it_by_skip(
+    accelerate: Any, two: tuple[torch.device, torch.device]
+) -> None:
+    """Inside a structure the fix is skip= at the model's path, which moves the rest and
+    leaves the model where accelerate put it; a model on its hooks' devices is no bother."""
+    first, _ = two
+    net, x, expected = made()
+    model = accelerate.dispatch_model(net, device_map={"embed": 0, "body": 0, "head": 1})
+    batch = {"model": model, "x": x}
+
+    with pytest.raises(MoveError) as error:
+        to_device(batch, first)
+    assert [CPU] == list(find_devices(x))
+    fix = str(error.value).splitlines()[-1]
+    assert fix.startswith(
+        f"fix: leave it where it is: to_device(obj, {str(first)!r}, skip=[\"obj['model']\"]); "
+        "or, to move it"
+    )
+
+    moved = to_device(batch, first, skip=["obj['model']"])
+    assert moved["model"] is model
+    assert first == moved["x"].device
+    with torch.no_grad():
+        torch.testing.assert_close(model(moved["x"]).cpu(), expected)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_to_device_moves_a_model_hooked_where_the_move_takes_it(accelerate: Any) -> None:
+    """Hooks that run every part on the target (a device map of one device, hooks forced)
+    are no reason to refuse: a module already there is not moved, its hooks kept."""
+    first = accelerator(0)
+    net, x, expected = made()
+    model = accelerate.dispatch_model(net, device_map={"": 0}, force_hooks=True)
+
+    assert to_device({"model": model}, first)["model"] is model
+    assert {first} == devices_of(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).cpu(), expected)
 
 
 # --- hooks removed after a call -------------------------------------------------------------

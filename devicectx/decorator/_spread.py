@@ -36,14 +36,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from devicectx._errors import DeviceError
 from devicectx._torch.module_tree import buffers_of, submodules, tensors
 from devicectx.decorator._module_watch import note_change
 from devicectx.devices._resolve import DeviceLike, resolve_device
+from devicectx.move._hooks import HOOK, runs_on
 from devicectx.move._paths import keyed_modules, module_path, within
 
 __all__ = [
-    "HOOK",
     "Cover",
     "Part",
     "SpreadModel",
@@ -58,7 +57,6 @@ __all__ = [
 # Where declare_spread writes its declaration, in the module's __dict__: an attribute of
 # the module, so it goes wherever the module goes (deepcopy, pickle, a spawned process).
 DECLARED = "_devicectx_spread"
-HOOK = "_hf_hook"  # accelerate's add_hook_to_module sets it on every hooked module
 _CPU = torch.device("cpu")
 _META = "meta"
 
@@ -373,29 +371,9 @@ def path_of(name: str, qualified: str, keyed: Collection[str] = ()) -> str:
 
 
 def _hook_cover(path: str, module: nn.Module) -> Cover | None:
-    """The cover of accelerate's hook on ``module``; None without one (or one that places
-    nothing: no execution device, or ``cpu_offload_with_hook``'s ``CpuOffload``, which
-    moves the whole module to its device at each forward: anywhere is in place)."""
-    hook = module.__dict__.get(HOOK)
-    if hook is None:
-        return None
-    for each in getattr(hook, "hooks", None) or (hook,):  # a SequentialHook holds several
-        device = getattr(each, "execution_device", None)
-        if device is not None and hasattr(each, "offload"):  # an AlignDevicesHook
-            return Cover(path, _device(device), bool(getattr(each, "offload", False)), False)
-    return None
-
-
-def _device(spec: object) -> torch.device:
-    """accelerate's execution device (an int is an index of the accelerator, as torch
-    and accelerate read it), as ``tensor.device`` writes it."""
-    if isinstance(spec, torch.device) and (spec.index is not None or spec.type in ("cpu", _META)):
-        return spec
-    try:
-        return resolve_device(spec)  # type: ignore[arg-type]
-    except DeviceError:
-        # Not available here (a device ordinal this process cannot see): as written.
-        return spec if isinstance(spec, torch.device) else torch.device(str(spec))
+    """The cover of accelerate's hook on ``module``; None without one that places it."""
+    placed = runs_on(module)
+    return None if placed is None else Cover(path, placed[0], placed[1], False)
 
 
 def _covers(module: nn.Module) -> dict[str, Cover]:

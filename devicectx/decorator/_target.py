@@ -25,9 +25,10 @@ from torch import nn
 from devicectx._errors import DeviceUnavailableError
 from devicectx._torch.module_tree import buffers_of, children_of, parameters_of, tensors
 from devicectx.decorator._module_watch import Mark, ModuleCache, Sample
-from devicectx.decorator._spread import HOOK, SpreadModel, Unmaterialised, analyse
+from devicectx.decorator._spread import SpreadModel, Unmaterialised, analyse
 from devicectx.devices._resolve import DeviceLike, explain_device, resolve_device
 from devicectx.move._distributed import fsdp_compute_device, fsdp_label
+from devicectx.move._hooks import HOOK
 from devicectx.move._paths import keyed_modules, module_path
 
 # Their ``.module`` is the model the user wrote; the wrapper adds no parameters of its own.

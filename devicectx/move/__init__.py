@@ -22,6 +22,8 @@
   on MPS): refuse it, or cast it;
 - ``_unmaterialised``: the refusal of a move of modules holding tensors on ``meta``, made
   before any module moves;
+- ``_hooks``: modules accelerate hooked (where each part runs), and the refusal of a move
+  that takes a part off its hook's device;
 - ``_unseen``: the tensors a move cannot see (attributes of plain objects), looked for
   after a device mismatch, so that the error names them;
 - ``_staging`` and ``_pinned``: small tensors moved in one copy through pinned buffers;

@@ -17,7 +17,8 @@ predicate that raises is reported as the predicate's error.
 Modules move in place (``module.to``), which stops at the first tensor it cannot copy, the
 tensors before it moved: at the first module that moves, a walk that only reads finds
 every module the move will move, and :mod:`devicectx.move._unmaterialised` refuses the
-move as a whole where one holds tensors on ``meta``. A batch without modules never pays.
+move as a whole where one holds tensors on ``meta``, :mod:`devicectx.move._hooks` where
+accelerate's hooks run a part of one on another device. A batch without modules never pays.
 A tensor of a module that the structure also holds (``{"model": m, "w": m.weight}``), or a
 view of one, comes back as the module's moved tensor (or a view of it), wherever the walk
 meets it: each module's tensors are adopted by the mover as it moves
@@ -45,6 +46,7 @@ from devicectx._torch.tensors import base_of
 from devicectx.move import _containers
 from devicectx.move._alias import CannotCast, EngineBug, TensorMover
 from devicectx.move._containers import is_registered, kind_for
+from devicectx.move._hooks import dispatched
 from devicectx.move._kinds import (
     CONTAINER,
     DICT_KIND,
@@ -551,9 +553,11 @@ class Rebuild:
 
     def _check_modules(self, device: torch.device) -> None:
         """Before the first module moves: refuse the move if a module it would move holds
-        tensors on meta, which ``module.to`` cannot copy. ``module.to`` stops at the first
-        of them, the tensors before it moved in place, and so would this walk, the modules
-        before it moved: checked here, nothing in place has moved yet.
+        tensors on meta, which ``module.to`` cannot copy, or has a part that accelerate's
+        hook runs on another device (which would fail at its next forward). ``module.to``
+        stops at the first tensor on meta, the tensors before it moved in place, and so
+        would this walk, the modules before it moved: checked here, nothing in place has
+        moved yet.
 
         Raises:
             _Refused: with the :class:`MoveError` naming each such module.
@@ -570,6 +574,8 @@ class Rebuild:
         with contextlib.suppress(MoveError):
             reader.run(root)
         error = unmaterialised(root, met, device, self.name, self.fix, self.who)
+        if error is None:
+            error = dispatched(root, met, device, self.name, self.fix, self.who)
         if error is not None:
             raise _Refused(root, error)
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from devicectx._errors import MoveError, with_article
 from devicectx._torch.module_tree import buffers_of, parameters_of, submodules
+from devicectx.move._hooks import hooked, runs_on, unhook_fix
 from devicectx.move._paths import keyed_modules, module_path
 from devicectx.move._walk import module_paths
 
@@ -29,7 +30,6 @@ Fix = Callable[[str], str]  # a failed move's fix for a path, as Rebuild takes i
 _SHOWN_TENSORS = 3
 _SHOWN_MODULES = 5
 _PARTS_FIXED = 3
-_HOOK = "_hf_hook"  # accelerate's hook, on each module it dispatched or offloaded
 
 
 def unmaterialised(
@@ -46,9 +46,9 @@ def unmaterialised(
     meta = [m for m in modules if _holds_meta(m)]
     if not meta:
         return None
-    hooked = [m for m in meta if _hooked(m)]
-    if hooked:
-        return _offloaded(root, hooked, device, name, fix, who)
+    offloaded = [m for m in meta if hooked(m)]
+    if offloaded:
+        return _offloaded(root, offloaded, device, name, fix, who)
     held = {id(m): m for m in meta}
     paths = module_paths(root, held, name)
     lines: list[str] = []
@@ -95,7 +95,10 @@ def _offloaded(
         parts: list[tuple[str, nn.Module, list[str]]] = []
         _meta_parts(module, "", parts, set())
         lines += [_meta_line(_below(path, q), part, names) for q, part, names in parts]
-        runs.update(dict.fromkeys(_execution_devices(module)))
+        for part in module.modules():
+            placed = runs_on(part)
+            if placed is not None and placed[1]:  # where an offloading hook loads them
+                runs[str(placed[0])] = None
     if len(lines) > _SHOWN_MODULES + 1:
         lines[_SHOWN_MODULES:] = [f"    and {len(lines) - _SHOWN_MODULES} more modules"]
     first = paths.get(id(modules[0]), name)
@@ -112,44 +115,9 @@ def _offloaded(
         f"{'it' if one else 'them'} ({whose} hooks load {whose} weights{onto} at each forward; "
         f"the module{'' if one else 's'} hold{'s' if one else ''} them on meta):"
     )
-    remedy = _unhook_fix([paths.get(id(m), name) for m in modules], name, fix)
+    also = f", which puts the weights back in {'it' if one else 'them'}"
+    remedy = unhook_fix([paths.get(id(m), name) for m in modules], name, fix, also)
     return MoveError("\n".join([head, *lines, f"fix: {remedy}"]))
-
-
-def _unhook_fix(paths: list[str], name: str, fix: Fix) -> str:
-    """The fix for offloaded modules at ``paths``: leave them, or remove accelerate's hooks
-    (which loads the weights back into the modules) before moving them."""
-    one = len(paths) == 1
-    # skip= leaves parts of a structure where they are, never the whole object.
-    leave = f"leave it where it is: do not move {name}" if paths[0] == name else fix(paths[0])
-    removes = "; ".join(f"remove_hook_from_module({path}, recurse=True)" for path in paths)
-    it = "it" if one else "them"
-    return (
-        f"{leave if one else 'leave them where they are'}; or, to move {it}, first remove "
-        f"accelerate's hooks, which puts the weights back in {it}: from accelerate.hooks "
-        f"import remove_hook_from_module; {removes}"
-    )
-
-
-def _execution_devices(module: nn.Module) -> list[str]:
-    """Where accelerate's offloading hooks under ``module`` load its weights, each once."""
-    found: dict[str, None] = {}
-    for part in module.modules():
-        hook = vars(part).get(_HOOK)
-        for each in getattr(hook, "hooks", None) or (hook,):  # a SequentialHook holds several
-            device = getattr(each, "execution_device", None)
-            if device is not None and getattr(each, "offload", False):
-                found[str(_as_device(device))] = None
-    return list(found)
-
-
-def _as_device(spec: object) -> object:
-    """An execution device as ``tensor.device`` writes it: an int is an index of the
-    accelerator."""
-    if isinstance(spec, int):
-        accelerator = torch.accelerator.current_accelerator()
-        return torch.device(accelerator.type, spec) if accelerator is not None else spec
-    return spec
 
 
 def _meta_line(path: str, part: nn.Module, names: list[str]) -> str:
@@ -220,11 +188,6 @@ def _holds_meta(module: nn.Module) -> bool:
             if tensor is not None and tensor.is_meta:
                 return True
     return False
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether accelerate hooked ``module`` or a part of it."""
-    return any(_HOOK in vars(part) for part in module.modules())
 
 
 def _meta_parts(

@@ -28,11 +28,11 @@ from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx._torch.optim import keep_step_tracking
 from devicectx._torch.tensors import base_of
 from devicectx.decorator._params import Params
-from devicectx.decorator._spread import HOOK as _HOOK
 from devicectx.devices._capabilities import nearest_dtype
 from devicectx.move._alias import anchor_among, view_of
 from devicectx.move._containers import kind_for
 from devicectx.move._dtypes import DtypesLike, policy_for
+from devicectx.move._hooks import HOOK as _HOOK
 from devicectx.move._kinds import CONTAINER, LEAF, MODULE, TENSOR
 from devicectx.move._move import iter_tensors, move_call
 from devicectx.move._paths import join
