@@ -133,6 +133,37 @@ def test_a_dispatched_model_gathered_onto_one_device_is_stopped_before_the_body(
     assert [first] == ran
 
 
+@pytest.mark.torch_internals  # dynamo traces the call: on every minor torch release
+@pytest.mark.requires_device("accelerator")
+def test_a_gathered_model_under_torch_compile_is_stopped_by_the_eager_call(
+    accelerate: Any, two: tuple[torch.device, torch.device]
+) -> None:
+    """Traced by torch.compile, a gathered model breaks the graph as a spread one does, and
+    the eager call stops it before the body with the same error (torch's device error came
+    from inside the hook); once the fix is applied, the compiled call runs. A model whose
+    hooks all run where its weights are is traced as any."""
+    first, second = two
+    net, x, expected = made()
+    model = accelerate.dispatch_model(net, device_map={"embed": 0, "body": 0, "head": 1})
+    model.to(first)
+    ran.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="eager")
+
+    with pytest.raises(DeviceMismatchError) as error, torch.no_grad():
+        compiled(model, x)
+    assert [] == ran
+    assert str(error.value).splitlines()[-1].startswith(f'fix: model.head.to("{second}") before')
+
+    model.head.to(second)  # the fix, as printed
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(model, x).cpu(), expected)
+
+    placed = accelerate.dispatch_model(made()[0], device_map={"": 0}, force_hooks=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(placed, x).cpu(), expected)
+
+
 @pytest.mark.requires_device("accelerator")
 def test_a_submodule_of_a_gathered_model_is_stopped_too(
     accelerate: Any, two: tuple[torch.device, torch.device]

@@ -43,8 +43,10 @@ tensors and on torch's default device, so a change there recompiles):
   (:mod:`devicectx.decorator._stand_ins`).
 - a model spread over devices on purpose (accelerate's hooks, ``declare_spread``: read
   with :func:`~devicectx.decorator._spread.marked`) is a graph break too, and the eager
-  call serves it; with ``fullgraph=True`` torch's error quotes why (from torch 2.7: 2.6's
-  graph break takes no message, and its error names the eager call only).
+  call serves it, as is one gathered onto one device behind hooks that run a part
+  elsewhere (:func:`~devicectx.decorator._spread.hooked_elsewhere`), which it stops;
+  with ``fullgraph=True`` torch's error quotes why (from torch 2.7: 2.6's graph break
+  takes no message, and its error names the eager call only).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from devicectx._torch.modes import DeviceContext
 from devicectx.decorator import _mismatch
 from devicectx.decorator._params import self_offset
 from devicectx.decorator._plan import COROUTINE, FUNCTION, GENERATOR
-from devicectx.decorator._spread import marked
+from devicectx.decorator._spread import hooked_elsewhere, marked
 from devicectx.decorator._stand_ins import MADE, TracedDtypeError, TracedMismatchError
 from devicectx.decorator._target import (
     involved_module,
@@ -432,8 +434,12 @@ def _trace_target(
     if involved is not None:
         module, where = involved
         devices = {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
-        # Spread, or offloaded (on meta, behind accelerate's hooks), on purpose.
-        if (len(devices) > 1 or _META in devices) and marked(module):
+        # Spread, or offloaded (on meta, behind accelerate's hooks), on purpose; or gathered
+        # onto one device while accelerate's hooks still run a part elsewhere: the eager
+        # call serves the first and stops the second before the body.
+        if ((len(devices) > 1 or _META in devices) and marked(module)) or (
+            len(devices) == 1 and hooked_elsewhere(module, *devices)
+        ):
             name = plan.params.argument_name(where, offset)
             found = _frozen(module_devices(module, name))
             message = _spread_message(plan.name, name, type(module).__name__, found)

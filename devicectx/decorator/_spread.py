@@ -49,6 +49,7 @@ __all__ = [
     "Unmaterialised",
     "analyse",
     "declare_spread",
+    "hooked_elsewhere",
     "marked",
     "module_placement",
     "path_of",
@@ -463,6 +464,22 @@ def marked(module: nn.Module) -> bool:
     for part in module.modules():
         attributes = part.__dict__
         if HOOK in attributes or DECLARED in attributes:
+            return True
+    return False
+
+
+def hooked_elsewhere(module: nn.Module, device: torch.device) -> bool:
+    """Whether accelerate's hook runs a part of ``module`` (all of whose tensors are on
+    ``device``) elsewhere: a dispatched model gathered onto one device, whose hooks would
+    send that part its inputs on the other. A look a traced call takes (dynamo traces it),
+    as :func:`marked`; eager code takes :func:`analyse`. ``dispatch_model`` hooks the
+    model it places, so a module with no hook of its own is taken for none: one look (and
+    one guard of dynamo's) at each call of a model on one device."""
+    if HOOK not in module.__dict__:
+        return False
+    for part in module.modules():
+        placed = runs_on(part)
+        if placed is not None and placed[0] != device:
             return True
     return False
 
