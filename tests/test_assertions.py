@@ -435,6 +435,25 @@ def test_an_op_the_device_lacks_is_named_with_a_fix_that_works() -> None:
     assert_device_agnostic(masked_double, torch.ones(3), devices=["cpu", "meta"])
 
 
+@pytest.mark.requires_device("accelerator")
+def test_an_op_the_first_device_lacks_is_named_too() -> None:
+    """The same gap on the first device of ``devices=``: named as the device's, with the
+    fix, not left as torch's raw error (no device ran it before, so none is named)."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the op missing here is one the emulated accelerator lacks")
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(masked_double, torch.ones(3), devices=[device, "cpu"])
+    assert [
+        "masked_double is not device-agnostic: it raised on emu:0:",
+        "    NotImplementedError: Could not run 'aten::_masked_scale' with arguments from "
+        "the 'CPU' backend. (torch's list of dispatch keys left out)",
+        "  emu:0 has no kernel for aten::_masked_scale: an op the device's backend lacks "
+        "(torch's gap, not masked_double's)",
+        "fix: leave emu:0 out: devices=['cpu', 'meta']",
+    ] == message_lines(raised)
+
+
 MPS_MISSING = (
     "The operator 'aten::_masked_scale' is not currently implemented for the MPS device. If "
     "you want this op to be considered for addition please comment on "

@@ -289,7 +289,8 @@ def _raised(
 ) -> str | None:
     """The failure message for ``fn`` raising ``error`` on ``device``; None where it is
     ``fn``'s own error to raise as it is: on the first device (``reference`` None), and
-    nothing about devices in it."""
+    nothing about devices in it (an op the device has no kernel for is the device's gap,
+    named wherever it comes)."""
     name = inputs.name
     missing = _missing_op(error)
     detail = _trimmed(error, missing).replace("\n", "\n    ")
@@ -314,16 +315,17 @@ def _raised(
             f"torch.zeros(n, device=x.device)"
         )
         return "\n".join(lines)
-    if reference is None:
-        return None
-    if missing is not None:
+    if missing is not None:  # torch's own words, on the first device too
         op, mps = missing
+        ran = "" if reference is None else f": it ran on {reference}"
         lines.append(
             f"  {device} has no kernel for {op}: an op the device's backend lacks (torch's "
-            f"gap, not {name}'s: it ran on {reference})"
+            f"gap, not {name}'s{ran})"
         )
         lines.append(f"fix: {_missing_op_fix(device, inputs.devices, mps)}")
         return "\n".join(lines)
+    if reference is None:
+        return None
     lines.append(f"fix: {_host_fix(name, error, device, inputs.devices)}")
     return "\n".join(lines)
 
