@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -54,3 +55,19 @@ def _clean_device_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         while torch._C._len_torch_function_stack():
             torch._C._pop_torch_function_stack()
         pytest.fail(f"the test left torch modes on the stack: {leaked}")
+
+
+@pytest.fixture
+def accelerate() -> Any:
+    """accelerate, where installed (the tests of models it dispatches)."""
+    return pytest.importorskip("accelerate")
+
+
+@pytest.fixture
+def two() -> tuple[torch.device, torch.device]:
+    """The first two devices of the accelerator, for a model spread over them."""
+    if torch.accelerator.device_count() < 2:
+        pytest.skip("two devices of the accelerator, for a model spread over them (one here)")
+    kind = torch.accelerator.current_accelerator()
+    assert kind is not None
+    return torch.device(kind.type, 0), torch.device(kind.type, 1)

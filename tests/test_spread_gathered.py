@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import accelerator
+from spread_subjects import made
 from torch import nn
 
 from devicectx import (
@@ -26,19 +27,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-
-
-class Net(nn.Module):
-    """Three stages, as a device map splits a model."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.body = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(self.embed(x)).relu())
 
 
 class Scale(nn.Module):
@@ -62,32 +50,9 @@ def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x)  # type: ignore[no-any-return]
 
 
-def made() -> tuple[Net, torch.Tensor, torch.Tensor]:
-    """A seeded net, an input on the CPU and the net's output for it, before any dispatch."""
-    torch.manual_seed(0)
-    net = Net()
-    x = torch.randn(3, 4)
-    with torch.no_grad():
-        return net, x, net(x)
-
-
 def devices_of(model: nn.Module) -> set[torch.device]:
     """Where the model's parameters and buffers are."""
     return {t.device for t in (*model.parameters(), *model.buffers())}
-
-
-@pytest.fixture
-def accelerate() -> Any:
-    """accelerate, where installed."""
-    return pytest.importorskip("accelerate")
-
-
-@pytest.fixture
-def two() -> tuple[torch.device, torch.device]:
-    """The first two devices of the accelerator."""
-    if torch.accelerator.device_count() < 2:
-        pytest.skip("two devices of the accelerator, for a model spread over them (one here)")
-    return accelerator(0), accelerator(1)
 
 
 # --- a dispatched model gathered onto one device ------------------------------------------

@@ -17,6 +17,7 @@ import torch._dynamo
 from helpers import accelerator
 from hypothesis import given
 from hypothesis import strategies as st
+from spread_subjects import Net, made
 from torch import nn
 
 from devicectx import DeviceMismatchError, declare_spread, device_agnostic, module_placement
@@ -28,22 +29,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::devicectx.RepeatedMoveWarning")
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
-TWO_DEVICES = (
-    "two devices of the accelerator, for a model spread over them (one here)"  # skip reason
-)
-
-
-class Net(nn.Module):
-    """Three stages, as a device map splits a model."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.body = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(self.embed(x)).relu())
 
 
 def plain(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -54,15 +39,6 @@ def plain(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 step = device_agnostic(plain)
 step_back = device_agnostic(output="input")(plain)
 check = device_agnostic(move=False)(plain)
-
-
-def made() -> tuple[Net, torch.Tensor, torch.Tensor]:
-    """A seeded net, an input on the CPU and the net's output for it, before any dispatch."""
-    torch.manual_seed(0)
-    net = Net()
-    x = torch.randn(3, 4)
-    with torch.no_grad():
-        return net, x, net(x)
 
 
 def lines(error: pytest.ExceptionInfo[DeviceMismatchError]) -> list[str]:
@@ -78,20 +54,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """The net's output on the CPU, against one computed on an accelerator (a GPU's kernels
     round differently from the CPU's: equal to float32's tolerance, not bit for bit)."""
     torch.testing.assert_close(actual.cpu(), expected)
-
-
-@pytest.fixture
-def two() -> tuple[torch.device, torch.device]:
-    """The first two devices of the accelerator."""
-    if torch.accelerator.device_count() < 2:
-        pytest.skip(TWO_DEVICES)
-    return accelerator(0), accelerator(1)
-
-
-@pytest.fixture
-def accelerate() -> Any:
-    """accelerate, where installed."""
-    return pytest.importorskip("accelerate")
 
 
 # --- accelerate ---------------------------------------------------------------------------
