@@ -192,6 +192,35 @@ def test_a_module_instance_is_refused_with_the_bound_forward_fix() -> None:
     assert META == forward(torch.ones(3, 4)).device
 
 
+class Trainer:
+    """Holds its model as an attribute, and decorates it where it is set."""
+
+    def __init__(self) -> None:
+        self.model = nn.Linear(4, 2, device="meta")
+        self.model = device_agnostic(self.model)
+
+
+class Wrapper(nn.Module):
+    """A module holding its model as a submodule (kept in ``_modules``, not ``__dict__``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(4, 2, device="meta")
+        self.model = device_agnostic(self.model)
+
+
+@pytest.mark.parametrize("owner", [Trainer, Wrapper])
+def test_a_module_held_by_self_is_named_as_the_caller_holds_it(owner: type) -> None:
+    """``self.model = device_agnostic(self.model)``: the message and the fix name
+    ``self.model``, which the caller wrote, not ``model``."""
+    with pytest.raises(TypeError) as error:
+        owner()
+    assert str(error.value).startswith(
+        "@device_agnostic cannot decorate a module instance, self.model (a Linear): "
+    )
+    assert fix_code(error, ", then") == "forward = device_agnostic(self.model.forward)"
+
+
 def test_a_module_instance_of_the_users_class_gets_the_class_fix_first() -> None:
     """For a module class of the user's own, the fix is the decorator on its ``forward``."""
     net = Net()

@@ -13,6 +13,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterable
+from itertools import chain
 from types import FrameType
 from typing import Any, ParamSpec, TypeVar, overload
 
@@ -258,15 +259,28 @@ def _module_refusal(module: nn.Module, name: str | None) -> str:
 
 
 def _name_in_caller(value: object) -> str | None:
-    """The name the code that called the decorator holds ``value`` by (a local, else a
-    global), for the fix; None where it holds it by none. Only on the way to an error."""
+    """The name the code that called the decorator holds ``value`` by (a local, an
+    attribute of a local: ``self.model``, else a global), for the fix; None where it holds
+    it by none. Only on the way to an error."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__") == __name__:
         frame = frame.f_back
     if frame is None:
         return None
-    for names in (frame.f_locals, frame.f_globals):
-        for name, held in names.items():
-            if held is value and not name.startswith("_"):
-                return name
+    local = frame.f_locals
+    for name, held in local.items():
+        if held is value and not name.startswith("_"):
+            return name
+    for name, held in local.items():
+        attributes = getattr(held, "__dict__", None)
+        if name.startswith("_") or not isinstance(attributes, dict) or isinstance(held, type):
+            continue
+        # A module holds its submodules in a table of their own, not as attributes.
+        modules = held._modules.items() if isinstance(held, nn.Module) else ()
+        for attribute, inner in chain(attributes.items(), modules):
+            if inner is value and not attribute.startswith("_"):
+                return f"{name}.{attribute}"
+    for name, held in frame.f_globals.items():
+        if held is value and not name.startswith("_"):
+            return name
     return None
