@@ -250,6 +250,29 @@ def optimizer_left_behind(
     return _error(function, what, found, target, reason, fix, count=False)
 
 
+def optimizer_state_behind(
+    function: str,
+    optimizer: str,
+    kind: str,
+    found: Mapping[torch.device, Sequence[str]],
+    target: torch.device,
+    reason: str,
+    fix: str,
+) -> DeviceMismatchError:
+    """An optimizer argument whose state is off its parameters' devices (the model moved
+    in place after it stepped): :func:`devicectx.decorator._optimizers.state_left_behind`.
+
+    Args:
+        found: each device with the paths of that state
+            (``optimizer.state[<Parameter (2, 4) on cuda:0>]['exp_avg']``).
+    """
+    what = (
+        f"{optimizer} ({kind}) with state off its parameters' devices (a step would fail in "
+        f"torch after changing part of it)"
+    )
+    return _error(function, what, found, target, reason, fix, count=False)
+
+
 def not_materialised(
     function: str, module: str, kind: str, target: torch.device, reason: str
 ) -> DeviceMismatchError:

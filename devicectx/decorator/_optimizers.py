@@ -18,6 +18,13 @@ a method of a module given an optimizer) is stopped before the body where:
 So these run as before: an optimizer built after the move; one over a model spread over
 devices on purpose (its parameters off the target are the model's); one over a loose
 parameter passed as an argument of its own (a learned temperature, stepped where it is).
+
+Between the devices that keep parameter objects (the CPU and CUDA), the optimizer keeps
+its parameters, but its state (Adam's moments) stays where it was made: torch's step then
+fails, after changing part of that state (foreach Adam counts the step first), so the run
+that follows the fix differs from one that never failed. Such a call is stopped before the
+body (:func:`state_off`, one look per group; :func:`state_left_behind`), for torch's own
+optimizers: one of a library's may keep its state elsewhere on purpose (offloaded).
 """
 
 from __future__ import annotations
@@ -33,10 +40,13 @@ from devicectx._torch.module_tree import parameters_of, submodules
 from devicectx.decorator import _mismatch
 from devicectx.decorator._module_watch import ModuleCache, Sample
 from devicectx.move import _move
+from devicectx.move._paths import key_text
+from devicectx.move._unseen import optimizer_state_fix
 
-__all__ = ["left_behind", "off_target"]
+__all__ = ["left_behind", "off_target", "state_left_behind", "state_off"]
 
 _Optimizer = torch.optim.Optimizer
+_Tensor = torch.Tensor
 
 
 def off_target(
@@ -59,6 +69,73 @@ def off_target(
         if not any(group["params"] and id(group["params"][0]) in held for group in groups):
             return True
     return False
+
+
+def state_off(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
+    """Whether one of torch's ``optimizers`` may hold state off its parameters' devices:
+    the state of a group's first parameter is (the look at each call with an optimizer)."""
+    for optimizer in optimizers:
+        state = optimizer.state
+        if not state:
+            continue
+        for group in optimizer.param_groups:
+            params = group["params"]
+            held = state.get(params[0]) if params else None
+            if not held:
+                continue
+            device = params[0].device
+            for value in held.values():
+                if (
+                    isinstance(value, _Tensor)
+                    and value.device != device
+                    and (value.dim() != 0 or value.device.type != "cpu")
+                    and _torchs(optimizer)
+                ):
+                    return True
+    return False
+
+
+def _torchs(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__module__.startswith("torch.optim")
+
+
+def _behind(parameter: torch.Tensor, held: dict[Any, Any]) -> list[tuple[Any, torch.device]]:
+    """The keys of ``held`` (a parameter's state) whose tensors are off its device; a
+    0-dim CPU tensor (Adam's step counter) is at home anywhere, as torch keeps it."""
+    device = parameter.device
+    return [
+        (key, value.device)
+        for key, value in held.items()
+        if isinstance(value, torch.Tensor)
+        and value.device != device
+        and not (value.dim() == 0 and value.device.type == "cpu")
+    ]
+
+
+def state_left_behind(
+    function: str, named: Sequence[tuple[str, Any]], target: torch.device, reason: str
+) -> DeviceMismatchError | None:
+    """The error for the first of torch's optimizer arguments holding state off its
+    parameters' devices; None where none does."""
+    for name, optimizer in named:
+        if not isinstance(optimizer, _Optimizer) or not _torchs(optimizer):
+            continue
+        found: dict[torch.device, list[str]] = {}
+        for parameter, held in optimizer.state.items():
+            if not isinstance(parameter, torch.Tensor) or not isinstance(held, dict):
+                continue
+            for key, device in _behind(parameter, held):
+                path = f"{name}.state[{key_text(parameter)}][{key_text(key)}]"
+                found.setdefault(device, []).append(path)
+        if not found:
+            continue
+        kind = type(optimizer).__name__
+        off_cpu = [
+            path for device, paths in found.items() if device.type != "cpu" for path in paths
+        ]
+        fix = optimizer_state_fix(name, kind, off_cpu)
+        return _mismatch.optimizer_state_behind(function, name, kind, found, target, reason, fix)
+    return None
 
 
 def _walk_parameter_ids(module: nn.Module) -> tuple[frozenset[int], Sample | None]:

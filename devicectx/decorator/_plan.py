@@ -26,7 +26,12 @@ from torch import nn
 from devicectx._errors import DeviceError, DeviceMismatchError
 from devicectx.decorator import _mismatch, _unseen
 from devicectx.decorator._inputs import Held, found_devices, optimizer_arguments, scan
-from devicectx.decorator._optimizers import left_behind, off_target
+from devicectx.decorator._optimizers import (
+    left_behind,
+    off_target,
+    state_left_behind,
+    state_off,
+)
 from devicectx.decorator._params import Params, self_offset
 from devicectx.decorator._spread import SpreadModel, Unmaterialised
 from devicectx.decorator._target import (
@@ -344,14 +349,17 @@ class Plan:
         (:func:`~devicectx.decorator._optimizers.left_behind`); one look per group where
         none does."""
         __tracebackhide__ = True
-        if not off_target(optimizers, module, target):
+        behind = state_off(optimizers)
+        if not behind and not off_target(optimizers, module, target):
             return
         offset = self_offset(wrapped, instance)
         named = [(name, value) for name, value, _ in self.params.named(args, kwargs, offset)]
         if instance is not None:
             named.insert(0, ("self", instance))
         reason = self._reason(module, instance, args, kwargs, offset)
-        error = left_behind(self.name, named, target, reason)
+        error = state_left_behind(self.name, named, target, reason) if behind else None
+        if error is None:
+            error = left_behind(self.name, named, target, reason)
         if error is not None:
             raise error
 

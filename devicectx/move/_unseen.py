@@ -293,6 +293,29 @@ def _ties(module: nn.Module) -> bool:
     return len(set(every)) < len(every)
 
 
+def optimizer_state_fix(name: str, kind: str, paths: Sequence[str]) -> str:
+    """The fix for the state of the optimizer ``name`` (a ``kind``) off its parameters'
+    devices, ``paths`` those of its tensors off the CPU: reloaded, as torch puts it.
+
+    Its state follows its parameters only when loaded; a container registered for it would
+    move the state into a copy at every call, and the updates would be lost.
+    """
+    fix = (
+        f"{name}.load_state_dict({name}.state_dict()) once the model is on its device "
+        f"(torch puts an optimizer's state on its parameters' devices as it loads it), or "
+        f"build the {kind} after moving the model"
+    )
+    if any(path.endswith("['step']") for path in paths):
+        # Made on a device by a step run under a scope (a decorated training step):
+        # load_state_dict leaves a step counter where it is, unless capturable or fused.
+        fix += (
+            f"; then its step counters, which load_state_dict leaves where they are, "
+            f"back to the CPU: for s in {name}.state.values(): "
+            f's["step"] = s["step"].cpu() (not with capturable=True or fused=True)'
+        )
+    return fix
+
+
 def fix_for(
     unseen: Sequence[Unseen], target: torch.device | None = None, follow: bool = True
 ) -> str:
@@ -328,23 +351,12 @@ def fix_for(
     root, root_path = holders[0]
     if issubclass(root, nn.Module):
         return _buffer_fix(first, root, root_path, unseen)
-    if issubclass(root, Optimizer):
-        # Its state follows its parameters only when loaded; a container registered for it
-        # would move the state into a copy at every call, and the updates would be lost.
-        fix = (
-            f"{root_path}.load_state_dict({root_path}.state_dict()) once the model is on its "
-            f"device (torch puts an optimizer's state on its parameters' devices as it "
-            f"loads it), or build the {root.__qualname__} after moving the model"
-        )
-        if any(u.path.endswith("['step']") and u.device.type != "cpu" for u in unseen):
-            # Made on a device by a step run under a scope (a decorated training step):
-            # load_state_dict leaves a step counter where it is, unless capturable or fused.
-            fix += (
-                f"; then its step counters, which load_state_dict leaves where they are, "
-                f"back to the CPU: for s in {root_path}.state.values(): "
-                f's["step"] = s["step"].cpu() (not with capturable=True or fused=True)'
-            )
-        return fix
+    # An optimizer's state, held by the argument or by an object in it (a trainer's
+    # self.optimizer): no container taught to the walk would reach it.
+    held = next(((tp, at) for tp, at in holders if issubclass(tp, Optimizer)), None)
+    if held is not None:
+        counters = [u.path for u in unseen if u.device.type != "cpu"]
+        return optimizer_state_fix(held[1], held[0].__qualname__, counters)
     if _moves_itself(root):
         return _own_fix(first, root, root_path, unseen, target)
     group = [
