@@ -298,6 +298,62 @@ def test_a_stale_optimizer_on_the_accelerator_is_stopped_and_its_fix_trains() ->
     assert 3 == len(set(losses))  # it trains: without the check, the loss never moved
 
 
+class TiedLM(nn.Module):
+    """An embedding and an output layer sharing one weight, and a bias of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("where", ["meta", "accelerator"])
+def test_the_fix_of_a_stale_optimizer_ties_again_what_module_to_untied(where: str) -> None:
+    """``model.to`` to meta, or to a device out of tree, copies each place of a tied weight
+    apart, so the model has one parameter more than its optimizer: the fix ties it again
+    first, then points the optimizer at the model's parameters; applied as printed, the
+    optimizer loads its state, and (with values) the model trains, still tied."""
+    if where == "accelerator" and torch.accelerator.current_accelerator() is None:
+        pytest.skip("no accelerator here")
+    target = torch.device("meta") if where == "meta" else accelerator()
+    model = TiedLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ids = torch.tensor([[1, 2, 3]])
+
+    @device_agnostic
+    def train(model: nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        model(ids).logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train(model, ids, optimizer)
+    model.to(target)
+    if model.head.weight is model.embed.weight:
+        pytest.skip(f"module moves to {target.type} keep tied parameters tied")
+    with pytest.raises(DeviceMismatchError) as raised:
+        train(model, ids, optimizer)
+    fix = str(raised.value).splitlines()[-1].removeprefix("fix: ")
+    assert fix.startswith(
+        "model.head.weight = model.embed.weight (the move untied its tied weights); "
+        "state = optimizer.state_dict(); "
+        "optimizer.param_groups[0]['params'] = list(model.parameters()); "
+        "optimizer.load_state_dict(state) ("
+    )
+    code = fix.replace(" (the move untied its tied weights)", "").partition(" (a move")[0]
+    exec(code, {"optimizer": optimizer, "model": model})
+    assert model.head.weight is model.embed.weight
+    assert target == optimizer.state[model.embed.weight]["exp_avg"].device
+    if target.type != "meta":
+        before = model.embed.weight.detach().clone()
+        train(model, ids, optimizer)
+        assert not torch.equal(before, model.embed.weight)
+        assert model.head.weight is model.embed.weight
+
+
 def test_a_decorated_method_of_a_trainer_is_stopped_too() -> None:
     """The model and its optimizer passed to a decorated method of a plain object."""
 
@@ -361,8 +417,8 @@ def test_the_fix_of_a_model_in_several_groups_says_how_to_rebuild() -> None:
     assert str(raised.value).splitlines()[-1] == (
         "fix: build the optimizer after the move, from model's parameters (a move to meta "
         "makes new parameters, and optimizer steps the old ones: it would train nothing); "
-        "to keep its state, take state = optimizer.state_dict() before and "
-        "optimizer.load_state_dict(state) after"
+        "to keep its state, take state = optimizer.state_dict() now and "
+        "optimizer.load_state_dict(state) on the new optimizer"
     )
 
 

@@ -40,7 +40,7 @@ from devicectx._torch.module_tree import parameters_of, submodules
 from devicectx.decorator import _mismatch
 from devicectx.decorator._module_watch import ModuleCache, Sample
 from devicectx.move import _move
-from devicectx.move._paths import key_text
+from devicectx.move._paths import key_text, keyed_modules, module_path
 from devicectx.move._unseen import optimizer_state_fix
 
 __all__ = ["left_behind", "off_target", "state_left_behind", "state_off"]
@@ -226,21 +226,68 @@ def _fix(
         "train nothing"
     )
     groups: list[str] = []
+    ties: list[str] = []
     for g, group in enumerate(optimizer.param_groups):
         if g not in stale:
             continue
         source = _source(group["params"], modules)
         if source is None:
+            retied = _retied(group["params"], modules)
+            if retied is not None:
+                ties += [line for line in retied[0] if line not in ties]
+                source = retied[1]
+        if source is None:
             return (
                 f"build the optimizer after the move, from {modules[0][0]}'s parameters "
-                f"({why}); to keep its state, take state = {name}.state_dict() before and "
-                f"{name}.load_state_dict(state) after"
+                f"({why}); to keep its state, take state = {name}.state_dict() now and "
+                f"{name}.load_state_dict(state) on the new optimizer"
             )
         groups.append(f"{name}.param_groups[{g}]['params'] = {source}")
+    retie = f"{'; '.join(ties)} (the move untied its tied weights); " if ties else ""
     return (
-        f"state = {name}.state_dict(); {'; '.join(groups)}; {name}.load_state_dict(state) "
-        f"({why}), or build the optimizer after the move"
+        f"{retie}state = {name}.state_dict(); {'; '.join(groups)}; "
+        f"{name}.load_state_dict(state) ({why}), or build the optimizer after the move"
     )
+
+
+def _retied(
+    params: Sequence[torch.Tensor], modules: Sequence[tuple[str, nn.Module]]
+) -> tuple[list[str], str] | None:
+    """Where the move untied a tied weight (``module.to`` to ``meta`` or a device out of
+    tree copies each place of it apart), so that a module has more parameters than
+    ``params``: the code that ties them again, and the module's parameters then; None
+    where no pairing of twins (equal shape, dtype and values) accounts for every extra one.
+    """
+    shapes = [p.shape for p in params]
+    for name, module in modules:
+        named = list(module.named_parameters())
+        extra = len(named) - len(params)
+        if extra <= 0:
+            continue
+        twins: list[tuple[str, str]] = []  # (later place, the earlier one it was)
+        for i, (later, tensor) in enumerate(named):
+            earlier = next((q for q, p in named[:i] if _twins(p, tensor)), None)
+            if earlier is not None:
+                twins.append((later, earlier))
+        dropped = {later for later, _ in twins}
+        if len(twins) != extra or [p.shape for q, p in named if q not in dropped] != shapes:
+            continue
+        if callable(getattr(module, "tie_weights", None)):  # a transformers model ties its own
+            return [f"{name}.tie_weights()"], f"list({name}.parameters())"
+        keyed = keyed_modules(list(submodules(module)))
+        lines = [
+            f"{module_path(name, later, keyed)} = {module_path(name, earlier, keyed)}"
+            for later, earlier in twins
+        ]
+        return lines, f"list({name}.parameters())"
+    return None
+
+
+def _twins(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may be the copies of one tied weight (on ``meta``, by kind)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    return a.is_meta or bool(torch.equal(a, b))
 
 
 def _source(params: Sequence[torch.Tensor], modules: Sequence[tuple[str, nn.Module]]) -> str | None:
