@@ -267,7 +267,7 @@ def traced_call(
         back = _resolve_while_tracing(plan.output.spec)
 
     if plan.move and chosen is not None:
-        refused = _dtype_refused(leaves, chosen, plan.written)
+        refused = _dtype_refused(leaves, chosen, plan.written, f"{plan.name}()")
         if refused is not None:
             return _refuse(TracedDtypeError, refused, plan, wrapped, instance, args, kwargs)
         args, kwargs = _traced_move(plan, (args, kwargs), chosen, offset)
@@ -295,11 +295,12 @@ def _traced_leaves(
 
 
 def _dtype_refused(
-    leaves: list[tuple[str, torch.Tensor]], target: torch.device, written: str
+    leaves: list[tuple[str, torch.Tensor]], target: torch.device, written: str, who: str
 ) -> str | None:
     """The message refusing the tensors that would move to ``target``, which cannot hold
     their dtype (float64 on MPS), as the eager move refuses them; None: nothing refused.
-    ``written``: the decorator's other arguments, as its fix writes them."""
+    ``written``: the decorator's other arguments, as its fix writes them; ``who``: the
+    decorated function, as the message starts (``"step()"``)."""
     missing = _missing_while_tracing(target)
     if not missing:
         return None
@@ -310,7 +311,7 @@ def _dtype_refused(
     ]
     if not refused:
         return None
-    return _dtype_message(target, _dtype_refusals(refused), written)
+    return _dtype_message(target, _dtype_refusals(refused), written, who)
 
 
 def _traced_body(
@@ -582,7 +583,10 @@ def _missing_while_tracing(device: torch.device) -> tuple[torch.dtype, ...]:
 
 @_dynamo_hooks.constant
 def _dtype_message(
-    target: torch.device, refused: tuple[tuple[str, torch.dtype, int], ...], written: str
+    target: torch.device,
+    refused: tuple[tuple[str, torch.dtype, int], ...],
+    written: str,
+    who: str,
 ) -> str:
     """The message of the eager call's :class:`~devicectx.DtypeUnsupportedError`, made by
     the eager move itself, given a stand-in for each tensor it refuses: an empty ``meta``
@@ -593,7 +597,7 @@ def _dtype_message(
     tensors = tuple(stand_ins[which] for _, _, which in refused)
     try:
         names = [path for path, _, _ in refused]
-        _move.move_call(tensors, {}, target, names=names, written=written)
+        _move.move_call(tensors, {}, target, names=names, written=written, who=who)
     except _errors.DtypeUnsupportedError as error:
         return MADE.keep(error)
     msg = f"the move to {target} refused none of {refused}"  # pragma: no cover - a bug

@@ -445,6 +445,7 @@ class Plan:
                     dtypes=self.dtypes,
                     parameters=False,  # a loose parameter's gradient reaches the caller's
                     written=self.written,
+                    who=f"{self.name}()",
                 )
                 args, kwargs = moved if held is None else held.merge(*moved)
             else:
