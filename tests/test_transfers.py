@@ -427,6 +427,31 @@ def test_constants_of_a_decorated_call_are_one_warning_with_each_fix(
     )
 
 
+@pytest.mark.parametrize("error", [RuntimeError, ValueError])
+def test_a_retry_after_a_failed_call_is_no_repeat(
+    recorded: list[warnings.WarningMessage], error: type[Exception]
+) -> None:
+    """A call whose body raised, retried with the same batch (after an out-of-memory, say):
+    the batch crossed twice, for the two tries, and no warning says it crosses at every
+    call; the same batch at the calls after a successful one still warns."""
+    tries = []
+
+    @device_agnostic(device="meta")
+    def step(x: torch.Tensor) -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            raise error("a transient failure")
+
+    x = torch.ones(2)
+    with pytest.raises(error):
+        step(x)
+    step(x)
+    assert [] == _repeats(recorded)
+    step(x)
+    (warning,) = _repeats(recorded)
+    assert "the same unchanged tensor x (shape (2,)" in str(warning.message)
+
+
 def test_a_default_and_an_argument_that_cross_get_each_their_fix(
     recorded: list[warnings.WarningMessage],
 ) -> None:

@@ -275,10 +275,14 @@ class Plan:
             else:
                 result = wrapped(*args, **kwargs)
         except RuntimeError as error:
+            _repeats.forget(self.where, target)  # a retry of the batch is no repeat
             unseen = self.unseen(error, module, instance, args, kwargs, target, wrapped)
             if unseen is None:
                 raise
             raise unseen from error
+        except Exception:
+            _repeats.forget(self.where, target)
+            raise
         return result if back is None else self.place(result, back)
 
     def _with_defaults(

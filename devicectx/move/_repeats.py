@@ -44,6 +44,7 @@ __all__ = [
     "caller_line",
     "caller_place",
     "checking",
+    "forget",
     "repeated",
     "set_repeated_move_warning",
     "size_text",
@@ -187,6 +188,13 @@ def repeated(
         weak, version, _ = now[id(tensor)]
         now[id(tensor)] = (weak, version, True)
     return repeated
+
+
+def forget(where: Place | str, target: torch.device | None) -> None:
+    """Forget the last move of ``where`` to ``target``: the call it moved for failed, and
+    the same batch moved again by a retry is no tensor that crosses on every call."""
+    if target is not None:
+        _LAST.pop((where, target), None)
 
 
 def warn(
