@@ -13,6 +13,7 @@ from torch import nn
 
 from devicectx import (
     DeviceMismatchError,
+    DeviceWarning,
     declare_spread,
     device_agnostic,
     find_devices,
@@ -202,6 +203,37 @@ def test_step_counters_made_on_a_device_are_moved_by_the_fix(name: str) -> None:
         target
         == optimizer.state[model.weight]["square_avg" if name == "RMSprop" else "exp_avg"].device
     )
+
+
+def test_to_device_of_an_optimizer_warns_that_it_moves_nothing() -> None:
+    """``optimizer = to_device(optimizer, device)`` moves nothing (an optimizer is no
+    container): the same object comes back, with a DeviceWarning that says so."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    with pytest.warns(DeviceWarning) as caught:
+        assert optimizer is to_device(optimizer, "meta")
+    assert str(caught[0].message).splitlines() == [
+        "to_device() moves no optimizer (an Adam): it came back as it was, its state where it was",
+        "fix: move the model, then optimizer.load_state_dict(optimizer.state_dict()), which "
+        "puts the state beside each parameter (on meta); or build the optimizer after moving "
+        "the model",
+    ]
+    assert caught[0].filename == __file__
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.usefixtures("swapping")
+def test_the_fix_for_to_device_of_an_optimizer_moves_its_state() -> None:
+    """The warning's fix, applied as printed, puts the state beside the moved parameters."""
+    target = accelerator()
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    step(model, optimizer, torch.ones(2))
+    with pytest.warns(DeviceWarning):
+        to_device(optimizer, target)
+    model.to(target)
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert target == optimizer.state[model.weight]["exp_avg"].device
 
 
 def test_a_path_through_a_tensor_key_names_the_tensor_not_its_values() -> None:

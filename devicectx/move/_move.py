@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from devicectx._errors import DeviceWarning
+from devicectx._errors import DeviceWarning, with_article
 from devicectx.devices._capabilities import holds_every_dtype
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.move import _repeats, _staging, _transfers
@@ -256,6 +256,8 @@ def to_device(
         target = resolve_device(device)
         if cacheable and _stable(device) and len(_RESOLVED) < 64:
             _RESOLVED[device] = target  # type: ignore[index]
+    if isinstance(obj, _Optimizer):
+        warnings.warn(_optimizer_unmoved(obj, target), DeviceWarning, stacklevel=2)
     if skip is None and dtypes is None and holds_every_dtype(target):
         if _nothing_to_move(obj, target, ()):
             return obj
@@ -282,6 +284,22 @@ def to_device(
             message = unmatched_message(skip, missing, "obj", "to_device()")
             warnings.warn(message, DeviceWarning, stacklevel=2)
     return moved
+
+
+_Optimizer = torch.optim.Optimizer
+
+
+def _optimizer_unmoved(optimizer: torch.optim.Optimizer, target: torch.device) -> str:
+    """The warning for ``to_device(optimizer, ...)``, which moves nothing: an optimizer is
+    no container (its state is moved by torch as it is loaded, beside each parameter)."""
+    kind = with_article(type(optimizer).__qualname__)
+    return (
+        f"to_device() moves no optimizer ({kind}): it came back as it was, its state where "
+        f"it was\n"
+        f"fix: move the model, then optimizer.load_state_dict(optimizer.state_dict()), which "
+        f"puts the state beside each parameter (on {target}); or build the optimizer after "
+        f"moving the model"
+    )
 
 
 # Explicit specs whose resolution cannot change: resolving costs more than a small move.
