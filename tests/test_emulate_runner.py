@@ -107,6 +107,32 @@ def test_the_process_ends_as_python_ends_it(
         assert done.stderr.rstrip().endswith(stderr_end)
 
 
+def test_a_thread_pool_alive_at_the_end_lets_the_process_end(tmp_path: Path) -> None:
+    """A ThreadPoolExecutor still referenced when the script ends (by a library's object,
+    here a logger's attribute): its idle workers are told to stop as Python tells them,
+    and the process ends with the script's status instead of waiting on them for good."""
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import concurrent.futures, logging\n"
+        "pool = concurrent.futures.ThreadPoolExecutor(2)\n"
+        "logging.getLogger('serving').pool = pool\n"
+        "print(pool.submit(lambda: 41 + 1).result())\n"
+    )
+    try:
+        done = subprocess.run(
+            [*RUNNER, "--devices", "1", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not end: it waits on the pool's idle workers")
+    if done.returncode == 2 and "EmulatedUnavailable" in done.stderr:
+        pytest.skip(f"the emulated accelerator: {done.stderr.splitlines()[0]}")
+    assert (0, ["42"]) == (done.returncode, done.stdout.splitlines()), done.stderr
+
+
 def test_a_missing_script_is_a_usage_error(tmp_path: Path) -> None:
     """A script that does not exist: exit 2 and one line saying so, in python's words
     (`python missing.py`), before the build, not runpy's traceback."""

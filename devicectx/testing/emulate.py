@@ -150,6 +150,12 @@ def _run_then_exit(run: Callable[[], object]) -> NoReturn:
     except BaseException:  # what Python does with an uncaught exception: print it, exit 1
         traceback.print_exc()
         status = 1
+    # As Python ends: the callbacks threads registered for shutdown first (an idle
+    # ThreadPoolExecutor's workers are told to stop there, or joining them never ends),
+    # then every thread that is no daemon joined. Private, as in Python 3.10 to 3.14.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
