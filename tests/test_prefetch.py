@@ -1200,6 +1200,35 @@ def test_a_source_another_current_stream_still_writes_is_read_after_it() -> None
 
 
 @needs_emulated
+def test_a_pass_whose_loader_raised_is_freed_without_the_collector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loader's error raised in its turn and handled: once the caller lets go, the pass
+    and its thread go too, without the cyclic collector (the error's traceback holds the
+    frame that read it, which held the error: a cycle)."""
+    device = accelerator()
+    threads: list[threading.Thread] = []
+    move = _prefetch._move_batch
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread())
+        return move(*args, **kwargs)
+
+    def requests() -> Iterator[dict[str, torch.Tensor]]:
+        yield {"x": torch.ones(1)}
+        raise ValueError("a bad request")
+
+    monkeypatch.setattr(_prefetch, "_move_batch", spied)
+    with collector_off():
+        with pytest.raises(ValueError, match="a bad request"):
+            for _ in prefetch(requests(), device):
+                pass
+        (thread,) = set(threads)
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+@needs_emulated
 @pytest.mark.parametrize("end", ["close", "drop"])
 def test_batches_are_moved_on_a_thread_of_their_own_which_ends_with_the_prefetcher(
     monkeypatch: pytest.MonkeyPatch, end: str

@@ -409,6 +409,7 @@ class _Pass(Iterator[T]):
             if error is not None:  # the loader's: raised in its turn
                 self._raised += 1
                 queue.append(_Raised(error))
+                error = None  # as above: its traceback holds this frame
                 return
             queue.append(_InFlight(token))
             self._last = token
