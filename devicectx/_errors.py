@@ -68,6 +68,11 @@ class MoveOutOfMemoryError(MoveError, torch.OutOfMemoryError):
     """
 
 
+#: The part of an out-of-memory move's fix that points at the back-off, which a back-off
+#: that found the move does not shrink leaves out.
+SMALLER_BATCHES = "move less at once (devicectx.shrink_batch_on_oom retries with smaller batches)"
+
+
 class DtypeUnsupportedError(DeviceError, TypeError):
     """Tensors of a dtype the target device cannot hold (float64 on MPS); the message
     names every path, by dtype.

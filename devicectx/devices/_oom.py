@@ -30,7 +30,7 @@ from typing import Any, ParamSpec, SupportsIndex, TypeVar, cast, overload
 
 import torch
 
-from devicectx._errors import BatchTooLargeError, MoveError
+from devicectx._errors import SMALLER_BATCHES, BatchTooLargeError, MoveError
 from devicectx.devices._resolve import accelerator_type
 
 _P = ParamSpec("_P")
@@ -442,6 +442,8 @@ class _Attempts:
         name, (before, now) = self.batch.name, self.tried[-2:]
         lines = _lines(error)
         fix = next((line for line in lines if line.startswith("fix: ")), None)
+        if fix is not None:  # the back-off is what just failed: its mention goes
+            fix = fix.replace(f", or {SMALLER_BATCHES}", "").replace(f"; or {SMALLER_BATCHES}", "")
         msg = (
             f"{self.name}() ran out of memory moving the same tensor at {name}={before} and "
             f"{name}={now}: the {name} does not change that move\n"

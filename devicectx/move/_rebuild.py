@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from devicectx._errors import (
+    SMALLER_BATCHES,
     MoveError,
     MoveOutOfMemoryError,
     RegistrationError,
@@ -650,8 +651,7 @@ class Rebuild:
                 # Memory first; leaving the whole batch where it is (its root) moves nothing.
                 room = (
                     f"free memory on {self.device} (del what you no longer need there), or "
-                    "move less at once (devicectx.shrink_batch_on_oom retries with smaller "
-                    "batches)"
+                    f"{SMALLER_BATCHES}"
                 )
                 fix = room if path == self.name else f"{room}; or {fix}"
         # A walk with no device only casts (a dtype mapping where nothing moves).
