@@ -252,8 +252,10 @@ def test_move_call_shares_copies_and_names_parameters() -> None:
     assert [
         "f() could not move xs[0] (a Tensor of shape (1,), torch.float32, on meta) to cpu:",
         "    NotImplementedError: Cannot copy out of meta tensor; no data!",
-        "fix: move it yourself, or leave the argument out of the move: "
-        "@device_agnostic(exclude=('xs',))",
+        "fix: give xs[0] values: it is on meta, which holds shapes only (made under "
+        "torch.device('meta') or with device='meta'); make it where it has data, or load its "
+        "values into torch.empty_like(xs[0], device='cpu'); or leave the argument out of the "
+        "move: @device_agnostic(exclude=('xs',))",
     ] == str(raised.value).splitlines()
 
 

@@ -647,6 +647,14 @@ class Rebuild:
             other = _whole_fix(failed.obj, path) if whole else None
             if other is not None:
                 fix = f"{other}; or {fix}"
+            if isinstance(failed.obj, torch.Tensor) and failed.obj.is_meta:
+                # Shapes only, no values: no move of it works, by hand either.
+                fix = (
+                    f"give {path} values: it is on meta, which holds shapes only (made under "
+                    f"torch.device('meta') or with device='meta'); make it where it has data, "
+                    f"or load its values into torch.empty_like({path}, "
+                    f"device={str(self.device)!r}); or {fix.removeprefix('move it yourself, or ')}"
+                )
             if isinstance(error, torch.OutOfMemoryError):
                 # Memory first; leaving the whole batch where it is (its root) moves nothing.
                 room = (
