@@ -31,6 +31,7 @@ from torch import nn
 from devicectx import (
     DeviceMismatchError,
     DtypeUnsupportedError,
+    MoveError,
     device_agnostic,
     find_devices,
     on_device,
@@ -624,6 +625,31 @@ def test_float64_on_a_device_without_it_is_refused_before_the_body_when_compiled
             compiled(step)(*inputs())
         assert "DtypeUnsupportedError" in str(refused.value)
         assert quoted(str(eager.value), refused.value)
+
+
+def test_a_tensor_on_meta_to_move_is_refused_as_the_eager_call_refuses_it() -> None:
+    """A tensor on meta (shapes only) that the call would move to the model's device: a
+    graph break, and the eager call's MoveError with its fix, not torch's raw
+    "Cannot copy out of meta tensor" from the traced move; fullgraph=True says why."""
+
+    @device_agnostic
+    def run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    model, x = nn.Linear(4, 4), torch.ones(3, 4, device="meta")
+    with pytest.raises(MoveError) as eager:
+        run(model, x)
+    with pytest.raises(MoveError) as error:
+        compiled(run, fullgraph=False)(model, x)
+    assert str(eager.value) == str(error.value)
+    assert "fix: give x values: it is on meta" in str(error.value)
+    torch._dynamo.reset()
+    with pytest.raises(Unsupported) as refused:
+        compiled(run)(model, x)
+    if "msg" in inspect.signature(torch._dynamo.graph_break).parameters:  # not on 2.6
+        assert "run() got x on meta, which holds shapes only: nothing to copy to cpu" in str(
+            refused.value
+        )
 
 
 @needs_accelerator

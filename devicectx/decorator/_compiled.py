@@ -270,6 +270,11 @@ def traced_call(
         refused = _dtype_refused(leaves, chosen, plan.written, f"{plan.name}()")
         if refused is not None:
             return _refuse(TracedDtypeError, refused, plan, wrapped, instance, args, kwargs)
+        if chosen.type != _META.type:  # shapes only: the eager move refuses it, with the fix
+            empty = [path for path, tensor in leaves if tensor.is_meta]
+            if empty:
+                message = _meta_message(plan.name, empty, chosen)
+                return _break_to_eager(message, plan, wrapped, instance, args, kwargs)
         args, kwargs = _traced_move(plan, (args, kwargs), chosen, offset)
     result = _traced_body(plan, target, wrapped, args, kwargs)
     if back is None:
@@ -558,6 +563,16 @@ def _module_message(
 
 
 @_dynamo_hooks.constant
+def _meta_message(function: str, paths: list[str], target: torch.device) -> str:
+    """Why a tensor on ``meta`` to move makes a graph break (quoted under ``fullgraph=True``):
+    it holds no values to copy, and the eager call's error says what to do."""
+    return (
+        f"{function}() got {', '.join(paths)} on meta, which holds shapes only: nothing to "
+        f"copy to {target}; the eager call raises the error with its fix\n"
+        f"fix: give {paths[0]} values (make it where it has data) before calling {function}()"
+    )
+
+
 def _spread_message(
     function: str,
     module: str,
