@@ -20,6 +20,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 import torch
 from torch import nn
 
+from devicectx._torch.module_tree import children_of
 from devicectx.decorator._params import check_switches
 from devicectx.decorator._plan import Plan
 from devicectx.decorator._target import DeviceOption
@@ -276,7 +277,7 @@ def _name_in_caller(value: object) -> str | None:
         if name.startswith("_") or not isinstance(attributes, dict) or isinstance(held, type):
             continue
         # A module holds its submodules in a table of their own, not as attributes.
-        modules = held._modules.items() if isinstance(held, nn.Module) else ()
+        modules = children_of(held).items() if isinstance(held, nn.Module) else ()
         for attribute, inner in chain(attributes.items(), modules):
             if inner is value and not attribute.startswith("_"):
                 return f"{name}.{attribute}"
