@@ -93,6 +93,49 @@ def test_children_of_the_wrong_shape_name_the_type_and_the_fix(children: Any) ->
         unregister_container(Pair)
 
 
+@pytest.mark.parametrize(
+    ("rebuild", "what"),
+    [
+        (lambda p, new: Pair(new[0], None), "a Pair holding 1 of the 2 new children"),
+        (lambda p, new: list(new), "a list"),
+    ],
+    ids=["drops a child", "another type"],
+)
+def test_a_rebuild_that_loses_a_child_or_the_type_is_refused(rebuild: Any, what: str) -> None:
+    """A ``rebuild=`` whose result drops a child, or is of another type, is refused as
+    the built-in rebuilds are, naming the registration and its fix, never returned."""
+    register_container(
+        Pair,
+        children=lambda p: [
+            (k, v) for k, v in (("left", p.left), ("right", p.right)) if v is not None
+        ],
+        rebuild=rebuild,
+    )
+    try:
+        with pytest.raises(MoveError) as raised:
+            to_device(Pair(torch.zeros(1), torch.ones(1)), "meta")
+        assert [
+            "to_device() could not move obj (a Pair) to meta:",
+            f"    register_container(Pair, rebuild=...) returned {what}",
+            "fix: rebuild=lambda obj, new: Pair(*new), a new Pair holding each new child, in "
+            "the order children= gives them",
+        ] == str(raised.value).splitlines()
+    finally:
+        unregister_container(Pair)
+
+
+def test_children_keyed_by_numbers_have_paths_python_reads() -> None:
+    """A registered container whose keys are its indices: ``b['s'][0]``, not ``b['s'].0``."""
+    register_container(
+        Pair, children=lambda p: [(0, p.left), (1, p.right)], rebuild=lambda p, new: Pair(*new)
+    )
+    try:
+        pair = Pair(torch.zeros(1), torch.ones(1))
+        assert {CPU: ["b['s'][0]", "b['s'][1]"]} == find_devices({"s": pair}, name="b")
+    finally:
+        unregister_container(Pair)
+
+
 def test_a_two_element_tensor_is_no_pair() -> None:
     """A child tensor of two elements, which would unpack as a key and a value, is refused."""
     register_container(Pair, children=lambda p: [p.left], rebuild=lambda p, new: p)

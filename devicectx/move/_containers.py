@@ -232,6 +232,8 @@ def register_container(
         rebuild: ``(obj, new_children) -> new object``, the new children in the order
             ``children`` gave them. Called only when a child changed; ``obj`` is the
             original, to copy what is not a child (use ``type(obj)`` to keep subclasses).
+            Its result must be of ``obj``'s type and hold as many children: the move
+            checks both, and refuses (``MoveError``) a rebuild that drops a child.
         keys: how paths show the keys: ``"attr"`` writes ``pair.left``, ``"item"``
             writes ``pair['left']``.
 
@@ -282,12 +284,34 @@ def register_container(
         return keys, values
 
     def rebuilt(obj: Any, _keys: object, _old: object, new: list[Any]) -> Any:
-        return rebuild(obj, new)
+        result = rebuild(obj, new)
+        # What the user's rebuild gives is checked, as a built-in rebuild is: the same type,
+        # holding as many children (one dropped would be lost without a word).
+        if type(result) is not type(obj):
+            raise RegistrationError(_rebuilt_as(cls, f"a {type(result).__qualname__}"))
+        held = sum(1 for _ in children(result))
+        if held != len(new):
+            raise RegistrationError(
+                _rebuilt_as(
+                    cls, f"a {cls.__qualname__} holding {held} of the {len(new)} new children"
+                )
+            )
+        return result
 
     kind = Kind(CONTAINER, ATTR if keys == "attr" else ITEM, split, rebuilt)
     with _LOCK:
         _REGISTRY[cls] = kind
         _reset_cache()
+
+
+def _rebuilt_as(cls: type, what: str) -> str:
+    """The message for a ``rebuild=`` whose result is not ``cls`` with every new child."""
+    name = cls.__qualname__
+    return (
+        f"register_container({name}, rebuild=...) returned {what}\n"
+        f"fix: rebuild=lambda obj, new: {name}(*new), a new {name} holding each new child, "
+        f"in the order children= gives them"
+    )
 
 
 def _not_a_pair(cls: type, item: object) -> str:

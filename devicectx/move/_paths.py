@@ -59,8 +59,8 @@ def join(parent: str, style: int, key: object) -> str:
     """The path of the child at ``key`` of the object at path ``parent``."""
     if style == ITEM:
         return f"{parent}[{key_text(key)}]"
-    if style == ATTR:
-        return f"{parent}.{key}"
+    if style == ATTR:  # a registered container's keys may be no names (its indices)
+        return f"{parent}.{key}" if type(key) is str else f"{parent}[{key_text(key)}]"
     if style == MEMBER:
         return f"list({parent})[{key}]"
     if style == DUAL:
