@@ -212,7 +212,8 @@ def test_mapping_that_cannot_be_rebuilt_is_refused_not_half_moved() -> None:
         to_device({"m": KeywordMap(x=torch.zeros(1))}, "meta")
     assert [
         "to_device() could not move obj['m'] (a KeywordMap) to meta:",
-        "    KeywordMap cannot be rebuilt with its tensors moved: it is immutable, and "
+        "    KeywordMap cannot be rebuilt with its tensors moved: a copy of it takes no item "
+        "assignment (it is no MutableMapping), and "
         "KeywordMap(dict(new_items)) raised TypeError: KeywordMap takes keywords only",
         "fix: teach it with devicectx.register_container(KeywordMap, "
         "children=keywordmap_children, rebuild=keywordmap_rebuild), where you write def "

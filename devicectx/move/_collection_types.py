@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import Callable, MutableMapping, MutableSequence, MutableSet, Sequence
+from collections.abc import (
+    Callable,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    MutableSet,
+    Sequence,
+)
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from torch.nn.utils.rnn import PackedSequence
@@ -327,7 +335,14 @@ def _construct(
     elif isinstance(obj, (MutableMapping, MutableSequence, MutableSet)):
         how = "a copy of it cannot be updated, and"
     else:
-        how = "it is immutable, and"
+        mutable = (
+            "MutableMapping"
+            if isinstance(obj, Mapping)
+            else "MutableSet"
+            if isinstance(obj, AbstractSet)
+            else "MutableSequence"
+        )
+        how = f"a copy of it takes no item assignment (it is no {mutable}), and"
     try:
         made = tp(contents)
     except Exception as error:
