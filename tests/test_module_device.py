@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from devicectx import DeviceMismatchError, device_agnostic
+from devicectx.decorator import _module_watch
 from devicectx.decorator._target import Spread, _devices, module_device
 
 pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
@@ -65,6 +66,46 @@ def test_a_module_unchanged_is_walked_once() -> None:
     net[1][1]._parameters = Counted(net[1][1]._parameters)
     Counted.walks = 0
     assert [CPU] * 5 == [module_device(net) for _ in range(5)]
+    assert 1 == Counted.walks
+
+
+def test_changes_to_other_modules_keep_the_answer_without_a_walk() -> None:
+    """A loss module built at each step (its constructor registers a buffer), another
+    module moved or given a buffer: none of them is under the model, whose answer stands
+    without a walk, however large it is."""
+    net = model()
+    net[1][1]._parameters = Counted(net[1][1]._parameters)
+    other = nn.Linear(2, 2)
+    assert CPU == module_device(net)
+    Counted.walks = 0
+    for _ in range(3):
+        nn.CrossEntropyLoss()
+        other.to("meta")
+        other.register_buffer("seen", torch.zeros(1))
+        assert CPU == module_device(net)
+    assert 0 == Counted.walks
+
+
+def test_a_change_under_the_model_among_others_is_seen() -> None:
+    """Among changes to other modules, one to a module under the model: walked again."""
+    net = model()
+    assert CPU == module_device(net)
+    nn.CrossEntropyLoss()
+    net[1][1].to("meta")
+    nn.CrossEntropyLoss()
+    assert SPREAD == module_device(net)
+
+
+def test_more_changes_than_a_token_remembers_walk_again() -> None:
+    """Past the changes a token remembers, the model is walked again (what they touched
+    is no longer known), and the answer is still the truth."""
+    net = model()
+    net[1][1]._parameters = Counted(net[1][1]._parameters)
+    assert CPU == module_device(net)
+    Counted.walks = 0
+    for _ in range(_module_watch._REMEMBERED + 1):
+        nn.Identity().register_buffer("b", None)
+    assert CPU == module_device(net)
     assert 1 == Counted.walks
 
 
@@ -429,9 +470,10 @@ def tree() -> nn.Module:
     )
 )
 def test_cached_answer_equals_the_walk_after_any_moves(moves: list[tuple[int, str, bool]]) -> None:
-    """After any moves of any submodules between cpu and meta, each answer is the uncached one."""
-    net = tree()
-    modules = list(net.modules())
+    """After any moves of any submodules of two models between cpu and meta, each answer
+    is the uncached one: a move in one model leaves the other's answers standing, and
+    changes the moved module's and its ancestors'."""
+    modules = list(tree().modules()) + list(tree().modules())
     for index, device, check in moves:
         modules[index % len(modules)].to_empty(device=device)
         if check:  # also let the cache fill between moves, or not

@@ -29,12 +29,12 @@ _HOOKS = (
 
 
 def watch_modules(
-    after_apply: Callable[[], None], on_registration: Callable[[str], RegistrationHook]
+    after_apply: Callable[[nn.Module], None], on_registration: Callable[[str], RegistrationHook]
 ) -> bool:
-    """Call ``after_apply()`` when any ``Module._apply`` returns (or raises: a partial change
-    is a change), and ``on_registration(table)`` 's hook when a tensor or submodule is
-    registered in ``table`` (``"_parameters"``, ``"_buffers"``, ``"_modules"``), before
-    torch writes it.
+    """Call ``after_apply(module)`` when a module's ``_apply`` returns (or raises: a partial
+    change is a change), for each module it reaches (a child's before its parent's), and
+    ``on_registration(table)`` 's hook when a tensor or submodule is registered in
+    ``table`` (``"_parameters"``, ``"_buffers"``, ``"_modules"``), before torch writes it.
 
     Returns:
         False, and nothing installed, on a torch that lacks ``_apply`` or the hooks.
@@ -48,7 +48,7 @@ def watch_modules(
         try:
             return original(self, *args, **kwargs)
         finally:
-            after_apply()
+            after_apply(self)
 
     nn.Module._apply = _apply  # type: ignore[method-assign]
     _torch_module.register_module_parameter_registration_hook(on_registration("_parameters"))

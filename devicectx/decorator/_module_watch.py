@@ -9,8 +9,11 @@ constant time instead, from a cache that two things keep honest:
   ``.cpu()``, ``.half()``, ``to_empty()``, ``share_memory()``; with or without
   ``torch.__future__.set_swap_module_params_on_conversion``), and when a parameter, buffer
   or submodule is registered (``setattr``, ``register_buffer``, ``add_module``,
-  ``load_state_dict(assign=True)``). A cache entry holds the token it was computed under;
-  another token means walk again;
+  ``load_state_dict(assign=True)``). A cache entry holds the token it was computed under,
+  and the ids of the modules it was walked over; another token means walk again, unless
+  the token remembers every change since the entry's (its last 64, each to a module
+  named by id) and none was to one of those modules (a loss module built at each step,
+  another model moved);
 - a **sample**: the first tensor the walk met, checked at every hit to still sit in its
   slot (the same object, by id: the cache holds no reference to it, not even a weak one)
   on the device it had. That catches what torch does not report, where it changes every
@@ -39,7 +42,9 @@ change, so the entry is stale at once. Registration hooks run *before* torch wri
 tensor; the token they put in place carries that pending write, and no answer is stored
 under it until the write has landed (or the thread that made it has moved on).
 
-Not seen, until the next token: tensors written without torch's hooks
+Not seen, until the next change to the module: a tensor it shares with a module outside it
+(two models sharing a weight), moved through that one. Nor, until the next token: tensors
+written without torch's hooks
 (``module._parameters[name] = t``, ``param.data = t`` on a tensor other than the sample,
 ``torch.utils.swap_tensors`` called directly, ``functional_call`` given some of the
 parameters, ``ModuleList.insert``), and deletions (``del module.weight``,
@@ -67,7 +72,7 @@ import torch
 from torch import nn
 
 from devicectx._torch.module_hooks import watch_modules
-from devicectx._torch.module_tree import buffers_of, parameters_of
+from devicectx._torch.module_tree import buffers_of, parameters_of, submodules
 
 _T = TypeVar("_T")
 
@@ -144,13 +149,40 @@ def _held(module: nn.Module, table: str, name: str) -> object:
     return held[name] if held is not None and name in held else _ABSENT
 
 
+# How many changes a token remembers: an entry older than that is walked again.
+_REMEMBERED = 64
+
+
 class _Token:
-    """What cache entries are stored under; replaced, never changed, at each change."""
+    """What cache entries are stored under; replaced, never changed, at each change.
 
-    __slots__ = ("pending",)
+    It remembers which modules the last changes were made to (by id; None: not known,
+    which concerns every module): an entry stored under an earlier token whose module
+    holds none of them is still true, and is carried over without a walk.
+    """
 
-    def __init__(self, pending: tuple[_Write, ...] = ()) -> None:
+    __slots__ = ("changed", "pending", "serial")
+
+    def __init__(
+        self,
+        pending: tuple[_Write, ...] = (),
+        previous: _Token | None = None,
+        changed: int | None = None,
+    ) -> None:
         self.pending = pending
+        self.serial: int = 0 if previous is None else previous.serial + 1
+        # Oldest first, the change that made this token last.
+        self.changed: tuple[int | None, ...] = (
+            () if previous is None else (*previous.changed[1 - _REMEMBERED :], changed)
+        )
+
+    def since(self, earlier: _Token) -> tuple[int | None, ...] | None:
+        """The modules changed since ``earlier`` (this token's own change included); None
+        where this token no longer remembers them all."""
+        count = self.serial - earlier.serial
+        if count <= 0 or count > len(self.changed):
+            return None
+        return self.changed[-count:]
 
     def settled(self) -> bool:
         """Whether an answer walked from now on may be stored under this token."""
@@ -169,23 +201,28 @@ _installed = False
 _watching = False  # True once torch's hooks are in: only then is anything cached
 
 
-def _bump(write: _Write | None = None) -> None:
+def _bump(module: nn.Module | None = None, write: _Write | None = None) -> None:
+    """Replace the token: ``module`` changed (None: some module did)."""
+    changed = None if module is None else id(module)
     if _traced():
         # Dynamo traces a module built or moved in a compiled function: no lock (it cannot
         # enter one), and a plain store, which it replays after the graph.
-        _current[0] = _Token(_current[0].pending)
+        previous = _current[0]
+        _current[0] = _Token(previous.pending, previous, changed)
         return
     with _lock:  # so no bump is lost, and no pending write dropped
-        pending = _current[0].pending
+        previous = _current[0]
+        pending = previous.pending
         if pending:
             pending = tuple(w for w in pending if not w.landed())
-        _current[0] = _Token((*pending, write) if write is not None else pending)
+        pending = (*pending, write) if write is not None else pending
+        _current[0] = _Token(pending, previous, changed)
 
 
-def note_change() -> None:
-    """Tell the caches that some module changed in a way torch does not report (an
-    attribute devicectx reads, such as :func:`~devicectx.declare_spread`'s)."""
-    _bump()
+def note_change(module: nn.Module | None = None) -> None:
+    """Tell the caches that ``module`` (None: some module) changed in a way torch does not
+    report (an attribute devicectx reads, such as :func:`~devicectx.declare_spread`'s)."""
+    _bump(module)
 
 
 def _install() -> None:
@@ -200,20 +237,30 @@ def _install() -> None:
 
 def _on(table: str) -> Callable[[nn.Module, str, object], None]:
     def hook(module: nn.Module, name: str, value: object) -> None:
-        _bump(None if _traced() else _Write(module, table, name, value))
+        _bump(module, None if _traced() else _Write(module, table, name, value))
 
     return hook
 
 
 class _Entry(Generic[_T]):
     __slots__ = (
-        "device", "in_buffers", "mark", "module", "name", "owner", "tensor", "token", "value",
+        "device", "in_buffers", "mark", "members", "module", "name", "owner", "tensor",
+        "token", "value",
     )  # fmt: skip
 
-    def __init__(self, module: weakref.ref[nn.Module], token: _Token, value: _T) -> None:
+    def __init__(
+        self,
+        module: weakref.ref[nn.Module],
+        token: _Token,
+        value: _T,
+        members: frozenset[int],
+    ) -> None:
         self.module = module
         self.token = token
         self.value = value
+        # The ids of the module and of every module under it when walked: a change to
+        # another module leaves the answer true.
+        self.members = members
         # The sample; owner None: the module had no tensor. The tensor by its id: a weak
         # reference would make torch.utils.swap_tensors (and so .to()) refuse it.
         self.owner: weakref.ref[nn.Module] | None = None
@@ -244,6 +291,11 @@ class ModuleCache(Generic[_T]):
 
     def __call__(self, module: nn.Module) -> _T:
         entry = self._entries.get(id(module))
+        if entry is not None and entry.token is not _current[0]:
+            current = _current[0]
+            changed = current.since(entry.token)
+            if changed is not None and None not in changed and entry.members.isdisjoint(changed):
+                entry.token = current  # other modules changed: still true
         if entry is not None and entry.token is _current[0]:
             owner = entry.owner
             if owner is None:
@@ -278,7 +330,9 @@ class ModuleCache(Generic[_T]):
             ref = entry.module
         else:
             ref = weakref.ref(module, _forget(self._entries, key))
-        fresh = _Entry(ref, token, value)
+        # By identity: a module class with __eq__ and no __hash__ breaks modules().
+        members = frozenset(id(part) for _, part in submodules(module))
+        fresh = _Entry(ref, token, value, members)
         if sample is not None:
             owner, in_buffers, tensor, device, mark = sample
             table = buffers_of(owner) if in_buffers else parameters_of(owner)

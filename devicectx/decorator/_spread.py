@@ -528,7 +528,7 @@ def declare_spread(module: nn.Module, *, inputs: DeviceLike = None) -> nn.Module
     """
     device = None if inputs is None else resolve_device(inputs)
     object.__setattr__(module, DECLARED, device)  # a plain attribute, not a registration
-    note_change()  # cached answers about this module are stale
+    note_change(module)  # cached answers about this module are stale
     return module
 
 
