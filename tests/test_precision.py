@@ -610,6 +610,51 @@ def test_decorated_body_on_meta_runs_in_full_precision() -> None:
     assert (torch.device("meta"), torch.float32) == (made.device, made.dtype)
 
 
+@device_agnostic(device="cpu", precision="32")
+def _full(a: torch.Tensor) -> tuple[torch.dtype, bool]:
+    return (a @ a).dtype, torch.is_autocast_enabled("cpu")
+
+
+def test_a_decorated_32_body_leaves_an_outer_autocast_and_enters_none_outside() -> None:
+    """precision="32": inside the caller's bf16 region the body computes in float32 (the
+    region is left); outside any region, it runs as it is (no region to leave)."""
+    a = torch.ones(2, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (torch.float32, False) == _full(a)
+        assert torch.is_autocast_enabled("cpu")
+    assert (torch.float32, False) == _full(a)
+
+
+def test_a_decorated_call_chooses_its_precision_once_per_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The choice is made at the first call on a device and kept with the device's
+    capabilities: forgotten with them, then made again."""
+    from devicectx.decorator import _plan
+    from devicectx.devices._capabilities import CAPABILITIES
+
+    choices: list[object] = []
+    choose = _plan.choose_precision
+
+    def counted(device: Any, precision: Any) -> Precision:
+        choices.append(device)
+        return choose(device, precision)
+
+    monkeypatch.setattr(_plan, "choose_precision", counted)
+
+    @device_agnostic(device="cpu", precision="bf16-mixed")
+    def product(a: torch.Tensor) -> torch.Tensor:
+        return a @ a
+
+    a = torch.ones(2, 2)
+    CAPABILITIES.clear()  # choices other tests made for the CPU are shared: none left
+    assert [torch.bfloat16] * 3 == [product(a).dtype for _ in range(3)]
+    assert 1 == len(choices)
+    CAPABILITIES.clear()
+    assert torch.bfloat16 == product(a).dtype
+    assert 2 == len(choices)
+
+
 def test_decorator_refuses_a_misspelt_precision_at_decoration() -> None:
     """A misspelt precision fails when the function is decorated."""
     with pytest.raises(InvalidPrecisionError, match="'fp16'"):

@@ -45,13 +45,19 @@ from devicectx.decorator._target import (
     shared_devices,
     unwrap,
 )
+from devicectx.devices._capabilities import CAPABILITIES
 from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move, _repeats
 from devicectx.move._distributed import wrapper_name
 from devicectx.move._dtypes import DtypesLike, arguments_code, check_dtypes, holds_any
 from devicectx.move._unseen import is_device_mismatch
 from devicectx.move._walk import NotPlain, plain_device_uncast
-from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
+from devicectx.scope._precision import (
+    Precision,
+    PrecisionName,
+    check_precision_name,
+    choose_precision,
+)
 from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
 from devicectx.scope._stack import (
     active_device,
@@ -62,6 +68,7 @@ from devicectx.scope._stack import (
 )
 
 _Module = nn.Module
+_PRECISION = "precision"  # the key of a call's precision among CAPABILITIES.derived
 _Tensor = torch.Tensor
 _Device = torch.device
 # Why the target is what it is, where no rule chose it: the tensor arguments agreed on it.
@@ -387,7 +394,14 @@ class Plan:
         """The autocast the body runs under, for the target (or, with none, the default)."""
         assert self.precision is not None
         device = target if target is not None else current_device()
-        return choose_precision(device, cast(PrecisionName, self.precision)).autocast()
+        # Chosen once per device (a choice costs more than the call): kept with the
+        # device's capabilities, and forgotten with them.
+        key = (_PRECISION, device, self.precision)
+        chosen = CAPABILITIES.derived.get(key)
+        if chosen is None:
+            chosen = choose_precision(device, cast(PrecisionName, self.precision))
+            CAPABILITIES.derived[key] = chosen
+        return cast(Precision, chosen).autocast()
 
     def prepare(
         self,

@@ -117,20 +117,30 @@ class Precision:
         """The context manager that runs a block in this precision.
 
         ``torch.autocast(device_type, dtype=dtype)`` for a mixed precision;
-        ``torch.autocast(device_type, enabled=False)`` for ``"32"``, so a block that asks
-        for full precision gets it inside an outer autocast region too; a context that
-        does nothing on ``meta`` and on device types without autocast.
+        ``torch.autocast(device_type, enabled=False)`` for ``"32"`` inside an outer
+        autocast region, so a block that asks for full precision gets it there too; a
+        context that does nothing elsewhere (no region to leave: entering one would cost
+        more than most decorated calls), on ``meta`` and on device types without autocast.
         """
         if self.dtype is not None:
             return torch.autocast(self.device_type, dtype=self.dtype)
-        if self.device_type != "meta" and _has_autocast(self.device_type):
-            return torch.autocast(self.device_type, enabled=False)
+        kind = self.device_type
+        if kind != "meta" and _has_autocast(kind) and _autocasting(kind):
+            return torch.autocast(kind, enabled=False)
         return contextlib.nullcontext()
 
 
 @constant  # dynamo cannot trace the C function: it calls this once, while tracing
 def _has_autocast(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type)
+
+
+def _autocasting(device_type: str) -> bool:
+    """Whether an autocast region is on for ``device_type`` here; while dynamo traces,
+    taken to be (the region is left, as before: no guard on torch's state to add)."""
+    if torch.compiler.is_compiling():
+        return True
+    return bool(torch.is_autocast_enabled(device_type))
 
 
 def choose_precision(device: DeviceLike, precision: PrecisionName) -> Precision:
