@@ -462,7 +462,12 @@ def _move(
     # Traced code keeps no state (and dynamo cannot trace ContextVar.get): nothing recorded.
     paths = None if compiling else _transfers.paths_if_tracked(obj, name)
     staged = None
-    if coalesce and device not in STATE.never and (skip is None or not skip.slow):
+    if (
+        coalesce
+        and device not in STATE.never
+        and (skip is None or not skip.slow)
+        and not _staging.declines_alone(obj)
+    ):
         # The staged tensors' results go into mover.moved, where the walk finds them;
         # `staged` holds what their ids belong to until the walk is done.
         staged = _staging.stage(obj, device, non_blocking, _types(skip), handed)

@@ -74,6 +74,7 @@ __all__ = [
     "Staged",
     "StagingState",
     "Thresholds",
+    "declines_alone",
     "forced",
     "forget_accelerator",
     "stage",
@@ -163,6 +164,20 @@ def stage(
         return None
     keep.append(found)
     return Staged(results, [found[source] for source in results], keep)
+
+
+def declines_alone(obj: object) -> bool:
+    """Whether ``obj`` is a tensor alone whose move would stage nothing (smaller than a
+    move staged for its bytes alone), told before :func:`stage` looks for a pinned host:
+    the common ``to_device(x, device)`` pays nothing for staging."""
+    state = STATE
+    if type(obj) is not torch.Tensor or state.forced is not None:
+        return False
+    tensor: torch.Tensor = obj
+    thresholds = state.thresholds or THRESHOLDS
+    if thresholds.min_tensors <= 1:
+        return False
+    return tensor.layout != torch.strided or tensor.nbytes < thresholds.stage_min_bytes
 
 
 def _index_of(device: torch.device, kind: str) -> torch.device | None:
