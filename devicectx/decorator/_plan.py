@@ -68,6 +68,10 @@ from devicectx.scope._stack import (
 )
 
 _Module = nn.Module
+# What Plan.call's look at a call's arguments found, handed to Plan.prepare.
+_Scanned = tuple[
+    torch.device | None, bool, nn.Module | None, tuple[Any, ...] | None, torch.device | None
+]
 _PRECISION = "precision"  # the key of a call's precision among CAPABILITIES.derived
 _Tensor = torch.Tensor
 _Device = torch.device
@@ -255,7 +259,9 @@ class Plan:
             module = instance
             if optimizers is None:  # a method of the model: an optimizer argument beside it
                 optimizers = optimizer_arguments(args, kwargs)
+        targeted = False
         if module is not None and uniform:
+            targeted = True
             requested = target if option is not None else None
             target = self._target(module, requested, wrapped, instance, args, kwargs)
         if (
@@ -271,7 +277,12 @@ class Plan:
             if self.to_input:
                 back = first
         else:
-            args, kwargs, target, back = self.prepare(wrapped, instance, args, kwargs)
+            # What the look above found is prepare()'s first step, where it looked at all
+            # the arguments (nothing excluded) and chose the target by every rule.
+            scanned = None
+            if self.exclude is None and casts is None and (module is None or targeted):
+                scanned = (first, uniform, module, optimizers, target)
+            args, kwargs, target, back = self.prepare(wrapped, instance, args, kwargs, scanned)
         if self.kind != FUNCTION:
             return self._start(wrapped, args, kwargs, target, back)
         try:  # costs nothing where the body returns (Python 3.11's zero-cost try)
@@ -409,8 +420,13 @@ class Plan:
         instance: object,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        scanned: _Scanned | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any], torch.device | None, torch.device | None]:
         """Choose the target, then move or check the inputs.
+
+        ``scanned``: what :meth:`call`'s look at the arguments found (their first device,
+        whether they agree, the module, the optimizers, and the target its rules chose),
+        where it looked at them all; None: look here.
 
         Returns:
             ``(args, kwargs, target, back)``: the arguments to call with; the target
@@ -421,19 +437,22 @@ class Plan:
         offset = self_offset(wrapped, instance)
         held = None if self.exclude is None else Held(self.exclude, args, kwargs, offset)
         seen_args, seen_kwargs = (args, kwargs) if held is None else (held.args, held.kwargs)
-        option = self.device
-        # Rules 1 and 3 first, so the scan can test the inputs against a known device.
-        target = (option.fixed or option.resolve()) if option is not None else active_device()
-        first, uniform, module, optimizers = scan(
-            seen_args if not seen_kwargs else (*seen_args, *seen_kwargs.values()), target
-        )
-        if instance is not None and isinstance(instance, _Module):
-            module = instance
-            if optimizers is None:  # a method of the model: an optimizer argument beside it
-                optimizers = optimizer_arguments(seen_args, seen_kwargs)
-        if module is not None:  # rule 2, between them
-            requested = target if option is not None else None
-            target = self._target(module, requested, wrapped, instance, args, kwargs)
+        if scanned is not None:
+            first, uniform, module, optimizers, target = scanned
+        else:
+            option = self.device
+            # Rules 1 and 3 first, so the scan can test the inputs against a known device.
+            target = (option.fixed or option.resolve()) if option is not None else active_device()
+            first, uniform, module, optimizers = scan(
+                seen_args if not seen_kwargs else (*seen_args, *seen_kwargs.values()), target
+            )
+            if instance is not None and isinstance(instance, _Module):
+                module = instance
+                if optimizers is None:  # a method of the model: an optimizer argument beside it
+                    optimizers = optimizer_arguments(seen_args, seen_kwargs)
+            if module is not None:  # rule 2, between them
+                requested = target if option is not None else None
+                target = self._target(module, requested, wrapped, instance, args, kwargs)
         home = first
         if not uniform:  # the slow path: which tensors are where, by name
             found = self._found(seen_args, seen_kwargs, offset)
