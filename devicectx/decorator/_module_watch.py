@@ -206,9 +206,10 @@ def _bump(module: nn.Module | None = None, write: _Write | None = None) -> None:
     changed = None if module is None else id(module)
     if _traced():
         # Dynamo traces a module built or moved in a compiled function: no lock (it cannot
-        # enter one), and a plain store, which it replays after the graph.
+        # enter one), and a plain store, which it replays after the graph. The change is
+        # recorded as to no module in particular: every entry is walked again.
         previous = _current[0]
-        _current[0] = _Token(previous.pending, previous, changed)
+        _current[0] = _Token(previous.pending, previous, None)
         return
     with _lock:  # so no bump is lost, and no pending write dropped
         previous = _current[0]
