@@ -1199,14 +1199,9 @@ def test_a_source_another_current_stream_still_writes_is_read_after_it() -> None
         assert list(range(8)) == moved["y"].cpu().tolist()
 
 
-@needs_emulated
-def test_a_pass_whose_loader_raised_is_freed_without_the_collector(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A loader's error raised in its turn and handled: once the caller lets go, the pass
-    and its thread go too, without the cyclic collector (the error's traceback holds the
-    frame that read it, which held the error: a cycle)."""
-    device = accelerator()
+@pytest.fixture
+def mover_threads(monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
+    """The thread of each batch a prefetcher moves, in order, for the test to look at."""
     threads: list[threading.Thread] = []
     move = _prefetch._move_batch
 
@@ -1214,11 +1209,24 @@ def test_a_pass_whose_loader_raised_is_freed_without_the_collector(
         threads.append(threading.current_thread())
         return move(*args, **kwargs)
 
+    monkeypatch.setattr(_prefetch, "_move_batch", spied)
+    return threads
+
+
+@needs_emulated
+def test_a_pass_whose_loader_raised_is_freed_without_the_collector(
+    mover_threads: list[threading.Thread],
+) -> None:
+    """A loader's error raised in its turn and handled: once the caller lets go, the pass
+    and its thread go too, without the cyclic collector (the error's traceback holds the
+    frame that read it, which held the error: a cycle)."""
+    device = accelerator()
+    threads = mover_threads
+
     def requests() -> Iterator[dict[str, torch.Tensor]]:
         yield {"x": torch.ones(1)}
         raise ValueError("a bad request")
 
-    monkeypatch.setattr(_prefetch, "_move_batch", spied)
     with collector_off():
         with pytest.raises(ValueError, match="a bad request"):
             for _ in prefetch(requests(), device):
@@ -1231,19 +1239,12 @@ def test_a_pass_whose_loader_raised_is_freed_without_the_collector(
 @needs_emulated
 @pytest.mark.parametrize("end", ["close", "drop"])
 def test_batches_are_moved_on_a_thread_of_their_own_which_ends_with_the_prefetcher(
-    monkeypatch: pytest.MonkeyPatch, end: str
+    mover_threads: list[threading.Thread], end: str
 ) -> None:
     """With streams, every batch is moved on one thread of the prefetcher's own, not the
     caller's, with the caller's context; close(), or dropping the prefetcher, ends it."""
     device = accelerator()
-    threads: list[threading.Thread] = []
-    move = _prefetch._move_batch
-
-    def spied(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread())
-        return move(*args, **kwargs)
-
-    monkeypatch.setattr(_prefetch, "_move_batch", spied)
+    threads = mover_threads
     with track_transfers() as transfers:
         batches = prefetch([detection_like(i) for i in range(4)], device, depth=2)
         for _ in batches:

@@ -228,48 +228,26 @@ def spread_strays(
     return _error(function, what, shown, target, reason, fix, count=False)
 
 
-def optimizer_left_behind(
+def optimizer_stopped(
     function: str,
-    optimizer: str,
-    kind: str,
+    what: str,
     found: Mapping[torch.device, Sequence[str]],
     target: torch.device,
     reason: str,
     fix: str,
 ) -> DeviceMismatchError:
-    """An optimizer argument holding parameters no module of the call holds, off
-    ``target``: those a move replaced (:func:`devicectx.decorator._optimizers.left_behind`).
+    """An optimizer argument stopped before the body
+    (:mod:`devicectx.decorator._optimizers`): holding parameters a move replaced, or
+    state off its parameters' devices.
 
     Args:
-        optimizer: how the call names it (``"optimizer"``); ``kind``: its class name.
-        found: each device with the paths of those parameters
-            (``optimizer.param_groups[0]['params'][1]``).
-        fix: the code that points it at the module's parameters, or how to rebuild it.
+        what: the optimizer as the call names it, and what is wrong with it
+            (``"optimizer (SGD) stepping parameters no module of the call holds"``).
+        found: each device with the paths of what is there
+            (``optimizer.param_groups[0]['params'][1]``,
+            ``optimizer.state[<Parameter (2, 4) on cuda:0>]['exp_avg']``).
+        fix: the code that mends it, or how to rebuild it.
     """
-    what = f"{optimizer} ({kind}) stepping parameters no module of the call holds"
-    return _error(function, what, found, target, reason, fix, count=False)
-
-
-def optimizer_state_behind(
-    function: str,
-    optimizer: str,
-    kind: str,
-    found: Mapping[torch.device, Sequence[str]],
-    target: torch.device,
-    reason: str,
-    fix: str,
-) -> DeviceMismatchError:
-    """An optimizer argument whose state is off its parameters' devices (the model moved
-    in place after it stepped): :func:`devicectx.decorator._optimizers.state_left_behind`.
-
-    Args:
-        found: each device with the paths of that state
-            (``optimizer.state[<Parameter (2, 4) on cuda:0>]['exp_avg']``).
-    """
-    what = (
-        f"{optimizer} ({kind}) with state off its parameters' devices (a step would fail in "
-        f"torch after changing part of it)"
-    )
     return _error(function, what, found, target, reason, fix, count=False)
 
 

@@ -134,7 +134,11 @@ def state_left_behind(
             path for device, paths in found.items() if device.type != "cpu" for path in paths
         ]
         fix = optimizer_state_fix(name, kind, off_cpu)
-        return _mismatch.optimizer_state_behind(function, name, kind, found, target, reason, fix)
+        what = (
+            f"{name} ({kind}) with state off its parameters' devices (a step would fail in "
+            f"torch after changing part of it)"
+        )
+        return _mismatch.optimizer_stopped(function, what, found, target, reason, fix)
     return None
 
 
@@ -207,7 +211,8 @@ def left_behind(
         stale = {g for g, _, _ in strays}
         fix = _fix(name, optimizer, stale, modules, target)
         kind = type(optimizer).__name__
-        return _mismatch.optimizer_left_behind(function, name, kind, found, target, reason, fix)
+        what = f"{name} ({kind}) stepping parameters no module of the call holds"
+        return _mismatch.optimizer_stopped(function, what, found, target, reason, fix)
     return None
 
 
