@@ -270,11 +270,11 @@ def traced_call(
         refused = _dtype_refused(leaves, chosen, plan.written, f"{plan.name}()")
         if refused is not None:
             return _refuse(TracedDtypeError, refused, plan, wrapped, instance, args, kwargs)
-        if chosen.type != _META.type:  # shapes only: the eager move refuses it, with the fix
-            empty = [path for path, tensor in leaves if tensor.is_meta]
-            if empty:
-                message = _meta_message(plan.name, empty, chosen)
-                return _break_to_eager(message, plan, wrapped, instance, args, kwargs)
+        # Shapes only, to a device with data: the eager move refuses it, with the fix.
+        empty = [path for path, tensor in leaves if tensor.is_meta and tensor.device != chosen]
+        if empty:
+            message = _meta_message(plan.name, empty, chosen)
+            return _break_to_eager(message, plan, wrapped, instance, args, kwargs)
         args, kwargs = _traced_move(plan, (args, kwargs), chosen, offset)
     result = _traced_body(plan, target, wrapped, args, kwargs)
     if back is None:
