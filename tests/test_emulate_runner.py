@@ -123,7 +123,7 @@ def test_a_thread_pool_alive_at_the_end_lets_the_process_end(tmp_path: Path) -> 
             [*RUNNER, "--devices", "1", str(script)],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=600,  # a safety net: the script ends in seconds, or never
             check=False,
         )
     except subprocess.TimeoutExpired:

@@ -85,12 +85,7 @@ def state_off(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
                 continue
             device = params[0].device
             for value in held.values():
-                if (
-                    isinstance(value, _Tensor)
-                    and value.device != device
-                    and (value.dim() != 0 or value.device.type != "cpu")
-                    and _torchs(optimizer)
-                ):
+                if _off(value, device) and _torchs(optimizer):
                     return True
     return False
 
@@ -99,17 +94,20 @@ def _torchs(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer).__module__.startswith("torch.optim")
 
 
-def _behind(parameter: torch.Tensor, held: dict[Any, Any]) -> list[tuple[Any, torch.device]]:
-    """The keys of ``held`` (a parameter's state) whose tensors are off its device; a
+def _off(value: object, device: torch.device) -> bool:
+    """Whether ``value``, in the state of a parameter on ``device``, is a tensor off it; a
     0-dim CPU tensor (Adam's step counter) is at home anywhere, as torch keeps it."""
-    device = parameter.device
-    return [
-        (key, value.device)
-        for key, value in held.items()
-        if isinstance(value, torch.Tensor)
+    return (
+        isinstance(value, _Tensor)
         and value.device != device
-        and not (value.dim() == 0 and value.device.type == "cpu")
-    ]
+        and (value.dim() != 0 or value.device.type != "cpu")
+    )
+
+
+def _behind(parameter: torch.Tensor, held: dict[Any, Any]) -> list[tuple[Any, torch.device]]:
+    """The keys of ``held`` (a parameter's state) whose tensors are off its device."""
+    device = parameter.device
+    return [(key, value.device) for key, value in held.items() if _off(value, device)]
 
 
 def state_left_behind(
