@@ -33,7 +33,13 @@ from _diagnostics import section_diagnostics
 from _imports import section_import
 from _prefetch import section_prefetch
 from _report import TOLERANCE, Row, judge, render, rows_from, times
-from _targets import decorator_off_default, entry, in_block, off_default_devices
+from _targets import (
+    decorator_off_default,
+    entry,
+    in_block,
+    moved_off_default,
+    off_default_devices,
+)
 from _timing import Config, Measurement, Subject, as_json, bind, fmt_ns, measure_group
 from _transfer import section_transfer
 from _trees import (
@@ -178,6 +184,8 @@ def section_decorator(config: Config, trees: list[Tree]) -> tuple[Section, list[
     for device in off_default_devices():  # a non-default target: each call enters a scope
         cases[f"flat3 on {device}"], off_rows = decorator_off_default(config, device)
         rows.extend(off_rows)
+        cases[f"flat3 to {device}"], moved_rows = moved_off_default(config, device)
+        rows.extend(moved_rows)
     return {"device": str(CPU), "cases": cases}, rows
 
 

@@ -102,14 +102,15 @@ def _off_default() -> list[str]:
 def test_sections_cover_their_cases(run: dict[str, Any]) -> None:
     """Decorator, move and find sections cover the flat, nested and two many-leaf trees;
     the decorator section also each tree under a dtype policy, a decorated module forward
-    and three tensors on each device that is not the default; the scope section each op,
+    and three tensors on each device that is not the default, there already and moved
+    there at each call; the scope section each op,
     the BERT forwards and a block's entry on each such device (with an accelerator, also a
     BERT forward on it)."""
     report = run["json"]
     decorator = list(report["decorator"]["cases"])
     trees = decorator[:4]
     assert ["flat3", "nested"] == trees[:2]
-    off = [f"flat3 on {device}" for device in _off_default()]
+    off = [f"flat3 {where} {device}" for device in _off_default() for where in ("on", "to")]
     policies = [f"{tree} dtypes=" for tree in trees]  # each tree with a dtype policy
     assert [*trees, *policies, "forward", *off] == decorator
     assert [*trees, "aliased_10"] == list(report["move"]["cases"])
@@ -146,11 +147,21 @@ def test_peers_all_ran(run: dict[str, Any]) -> None:
     for section in ("decorator", "move"):
         for key, case in run["json"][section]["cases"].items():
             # the model; the calls on a device not the default, beside send_to_device
-            # alone; the dtype policy, against the same decorated call without it
-            if key == "forward" or key.startswith("flat3 on ") or key.endswith(" dtypes="):
+            # and .to alone; the dtype policy, against the same decorated call without it
+            if key == "forward" or key.startswith("flat3 ") or key.endswith(" dtypes="):
                 continue
             for peer in PEERS:
                 assert "ok" == case["subjects"][peer]["status"], (section, peer)
+
+
+def test_moves_at_each_call_measured_beside_the_copies_alone(run: dict[str, Any]) -> None:
+    """Three small tensors moved to each device that is not the default are timed with
+    to_device, the decorated call, send_to_device and .to on each (the floor)."""
+    for device in _off_default():
+        case = run["json"]["decorator"]["cases"][f"flat3 to {device}"]
+        names = [".to each", "to_device", f"@device_agnostic(device={str(device)!r})"]
+        assert [*names, "send_to_device"] == list(case["subjects"])
+        assert all("ok" == subject["status"] for subject in case["subjects"].values())
 
 
 def test_decorated_forward_measured(run: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from devicectx import find_devices, to_device
 from devicectx.move import _rebuild
+from devicectx.move._move import move_call
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
@@ -211,6 +212,27 @@ def test_explicit_stack_walk_gives_the_same(batch: Any) -> None:
         for b, b_explicit in pairs[i + 1 :]:
             assert (a is b) == (a_explicit is b_explicit)
             assert (a._base is b) == (a_explicit._base is b_explicit)
+
+
+@given(st.lists(batches, max_size=3), st.dictionaries(st.sampled_from("xyz"), batches, max_size=2))
+def test_a_calls_arguments_move_as_the_same_structure_would(
+    args: list[Any], kwargs: dict[str, Any]
+) -> None:
+    """A call's arguments, moved as one (the decorator's move, whose walk reads the
+    positional ones as a tuple and the keyword ones as a dict), come back as
+    ``to_device((args, kwargs))`` gives them: the same structure, aliasing and views
+    across arguments; nothing moved gives back the very same objects."""
+    whole = to_device((tuple(args), kwargs), META)
+    moved = move_call(tuple(args), kwargs, META, names=("a", "b"))
+    assert skeleton(whole) == skeleton(moved)
+    pairs = list(zip(positioned(whole), positioned(moved), strict=True))
+    for i, (a, a_call) in enumerate(pairs):
+        assert (a._base is None) == (a_call._base is None)
+        for b, b_call in pairs[i + 1 :]:
+            assert (a is b) == (a_call is b_call)
+            assert (a._base is b) == (a_call._base is b_call)
+    again = move_call(*moved, META, names=("a", "b"))
+    assert all(x is y for x, y in zip(again, moved, strict=True))
 
 
 # Dataclasses that are also mappings (transformers' ModelOutput is one): two views of the

@@ -29,7 +29,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from devicectx import MoveError, to_device
+from devicectx import MoveError, device_agnostic, to_device
 from devicectx.move import _pinned, _staging, _streams
 from devicectx.move._staging._state import STATE, swapped
 from devicectx.move._walk import collect
@@ -425,3 +425,86 @@ def test_the_copy_stream_block_restores_device_and_stream_on_an_error() -> None:
         1 / 0  # noqa: B018
     assert index == torch.accelerator.current_device_index()
     assert before == torch.accelerator.current_stream(second)
+
+
+# A batch too small to stage, told before staging looks: the real thresholds (4 small
+# tensors, or 1 MiB), around their edges.
+_SIZES = st.sampled_from([1, 16, 16_384, 131_072, 262_144])  # floats: up to 1 MiB a tensor
+_leaves = st.one_of(
+    st.builds(lambda n: torch.zeros(n), _SIZES),
+    st.builds(lambda n: torch.zeros(n, device=accelerator()), _SIZES),
+    st.sampled_from(["name", 3, None]),
+)
+_plain_batches = st.recursive(
+    _leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5),
+        st.lists(inner, max_size=5).map(tuple),
+        st.dictionaries(st.sampled_from("abcde"), inner, max_size=5),
+    ),
+    max_leaves=7,
+)
+
+
+@settings(max_examples=60)
+@given(batch=_plain_batches)
+def test_a_batch_staging_is_said_to_decline_stages_nothing(batch: Any) -> None:
+    """Where ``_staging.declines`` says a move of plain dicts, lists and tuples is too
+    small to stage (told from the batch alone, before any pinned host), the staging look
+    itself stages nothing of it: the move engine skips that look for such batches."""
+    device = accelerator()
+    declined = _staging.declines(batch, device)
+    event(f"declines: {declined}")
+    if declined:
+        assert _staging.stage(batch, device, False, ()) is None
+
+
+def test_the_decline_is_told_at_the_thresholds_edges() -> None:
+    """Three small tensors off the device decline, four do not, nor 1 MiB in two; tensors
+    already on the device do not count; a container of another kind is left to the look."""
+    device = accelerator()
+    small = [torch.zeros(4) for _ in range(4)]
+    there = torch.zeros(4, device=device)
+    assert _staging.declines({"x": small[0], "y": small[1:3], "n": "b0"}, device)
+    assert not _staging.declines((small[0], [small[1], {"z": small[2]}], small[3]), device)
+    assert _staging.declines((*small[:3], there, there), device)
+    assert not _staging.declines([torch.zeros(131_072), torch.zeros(131_072)], device)
+    assert not _staging.declines(Pair(small[0], small[1]), device)
+
+
+def test_a_move_of_a_few_small_tensors_skips_the_staging_look(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``to_device`` and a decorated call of a training step's batch (three small tensors,
+    a model beside them) never reach the staging look; a batch of four small tensors does,
+    and is staged."""
+    device = accelerator()
+    looked: list[object] = []
+    stage = _staging.stage
+
+    def watched(obj: Any, *args: Any) -> Any:
+        looked.append(obj)
+        return stage(obj, *args)
+
+    monkeypatch.setattr(_staging, "stage", watched)
+    model = nn.Linear(2, 2).to(device)
+
+    @device_agnostic(device=device)
+    def step(model: nn.Module, x: torch.Tensor, batch: dict[str, torch.Tensor]) -> None:
+        pass
+
+    x, y, mask = torch.zeros(2, 2), torch.zeros(2), torch.ones(2)
+    moved = to_device({"x": x, "y": y, "mask": mask}, device)
+    step(model, x, {"y": y, "mask": mask})
+    assert [] == looked
+    assert all(t.device == device for t in moved.values())
+    with staged_counts() as counts:
+        to_device([x, y, mask, torch.zeros(3)], device)
+    assert len(looked) == 1
+    assert [4] == counts
+
+
+@dataclasses.dataclass
+class Pair:
+    first: torch.Tensor
+    second: torch.Tensor

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -51,7 +51,7 @@ from devicectx.move._dtypes import (
 )
 from devicectx.move._kinds import CONTAINER, Kind
 from devicectx.move._paths import NAME
-from devicectx.move._rebuild import Fix, Rebuild
+from devicectx.move._rebuild import Call, Fix, Rebuild
 from devicectx.move._skip import Skip, SkipLike, compile_skip, unmatched, unmatched_message
 from devicectx.move._staging._state import STATE
 from devicectx.move._traced import TracedMove
@@ -261,7 +261,11 @@ def to_device(
     if skip is None and dtypes is None and holds_every_dtype(target):
         if _nothing_to_move(obj, target, ()):
             return obj
-        fix = _to_device_fix(target, "obj")
+        fix = _FIXES.get(target)
+        if fix is None:
+            fix = _to_device_fix(target, "obj")
+            if len(_FIXES) < 64:
+                _FIXES[target] = fix
         return _move(obj, target, non_blocking, None, "obj", fix, "to_device()", coalesce)
     fix = _to_device_fix(target, "obj", non_blocking, skip, coalesce, dtypes)
     compiled = compile_skip(skip)
@@ -302,6 +306,8 @@ def _optimizer_unmoved(optimizer: torch.optim.Optimizer, target: torch.device) -
     )
 
 
+# The fix of a failed to_device(obj, target) with no other argument, written once per target.
+_FIXES: dict[torch.device, Fix] = {}
 # Explicit specs whose resolution cannot change: resolving costs more than a small move.
 _RESOLVED: dict[str | torch.device, torch.device] = {}
 
@@ -401,7 +407,7 @@ def move_call(
     policy = policy_for(dtypes, device)
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
         values = (*args, *kwargs.values())
-        call = _Call(args, kwargs, names, rest)
+        call = Call(args, kwargs, names, rest)
         cast = policy.apply(
             call, compiled, "", who, _call_fix, _decorator_suggest(written), values, parameters
         )
@@ -411,7 +417,7 @@ def move_call(
             return args, kwargs
     elif not compiled.slow and _nothing_to_move((args, kwargs), device, compiled.types):
         return args, kwargs
-    call = _Call(args, kwargs, names, rest)
+    call = Call(args, kwargs, names, rest)
     moved = _move(
         call,
         device,
@@ -466,7 +472,7 @@ def _move(
         coalesce
         and device not in STATE.never
         and (skip is None or not skip.slow)
-        and not _staging.declines_alone(obj)
+        and not _staging.declines(_root(obj), device, _types(skip))
     ):
         # The staged tensors' results go into mover.moved, where the walk finds them;
         # `staged` holds what their ids belong to until the walk is done.
@@ -482,6 +488,11 @@ def _move(
         _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
     del staged
     return result  # type: ignore[no-any-return]
+
+
+def _root(obj: object) -> object:
+    """What staging looks at: a call's arguments as plain containers."""
+    return (obj.args, obj.kwargs) if type(obj) is Call else obj
 
 
 def _types(skip: Skip | None) -> tuple[type, ...]:
@@ -557,33 +568,13 @@ def _call_fix(path: str) -> str:
     )
 
 
-class _Call:
-    """The arguments of one call, as a container whose children are named by parameter."""
-
-    __slots__ = ("args", "keys", "kwargs")
-
-    def __init__(
-        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], names: Sequence[str], rest: str
-    ) -> None:
-        self.args = args
-        self.kwargs = dict(kwargs)
-        named = len(names)
-        self.keys = [
-            names[i] if i < named else f"{rest}[{i - named}]" for i in range(len(args))
-        ] + list(kwargs)
+def _split_call(call: Call) -> tuple[list[str], list[Any]]:
+    return call.keys(), [*call.args, *call.kwargs.values()]
 
 
-def _split_call(call: _Call) -> tuple[list[str], list[Any]]:
-    return call.keys, [*call.args, *call.kwargs.values()]
-
-
-def _rebuild_call(call: _Call, keys: object, old: object, new: list[Any]) -> _Call:
+def _rebuild_call(call: Call, keys: object, old: object, new: list[Any]) -> Call:
     count = len(call.args)
-    moved = _Call.__new__(_Call)
-    moved.args = tuple(new[:count])
-    moved.kwargs = dict(zip(call.kwargs, new[count:], strict=True))
-    moved.keys = call.keys
-    return moved
+    return call.with_values(tuple(new[:count]), dict(zip(call.kwargs, new[count:], strict=True)))
 
 
-register_builtin_kind(_Call, Kind(CONTAINER, NAME, _split_call, _rebuild_call))
+register_builtin_kind(Call, Kind(CONTAINER, NAME, _split_call, _rebuild_call))

@@ -28,7 +28,7 @@ meets it: each module's tensors are adopted by the mover as it moves
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ from devicectx.move._kinds import (
     Kind,
 )
 from devicectx.move._own_to import left_behind, lost_lock, off, own_to
-from devicectx.move._paths import ITEM, MEMBER, build, join
+from devicectx.move._paths import ITEM, MEMBER, NAME, build, join
 from devicectx.move._skip import PredicateFailed, Skip
 from devicectx.move._unmaterialised import unmaterialised
 from devicectx.move._walk import all_on, iter_tensors, module_on
@@ -114,6 +114,33 @@ class _Frame:
         self.new: list[Any] = []  # those rebuilt so far
         self.changed = False  # whether one of ``new`` is not its old child
         self.path = path  # the container's path, where ``skip`` needs paths
+
+
+class Call:
+    """The arguments of one call, as a container whose children are named by parameter."""
+
+    __slots__ = ("args", "kwargs", "names", "rest")
+
+    def __init__(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], names: Sequence[str], rest: str
+    ) -> None:
+        self.args = args
+        self.kwargs = dict(kwargs)
+        self.names = names
+        self.rest = rest
+
+    def with_values(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+        """The same call with other argument values."""
+        return Call(args, kwargs, self.names, self.rest)
+
+    def keys(self) -> list[str]:
+        """The name of each argument, in order: only a walk that names them needs them."""
+        named = len(self.names)
+        positional = [
+            self.names[i] if i < named else f"{self.rest}[{i - named}]"
+            for i in range(len(self.args))
+        ]
+        return positional + list(self.kwargs)
 
 
 class Rebuild:
@@ -238,6 +265,8 @@ class Rebuild:
             return self._dict(obj, depth)
         if tp is fast_list or tp is fast_tuple:
             return self._sequence(obj, depth)
+        if tp is Call:
+            return self._call(obj)
         kind = _CACHE.get(tp) or kind_for(tp)
         role = kind.role
         if role == LEAF or (self.skip_types and isinstance(obj, self.skip_types)):
@@ -303,6 +332,26 @@ class Rebuild:
         rebuilt = out if changed else obj
         memo[id(obj)] = rebuilt
         return rebuilt
+
+    def _call(self, call: Call) -> Any:
+        """A call's arguments, the root of the walk: the positional ones walked as a tuple and
+        the keyword ones as a dict, by the hot loops; a failure's path starts at the
+        parameter's name (as the call's kind names its children, in the other walks)."""
+        try:
+            args = self._sequence(call.args, 0)
+        except _Failed as failed:  # the tuple's level gave the index: the name replaces it
+            _, index = failed.parts.pop()
+            failed.parts.append((NAME, call.keys()[index]))
+            raise
+        try:
+            kwargs = self._dict(call.kwargs, 0)
+        except _Failed as failed:
+            _, keyword = failed.parts.pop()
+            failed.parts.append((NAME, keyword))
+            raise
+        if args is call.args and kwargs is call.kwargs:
+            return call
+        return call.with_values(args, kwargs)
 
     def _sequence(self, obj: list[Any] | tuple[Any, ...], depth: int) -> Any:
         memo = self.memo
@@ -430,6 +479,8 @@ class Rebuild:
     def _visit(self, obj: Any, path: str, frames: list[_Frame]) -> Any:
         """``obj`` moved; or ``_PUSHED`` after starting a frame for a container."""
         tp = type(obj)
+        if tp is Call:
+            return self._call(obj)
         kind = _CACHE.get(tp) or kind_for(tp)
         role = kind.role
         if role == LEAF or (self.skip_types and isinstance(obj, self.skip_types)):

@@ -40,11 +40,14 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 
 __all__ = [
+    "Line",
     "Place",
+    "Where",
     "caller_line",
     "caller_place",
     "checking",
     "forget",
+    "label",
     "repeated",
     "set_repeated_move_warning",
     "size_text",
@@ -90,6 +93,20 @@ class Place:
         return f"Place({self.label!r})"
 
 
+Line = tuple[str, int]
+"""The line that called :func:`~devicectx.to_device` as a place: ``(file name, line)``,
+written out (``"train.py:42"``, :func:`label`) only where a warning or a log needs it."""
+Where = Place | Line
+
+
+def label(where: Where) -> str:
+    """How a place prints: ``"train.step()"``, ``"train.py:42"``."""
+    if isinstance(where, Place):
+        return where.label
+    filename, line = where
+    return "?" if not filename else f"{_short(filename)}:{line}"
+
+
 def caller_place() -> Place:
     """The caller's line (outside devicectx) as a place whose warnings are given there."""
     frame = _user_frame()
@@ -110,9 +127,9 @@ _EVERY_FROM = 8
 _EVERY = 8
 _Seen = tuple["weakref.ref[torch.Tensor]", int, bool]  # the tensor, its version, reported
 # Per place: [how many moves it made, what its last checked move copied, by id].
-_LAST: dict[tuple[Place | str, torch.device], list[Any]] = {}
+_LAST: dict[tuple[Where, torch.device], list[Any]] = {}
 _NONE: list[torch.Tensor] = []  # no repeats (never appended to)
-_WARNED: set[tuple[Place | str, torch.device, str]] = set()
+_WARNED: set[tuple[Where, torch.device, str]] = set()
 _WARNED_LOCK = threading.Lock()
 
 
@@ -140,9 +157,7 @@ def checking() -> bool:
     return _CHECK[0]
 
 
-def repeated(
-    where: Place | str, target: torch.device, sent: list[torch.Tensor]
-) -> list[torch.Tensor]:
+def repeated(where: Where, target: torch.device, sent: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors of ``sent`` that this place moved, unchanged, at its move just before,
     and not yet reported; and remember ``sent`` for the next check (weakly: the batch of a
     past step is not kept alive).
@@ -190,7 +205,7 @@ def repeated(
     return repeated
 
 
-def forget(where: Place | str, target: torch.device | None) -> None:
+def forget(where: Where, target: torch.device | None) -> None:
     """Forget the last move of ``where`` to ``target``: the call it moved for failed, and
     the same batch moved again by a retry is no tensor that crosses on every call."""
     if target is not None:
@@ -199,7 +214,7 @@ def forget(where: Place | str, target: torch.device | None) -> None:
 
 def warn(
     repeated: list[torch.Tensor],
-    where: Place | str,
+    where: Where,
     target: torch.device,
     paths: dict[int, str],
     name: str,
@@ -235,7 +250,7 @@ _NAMED = 3  # the tensors a warning about several names; the rest are counted
 
 def _message(
     fresh: list[tuple[str, torch.Tensor]],
-    where: Place | str,
+    where: Where,
     target: torch.device,
     held: dict[int, _Held],
 ) -> str:
@@ -253,7 +268,7 @@ def _message(
         more = f" and {len(fresh) - len(named)} more" if len(fresh) > len(named) else ""
         copied = f"the same {len(fresh)} unchanged tensors {what}{more}"
     return (
-        f"{where} copied {copied} from {sources} to {device} again: {size} crosses on every "
+        f"{label(where)} copied {copied} from {sources} to {device} again: {size} crosses on every "
         f"call\n"
         f"fix: {_fix(fresh, where, device, held)}; for a model's constant, register it as a buffer "
         f"(self.register_buffer(name, tensor)) so that model.to() moves it once"
@@ -262,7 +277,7 @@ def _message(
 
 def _fix(
     fresh: list[tuple[str, torch.Tensor]],
-    where: Place | str,
+    where: Where,
     device: str,
     held: dict[int, _Held],
 ) -> str:
@@ -340,7 +355,7 @@ def _rebound(name: _Held, device: str) -> str:
     return f"{statement} at the top level of its file" if name.kind == "global" else statement
 
 
-def _returned(where: Place | str) -> bool:
+def _returned(where: Where) -> bool:
     """Whether ``where`` is the move of a decorated function's result (``output=``)."""
     return isinstance(where, Place) and where.label.endswith(" -> result")
 
@@ -449,10 +464,10 @@ def _user_frame() -> Any:
     return frame
 
 
-def caller_line() -> str:
-    """``file:line`` of the caller of the move."""
+def caller_line() -> Line:
+    """The line of the caller of the move (``("", 0)`` where there is none)."""
     frame = _user_frame()
-    return "?" if frame is None else f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return ("", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
 _SHORT: dict[str, str] = {}
@@ -460,7 +475,7 @@ _SHORT: dict[str, str] = {}
 
 def _short(filename: str) -> str:
     """A file name as people read it: relative to the working directory when inside it
-    (worked out once per file: it is part of every place key of ``to_device``)."""
+    (worked out once per file)."""
     short = _SHORT.get(filename)
     if short is None:
         short = filename

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from devicectx.move import _repeats
-from devicectx.move._repeats import Place, caller_line, checking, size_text
+from devicectx.move._repeats import Place, Where, caller_line, checking, label, size_text
 from devicectx.move._walk import iter_tensors
 
 __all__ = [
@@ -262,7 +262,7 @@ def account(
     check = check and checking()
     if not (logs or check):
         return
-    place: Place | str = caller_line() if where is None else where
+    place: Where = caller_line() if where is None else where
     repeated = _repeats.repeated(place, target, sent) if check else None
     if paths is None and (logs or repeated):
         paths = _paths(obj, name)
@@ -271,13 +271,13 @@ def account(
         _repeats.warn(repeated, place, target, paths, name)
     if logs:
         assert paths is not None
-        label = str(place)
+        text = label(place)
         # An object's own .to may leave tensors to the walk, which lists them again.
         for tensor in {id(tensor): tensor for tensor in sent}.values():
             path = paths.get(id(tensor), name or "?")
             nbytes = tensor.nbytes
             for log in logs:
-                log.add(label, path, tensor.device, target, nbytes)
+                log.add(text, path, tensor.device, target, nbytes)
 
 
 def _paths(obj: object, name: str) -> dict[int, str]:

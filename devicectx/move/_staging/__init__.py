@@ -58,13 +58,19 @@ from typing import Any, NamedTuple
 import torch
 
 from devicectx.devices._resolve import accelerator_type
-from devicectx.move import _pinned
+from devicectx.move import _containers, _pinned
+from devicectx.move._containers import kind_for
+from devicectx.move._kinds import LEAF
 from devicectx.move._staging._back import to_host
 from devicectx.move._staging._layout import THRESHOLDS, Thresholds
 from devicectx.move._staging._seam import FORCED_THRESHOLDS, forced
 from devicectx.move._staging._sending import HandedTo, _capturing, to_accelerator
 from devicectx.move._staging._state import STATE, StagingState, swapped
 from devicectx.move._walk import collect
+
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+_CACHE = _containers.KIND_CACHE
 
 __all__ = [
     "FORCED_THRESHOLDS",
@@ -74,7 +80,7 @@ __all__ = [
     "Staged",
     "StagingState",
     "Thresholds",
-    "declines_alone",
+    "declines",
     "forced",
     "forget_accelerator",
     "stage",
@@ -166,18 +172,65 @@ def stage(
     return Staged(results, [found[source] for source in results], keep)
 
 
-def declines_alone(obj: object) -> bool:
-    """Whether ``obj`` is a tensor alone whose move would stage nothing (smaller than a
-    move staged for its bytes alone), told before :func:`stage` looks for a pinned host:
-    the common ``to_device(x, device)`` pays nothing for staging."""
+def declines(obj: object, device: torch.device, skip_types: tuple[type, ...] = ()) -> bool:
+    """Whether a move of ``obj`` to ``device`` would stage nothing, told before
+    :func:`stage` looks for a pinned host and collects the tensors, where ``obj`` is a
+    batch too small to stage: a tensor alone (smaller than a move staged for its bytes
+    alone), or plain dicts, lists and tuples holding fewer tensors off ``device`` than a
+    staged move needs, and fewer bytes (and values that are no containers, and objects of
+    ``skip_types``). False where it cannot tell: :func:`stage` looks then.
+
+    A training step's batch of three tensors pays nothing for staging this way.
+    """
     state = STATE
-    if type(obj) is not torch.Tensor or state.forced is not None:
+    if state.forced is not None:
         return False
-    tensor: torch.Tensor = obj
     thresholds = state.thresholds or THRESHOLDS
     if thresholds.min_tensors <= 1:
         return False
-    return tensor.layout != torch.strided or tensor.nbytes < thresholds.stage_min_bytes
+    if type(obj) is torch.Tensor:
+        tensor: torch.Tensor = obj
+        return tensor.layout != torch.strided or tensor.nbytes < thresholds.stage_min_bytes
+    return _few_small(obj, device, skip_types, thresholds)
+
+
+_FEW_CONTAINERS = 16  # a batch has a few; more (or a cycle) is left to stage()'s own look
+
+
+def _few_small(
+    obj: object, device: torch.device, skip_types: tuple[type, ...], thresholds: Thresholds
+) -> bool:
+    # A tensor held twice counts twice: the answer errs toward stage()'s own look.
+    most, most_bytes = thresholds.min_tensors, thresholds.stage_min_bytes
+    count = nbytes = containers = 0
+    stack: list[Any] = [obj]
+    while stack:
+        item = stack.pop()
+        tp = type(item)
+        if tp is _Tensor:
+            if item.device != device:
+                count += 1
+                if count >= most:
+                    return False
+                if item.layout is _STRIDED:
+                    nbytes += item.nbytes
+                    if nbytes >= most_bytes:
+                        return False
+            continue
+        if tp is dict:
+            stack.extend(item.values())
+        elif tp is list or tp is tuple:
+            stack.extend(item)
+        elif (_CACHE.get(tp) or kind_for(tp)).role == LEAF or (
+            skip_types and isinstance(item, skip_types)
+        ):
+            continue
+        else:
+            return False
+        containers += 1
+        if containers > _FEW_CONTAINERS:
+            return False
+    return True
 
 
 def _index_of(device: torch.device, kind: str) -> torch.device | None:
