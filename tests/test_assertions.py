@@ -25,6 +25,11 @@ from devicectx.move._move import iter_tensors
 from devicectx.testing import assert_device_agnostic, strategies
 
 CPU_META = ["cpu", "meta"]
+# Why a fix that leaves a device out adds meta, which the caller did not list.
+LEAVE_OUT_META = (
+    "meta added: a check needs a second device to compare with, and meta compares "
+    "structure, dtypes and shapes, not values"
+)
 
 
 class Pair(NamedTuple):
@@ -429,7 +434,7 @@ def test_an_op_the_device_lacks_is_named_with_a_fix_that_works() -> None:
         "the 'CPU' backend. (torch's list of dispatch keys left out)",
         "  emu:0 has no kernel for aten::_masked_scale: an op the device's backend lacks "
         "(torch's gap, not masked_double's: it ran on cpu)",
-        "fix: leave emu:0 out: devices=['cpu', 'meta']",
+        f"fix: leave emu:0 out: devices=['cpu', 'meta'] ({LEAVE_OUT_META})",
     ] == message_lines(raised)
     assert isinstance(raised.value.__cause__, NotImplementedError)
     assert_device_agnostic(masked_double, torch.ones(3), devices=["cpu", "meta"])
@@ -450,7 +455,7 @@ def test_an_op_the_first_device_lacks_is_named_too() -> None:
         "the 'CPU' backend. (torch's list of dispatch keys left out)",
         "  emu:0 has no kernel for aten::_masked_scale: an op the device's backend lacks "
         "(torch's gap, not masked_double's)",
-        "fix: leave emu:0 out: devices=['cpu', 'meta']",
+        f"fix: leave emu:0 out: devices=['cpu', 'meta'] ({LEAVE_OUT_META})",
     ] == message_lines(raised)
 
 
@@ -960,13 +965,102 @@ def test_a_dtype_the_device_cannot_hold_is_refused_with_a_fix_that_works() -> No
             "torch.float64:",
             "    torch.float64 <- x",
             'fix: assert_device_agnostic(scale, ..., dtypes="device"), which casts '
-            f"torch.float64 to torch.float32 on {device} only, or leave {device} out: "
-            "devices=['cpu', 'meta']",
+            f"torch.float64 to torch.float32 on each device that holds no torch.float64 "
+            f"(here {device}), or leave {device} out: devices=['cpu', 'meta'] "
+            f"({LEAVE_OUT_META})",
         ] == str(raised.value).splitlines()
+        assert_device_agnostic(scale, x, devices=["cpu", "meta"])
         assert_device_agnostic(scale, x, devices=["cpu", device], dtypes="device")
         assert_device_agnostic(scale, x, devices=[device, "cpu"], dtypes="device")
         decorated = devicectx.device_agnostic(dtypes="device")(scale)
         assert_device_agnostic(decorated, x, devices=["cpu", device], dtypes="device")
+
+
+@pytest.mark.requires_device("accelerator")
+def test_the_dtype_fix_leaves_out_every_device_without_the_dtype() -> None:
+    """With two devices that hold no float64, the fix leaves both out (not the first alone,
+    which fails the same way on the second) and says dtypes="device" casts on both;
+    followed either way, it passes."""
+    x = torch.ones(3, dtype=torch.float64)
+    with mps_like() as first:
+        second = accelerator(1)
+        with pytest.raises(devicectx.DtypeUnsupportedError) as raised:
+            assert_device_agnostic(scale, x, devices=["cpu", first, second])
+        assert (
+            'fix: assert_device_agnostic(scale, ..., dtypes="device"), which casts '
+            "torch.float64 to torch.float32 on each device that holds no torch.float64 "
+            f"(here {first}, {second}), or leave {first} and {second} out: "
+            f"devices=['cpu', 'meta'] ({LEAVE_OUT_META})"
+        ) == str(raised.value).splitlines()[-1]
+        assert_device_agnostic(scale, x, devices=["cpu", "meta"])
+        assert_device_agnostic(scale, x, devices=["cpu", first, second], dtypes="device")
+        with pytest.raises(devicectx.DtypeUnsupportedError) as raised:
+            assert_device_agnostic(scale, x, devices=["cpu", "meta", first, second])
+        assert str(raised.value).endswith(
+            f"or leave {first} and {second} out: devices=['cpu', 'meta']"
+        )
+
+
+def numpy_output(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An output made over a float64 numpy array's memory."""
+    return {"y": x * 2, "w": torch.from_numpy(np.linspace(0, 1, 3))}
+
+
+@pytest.mark.requires_device("accelerator")
+def test_an_output_over_float64_numpy_memory_gets_a_fix_every_device_takes() -> None:
+    """The numpy fix, torch.as_tensor(array, device=x.device), names a dtype where a
+    device holds no float64 (as_tensor of a float64 array fails there); followed, it
+    passes."""
+    with mps_like() as device:
+        with pytest.raises(AssertionError) as raised:
+            assert_device_agnostic(numpy_output, torch.ones(3), devices=["cpu", device])
+        assert (
+            "fix: out['w'] is made over a numpy array's memory (torch.from_numpy, "
+            "torch.as_tensor of an array), which neither on_device nor @device_agnostic "
+            "reaches: make it on the input's device, in a dtype every device holds "
+            f"({device} holds no torch.float64), torch.as_tensor(array, "
+            "dtype=torch.float32, device=x.device)"
+        ) == message_lines(raised)[-1]
+
+        def fixed(x: torch.Tensor) -> dict[str, torch.Tensor]:
+            array = np.linspace(0, 1, 3)
+            return {"y": x * 2, "w": torch.as_tensor(array, dtype=torch.float32, device=x.device)}
+
+        assert_device_agnostic(fixed, torch.ones(3), devices=["cpu", device])
+
+
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    """Computes in float64, which a device playing MPS cannot hold."""
+    return (x.double() ** 2).sum().float()
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_float64_made_inside_fn_is_named_as_a_dtype_the_device_lacks() -> None:
+    """fn making float64 itself (.double()) on a device without it: the message says the
+    device holds no float64, and the fix (compute in float32) passes where followed."""
+    with mps_like() as device:
+        with pytest.raises(AssertionError) as raised:
+            assert_device_agnostic(doubled, torch.ones(3), devices=["cpu", device])
+        lines = message_lines(raised)
+        assert lines[1].startswith("    TypeError: Cannot convert a emu Tensor to float64 dtype")
+        assert [
+            f"  {device} holds no torch.float64, which doubled makes there",
+            f"fix: make doubled compute in a dtype {device} holds, torch.float32 for "
+            "torch.float64 (x.float(), not x.double(); dtype=torch.float32 in the "
+            "constructors, torch.as_tensor(array, dtype=torch.float32, device=x.device) for a "
+            f"numpy array), or leave {device} out: devices=['cpu', 'meta'] "
+            f"({LEAVE_OUT_META})",
+        ] == lines[2:]
+        assert_device_agnostic(
+            lambda x: (x.float() ** 2).sum().float(), torch.ones(3), devices=["cpu", device]
+        )
+        # The device's gap on the first device too, not torch's raw TypeError.
+        with pytest.raises(AssertionError) as raised:
+            assert_device_agnostic(doubled, torch.ones(3), devices=[device, "cpu"])
+        assert (
+            f"  {device} holds no torch.float64, which doubled makes there"
+            == (message_lines(raised)[2])
+        )
 
 
 @pytest.mark.requires_device("accelerator")
@@ -1653,7 +1747,7 @@ def test_out_of_memory_in_the_move_gets_a_fix_for_the_kit() -> None:
             "assert_device_agnostic(Linear) could not move input (a Tensor of shape (512, 64), "
             f"torch.float32, on cpu) to {device}:",
             f"fix: give Linear smaller inputs (a smaller batch, a smaller model) that fit on "
-            f"{device}, or leave {device} out: devices=['cpu', 'meta']",
+            f"{device}, or leave {device} out: devices=['cpu', 'meta'] ({LEAVE_OUT_META})",
         ] == [lines[0], lines[-1]]
         assert isinstance(raised.value, torch.OutOfMemoryError)
         assert_device_agnostic(model, torch.randn(8, 64), devices=["cpu", device])

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.utils._device
-from helpers import accelerator, python_output
+from helpers import accelerator, mps_like, python_output
 from hypothesis import given
 from hypothesis import strategies as st
 
-from devicectx import device_agnostic, on_device
+from devicectx import DtypeUnsupportedError, device_agnostic, on_device
 from devicectx._torch.modes import stack_length
 from devicectx.scope import _constructors
 
@@ -448,3 +449,56 @@ def test_decorated_call_scopes_its_body_without_a_mode() -> None:
 
     made, modes = body(torch.ones(1))
     assert (META, 0) == (made.device, modes)
+
+
+# A dtype the block's device cannot hold, from torch's default dtype
+
+
+@pytest.fixture
+def default_float64() -> Iterator[None]:
+    """torch's default dtype float64 in the test, as scientific code sets it; the one
+    before after it."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.usefixtures("default_float64")
+def test_a_default_dtype_the_block_device_cannot_hold_is_named_with_its_fix() -> None:
+    """A module built in a block on a device without float64, torch's default dtype
+    float64: the error names the default dtype as the cause (the constructor is inside the
+    module, where no dtype= can be given), and its fix, followed, builds the module."""
+    with mps_like() as device:
+        with on_device(device), pytest.raises(DtypeUnsupportedError) as raised:
+            torch.nn.Linear(3, 2)
+        assert [
+            f"torch.empty() inside a block on {device}, called without dtype=, would make a "
+            f"tensor of torch's default dtype, torch.float64, which {device} cannot hold "
+            "(TypeError from torch)",
+            "fix: torch.set_default_dtype(torch.float32) before the block, or where "
+            "torch.empty() is called in your code, torch.empty(..., dtype=torch.float32)",
+        ] == str(raised.value).splitlines()
+        exec(str(raised.value).splitlines()[-1].removeprefix("fix: ").partition(" before")[0])
+        with on_device(device):
+            layer = torch.nn.Linear(3, 2)
+    assert (device, torch.float32) == (layer.weight.device, layer.weight.dtype)
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.usefixtures("default_float64")
+def test_a_dtype_of_the_data_or_given_keeps_the_dtype_fix_under_a_float64_default() -> None:
+    """With torch's default dtype float64, a float64 that the constructor takes from its
+    data (a numpy array) or from dtype= is not the default's doing: the fix stays dtype=."""
+    np = pytest.importorskip("numpy")
+    with mps_like() as device, on_device(device):
+        for make in (
+            lambda: torch.tensor(np.zeros(3)),
+            lambda: torch.zeros(2, dtype=torch.float64),
+            lambda: torch.tensor([np.float64(1.0), 2.0]),
+        ):
+            with pytest.raises(DtypeUnsupportedError) as raised:
+                make()
+            assert "default dtype" not in str(raised.value)
+            assert ", dtype=torch.float32), or make it on the CPU" in str(raised.value)

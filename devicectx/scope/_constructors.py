@@ -261,13 +261,46 @@ def _dtype_refused(
     name = f"{_torch_name(original)}()"
     nearest = nearest_dtype(target, dtype)
     to = "a dtype it holds" if nearest is None else str(nearest)
-    msg = (
-        f"{name} inside a block on {target} would make a {dtype} tensor, which {target} "
-        f"cannot hold ({type(error).__name__} from torch)\n"
-        f"fix: {name[:-1]}..., dtype={to}), or make it on the CPU and move it with "
-        f'to_device(..., {str(target)!r}, dtypes="device")'
-    )
+    raised = f"{type(error).__name__} from torch"
+    if _from_default_dtype(dtype, args, kwargs):
+        # The call may be inside a library (nn.Linear's torch.empty), where no dtype= can
+        # be given: the default dtype is what the user set, and can set back.
+        default = torch.get_default_dtype()
+        held = nearest_dtype(target, default)
+        msg = (
+            f"{name} inside a block on {target}, called without dtype=, would make a tensor "
+            f"of torch's default dtype, {default}, which {target} cannot hold ({raised})\n"
+            f"fix: torch.set_default_dtype({held or 'a dtype it holds'}) before the block, "
+            f"or where {name} is called in your code, {name[:-1]}..., dtype={to})"
+        )
+    else:
+        msg = (
+            f"{name} inside a block on {target} would make a {dtype} tensor, which {target} "
+            f"cannot hold ({raised})\n"
+            f"fix: {name[:-1]}..., dtype={to}), or make it on the CPU and move it with "
+            f'to_device(..., {str(target)!r}, dtypes="device")'
+        )
     return DtypeUnsupportedError(msg, device=target, paths={dtype: [name]})
+
+
+def _from_default_dtype(dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a constructor made ``dtype`` because it is torch's default dtype (or the
+    complex dtype that goes with it): no ``dtype=`` given, and no data of a dtype of its
+    own (a numpy array, a tensor, numpy's scalars), which the constructor would follow."""
+    if kwargs.get("dtype") is not None:
+        return False
+    default = torch.get_default_dtype()
+    defaults = (default, torch.complex128 if default == torch.float64 else torch.complex64)
+    if dtype not in defaults:
+        return False
+    return not any(_carries_dtype(value) for value in (*args, *kwargs.values()))
+
+
+def _carries_dtype(value: object) -> bool:
+    """Whether ``value`` (a constructor's data, or in it) has a dtype of its own."""
+    if isinstance(value, (list, tuple)):
+        return any(_carries_dtype(item) for item in value)
+    return hasattr(value, "dtype")
 
 
 def _torch_name(function: Callable[..., Any]) -> str:

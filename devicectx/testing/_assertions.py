@@ -15,6 +15,7 @@ from torch import nn
 
 from devicectx._errors import with_article
 from devicectx.decorator._wrappers import DeviceAgnosticWrapper, _BoundWrapper
+from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 from devicectx.move._dtypes import DtypesLike, check_dtypes
 from devicectx.move._unseen import Unseen, fix_for, is_device_mismatch, unseen_tensors
@@ -35,6 +36,8 @@ _MPS_NO_KERNEL = re.compile(
     r"The operator '(?P<op>[^']+)' is not currently implemented for the MPS device\."
 )
 _NUMPY_OFF_CPU = "device type tensor to numpy"
+# MPS's words (and the emulated accelerator's, playing it) for a dtype it cannot hold.
+_NO_DTYPE = re.compile(r"Cannot convert a \w+ Tensor to (?P<dtype>\w+) dtype")
 # What torch says where meta is asked for values: .item() (float(t), bool(t)), .tolist(),
 # .cpu().
 _NO_VALUES_ON_META = ("cannot be called on meta tensors", "Cannot copy out of meta tensor")
@@ -90,13 +93,13 @@ def assert_device_agnostic(
         atol: absolute tolerance. Give both or neither.
         dtypes: what to do with inputs of a dtype a device cannot hold (float64 on MPS),
             as in :func:`devicectx.to_device`: ``None`` refuses them, before ``fn`` runs;
-            ``"device"`` casts them, for that device only, to the nearest dtype it holds
-            (float64 to float32), and then accepts there the dtype it holds where the
-            reference has the other (float32 for float64), with the values compared
-            within the wider tolerance of the two dtypes (float32's), as
-            ``torch.testing.assert_close`` does for two dtypes; a mapping
-            (``{torch.float64: torch.float32}``) casts on every device, the reference
-            included. Module arguments' copies are cast too.
+            ``"device"`` casts them, on each device that cannot hold them and nowhere
+            else, to the nearest dtype it holds (float64 to float32), and then accepts
+            there the dtype it holds where the reference has the other (float32 for
+            float64), with the values compared within the wider tolerance of the two
+            dtypes (float32's), as ``torch.testing.assert_close`` does for two dtypes; a
+            mapping (``{torch.float64: torch.float32}``) casts on every device, the
+            reference included. Module arguments' copies are cast too.
         **kwargs: its keyword arguments.
 
     Raises:
@@ -113,8 +116,9 @@ def assert_device_agnostic(
             tensor made without ``device=``), and for CUDA asked for by name (``.cuda()``)
             where there is none. A later device's error names an op that device has no
             kernel for as its gap, and a host round trip (``.numpy()``; on meta
-            ``.item()`` too) as such, each with its fix. Another error on the first
-            device is ``fn``'s own, raised as it is.
+            ``.item()`` too) as such, each with its fix; a dtype ``fn`` makes that the
+            device cannot hold (``.double()`` on MPS) is named as its gap on any
+            device. Another error on the first device is ``fn``'s own, raised as it is.
         TypeError, ValueError: ``devices``, ``rtol``, ``atol`` or ``dtypes`` are not usable
             (a tolerance that is no number, negative or NaN; a hypothesis strategy for
             ``devices``, which the test draws from), before ``fn`` runs. TypeError also
@@ -324,6 +328,11 @@ def _raised(
         )
         lines.append(f"fix: {_missing_op_fix(device, inputs.devices, mps)}")
         return "\n".join(lines)
+    lacked = _lacked_dtype(error, device)
+    if lacked is not None:  # the device's gap, on the first device too
+        lines.append(f"  {device} holds no {lacked}, which {name} makes there")
+        lines.append(f"fix: {_lacked_dtype_fix(name, device, lacked, inputs.devices)}")
+        return "\n".join(lines)
     if reference is None:
         return None
     lines.append(f"fix: {_host_fix(name, error, device, inputs.devices)}")
@@ -340,6 +349,32 @@ def _missing_op(error: Exception) -> tuple[str, bool] | None:
         if found is not None:
             return found["op"], mps
     return None
+
+
+def _lacked_dtype(error: Exception, device: torch.device) -> torch.dtype | None:
+    """The dtype torch's error says ``device`` cannot hold, where it cannot; else None."""
+    found = _NO_DTYPE.search(str(error)) if isinstance(error, TypeError) else None
+    dtype = None if found is None else getattr(torch, found["dtype"], None)
+    if not isinstance(dtype, torch.dtype) or CAPABILITIES.holds(device, dtype):
+        return None
+    return dtype
+
+
+def _lacked_dtype_fix(
+    name: str, device: torch.device, dtype: torch.dtype, devices: list[torch.device]
+) -> str:
+    """The fix for ``fn`` making a dtype ``device`` cannot hold: compute in the nearest
+    dtype it holds. ``dtypes=`` is none: it casts the inputs, not what ``fn`` makes."""
+    leave = leave_out(device, devices, [dtype])
+    nearest = nearest_dtype(device, dtype)
+    if nearest is None:
+        return f"make {name} compute in a dtype {device} holds, or {leave}"
+    methods = "x.float(), not x.double(); " if dtype == torch.float64 else ""
+    return (
+        f"make {name} compute in a dtype {device} holds, {nearest} for {dtype} ({methods}"
+        f"dtype={nearest} in the constructors, torch.as_tensor(array, dtype={nearest}, "
+        f"device=x.device) for a numpy array), or {leave}"
+    )
 
 
 def _trimmed(error: Exception, missing: tuple[str, bool] | None) -> str:

@@ -15,6 +15,7 @@ import torch
 
 from devicectx._errors import with_article
 from devicectx._torch.tensors import base_of
+from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 from devicectx.move._move import iter_tensors
 from devicectx.testing._sets import (
     Holds,
@@ -125,6 +126,7 @@ def compare(
     sections: list[str] = []
     found: dict[str, str] = {}  # each kind of problem met, with its first line's path
     away: torch.device | None = None  # where the first tensor off its device is
+    over_numpy: torch.dtype | None = None  # the dtype of the first over numpy's memory
     covers: list[tuple[float, float] | None] = []  # each values problem's
     for index, (device, _) in enumerate(outputs):
         problems = _placement_problems(walks[index].tensors, device)
@@ -149,6 +151,8 @@ def compare(
                 found.setdefault(problem.kind, problem.path)
                 if problem.kind == "device" and away is None:
                     away = walks[index].tensors[problem.path].device
+                if problem.kind == "numpy" and over_numpy is None:
+                    over_numpy = walks[index].tensors[problem.path].dtype
                 if problem.kind == "values":
                     covers.append(problem.covered_by)
             shown = [problem.line for problem in problems[:_MAX_PROBLEMS]]
@@ -174,7 +178,7 @@ def compare(
         if kind == "device":
             fix = _device_fix(inputs, hints.decorate, away or torch.get_default_device())
         elif kind == "numpy":
-            fix = _NUMPY_FIX if inputs else _NUMPY_NO_INPUT_FIX
+            fix = _numpy_fix(inputs, over_numpy, [device for device, _ in outputs])
         lines.append(fix.format(name=name, path=found[kind]))
     return "\n".join(lines)
 
@@ -232,17 +236,32 @@ _NO_INPUT_FIX = (
 )
 
 _NUMPY_MEMORY = (
-    "fix: {path} is made over a numpy array's memory (torch.from_numpy, torch.as_tensor of "
+    "fix: {{path}} is made over a numpy array's memory (torch.from_numpy, torch.as_tensor of "
     "an array), which neither on_device nor @device_agnostic reaches"
 )
-_NUMPY_FIX = (
-    _NUMPY_MEMORY + ": make it on the input's device, torch.as_tensor(array, device=x.device)"
-)
+_NUMPY_FIX = _NUMPY_MEMORY + ": make it on the input's device{held}, {as_tensor}"
 _NUMPY_NO_INPUT_FIX = _NUMPY_MEMORY + (
-    ", and {name} got no tensor argument: give it a device= parameter and make it there, "
-    "torch.as_tensor(array, device=device), then assert_device_agnostic(lambda like, *a: "
-    "{name}(*a, device=like.device), torch.empty(0), ...)"
+    ", and {{name}} got no tensor argument: give it a device= parameter and make it "
+    "there{held}, {as_tensor}, then assert_device_agnostic(lambda like, *a: "
+    "{{name}}(*a, device=like.device), torch.empty(0), ...)"
 )
+
+
+def _numpy_fix(inputs: bool, dtype: torch.dtype | None, devices: list[torch.device]) -> str:
+    """The fix for an output over numpy's memory, a format of ``name`` and ``path``:
+    ``torch.as_tensor(array, device=...)``, with a ``dtype=`` every device holds where one
+    of them cannot hold the array's (``as_tensor`` of a float64 array fails on MPS)."""
+    device = "x.device" if inputs else "device"
+    as_tensor, held = f"torch.as_tensor(array, device={device})", ""
+    lacking = [] if dtype is None else [d for d in devices if not CAPABILITIES.holds(d, dtype)]
+    nearest = nearest_dtype(lacking[0], dtype) if lacking and dtype is not None else None
+    if nearest is not None and all(CAPABILITIES.holds(d, nearest) for d in devices):
+        names = ", ".join(str(d) for d in lacking)
+        holds = "holds" if len(lacking) == 1 else "hold"
+        held = f", in a dtype every device holds ({names} {holds} no {dtype})"
+        as_tensor = f"torch.as_tensor(array, dtype={nearest}, device={device})"
+    template = _NUMPY_FIX if inputs else _NUMPY_NO_INPUT_FIX
+    return template.format(held=held, as_tensor=as_tensor)
 
 
 def _device_fix(inputs: bool, decorate: str | None, away: torch.device) -> str:

@@ -9,7 +9,7 @@ import copy
 import functools
 import inspect
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx._torch.optim import keep_step_tracking
 from devicectx._torch.tensors import base_of
 from devicectx.decorator._params import Params
-from devicectx.devices._capabilities import nearest_dtype
+from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 from devicectx.move._alias import anchor_among, view_of
 from devicectx.move._containers import kind_for
 from devicectx.move._dtypes import DtypesLike, policy_for
@@ -449,28 +449,60 @@ def _dtype_fix(
     dtypes: DtypesLike,
     devices: list[torch.device],
 ) -> str:
-    left_out = leave_out(device, devices)
+    left_out = leave_out(device, devices, paths)
     nearest = {dtype: nearest_dtype(device, dtype) for dtype in paths}
     held = {dtype: to for dtype, to in nearest.items() if to is not None}
     if len(held) < len(nearest):
         return left_out
     if dtypes is None:
         casts = ", ".join(f"{dtype} to {to}" for dtype, to in held.items())
+        lacking = ", ".join(str(d) for d in lacking_devices(device, devices, paths))
+        which = " or ".join(str(dtype) for dtype in held)
         return (
             f'assert_device_agnostic({name}, ..., dtypes="device"), which casts {casts} on '
-            f"{device} only, or {left_out}"
+            f"each device that holds no {which} (here {lacking}), or {left_out}"
         )
     mapping = {**(dtypes if isinstance(dtypes, Mapping) else {}), **held}
     pairs = ", ".join(f"{k}: {v}" for k, v in mapping.items())  # torch.float64: ...
     return f"assert_device_agnostic({name}, ..., dtypes={{{pairs}}}), or {left_out}"
 
 
-def leave_out(device: torch.device, devices: list[torch.device]) -> str:
-    """A fix that leaves ``device`` out of ``devices``, keeping a second device to compare."""
-    others = [str(d) for d in devices if d != device]
-    if len(others) < 2 and "meta" not in others and device.type != "meta":
-        others.append("meta")  # a second device to compare with, where it is not the one
-    return f"leave {device} out: devices={others!r}"
+# Why a fix that leaves devices out lists meta (and the CPU, where no device is left),
+# which the caller did not list.
+_ADDED = (
+    "{added} added: a check needs a second device to compare with, and meta compares "
+    "structure, dtypes and shapes, not values"
+)
+
+
+def lacking_devices(
+    device: torch.device, devices: list[torch.device], dtypes: Iterable[torch.dtype]
+) -> list[torch.device]:
+    """``device``, then every other device of ``devices`` that cannot hold one of
+    ``dtypes``: leaving ``device`` alone out would fail the same way on those."""
+    wanted = list(dtypes)
+    lacking = [device]
+    for other in devices:
+        if other not in lacking and not all(CAPABILITIES.holds(other, d) for d in wanted):
+            lacking.append(other)
+    return lacking
+
+
+def leave_out(
+    device: torch.device, devices: list[torch.device], dtypes: Iterable[torch.dtype] = ()
+) -> str:
+    """A fix that leaves ``device`` out of ``devices`` (with every device that cannot hold
+    one of ``dtypes``, where the failure is a dtype), keeping a second device to compare."""
+    gone = lacking_devices(device, devices, dtypes)
+    others = [str(d) for d in devices if d not in gone]
+    names = " and ".join(str(d) for d in gone)
+    if len(others) >= 2 or "meta" in others or device.type == "meta":
+        return f"leave {names} out: devices={others!r}"
+    # Where no device is left, the CPU too: every machine has it, and it holds every dtype.
+    cpu = [] if others or any(d.type == "cpu" for d in gone) else ["cpu"]
+    added = [*cpu, "meta"]
+    why = _ADDED.format(added=" and ".join(added))
+    return f"leave {names} out: devices={others + added!r} ({why})"
 
 
 def named_arguments(
