@@ -36,6 +36,32 @@ from devicectx.testing.strategies import nested, tensors
 needs_accelerator = pytest.mark.requires_device("accelerator")
 F64, F32, C128, C64 = torch.float64, torch.float32, torch.complex128, torch.complex64
 CPU, META = torch.device("cpu"), torch.device("meta")
+NEAREST = {F64: F32, C128: C64}
+PORTABLE = " to get the same dtypes on every device, or "
+LACKING = " to cast only where the device lacks them"
+
+
+def offered(call: str, mapping: str = "{torch.float64: torch.float32}") -> str:
+    """The fix of a refusal under ``dtypes=None``: ``call`` (its ``DTYPES`` the argument)
+    with the mapping, which casts on every device, or with ``"device"``."""
+    portable = call.replace("DTYPES", f"dtypes={mapping}")
+    lacking = call.replace("DTYPES", 'dtypes="device"')
+    return f"{portable}{PORTABLE}{lacking}{LACKING}"
+
+
+def fix_line(raised: pytest.ExceptionInfo[DtypeUnsupportedError]) -> str:
+    """The code of a refusal's fix."""
+    fix = str(raised.value).splitlines()[-1]
+    assert fix.startswith("fix: ")
+    return fix.removeprefix("fix: ")
+
+
+def alternatives(raised: pytest.ExceptionInfo[DtypeUnsupportedError]) -> tuple[str, str]:
+    """The two calls the fix of a refusal under ``dtypes=None`` offers: the mapping's,
+    then ``"device"``'s."""
+    portable, _, lacking = fix_line(raised).partition(PORTABLE)
+    assert lacking.endswith(LACKING)
+    return portable, lacking.removesuffix(LACKING)
 
 
 @pytest.fixture(autouse=True)
@@ -200,7 +226,9 @@ def test_default_policy_refuses_naming_every_path(batch: Any) -> None:
             assert {dtype} == {listed[path].dtype for path in paths}
             assert f"    {dtype}" in str(error)
         assert error.device == device
-        assert str(error).endswith(f'fix: to_device(obj, {str(device)!r}, dtypes="device")')
+        mapping = "{" + ", ".join(f"{d}: {NEAREST[d]}" for d in error.paths) + "}"
+        call = f"to_device(obj, {str(device)!r}, DTYPES)"
+        assert str(error).endswith(f"fix: {offered(call, mapping)}")
         _unchanged(batch, snapshot)
 
 
@@ -220,7 +248,11 @@ def test_default_message_names_every_path_by_dtype() -> None:
         "torch.complex128:\n"
         "    torch.float64    <- obj['x'], obj['pair'][0]\n"
         "    torch.complex128 <- obj['pair'][1]\n"
-        f'fix: to_device(obj, {str(device)!r}, dtypes="device")'
+        "fix: "
+        + offered(
+            f"to_device(obj, {str(device)!r}, DTYPES)",
+            "{torch.float64: torch.float32, torch.complex128: torch.complex64}",
+        )
     )
     assert isinstance(raised.value, (TypeError, DeviceError))  # as torch's MPS error is
     assert {F64: ["obj['x']", "obj['pair'][0]"], C128: ["obj['pair'][1]"]} == raised.value.paths
@@ -388,7 +420,7 @@ def test_decorator_default_refuses_before_the_body() -> None:
     assert str(raised.value).rpartition(".<locals>.")[2] == (
         f"step() cannot move 2 tensors to {device}, which holds no torch.float64:\n"
         "    torch.float64 <- x, batch['y']\n"
-        f'fix: @device_agnostic(device={str(device)!r}, dtypes="device")'
+        f"fix: {offered(f'@device_agnostic(device={str(device)!r}, DTYPES)')}"
     )
 
 
@@ -476,18 +508,11 @@ def test_prefetch_default_refuses_naming_batch_and_path() -> None:
         f"prefetch() at batch 1 cannot move a tensor to {device}, which holds no "
         "torch.float64:\n"
         "    torch.float64 <- batch['x']\n"
-        f'fix: prefetch(batches, {str(device)!r}, dtypes="device")'
+        f"fix: {offered(f'prefetch(batches, {str(device)!r}, DTYPES)')}"
     )
 
 
 # The refusal's fix keeps the caller's other arguments
-
-
-def fix_line(raised: pytest.ExceptionInfo[DtypeUnsupportedError]) -> str:
-    """The code of a refusal's fix."""
-    fix = str(raised.value).splitlines()[-1]
-    assert fix.startswith("fix: ")
-    return fix.removeprefix("fix: ")
 
 
 @needs_accelerator
@@ -498,12 +523,15 @@ def test_the_fix_of_a_checkpoint_moved_with_skip_keeps_the_skip() -> None:
     with mps_like() as device:
         with pytest.raises(DtypeUnsupportedError) as raised:
             to_device(checkpoint, device, skip=["rng"])
-        code = fix_line(raised)
-        assert f"to_device(obj, {str(device)!r}, skip=['rng'], dtypes=\"device\")" == code
-        moved = eval(code, {"to_device": to_device, "obj": checkpoint})
-    assert CPU == moved["rng"].device
-    torch.set_rng_state(moved["rng"])
-    assert (device, F32) == (moved["model"]["weight"].device, moved["model"]["weight"].dtype)
+        assert offered(f"to_device(obj, {str(device)!r}, skip=['rng'], DTYPES)") == (
+            fix_line(raised)
+        )
+        for code in alternatives(raised):
+            moved = eval(code, {"to_device": to_device, "obj": checkpoint, "torch": torch})
+            assert CPU == moved["rng"].device
+            torch.set_rng_state(moved["rng"])
+            weight = moved["model"]["weight"]
+            assert (device, F32) == (weight.device, weight.dtype)
 
 
 @needs_accelerator
@@ -511,8 +539,8 @@ def test_the_fix_keeps_non_blocking_and_coalesce() -> None:
     """Every argument the caller changed from its default is written back."""
     with mps_like() as device, pytest.raises(DtypeUnsupportedError) as raised:
         to_device(torch.ones(2, dtype=F64), device, non_blocking=True, coalesce=False)
-    assert (
-        f'to_device(obj, {str(device)!r}, non_blocking=True, coalesce=False, dtypes="device")'
+    assert offered(
+        f"to_device(obj, {str(device)!r}, non_blocking=True, coalesce=False, DTYPES)"
     ) == fix_line(raised)
 
 
@@ -526,12 +554,12 @@ def test_the_fix_writes_a_skip_of_types_by_name_and_marks_one_it_cannot_write() 
             to_device(batch, device, skip=[torch.nn.Module, "n"])
         with pytest.raises(DtypeUnsupportedError) as by_lambda:
             to_device(batch, device, skip=lambda path, value: False)
-    assert (
-        f"to_device(obj, {str(device)!r}, skip=[torch.nn.Module, 'n'], dtypes=\"device\")"
-    ) == fix_line(by_type)
-    assert (
-        f'to_device(obj, {str(device)!r}, skip=<your skip= as it was>, dtypes="device")'
-    ) == fix_line(by_lambda)
+    assert offered(f"to_device(obj, {str(device)!r}, skip=[torch.nn.Module, 'n'], DTYPES)") == (
+        fix_line(by_type)
+    )
+    assert offered(f"to_device(obj, {str(device)!r}, skip=<your skip= as it was>, DTYPES)") == (
+        fix_line(by_lambda)
+    )
 
 
 @needs_accelerator
@@ -542,9 +570,136 @@ def test_the_fix_of_prefetch_keeps_its_depth_and_skip() -> None:
         batches = iter(prefetch(loader, device, depth=3, skip=["rng"]))
         with pytest.raises(DtypeUnsupportedError) as raised:
             next(batches)
-    assert (
-        f"prefetch(batches, {str(device)!r}, depth=3, skip=['rng'], dtypes=\"device\")"
-    ) == fix_line(raised)
+    assert offered(f"prefetch(batches, {str(device)!r}, depth=3, skip=['rng'], DTYPES)") == (
+        fix_line(raised)
+    )
+    for code in alternatives(raised):  # each, as pasted, hands the batch over cast
+        with mps_like():
+            batches = eval(code, {"prefetch": prefetch, "batches": loader, "torch": torch})
+            [batch] = list(batches)
+        assert (device, F32) == (batch["x"].device, batch["x"].dtype)
+        assert CPU == batch["rng"].device
+
+
+# The refusal's fix: the mapping, which gives the same dtypes on every device
+
+
+@needs_accelerator
+def test_the_mapping_the_fix_offers_casts_on_a_device_that_holds_float64_too() -> None:
+    """A float32 model and numpy's float64 batch, refused on a device without float64
+    (the Mac): each call the fix offers runs there as pasted. On a device that holds
+    float64 (the GPU the code is deployed to) the mapping's still casts, and the model
+    gets the float32 batch it needs; "device"'s casts nothing there."""
+    from devicectx.testing import emulated
+
+    def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.dtype:
+        return model(batch["x"]).dtype  # type: ignore[no-any-return]
+
+    batch = {"x": torch.from_numpy(np.random.default_rng(0).random((4, 3)))}
+    with mps_like() as device:
+        model = nn.Linear(3, 1).to(device)
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            device_agnostic(device=str(device))(step)(model, batch)
+        portable, lacking = alternatives(raised)
+        assert f"@device_agnostic(device={str(device)!r}, dtypes={{{F64}: {F32}}})" == portable
+        fixed = [eval(code.removeprefix("@"))(step) for code in (portable, lacking)]
+        assert [F32, F32] == [call(model, batch) for call in fixed]
+    with emulated.profile("cuda"):
+        assert F32 == fixed[0](model, batch)
+        with pytest.raises(RuntimeError, match="dtype"):  # torch's: a float64 batch
+            fixed[1](model, batch)
+
+
+@needs_accelerator
+def test_the_mapping_the_fix_offers_casts_complex128_too() -> None:
+    """float64 and complex128 refused: the mapping offered casts each to the nearest
+    dtype the device holds; pasted, it moves the batch there."""
+    with mps_like() as device:
+        batch = {"z": torch.ones(2, dtype=C128), "x": torch.ones(2, dtype=F64)}
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(batch, device)
+        portable, _ = alternatives(raised)
+        assert (
+            f"to_device(obj, {str(device)!r}, "
+            "dtypes={torch.complex128: torch.complex64, torch.float64: torch.float32})"
+        ) == portable
+        moved = eval(portable, {"to_device": to_device, "obj": batch, "torch": torch})
+    assert (C64, F32) == (moved["z"].dtype, moved["x"].dtype)
+
+
+# A mapping to a dtype the device cannot hold
+
+
+def echo(b: Any) -> Any:
+    """A decorated call's body: what it was given."""
+    return b
+
+
+def _refusal(caller: str, device: torch.device, batch: Any, dtypes: Any) -> str:
+    """The message of ``caller``'s refusal to move ``batch`` with ``dtypes``."""
+    calls = {
+        "to_device": lambda: to_device(batch, device, dtypes=dtypes),
+        "decorator": lambda: device_agnostic(device=str(device), dtypes=dtypes)(echo)(batch),
+        "prefetch": lambda: list(prefetch([batch], device, dtypes=dtypes)),
+    }
+    with pytest.raises(DtypeUnsupportedError) as raised:
+        calls[caller]()
+    return str(raised.value)
+
+
+@needs_accelerator
+@pytest.mark.parametrize("caller", ["to_device", "decorator", "prefetch"])
+def test_a_mapping_to_a_dtype_the_device_cannot_hold_names_that_dtype(caller: str) -> None:
+    """dtypes={float32: float64} on a device without float64 (it holds float32): the
+    refusal names float64, the mapping's value, and the fix maps to the nearest dtype the
+    device holds, float32 itself, so leaves the key out; pasted, the move goes."""
+    with mps_like() as device:
+        batch = {"x": torch.ones(2), "ids": torch.arange(2)}
+        message = _refusal(caller, device, batch, {F32: F64})
+        who, name, call = {
+            "to_device": ("to_device()", "obj", f"to_device(obj, {str(device)!r}, dtypes=None)"),
+            "decorator": (
+                "echo()",
+                "b",
+                f"@device_agnostic(device={str(device)!r}, dtypes=None)",
+            ),
+            "prefetch": (
+                "prefetch() at batch 0",
+                "batch",
+                f"prefetch(batches, {str(device)!r}, dtypes=None)",
+            ),
+        }[caller]
+        assert [
+            f"{who} cannot move a tensor to {device}, which holds no torch.float64 "
+            "(dtypes= maps torch.float32 to torch.float64):",
+            f"    torch.float32 -> torch.float64 <- {name}['x']",
+            f"fix: {call}",
+        ] == message.splitlines()[-3:]
+        if caller == "to_device":
+            moved = eval(call, {"to_device": to_device, "obj": batch})
+            assert (device, F32) == (moved["x"].device, moved["x"].dtype)
+
+
+@needs_accelerator
+def test_a_mapping_to_a_dtype_the_device_cannot_hold_is_fixed_to_the_nearest() -> None:
+    """A mapping whose value the device cannot hold (complex128) beside a dtype it leaves
+    out (float64): both named, under the dtype the device lacks; the fix maps each to
+    the nearest dtype the device holds, and works as pasted."""
+    with mps_like() as device:
+        batch = {"x": torch.ones(2), "y": torch.ones(2, dtype=F64)}
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(batch, device, dtypes={F32: C128})
+        assert [
+            f"to_device() cannot move 2 tensors to {device}, which holds no torch.complex128 "
+            "or torch.float64 (dtypes= maps torch.float32 to torch.complex128):",
+            "    torch.float32 -> torch.complex128 <- obj['x']",
+            "    torch.float64                     <- obj['y']",
+            f"fix: to_device(obj, {str(device)!r}, "
+            "dtypes={torch.float32: torch.complex64, torch.float64: torch.float32})",
+        ] == str(raised.value).splitlines()
+        assert {C128: ["obj['x']"], F64: ["obj['y']"]} == raised.value.paths
+        moved = eval(fix_line(raised), {"to_device": to_device, "obj": batch, "torch": torch})
+    assert (C64, F32) == (moved["x"].dtype, moved["y"].dtype)
 
 
 # Constructors inside on_device, and precision="auto"
@@ -645,10 +800,10 @@ def test_the_fix_of_the_decorator_keeps_its_other_arguments() -> None:
 
         with pytest.raises(DtypeUnsupportedError) as raised:
             step(torch.ones(2, dtype=F64), torch.get_rng_state())
-        fix = fix_line(raised)
-        assert (
+        assert offered(
             f"@device_agnostic(device={str(device)!r}, output='input', exclude='rng', "
-            'scope=False, dtypes="device")'
-        ) == fix
-        fixed = eval(fix.removeprefix("@"))(step.__wrapped__)  # the fix, as pasted
-        assert torch.device("cpu") == fixed(torch.ones(2, dtype=F64), torch.get_rng_state())
+            "scope=False, DTYPES)"
+        ) == fix_line(raised)
+        for fix in alternatives(raised):
+            fixed = eval(fix.removeprefix("@"))(step.__wrapped__)  # the fix, as pasted
+            assert torch.device("cpu") == fixed(torch.ones(2, dtype=F64), torch.get_rng_state())

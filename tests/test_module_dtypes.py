@@ -25,12 +25,12 @@ from devicectx import (
     find_devices,
     to_device,
 )
-from devicectx.move._dtypes import module_cast, outermost
+from devicectx.move._dtypes import module_cast, module_casts, outermost
 from devicectx.move._paths import within
 from devicectx.move._walk import iter_tensors
 
 needs_accelerator = pytest.mark.requires_device("accelerator")
-F64, F32, C128 = torch.float64, torch.float32, torch.complex128
+F64, F32, F16, C128 = torch.float64, torch.float32, torch.float16, torch.complex128
 CPU = torch.device("cpu")
 
 
@@ -109,7 +109,9 @@ def test_default_names_a_module_and_a_batch_tensor_in_one_refusal() -> None:
         f"to_device() cannot move 3 tensors to {device}, which holds no torch.float64:",
         "    torch.float64 <- obj['x'], obj['model'][1].running_mean, obj['model'][1].running_var",
         "fix: obj['model'][1].float() before the move (dtypes= casts no module's tensors), "
-        f'and to_device(obj, {str(device)!r}, dtypes="device")',
+        f"and to_device(obj, {str(device)!r}, dtypes={{torch.float64: torch.float32}}) to get "
+        f'the same dtypes on every device, or to_device(obj, {str(device)!r}, dtypes="device") '
+        "to cast only where the device lacks them",
     ] == str(raised.value).splitlines()
 
 
@@ -284,6 +286,147 @@ def test_a_complex128_buffer_is_cast_alone_by_the_fix() -> None:
         assert (F32, torch.complex64) == (model.weight.dtype, model.phase.dtype)
 
 
+# The cast changes no dtype but those refused
+
+
+class HalfWithEma(nn.Module):
+    """A float16 layer beside a float64 running statistic of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).half()
+        self.register_buffer("ema", torch.zeros(4, dtype=F64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)  # type: ignore[no-any-return]
+
+
+def dtypes_of(module: nn.Module) -> dict[str, torch.dtype]:
+    """Each parameter and buffer of ``module`` by name, with its dtype."""
+    return {name: t.dtype for name, t in [*module.named_parameters(), *module.named_buffers()]}
+
+
+@needs_accelerator
+def test_a_float64_buffer_beside_float16_weights_is_cast_alone() -> None:
+    """A float16 model with a float64 buffer: the fix casts the buffer alone (the
+    module's .float() would upcast the float16 weights too); run as written, the weights
+    stay float16 and the model moves. The decorator's fix is the same, before its move."""
+    with mps_like() as device:
+        model = HalfWithEma()
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(model, device)
+        assert "obj.ema.data = obj.ema.data.to(torch.float32)" == fix_code(str(raised.value))
+        exec(fix_code(str(raised.value)), {"obj": model, "torch": torch})
+        assert to_device(model, device) is model
+        assert {"lin.weight": F16, "lin.bias": F16, "ema": F32} == dtypes_of(model)
+
+        @device_agnostic(device=device)
+        def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return model(x)  # type: ignore[no-any-return]
+
+        model = HalfWithEma()
+        with pytest.raises(DeviceMismatchError) as mismatch:
+            step(model, torch.ones(2, 4, dtype=F16))
+        code = str(mismatch.value).splitlines()[-1].partition(" before calling ")[0]
+        cast = "model.ema.data = model.ema.data.to(torch.float32)"
+        assert f'fix: {cast}; model.to("{device}")' == code
+        exec(code.removeprefix("fix: "), {"model": model, "torch": torch})
+        assert F16 == step(model, torch.ones(2, 4, dtype=F16)).dtype
+
+
+class Block(nn.Module):
+    """A transformer-like block: a norm, two layers, no tensor of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))  # type: ignore[no-any-return]
+
+
+def deep_model() -> nn.Sequential:
+    """An embedding, 12 blocks and a norm; the root holds no tensor of its own."""
+    return nn.Sequential(nn.Embedding(5, 4), nn.Sequential(*(Block() for _ in range(12))))
+
+
+@needs_accelerator
+def test_a_double_model_without_tensors_of_its_own_is_cast_by_its_own_float() -> None:
+    """model.double() on a model whose tensors are all in submodules: the fix is the
+    model's .float(), one statement, not one per submodule (49 here); run as written,
+    it moves. The decorator's fix is the same, before its move."""
+    with mps_like() as device:
+        model = deep_model().double()
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(model, device)
+        assert "obj.float()" == fix_code(str(raised.value))
+        exec(fix_code(str(raised.value)), {"obj": model})
+        assert to_device(model, device) is model
+        assert {F32} == set(dtypes_of(model).values())
+
+        @device_agnostic(device=device)
+        def step(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+            return model(ids)  # type: ignore[no-any-return]
+
+        model = deep_model().double()
+        with pytest.raises(DeviceMismatchError) as mismatch:
+            step(model, torch.arange(3))
+        code = str(mismatch.value).splitlines()[-1].partition(" before calling ")[0]
+        assert f'fix: model.float(); model.to("{device}")' == code
+        exec(code.removeprefix("fix: "), {"model": model})
+        assert (3, 4) == tuple(step(model, torch.arange(3)).shape)
+
+
+@needs_accelerator
+def test_many_tensors_cast_alone_are_cast_by_one_line() -> None:
+    """Six float16 modules, each with a float64 buffer: more casts than a fix lists one by
+    one, so one line casts every float64 tensor of the model; run as written, the float16
+    weights stay float16 and the model moves."""
+    with mps_like() as device:
+        model = nn.Sequential(*(HalfWithEma() for _ in range(6)))
+        with pytest.raises(DtypeUnsupportedError) as raised:
+            to_device(model, device)
+        assert (
+            '[setattr(t, "data", t.data.to(torch.float32)) for t in '
+            "[*obj.parameters(), *obj.buffers()] if t.dtype == torch.float64]"
+        ) == fix_code(str(raised.value))
+        exec(fix_code(str(raised.value)), {"obj": model, "torch": torch})
+        assert to_device(model, device) is model
+        assert {F16, F32} == set(dtypes_of(model).values())
+        assert all(F16 == dtypes_of(model)[f"{i}.lin.weight"] for i in range(6))
+
+
+@st.composite
+def mixed_trees(draw: st.DrawFn, depth: int = 3) -> nn.Module:
+    """A tree as :func:`float64_trees` draws, some of its modules then cast to float16,
+    some (after) to float64: a float64 tensor may sit beside float16 ones at any level."""
+    model = draw(float64_trees(depth))
+    modules = [module for _, module in model.named_modules()]
+    for index in draw(st.lists(st.integers(0, len(modules) - 1), max_size=3)):
+        modules[index].half()
+    for index in draw(st.lists(st.integers(0, len(modules) - 1), max_size=2)):
+        modules[index].double()
+    return model
+
+
+@needs_accelerator
+@given(mixed_trees())
+def test_the_casts_change_the_float64_tensors_alone(model: nn.Module) -> None:
+    """For any model of float16, float32 and float64 modules, the fix's cast lines, run,
+    make every float64 tensor float32 and change no other tensor's dtype; they are at most
+    a handful, and no module cast is under another."""
+    with mps_like() as device:
+        before = dtypes_of(model)
+        found = [(path, t.dtype) for path, t in iter_tensors(model, "obj", modules=True)]
+        lines = module_casts(device, found, "obj")
+        exec("; ".join(lines), {"obj": model, "torch": torch})
+    assert {n: F32 if d == F64 else d for n, d in before.items()} == dtypes_of(model)
+    assert len(lines) <= 4
+    cast = [line.removesuffix(".float()") for line in lines if line.endswith(".float()")]
+    assert not [(a, b) for a in cast for b in cast if a != b and within(a, b)]
+
+
 # What is not refused
 
 
@@ -394,12 +537,13 @@ def test_the_fix_for_a_stray_part_casts_it_before_its_move_and_runs_as_written()
 
 
 class Tasks(nn.Module):
-    """A body and a head per task, in a ModuleDict keyed by digits; the head holds float64."""
+    """A body and a head per task, in a ModuleDict keyed by digits; the first head holds
+    float64, the second float32."""
 
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Linear(4, 4)
-        self.heads = nn.ModuleDict({"0": Rope()})
+        self.heads = nn.ModuleDict({"0": Rope(), "1": nn.Linear(4, 4)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.heads["0"](self.body(x))  # type: ignore[no-any-return]

@@ -19,6 +19,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,14 +30,17 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from devicectx import (
+    DeviceWarning,
     MoveError,
     RepeatedMoveWarning,
     device_agnostic,
     on_device,
     prefetch,
+    register_container,
     staging_memory,
     to_device,
     track_transfers,
+    unregister_container,
 )
 from devicectx.move import _prefetch, _repeats, _staging, _streams
 from devicectx.move._staging._state import StagingState, swapped
@@ -1262,3 +1266,67 @@ def test_batches_are_moved_on_a_thread_of_their_own_which_ends_with_the_prefetch
             del batches
         thread.join(timeout=60)
     assert not thread.is_alive()
+
+
+class _OwnBatch:
+    """A collate_fn's batch type the move cannot look into: no .to, not registered."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+def _first_batch_warnings(
+    batches: Any, device: Any, **options: Any
+) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in prefetch(batches, device, **options):  # _PREFETCH_LINE
+            pass
+    return [w for w in caught if w.category is DeviceWarning]
+
+
+_PREFETCH_LINE = next(
+    number
+    for number, line in enumerate(Path(__file__).read_text().split("\n"), start=1)
+    if line.endswith("# _PREFETCH_LINE") and "prefetch(" in line
+)
+
+
+@pytest.mark.parametrize(
+    ("skip", "meant"),
+    [(["obj['meta']"], "batch['meta']"), (["batch['mta']"], "batch['meta']"), (["mta"], "meta")],
+)
+def test_a_skip_entry_naming_nothing_in_the_first_batch_is_warned_of(
+    skip: list[str], meant: str
+) -> None:
+    """prefetch warns of skip= entries that name nothing in the first batch, as to_device
+    does, once, at the line that called prefetch, with the entry it likely meant; the fix
+    applied leaves the entry where it is."""
+    batches = [{"x": torch.ones(2), "meta": torch.zeros(())} for _ in range(3)]
+    (warning,) = _first_batch_warnings(batches, "meta", skip=skip)
+    assert (__file__, _PREFETCH_LINE) == (warning.filename, warning.lineno)
+    text = str(warning.message)
+    assert text.startswith("prefetch(): skip= entries name nothing in batch")
+    assert text.endswith(f"fix: skip=[{meant!r}]")
+    assert [] == _first_batch_warnings(batches, "meta", skip=[meant])
+    assert all(b["meta"].is_cpu for b in prefetch(batches, "meta", skip=[meant]))
+
+
+def test_tensors_the_move_cannot_see_in_the_first_batch_are_warned_of() -> None:
+    """A batch of a type the move cannot look into keeps its tensors where the loader made
+    them: prefetch says so once, naming them and the type, with a fix that, applied,
+    moves them."""
+    batches = [_OwnBatch(torch.ones(2)) for _ in range(3)]
+    (warning,) = _first_batch_warnings(batches, "meta")
+    text = str(warning.message)
+    assert text.startswith("prefetch() left batch.x (on cpu) where the loader made it, in every")
+    assert "the move does not look inside a _OwnBatch" in text
+    fix = text.split("\nfix: ", 1)[1]
+    code = fix.split(", or give ", 1)[0]
+    assert "as an argument" not in fix
+    try:
+        exec(code, {"register_container": register_container, "_OwnBatch": _OwnBatch})
+        assert [] == _first_batch_warnings(batches, "meta")
+        assert all(b.x.is_meta for b in prefetch(batches, "meta"))
+    finally:
+        unregister_container(_OwnBatch)

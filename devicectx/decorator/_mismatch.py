@@ -317,7 +317,7 @@ def _cast_and_move(
     else:
         move = f"{path}.to({_quote(destination)})"
     if unheld:
-        move = f"{'; '.join(module_casts(destination, under))}; {move}"
+        move = f"{'; '.join(module_casts(destination, under, path))}; {move}"
     return move, "; ".join(reasons)
 
 

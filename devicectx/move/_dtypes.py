@@ -21,10 +21,16 @@ target's dtype instead of its device): each tensor cast once, views of a cast te
 still views of its cast, autograd history (``.to(dtype)``); the input is never changed.
 Modules are not cast (``module.to`` moves them in place, as they are), but they are
 checked: a parameter or buffer of a dtype the target cannot hold is refused with the rest,
-before anything moves, with ``module.float()`` as the fix, so a module is never left
-half-moved. An object with its own ``.to`` is cast where the engine can rebuild it (a
-registered or known protocol: ``TensorDict``, ``BatchEncoding``), and is otherwise left to
-its ``.to`` (torch_geometric's ``Data``), which cannot cast.
+before anything moves, so a module is never left half-moved. The fix casts with a module's
+``.float()`` where that changes no other tensor's dtype, else tensor by tensor (float16
+weights beside a float64 buffer stay float16). An object with its own ``.to`` is cast
+where the engine can rebuild it (a registered or known protocol: ``TensorDict``,
+``BatchEncoding``), and is otherwise left to its ``.to`` (torch_geometric's ``Data``),
+which cannot cast.
+
+The default's refusal offers two ``dtypes=``: the mapping, which gives the same dtypes on
+every device, and ``"device"``, which casts only where the device lacks the dtype (on a
+CUDA GPU, nothing: code fixed so on a Mac then fails there on float64).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import Any, Literal, NamedTuple, TypeAlias, TypeVar
 
 import torch
 from torch import nn
@@ -50,7 +56,7 @@ from devicectx.move._kinds import LEAF_KIND, MODULE_KIND
 from devicectx.move._paths import within
 from devicectx.move._rebuild import Fix, Rebuild
 from devicectx.move._skip import Skip
-from devicectx.move._walk import iter_tensors
+from devicectx.move._walk import iter_tensors, module_paths
 
 __all__ = [
     "DtypesLike",
@@ -151,7 +157,8 @@ class Policy:
         # earlier tensors already moved in place: refused here, before anything moves.
         in_modules = self._unheld_in(met)
         if caster.refused or in_modules:
-            raise _refused(self, obj, name, who, caster.refused, in_modules, suggest)
+            refused = _Refused(caster.refused, in_modules, met)
+            raise _refused(self, obj, name, who, refused, suggest)
         return result  # type: ignore[no-any-return]
 
     def _unheld_in(self, modules: list[nn.Module]) -> dict[int, torch.dtype]:
@@ -176,14 +183,16 @@ class _Caster(TensorMover):
         super().__init__(None, False, policy.cast, parameters=parameters)
         self.target = policy.device
         self.missing = policy.missing
-        self.refused: dict[int, torch.dtype] = {}
+        # {id(tensor): (its dtype, the dtype the policy makes it)}: a mapping's value may be
+        # the dtype the target cannot hold, not the tensor's own.
+        self.refused: dict[int, tuple[torch.dtype, torch.dtype]] = {}
 
     def move(self, tensor: torch.Tensor) -> torch.Tensor:
         dtype = tensor.dtype
         assert self.dtypes is not None
         to = self.dtypes.get(dtype, dtype)
         if to in self.missing and tensor.device != self.target:
-            self.refused[id(tensor)] = dtype
+            self.refused[id(tensor)] = (dtype, to)
             return tensor
         return tensor if to is dtype else super().move(tensor)
 
@@ -437,48 +446,52 @@ def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
     raise TypeError(msg)
 
 
+class _Refused(NamedTuple):
+    """What a policy's walk refused: the tensors it would have moved, by id, each with its
+    dtype and the dtype the policy makes it (the same, or a mapping's value the target
+    cannot hold); the modules' tensors of a dtype the target cannot hold, by id; the
+    modules met."""
+
+    tensors: dict[int, tuple[torch.dtype, torch.dtype]]
+    in_modules: dict[int, torch.dtype]
+    modules: list[nn.Module]
+
+
 def _refused(
-    policy: Policy,
-    obj: Any,
-    name: str,
-    who: str,
-    refused: dict[int, torch.dtype],
-    in_modules: dict[int, torch.dtype],
-    suggest: Suggest,
+    policy: Policy, obj: Any, name: str, who: str, refused: _Refused, suggest: Suggest
 ) -> DtypeUnsupportedError:
     """The error naming every path of a tensor the target cannot hold, by dtype: those the
-    policy would have moved, then those of modules."""
-    plain: dict[torch.dtype, list[str]] = {}
-    seen: set[str] = set()
-    for path, tensor in iter_tensors(obj, name):
-        seen.add(path)
-        dtype = refused.get(id(tensor))
-        if dtype is not None:
-            plain.setdefault(dtype, []).append(path)
-    held: dict[torch.dtype, list[str]] = {}
-    casts: dict[str, None] = {}  # the fix's lines, in order, each once
-    if in_modules:
-        for path, tensor in iter_tensors(obj, name, modules=True):
-            dtype = in_modules.get(id(tensor))
-            if dtype is not None and path not in seen:
-                held.setdefault(dtype, []).append(path)
-                casts[module_cast(policy.device, path, dtype)] = None
-    paths = {d: [*plain.get(d, ()), *held.get(d, ())] for d in (*plain, *held)}
+    policy would have moved, then those of modules. A tensor a mapping would make a dtype
+    the target cannot hold is listed as ``torch.float32 -> torch.float64``, and under that
+    dtype in the error's ``paths``."""
+    rows = _rows(obj, name, refused)
+    moved = set(refused.tensors.values())
+    plain = [pair for pair in rows if pair in moved]
+    paths: dict[torch.dtype, list[str]] = {}
+    for (_, to), listed in rows.items():
+        paths.setdefault(to, []).extend(listed)
     device = policy.device
-    count = len(refused.keys() | in_modules.keys())
+    count = len(refused.tensors.keys() | refused.in_modules.keys())
     held_not = " or ".join(str(d) for d in paths)
-    width = max(len(str(d)) for d in paths)
-    lines = [f"    {d!s:<{width}} <- {', '.join(p)}" for d, p in paths.items()]
+    mapped = [f"{own} to {to}" for own, to in plain if own != to]
+    why = f" (dtypes= maps {', '.join(mapped)})" if mapped else ""
+    labels = {
+        pair: str(pair[0]) if pair[0] == pair[1] else f"{pair[0]} -> {pair[1]}" for pair in rows
+    }
+    width = max(len(label) for label in labels.values())
+    lines = [f"    {labels[pair]:<{width}} <- {', '.join(p)}" for pair, p in rows.items()]
     what = "a tensor" if count == 1 else f"{count} tensors"
+    casts = _casts_of_modules(device, obj, name, refused)
+    calls = _fix_calls(policy, plain, suggest) if plain else ""
     if casts:
-        fix = f"{'; '.join(outermost(casts))} before the move (dtypes= casts no module's tensors)"
-        if plain:
-            fix = f"{fix}, and {suggest(_fix_argument(policy, plain))}"
+        fix = f"{'; '.join(casts)} before the move (dtypes= casts no module's tensors)"
+        if calls:
+            fix = f"{fix}, and {calls}"
     else:
-        fix = suggest(_fix_argument(policy, plain))
+        fix = calls
     msg = "\n".join(
         [
-            f"{who} cannot move {what} to {device}, which holds no {held_not}:",
+            f"{who} cannot move {what} to {device}, which holds no {held_not}{why}:",
             *lines,
             f"fix: {fix}",
         ]
@@ -486,16 +499,142 @@ def _refused(
     return DtypeUnsupportedError(msg, device=device, paths=paths)
 
 
-def module_casts(device: torch.device, tensors: Iterable[tuple[str, torch.dtype]]) -> list[str]:
-    """The lines that cast a module's tensors (``(path, dtype)``, as a message names them)
-    of dtypes ``device`` cannot hold, each once: what must come before ``module.to(device)``,
-    which would stop at the first with the tensors before it moved. Empty where it holds
-    them all."""
+def _rows(
+    obj: Any, name: str, refused: _Refused
+) -> dict[tuple[torch.dtype, torch.dtype], list[str]]:
+    """The paths of the refused tensors, by ``(dtype, the dtype the policy makes it)``:
+    those the policy would have moved, then those of modules, in the order of ``obj``."""
+    rows: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+    seen: set[str] = set()
+    for path, tensor in iter_tensors(obj, name):
+        seen.add(path)
+        pair = refused.tensors.get(id(tensor))
+        if pair is not None:
+            rows.setdefault(pair, []).append(path)
+    if refused.in_modules:
+        for path, tensor in iter_tensors(obj, name, modules=True):
+            dtype = refused.in_modules.get(id(tensor))
+            if dtype is not None and path not in seen:
+                rows.setdefault((dtype, dtype), []).append(path)
+    return rows
+
+
+def _casts_of_modules(device: torch.device, obj: Any, name: str, refused: _Refused) -> list[str]:
+    """The lines that cast the modules' tensors ``device`` cannot hold, module by module,
+    each module's tensors read from where ``obj`` holds it."""
+    if not refused.in_modules:
+        return []
+    holding = [
+        module
+        for module in refused.modules
+        if any(id(t) in refused.in_modules for t in chain(module.parameters(), module.buffers()))
+    ]
+    found = module_paths(obj, {id(module) for module in holding}, name)
+    casts: dict[str, None] = {}
+    for module in holding:
+        root = found.get(id(module))
+        if root is not None:
+            tensors = ((path, t.dtype) for path, t in iter_tensors(module, root, modules=True))
+            casts.update(dict.fromkeys(module_casts(device, tensors, root)))
+    return list(casts)
+
+
+# More lines than this casting one tensor (or one module) each are one line per dtype that
+# casts every tensor of it under the module: a fix is read, then pasted.
+_MAX_CASTS = 4
+
+
+def module_casts(
+    device: torch.device, tensors: Iterable[tuple[str, torch.dtype]], root: str
+) -> list[str]:
+    """The lines that cast the tensors of the module at ``root`` (all of them, ``(path,
+    dtype)`` as a message names them) of dtypes ``device`` cannot hold, each once: what
+    must come before ``module.to(device)``, which would stop at the first with the tensors
+    before it moved. Empty where it holds them all.
+
+    A floating point one is cast by a module's ``.float()`` where that changes no other
+    tensor's dtype: the outermost module whose floating point tensors are all of dtypes
+    ``device`` cannot hold (``model.float()`` for a ``model.double()``), else the tensor's
+    own module where its others are float32; else (float16 or bfloat16 weights beside it,
+    which ``.float()`` would upcast) the tensor alone, as a complex one always is.
+    """
     missing = missing_dtypes(device)
     if not missing:
         return []
-    casts = (module_cast(device, path, dtype) for path, dtype in tensors if dtype in missing)
-    return outermost(dict.fromkeys(casts))
+    listed = list(tensors)
+    verdicts = _module_verdicts(listed, root, missing)
+    lines: dict[str, None] = {}
+    refused: dict[torch.dtype, None] = {}
+    for path, dtype in listed:
+        if dtype not in missing:
+            continue
+        refused[dtype] = None
+        above = _modules_above(path, root) if dtype.is_floating_point else []
+        outer = next((module for module in above if verdicts[module][0]), None)
+        if outer is None and above and verdicts[above[-1]][1]:
+            outer = above[-1]
+        line = _tensor_cast(device, path, dtype) if outer is None else f"{outer}{_FLOAT}"
+        lines[line] = None
+    kept = outermost(lines)
+    if len(kept) <= _MAX_CASTS:
+        return kept
+    return [_every_tensor_cast(device, root, dtype) for dtype in refused]
+
+
+def _module_verdicts(
+    tensors: Iterable[tuple[str, torch.dtype]], root: str, missing: frozenset[torch.dtype]
+) -> dict[str, tuple[bool, bool]]:
+    """For each module above a floating point tensor: whether all its floating point
+    tensors are of ``missing`` dtypes, and whether all are of those or float32 (where its
+    ``.float()`` changes no other tensor's dtype)."""
+    verdicts: dict[str, tuple[bool, bool]] = {}
+    for path, dtype in tensors:
+        if not dtype.is_floating_point:
+            continue
+        unheld = dtype in missing
+        kept = unheld or dtype == torch.float32
+        for module in _modules_above(path, root):
+            all_unheld, all_kept = verdicts.get(module, (True, True))
+            verdicts[module] = (all_unheld and unheld, all_kept and kept)
+    return verdicts
+
+
+def _modules_above(path: str, root: str) -> list[str]:
+    """The paths of the modules that hold the tensor at ``path`` (under the module at
+    ``root``), outermost first: ``root``, then one per part of the path after it but the
+    last (the tensor's name). ``[]`` for a path not under ``root``.
+
+    Example:
+        >>> _modules_above("model.layers[0]['a.b'].weight", "model")
+        ['model', 'model.layers', 'model.layers[0]', "model.layers[0]['a.b']"]
+    """
+    if not within(path, root) or path == root:
+        return []
+    ends = [len(root)]
+    at, quote = len(root), ""
+    while at < len(path):
+        char = path[at]
+        if quote:  # inside a key's repr: only its closing quote matters
+            if char == "\\":
+                at += 1
+            elif char == quote:
+                quote = ""
+        elif char in "'\"":
+            quote = char
+        elif char in ".[" and at > len(root):
+            ends.append(at)
+        at += 1
+    return [path[:end] for end in ends]
+
+
+def _every_tensor_cast(device: torch.device, root: str, dtype: torch.dtype) -> str:
+    """One line that casts every parameter and buffer of ``dtype`` under ``root`` to the
+    nearest dtype ``device`` holds, in place (``.data``: each object kept, so ties too)."""
+    to = nearest_dtype(device, dtype) or _fallback(device, dtype)
+    return (
+        f'[setattr(t, "data", t.data.to({_code(to)})) for t in '
+        f"[*{root}.parameters(), *{root}.buffers()] if t.dtype == {_code(dtype)}]"
+    )
 
 
 _FLOAT = ".float()"
@@ -530,20 +669,48 @@ def module_cast(device: torch.device, path: str, dtype: torch.dtype) -> str:
     cut = path.rfind("[") if path.endswith("]") else path.rfind(".")
     if dtype.is_floating_point and cut > 0:
         return f"{path[:cut]}.float()"
+    return _tensor_cast(device, path, dtype)
+
+
+def _tensor_cast(device: torch.device, path: str, dtype: torch.dtype) -> str:
+    """The line that casts the module's tensor at ``path`` alone, in place (``.data``: the
+    object kept, so a tie too), to the nearest dtype ``device`` holds."""
     to = nearest_dtype(device, dtype) or _fallback(device, dtype)
     return f"{path}.data = {path}.data.to({_code(to)})"
 
 
-def _fix_argument(policy: Policy, paths: Mapping[torch.dtype, list[str]]) -> str:
-    """The ``dtypes=`` that moves these: ``"device"`` where each has a nearest dtype the
-    target holds, else a mapping with a dtype it holds for each."""
+# How the fix of a refusal under dtypes=None tells its two calls apart.
+_PORTABLE = "to get the same dtypes on every device"
+_LACKING = "to cast only where the device lacks them"
+_DEVICE = '"device"'
+
+
+def _fix_calls(
+    policy: Policy, refused: Sequence[tuple[torch.dtype, torch.dtype]], suggest: Suggest
+) -> str:
+    """The call (or calls) with the ``dtypes=`` that moves the ``refused`` tensors (each
+    ``(its dtype, the dtype the policy makes it)``).
+
+    Under the default, two: a mapping to the nearest dtype the target holds, which casts
+    on every device (code fixed on an MPS laptop keeps float32 on a CUDA GPU too), and
+    ``"device"``, which casts only where the device lacks the dtype. Otherwise one: the
+    policy's casts, completed, each to a dtype the target holds (a mapping's value it
+    cannot hold replaced by the nearest one it holds; a key left mapped to itself out).
+    """
     device = policy.device
-    nearest = {d: nearest_dtype(device, d) for d in paths}
-    if policy.spec is None and all(to is not None for to in nearest.values()):
-        return '"device"'
-    cast = dict(policy.cast) if isinstance(policy.spec, Mapping) else {}
-    for dtype, to in nearest.items():
-        cast[dtype] = to if to is not None else _fallback(device, dtype)
+    nearest = {own: nearest_dtype(device, own) for own, _ in refused}
+    if policy.spec is None and all(nearest.values()):
+        mapping = _mapping_code({own: to for own, to in nearest.items() if to is not None})
+        return f"{suggest(mapping)} {_PORTABLE}, or {suggest(_DEVICE)} {_LACKING}"
+    cast = dict(policy.cast)
+    for own, to in refused:
+        cast[own] = nearest_dtype(device, to) or _fallback(device, to)
+    kept = {k: v for k, v in cast.items() if k != v}
+    return suggest(_mapping_code(kept) if kept else "None")
+
+
+def _mapping_code(cast: Mapping[torch.dtype, torch.dtype]) -> str:
+    """``{torch.float64: torch.float32}``: a ``dtypes=`` mapping as code."""
     return "{" + ", ".join(f"{_code(k)}: {_code(v)}" for k, v in cast.items()) + "}"
 
 

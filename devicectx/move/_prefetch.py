@@ -45,20 +45,23 @@ import collections
 import contextlib
 import contextvars
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
 
+from devicectx._errors import DeviceWarning, warn_explicit_at, with_article
 from devicectx.devices._resolve import DeviceLike, accelerator_type, resolve_device
 from devicectx.move import _repeats
 from devicectx.move._background import Ticket, Worker
 from devicectx.move._dtypes import DtypesLike, Suggest, call_suggest, cast_batch, check_dtypes
 from devicectx.move._move import _move, _nothing_to_move
-from devicectx.move._skip import Skip, SkipLike, compile_skip
+from devicectx.move._skip import Skip, SkipLike, compile_skip, unmatched, unmatched_message
 from devicectx.move._staging import HandedTo
 from devicectx.move._streams import copy_stream, queued_on
+from devicectx.move._unseen import fix_for, unseen_tensors
 from devicectx.move._walk import collect
 from devicectx.scope._stack import active_device
 
@@ -104,7 +107,10 @@ def prefetch(
             1 overlaps each copy with one step, 2 (the default) also absorbs a loader or
             a copy that is slow now and then.
         skip: what stays where it is, as :func:`~devicectx.to_device` takes it; paths are
-            rooted at ``batch`` (``"batch['meta']"``).
+            rooted at ``batch`` (``"batch['meta']"``). An entry that names nothing in the
+            first batch is warned of, as ``to_device`` warns (so are tensors in the first
+            batch that the move cannot see: held by an object of a type it cannot look
+            into).
         dtypes: what a move does with a dtype the device cannot hold, as
             :func:`~devicectx.to_device` takes it (``"device"``: float64 -> float32 on
             MPS, cast on the host before the copy).
@@ -189,6 +195,7 @@ def prefetch(
     prefetcher = Prefetcher(batches, target, depth, compiled, _repeats.caller_place())
     check_dtypes(dtypes)
     prefetcher._dtypes = dtypes
+    prefetcher._spec = skip
     # A dtype refusal's fix: this call with dtypes= added, the caller's depth= and skip= kept.
     kept = [("depth", depth, 2), ("skip", skip, None)]
     prefetcher._suggest = call_suggest("prefetch", ("batches", repr(str(target))), kept)
@@ -222,6 +229,7 @@ class Prefetcher(Generic[T]):
         self._where = where
         self._dtypes: DtypesLike = None  # the dtype policy (devicectx.move._dtypes)
         self._suggest: Suggest | None = None  # its refusal's fix line
+        self._spec: SkipLike = None  # skip= as given, quoted by the first batch's warnings
         self._streams = streams_for(device, pinned_when_read=_pins_on_the_host(batches))
         self.streams = self._streams is not None
         self._passes: weakref.WeakSet[_Pass[T]] = weakref.WeakSet()
@@ -347,6 +355,7 @@ class _Pass(Iterator[T]):
             self._streams is not None,
             dtypes=owner._dtypes,
             suggest=owner._suggest,
+            spec=owner._spec,
         )
         self._depth = owner.depth
         self._source: Iterator[Any] | None = source
@@ -446,20 +455,66 @@ def _move_batch(
     handed: HandedTo | None = None,
     dtypes: DtypesLike = None,
     suggest: Suggest | None = None,
+    spec: SkipLike = None,
 ) -> Any:
     """``batch`` on ``device`` through the move engine, its errors naming ``index``;
-    ``non_blocking`` and ``handed`` where it is moved on a copy stream."""
+    ``non_blocking`` and ``handed`` where it is moved on a copy stream; ``spec``, the
+    ``skip=`` as given (the first batch's warnings quote it)."""
     # The dtype policy: casts made (or refused, naming every path) before the move.
     batch = cast_batch(batch, device, dtypes, skip, index, suggest)
     types = () if skip is None else skip.types
     if (skip is None or not skip.slow) and _nothing_to_move(batch, device, types):
-        return batch
+        moved = batch
+    else:
 
-    def fix(path: str) -> str:
-        return f"leave it where it is: prefetch(batches, {str(device)!r}, skip=[{path!r}])"
+        def fix(path: str) -> str:
+            return f"leave it where it is: prefetch(batches, {str(device)!r}, skip=[{path!r}])"
 
-    who = f"prefetch() at batch {index}"
-    return _move(batch, device, non_blocking, skip, _NAME, fix, who, True, where, True, handed)
+        who = f"prefetch() at batch {index}"
+        moved = _move(batch, device, non_blocking, skip, _NAME, fix, who, True, where, True, handed)
+    if index == 0:
+        _look_at_first(batch, moved, device, skip, spec, where)
+    return moved
+
+
+def _look_at_first(
+    batch: Any,
+    moved: Any,
+    device: torch.device,
+    skip: Skip | None,
+    spec: SkipLike,
+    where: _repeats.Place,
+) -> None:
+    """Warn, at the line that made the prefetcher, of what its first batch shows would go
+    unseen on every batch until a step fails: ``skip=`` entries that name nothing in it
+    (as :func:`~devicectx.to_device` warns), and tensors the move cannot see (held by
+    objects of a type it cannot look into), left where the loader made them."""
+    messages = []
+    if skip is not None and (skip.keys or skip.paths):
+        missing = unmatched(skip, batch, _NAME)
+        if missing:
+            messages.append(unmatched_message(spec, missing, _NAME, "prefetch()"))
+    types = () if skip is None else skip.types
+    left = [
+        unseen
+        for unseen in unseen_tensors([(_NAME, moved)])
+        if unseen.device != device and not issubclass(unseen.holder, types)
+    ]
+    if left:
+        paths = ", ".join(f"{unseen.path} (on {unseen.device})" for unseen in left[:3])
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        them = "it" if len(left) == 1 else "them"
+        messages.append(
+            f"prefetch() left {paths}{more} where the loader made {them}, in every batch: the "
+            f"move does not look inside {with_article(left[0].holder.__qualname__)}\n"
+            f"fix: {fix_for(left, device, argument=False)}"
+        )
+    origin = where.origin
+    for message in messages:
+        if origin is None:  # pragma: no cover - a prefetcher's place always has its line
+            warnings.warn(message, DeviceWarning, stacklevel=2)
+        else:
+            warn_explicit_at(*origin, message, DeviceWarning)
 
 
 class _Sent:

@@ -317,7 +317,10 @@ def optimizer_state_fix(name: str, kind: str, paths: Sequence[str]) -> str:
 
 
 def fix_for(
-    unseen: Sequence[Unseen], target: torch.device | None = None, follow: bool = True
+    unseen: Sequence[Unseen],
+    target: torch.device | None = None,
+    follow: bool = True,
+    argument: bool = True,
 ) -> str:
     """The ``fix:`` text for tensors the engine cannot see (those under the first one's
     outermost holder).
@@ -330,6 +333,8 @@ def fix_for(
     down to an object with a ``.to`` of its own only, which moves the rest. For tensors in
     such an object: its ``.to``, tried on a shallow copy as a move tries it, either moves
     them, and the fix calls it, or leaves them, and the fix says how to write it.
+    ``argument`` False: the tensors are no call's arguments (a prefetched batch), and the
+    fix does not offer passing one as an argument.
     """
     first = unseen[0]
     if first.module is not None:
@@ -377,7 +382,7 @@ def fix_for(
             if name not in names:
                 names.append(name)
     calls = "; ".join(register_call(tp, names) for tp, names in children.items())
-    passed = f", pass {first.path} as an argument" if len(group) == 1 else ""
+    passed = f", pass {first.path} as an argument" if len(group) == 1 and argument else ""
     return f"import copy; {calls}{passed}, or give {root.__qualname__} a .to(device) method"
 
 
