@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
-from helpers import accelerator, python_output
+from helpers import accelerator, mps_like, python_output
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.nn.modules import module as torch_module
 from torch.overrides import _get_current_function_mode_stack
 
-from devicectx import StrayTensorError, StrayTensorWarning, on_device
+from devicectx import DtypeUnsupportedError, StrayTensorError, StrayTensorWarning, on_device
 from devicectx.scope._audit import reset_reports
 from devicectx.testing import emulated
 
@@ -695,3 +695,36 @@ def test_generator_fix_on_a_device_without_generators() -> None:
             again = torch.randn(2)
     assert device == made.device
     assert torch.equal(made.cpu(), again.cpu())
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize("audit", [True, "raise"])
+def test_a_dtype_the_block_device_lacks_is_refused_as_without_the_audit(audit: object) -> None:
+    """On a device without float64, torch.tensor of a float64 array in an audited block is
+    refused with DtypeUnsupportedError and its fix, as without audit=: the tensor the
+    refusal remakes on meta to learn its dtype is not reported (nor raised at)."""
+    with mps_like() as device, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(DtypeUnsupportedError) as info, on_device(device, audit=audit):
+            torch.tensor(np.ones(3))
+    assert "fix: torch.tensor(..., dtype=torch.float32)" in str(info.value)
+    assert [] == [w for w in caught if issubclass(w.category, StrayTensorWarning)]
+
+
+@pytest.mark.requires_device("accelerator")
+def test_the_fix_for_from_numpy_casts_where_the_block_device_lacks_the_dtype() -> None:
+    """On a device without float64, the fix for torch.from_numpy of a float64 array gives
+    the dtype to cast to, and passes the audit applied as written (without it, torch
+    refused the copy)."""
+    array = np.ones(3)
+    with (
+        mps_like() as device,
+        on_device(device, audit=True),
+        pytest.warns(StrayTensorWarning) as caught,
+    ):
+        torch.from_numpy(array)
+    fix = str(caught[0].message).split("\nfix: ", 1)[1]
+    assert f'torch.as_tensor(array, dtype=torch.float32, device="{device}")' == fix
+    with mps_like() as device, on_device(device, audit="raise"):
+        made = eval(fix, {"torch": torch, "array": array})
+    assert (device, torch.float32) == (made.device, made.dtype)

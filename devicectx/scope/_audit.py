@@ -47,7 +47,8 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from devicectx._errors import StrayTensorError, StrayTensorWarning, warn_at
 from devicectx._torch import modes as _torch_modes
 from devicectx._torch.constructors import device_constructors
-from devicectx.scope._constructors import TorchPatch, inline_only
+from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
+from devicectx.scope._constructors import TorchPatch, inline_only, probing
 
 __all__ = ["AuditLevel", "AuditOption", "Auditor", "check_audit", "reset_reports"]
 
@@ -185,7 +186,7 @@ class Auditor:
         """Run a call that makes tensors (``maker``: torch's function) or takes a generator,
         and report what strays."""
         state = self._state()
-        if state is None:
+        if state is None or probing():
             return func(*args, **kwargs)
         level, block = state
         generator = kwargs.get("generator")
@@ -215,6 +216,12 @@ class Auditor:
             # A fix that makes no CPU tensor inside the block, or the audit reports it again.
             if op == "torch.from_numpy":
                 fix = f'torch.as_tensor(array, device="{block}")'
+                dtype = getattr(result, "dtype", None)
+                nearest = None
+                if isinstance(dtype, torch.dtype) and not CAPABILITIES.holds(block, dtype):
+                    nearest = nearest_dtype(block, dtype)  # float64 on MPS: the cast in the fix
+                if nearest is not None:
+                    fix = f'torch.as_tensor(array, dtype={nearest}, device="{block}")'
             else:  # frombuffer takes no device=
                 fix = f'{op}(buffer, dtype=...) before the block, then .to("{block}") inside it'
             _report(level, op, f"made a tensor on {landed}", block, fix, user_calls=True)

@@ -54,7 +54,7 @@ from devicectx._torch.dynamo import (
 )
 from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 
-__all__ = ["TorchPatch", "constructor_patch", "inline_only"]
+__all__ = ["TorchPatch", "constructor_patch", "inline_only", "probing"]
 
 DeviceQuery = Callable[[], "torch.device | None"]
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -239,6 +239,16 @@ def _refusal() -> _Refusal:
     return _DISABLED[0]
 
 
+_PROBE = threading.local()  # on while _dtype_refused remakes a failed tensor on meta
+
+
+def probing() -> bool:
+    """Whether this thread is remaking a refused constructor's tensor on ``meta`` to learn
+    its dtype: that tensor is devicectx's own, which ``on_device(audit=...)`` must not
+    report (nor raise at, which would hide the refusal)."""
+    return getattr(_PROBE, "on", False)
+
+
 def _dtype_refused(
     original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], error: Exception
 ) -> DtypeUnsupportedError | None:
@@ -253,7 +263,11 @@ def _dtype_refused(
         target = torch.device(device)
         if not CAPABILITIES.missing(target):
             return None
-        dtype = original(*args, **{**kwargs, "device": "meta"}).dtype
+        _PROBE.on = True
+        try:
+            dtype = original(*args, **{**kwargs, "device": "meta"}).dtype
+        finally:
+            _PROBE.on = False
     except Exception:
         return None
     if CAPABILITIES.holds(target, dtype):
