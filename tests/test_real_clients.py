@@ -25,11 +25,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import mps_like
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
 from devicectx import (
     DeviceMismatchError,
+    MoveError,
     available_devices,
     device_agnostic,
     find_devices,
@@ -751,3 +753,25 @@ def test_a_cast_keeps_a_tensordict_locked(lazy: bool) -> None:
         assert all(part.is_locked and part["next"].is_locked for part in parts(moved))
     assert batch.is_locked
     assert before == dtypes(batch)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_graph_with_float64_features_gets_the_cast_its_own_to_needs() -> None:
+    """On a device without float64, a torch_geometric Data with float64 features moves
+    with its own .to, which dtypes= does not cast: the MoveError's fix casts its features
+    (``data.x = data.x.to(torch.float32)``), and the call then runs, applied as written."""
+    graph_data = graph(3, 0)
+    graph_data.x = graph_data.x.double()
+    with mps_like() as device:
+
+        @device_agnostic(device=device, dtypes="device")
+        def features(data: Any) -> torch.Tensor:
+            return data.x.sum(0)  # type: ignore[no-any-return]
+
+        with pytest.raises(MoveError) as caught:
+            features(graph_data)
+        fix = str(caught.value).split("\nfix: ", 1)[1]
+        assert fix.startswith("data.x = data.x.to(torch.float32) before the call, as a Data ")
+        data = graph_data
+        exec(fix.split(" before the call", 1)[0])
+        assert torch.float32 == features(data).dtype

@@ -17,7 +17,8 @@ predicate that raises is reported as the predicate's error.
 Modules move in place (``module.to``), which stops at the first tensor it cannot copy, the
 tensors before it moved: at the first module that moves, a walk that only reads finds
 every module the move will move, and :mod:`devicectx.move._unmaterialised` refuses the
-move as a whole where one holds tensors on ``meta``, :mod:`devicectx.move._hooks` where
+move as a whole where one holds tensors on ``meta``, :mod:`devicectx.move._wrapped` where
+DDP or FSDP2 wrapped one at another device, :mod:`devicectx.move._hooks` where
 accelerate's hooks run a part of one on another device. A batch without modules never pays.
 A tensor of a module that the structure also holds (``{"model": m, "w": m.weight}``), or a
 view of one, comes back as the module's moved tensor (or a view of it), wherever the walk
@@ -44,6 +45,7 @@ from devicectx._errors import (
 from devicectx._torch.module_tree import move as move_module
 from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx._torch.tensors import base_of
+from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 from devicectx.move import _containers
 from devicectx.move._alias import CannotCast, EngineBug, TensorMover
 from devicectx.move._containers import is_registered, kind_for
@@ -65,6 +67,7 @@ from devicectx.move._paths import ITEM, MEMBER, NAME, build, join
 from devicectx.move._skip import PredicateFailed, Skip
 from devicectx.move._unmaterialised import unmaterialised
 from devicectx.move._walk import all_on, iter_tensors, module_on
+from devicectx.move._wrapped import wrapped
 
 _Tensor = torch.Tensor
 _CACHE = _containers.KIND_CACHE
@@ -605,18 +608,17 @@ class Rebuild:
 
     def _check_modules(self, device: torch.device) -> None:
         """Before the first module moves: refuse the move if a module it would move holds
-        tensors on meta, which ``module.to`` cannot copy, or has a part that accelerate's
-        hook runs on another device (which would fail at its next forward). ``module.to``
-        stops at the first tensor on meta, the tensors before it moved in place, and so
-        would this walk, the modules before it moved: checked here, nothing in place has
-        moved yet.
+        tensors on meta, which ``module.to`` cannot copy, is or holds a DDP or FSDP2
+        module off ``device`` (which keeps the placement it was wrapped at), or has a part
+        that accelerate's hook runs on another device (which would fail at its next
+        forward). ``module.to`` stops at the first tensor on meta, the tensors before it
+        moved in place, and so would this walk, the modules before it moved: checked
+        here, nothing in place has moved yet.
 
         Raises:
             _Refused: with the :class:`MoveError` naming each such module.
         """
         root, self.root = self.root, None
-        if device.type == "meta":  # anything goes to meta, meta tensors as they are
-            return
         # The modules this walk will move: a walk that only reads, with the same skip.
         met: list[Any] = []
         reader = Rebuild(None, None, self.skip, self.name, self.fix, {}, self.who)
@@ -625,8 +627,12 @@ class Rebuild:
         # that point are still all the modules this walk can move, and are checked.
         with contextlib.suppress(MoveError):
             reader.run(root)
-        error = unmaterialised(root, met, device, self.name, self.fix, self.who)
-        if error is None:
+        error = None
+        if device.type != "meta":  # anything goes to meta, meta tensors as they are
+            error = unmaterialised(root, met, device, self.name, self.fix, self.who)
+        if error is None:  # to meta too: module.to makes new parameters there
+            error = wrapped(root, met, device, self.name, self.fix, self.who)
+        if error is None and device.type != "meta":
             error = dispatched(root, met, device, self.name, self.fix, self.who)
         if error is not None:
             raise _Refused(root, error)
@@ -698,6 +704,10 @@ class Rebuild:
             other = _whole_fix(failed.obj, path) if whole else None
             if other is not None:
                 fix = f"{other}; or {fix}"
+            if self.device is not None and not isinstance(failed.obj, torch.Tensor):
+                cast = _cast_fix(failed.obj, path, self.device)
+                if cast is not None:  # an object's own .to met a dtype the device lacks
+                    fix = f"{cast}; or {fix}"
             if isinstance(failed.obj, torch.Tensor) and failed.obj.is_meta:
                 # Shapes only, no values: no move of it works, by hand either.
                 fix = (
@@ -776,6 +786,29 @@ def _rebuilt(kind: Kind, obj: Any, keys: Any, old: Sequence[Any], new: list[Any]
     if kind.role == OWN and lost_lock(obj, result):
         result.lock_()
     return result
+
+
+def _cast_fix(obj: object, path: str, device: torch.device) -> str | None:
+    """Where ``obj`` (an object moved by its own ``.to``, which ``dtypes=`` does not cast)
+    holds tensors of a dtype ``device`` cannot hold: the statements that cast them, as
+    code; else None. Read on the failure path only."""
+    lacking = CAPABILITIES.missing(device)
+    if not lacking:
+        return None
+    casts = []
+    with contextlib.suppress(Exception):  # its own code: the fix is a courtesy
+        for inner, tensor in iter_tensors(obj, path):
+            nearest = nearest_dtype(device, tensor.dtype) if tensor.dtype in lacking else None
+            if nearest is not None:
+                casts.append(f"{inner} = {inner}.to({nearest})")
+    if not casts:
+        return None
+    more = f" (and {len(casts) - 4} more)" if len(casts) > 4 else ""
+    return (
+        f"{'; '.join(casts[:4])}{more} before the call, as {with_article(type(obj).__name__)} "
+        f"moves with its own .to, which dtypes= does not cast ({device} holds no "
+        f"{', '.join(sorted(str(dtype) for dtype in lacking))})"
+    )
 
 
 def _describe(obj: Any) -> str:
