@@ -73,12 +73,13 @@ def test_python_m_devicectx_prints_the_report() -> None:
     # torch_xla installed (CI's XLA job runs this without PJRT_DEVICE): its row, no device.
     unused = "not used: PJRT_DEVICE is unset (set it to use XLA)"
     xla = [f"xla          torch_xla {report.build.xla}, {unused}"] if report.build.xla else []
-    accelerators = format_report(report).splitlines()[4 + len(xla) : 3 + len(xla) + len(devices)]
+    accelerators = format_report(report).splitlines()[5 + len(xla) : 4 + len(xla) + len(devices)]
     set_here = [f"{name}={os.environ[name]}" for name in ENV_VARS if name in os.environ]
     unset = [name for name in ENV_VARS if name not in os.environ]
     environment = "; ".join([*set_here, *([f"unset: {', '.join(unset)}"] if unset else [])])
     expected = [
         f"devicectx    {devicectx.__version__}",
+        f"python       {platform.python_version()}, {platform.platform()}",
         f"torch        {torch.__version__}, built for {built_for}",
         *xla,
         f"accelerator  {accelerator_type() or 'none'}",
@@ -118,6 +119,8 @@ def test_json_holds_every_fact_of_the_report() -> None:
     assert EXIT_OK == result.returncode
     assert {
         "devicectx",
+        "python",
+        "platform",
         "build",
         "devices",
         "auto",
@@ -125,6 +128,7 @@ def test_json_holds_every_fact_of_the_report() -> None:
         "environment",
         "problem",
         "job",
+        "warnings",
     } == set(report)
     assert torch.__version__ == report["build"]["torch_version"]
     assert (torch.version.cuda, torch.version.hip) == (
@@ -441,3 +445,100 @@ def test_the_text_report_lists_missing_dtypes_and_a_small_memory_in_mib() -> Non
     lines = format_report(report).splitlines()
     assert any(line.endswith("emu:0  an MPS-like device, 64.0 MiB, no float64") for line in lines)
     assert any(line.endswith("emu:1  a GPU, 80.0 GiB, capability 9.0") for line in lines)
+
+
+def _share_env(monkeypatch: pytest.MonkeyPatch, local_rank: int, local_world: str) -> None:
+    for name in ("DEVICECTX_DEVICE", "PJRT_DEVICE", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_local_ranks_sharing_a_device_are_warned_of_and_exit_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """More local ranks than devices: "auto" folds LOCAL_RANK onto the devices, so two ranks
+    share one, which NCCL refuses. The report says so on a warning line and under
+    "warnings" in JSON; the set-up can run (gloo, or on purpose), so it still exits 0."""
+    count = torch.accelerator.device_count()
+    kind = accelerator_type()
+    _share_env(monkeypatch, count + 1, str(2 * count))
+    device = f"{kind}:{1 % count}"
+    expected = (
+        f"{2 * count} local ranks on {count} {kind} device(s), placed by LOCAL_RANK % {count}: "
+        f"local rank {count + 1} shares {device} with local rank 1; NCCL refuses two ranks on "
+        f'one GPU ("Duplicate GPU detected"); fix: start {count} processes per machine '
+        f"(torchrun --nproc_per_node {count}), or make {2 * count} devices visible"
+    )
+
+    status = main([])
+    lines = capsys.readouterr().out.splitlines()
+    assert EXIT_OK == status
+    assert f"warning      {expected}" == lines[-1]
+    assert EXIT_OK == main(["--json"])
+    assert [expected] == json.loads(capsys.readouterr().out)["warnings"]
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_local_rank_past_the_devices_is_warned_of_without_a_local_world_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LOCAL_RANK at or past the device count, LOCAL_WORLD_SIZE unset: the ranks below it
+    are there too, and one of them has this device."""
+    count = torch.accelerator.device_count()
+    _share_env(monkeypatch, count, "")
+    (warning,) = gather_report().warnings
+    assert warning.startswith(f"at least {count + 1} local ranks on {count} ")
+    assert f"local rank {count} shares {accelerator_type()}:0 with local rank 0;" in warning
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_rank_with_a_device_to_itself_still_hears_of_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With one rank more than devices, a rank whose device is its own is told which ranks
+    share one: the set-up is the same for every rank, and any rank's report shows it."""
+    count = torch.accelerator.device_count()
+    if count < 2:
+        pytest.skip("needs two devices: with one, every rank shares it")
+    _share_env(monkeypatch, 1, str(count + 1))
+    (warning,) = gather_report().warnings
+    assert f"local rank 1 has {accelerator_type()}:1 to itself; local ranks 0 and {count} " in (
+        warning
+    )
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "local_world", "variable"),
+    [(0, "2", "DEVICECTX_DEVICE"), (1, "1", None), (0, "99", "LOCAL_RANK_ONLY_CPU")],
+    ids=["device-named", "one-rank", "no-accelerator"],
+)
+def test_no_sharing_warning_where_local_rank_does_not_place_the_rank(
+    monkeypatch: pytest.MonkeyPatch, local_rank: int, local_world: str, variable: str | None
+) -> None:
+    """No warning where DEVICECTX_DEVICE names the device (LOCAL_RANK does not place the
+    rank), where the ranks fit the devices, or on the CPU, which every rank shares."""
+    if variable == "LOCAL_RANK_ONLY_CPU" and torch.accelerator.is_available():
+        pytest.skip("checks a machine without an accelerator")
+    _share_env(monkeypatch, local_rank, local_world)
+    if variable == "DEVICECTX_DEVICE":
+        monkeypatch.setenv("DEVICECTX_DEVICE", "cpu")
+    assert [] == gather_report().warnings
+
+
+def test_the_report_gives_python_and_the_platform(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bug report needs the Python version and the operating system: a python line before
+    torch's, and both in JSON."""
+    assert EXIT_OK == main([])
+    lines = capsys.readouterr().out.splitlines()
+    expected = f"python       {platform.python_version()}, {platform.platform()}"
+    assert expected == lines[1]
+    assert EXIT_OK == main(["--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert (platform.python_version(), platform.platform()) == (
+        report["python"],
+        report["platform"],
+    )

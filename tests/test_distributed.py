@@ -24,10 +24,12 @@ from torch import nn
 from devicectx import (
     DeviceMismatchError,
     Layout,
+    MoveError,
     device_agnostic,
     find_devices,
     find_layouts,
     on_device,
+    to_device,
 )
 from devicectx.decorator._target import module_device
 from devicectx.move._containers import kind_for
@@ -334,3 +336,161 @@ def test_an_fsdp2_model_sharded_on_meta_is_not_materialised(mesh: object) -> Non
     assert torch.device("cpu") == module_device(sharded)  # type: ignore[arg-type]
     # (no forward here: torch 2.6's FSDP2 cannot run one on the CPU, its streams lack
     # record_event; the two-rank job runs FSDP2 forwards)
+
+
+def test_the_not_materialised_fix_offers_reset_parameters_only_where_the_model_has_it(
+    mesh: object,
+) -> None:
+    """A model without reset_parameters() (an nn.Sequential), sharded on meta: the fix is
+    to_empty then a state dict, not a call the model lacks."""
+    from torch.distributed.fsdp import fully_shard
+
+    with on_device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2))
+    sharded = fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
+
+    @device_agnostic
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    assert not hasattr(sharded, "reset_parameters")
+    with pytest.raises(DeviceMismatchError) as error:
+        step(sharded, torch.ones(2))  # type: ignore[arg-type]
+    fix = str(error.value).splitlines()[-1]
+    assert fix.startswith('fix: model.to_empty(device="cpu"), then initialise it (load a state')
+
+
+def test_fsdp2_module_computes_where_fully_shard_ran(
+    mesh: object, two: tuple[torch.device, torch.device]
+) -> None:
+    """Sharded inside on_device on the second device, an FSDP2 module's target outside the
+    block is still that device (fully_shard fixed where it computes when it ran), not the
+    device current at the call; its parameters there are not called offloaded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from devicectx.decorator._target import module_label
+
+    second = two[1]
+    with on_device(second):
+        model = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(second.type, (1,)))
+        x = torch.ones(2)
+
+    @device_agnostic(move=False)
+    def step(model: nn.Module, x: torch.Tensor) -> torch.device:
+        return x.device
+
+    assert second == fsdp_compute_device(model)  # type: ignore[arg-type]
+    assert second == module_device(model)  # type: ignore[arg-type]
+    assert second == step(model, x)  # type: ignore[arg-type]
+    assert module_label(model, "model") == (  # type: ignore[arg-type]
+        f"the compute device of model (FSDPLinear), sharded by fully_shard over mesh "
+        f"{second.type} [0]"
+    )
+
+
+# A wrapped model moved by to_device: refused before anything moves.
+
+
+def test_to_device_refuses_a_ddp_model_whose_parameters_would_move(mesh: object) -> None:
+    """DDP keeps syncing the parameters it was given: to_device of a DDP model to another
+    device (alone, or inside a structure) moves nothing and says to move before wrapping."""
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+    before = list(ddp.parameters())
+
+    with pytest.raises(MoveError) as error:
+        to_device(ddp, "meta")
+    assert [
+        "to_device() cannot move obj (a DistributedDataParallel) to meta, and moved nothing: "
+        "DistributedDataParallel keeps syncing the parameters it was given, so a moved "
+        "model's gradients would no longer be averaged across processes:",
+        "    obj (DistributedDataParallel): parameters on cpu",
+        "fix: leave it where it is: do not move obj; or move the model before wrapping it: "
+        'model.to("meta"), then DistributedDataParallel(model, ...); a wrapped model is not '
+        "moved afterwards (and never implicitly)",
+    ] == str(error.value).splitlines()
+    with pytest.raises(MoveError) as nested:
+        to_device({"x": torch.ones(2), "model": ddp}, "meta")
+    lines = str(nested.value).splitlines()
+    assert lines[0].startswith("to_device() cannot move obj['model'] (a DistributedDataParallel)")
+    assert "    obj['model'] (DistributedDataParallel): parameters on cpu" == lines[1]
+    assert before == list(ddp.parameters())
+    assert {torch.device("cpu")} == {p.device for p in ddp.parameters()}
+
+
+def test_to_device_leaves_a_wrapped_model_already_on_the_target(
+    mesh: object, two: tuple[torch.device, torch.device]
+) -> None:
+    """A DDP or fully_shard model already on the target moves nothing and is not refused,
+    also where a structure holding it has a module that moves (the modules are checked
+    then)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+    assert ddp is to_device(ddp, "cpu")
+    second = two[1]
+    with on_device(second):
+        sharded = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(second.type, (1,)))
+    head = nn.Linear(2, 2)
+
+    moved = to_device({"head": head, "model": sharded}, second)
+
+    assert (head, sharded) == (moved["head"], moved["model"])
+    assert {second} == {p.device for p in [*head.parameters(), *sharded.parameters()]}
+
+
+def test_to_device_refuses_a_fully_shard_model_whose_parameters_would_move(
+    mesh: object,
+) -> None:
+    """fully_shard fixed where the model computes when it ran: to_device of it to another
+    device moves nothing and names the outermost sharded module, with fully_shard's fix."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    fully_shard(model[0], mesh=mesh)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
+
+    with pytest.raises(MoveError) as error:
+        to_device({"model": model}, "meta")
+    assert [
+        "to_device() cannot move obj['model'] (an FSDPSequential) to meta, and moved "
+        "nothing: fully_shard fixed the device it computes on (cpu) when it ran, so a moved "
+        "model would fail at its next forward:",
+        "    obj['model'] (FSDPSequential): parameters on cpu",
+        "fix: leave it where it is: to_device(obj, 'meta', skip=[\"obj['model']\"]); or move "
+        'the model before wrapping it: model.to("meta"), then fully_shard(model); a wrapped '
+        "model is not moved afterwards (and never implicitly)",
+    ] == str(error.value).splitlines()
+    assert {torch.device("cpu")} == {p.device for p in model.parameters()}
+
+
+def test_a_decorated_call_refuses_an_fsdp2_model_moved_after_fully_shard(
+    mesh: object, two: tuple[torch.device, torch.device]
+) -> None:
+    """An FSDP2 model wholly on a device that is neither where it computes nor the CPU
+    (moved after fully_shard, by torch's .to) is refused before the body, with the target
+    it computes on and the fix that moves the model before fully_shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    first, second = two
+    with on_device(second):
+        model = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh(second.type, (1,)))
+    model.to(first)
+
+    @device_agnostic
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the body ran")
+
+    with pytest.raises(DeviceMismatchError) as error:
+        step(model, torch.ones(2))  # type: ignore[arg-type]
+    name = f"{step.__qualname__}"
+    assert [
+        f"{name}() got model (FSDPLinear) on {first}, not on its target:",
+        f"    {first} <- model",
+        f"target {second} (from the compute device of model (FSDPLinear), sharded by "
+        f"fully_shard over mesh {second.type} [0])",
+        f'fix: move the model before wrapping it: model.to("{second}"), then '
+        "fully_shard(model); a wrapped model is not moved afterwards (and never implicitly)",
+    ] == str(error.value).splitlines()

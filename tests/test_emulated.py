@@ -227,6 +227,53 @@ def test_streams(emu: torch.device) -> None:
     assert EMU1.index == torch.Stream(device=EMU1).device_index
 
 
+def test_the_device_module_has_torch_cudas_stream_api(emu: torch.device) -> None:
+    """torch.emu has the stream API torch.distributed calls on the accelerator's module
+    (Stream, Event, stream(), StreamContext, set_stream, default_stream), as torch.cuda
+    has it: a block on a stream of the other device gives both devices back their streams
+    and the current device."""
+    stream = torch.emu.Stream()
+    assert (0, True) == (stream.device_index, stream.stream_id != 0)
+    with torch.emu.stream(stream):
+        assert stream == torch.emu.current_stream()
+    assert 0 == torch.emu.current_stream().stream_id
+    other = torch.emu.Stream(device=EMU1)
+    before = torch.emu.current_stream(1)
+    with torch.emu.StreamContext(other):
+        assert other == torch.emu.current_stream(1)
+    assert (0, before) == (torch.emu.current_device(), torch.emu.current_stream(1))
+    with torch.emu.stream(None):  # as torch.cuda.stream(None): nothing changes
+        assert 0 == torch.emu.current_stream().stream_id
+    torch.emu.set_stream(stream)
+    assert stream == torch.emu.current_stream()
+    torch.emu.set_stream(torch.emu.default_stream())
+    assert (0, 0) == (torch.emu.default_stream().stream_id, torch.emu.current_stream().stream_id)
+    assert (1, 0) == (
+        torch.emu.default_stream(EMU1).device_index,
+        torch.emu.default_stream(1).stream_id,
+    )
+    event = torch.emu.Event()
+    event.record(stream)
+    event.synchronize()
+    assert event.query()
+
+
+def test_distributed_checkpoint_saves_and_loads_cpu_tensors(
+    emu: torch.device, tmp_path: Path
+) -> None:
+    """torch.distributed.checkpoint works under the emulated accelerator as without it:
+    its writer makes streams on the accelerator's device module."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # no process group: dcp says it saves in one process
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path)
+        loaded = {"w": torch.zeros(3)}
+        dcp.load(loaded, checkpoint_id=tmp_path)
+
+    assert torch.equal(torch.ones(3), loaded["w"])
+
+
 def test_blocking_copies_complete_on_return(emu: torch.device) -> None:
     """A blocking copy, either way, is done when it returns: sources may change at once."""
     source = pinned([1.0, 2.0])

@@ -258,11 +258,14 @@ def test_oom_backoff_halves_then_remembers_then_gives_up() -> None:
     mean = first_mean.group(1)
     expected = [
         "first call, batch_size=256:",
-        "  log: evaluate(): out of memory at batch_size=256; retrying with batch_size=128",
+        "  log: evaluate(): out of memory at batch_size=256; retrying with batch_size=128 (what "
+        "the failed attempt changed, such as gradients it accumulated, is not undone)",
         "  log: evaluate(): out of memory at batch_size=128; retrying with batch_size=64",
         "  log: evaluate(): out of memory at batch_size=64; retrying with batch_size=32",
         f"  mean output {mean} with batch_size=32",
         "second call, batch_size=512: starts at the size that worked",
+        "  log: evaluate(): asked for batch_size=512, starting at batch_size=32, the size an "
+        "earlier call shrank to (remember=True); later calls held there are not logged",
         f"  mean output {mean} with batch_size=32",
         "a device too small for the minimum batch of 8:",
         "  log: evaluate(): out of memory at batch_size=16; retrying with batch_size=8",

@@ -22,6 +22,7 @@ from devicectx import (
     DeviceError,
     MoveError,
     device_agnostic,
+    prefetch,
     shrink_batch_on_oom,
     to_device,
 )
@@ -53,6 +54,11 @@ CPU_OOM = (
     "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
     "you tried to allocate 1125899906842624 bytes. Error code 12 (Cannot allocate memory)"
 )
+# The Windows build's CPU allocator (c10/core/impl/alloc_cpu.cpp, _aligned_malloc failing).
+CPU_OOM_WINDOWS = (
+    "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you "
+    "tried to allocate 1125899906842624 bytes."
+)
 CUBLAS_OOM = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 
 # A CUDA runtime error comes as torch.AcceleratorError since torch 2.8 (a RuntimeError),
@@ -69,6 +75,7 @@ OUT_OF_MEMORY_ERRORS = [
     pytest.param(lambda: torch.OutOfMemoryError(MPS_OOM), id="mps-OutOfMemoryError"),
     pytest.param(lambda: _ACCELERATOR_ERROR(CUDA_RUNTIME_OOM), id="cuda-AcceleratorError"),
     pytest.param(lambda: RuntimeError(CPU_OOM), id="cpu-allocator"),
+    pytest.param(lambda: RuntimeError(CPU_OOM_WINDOWS), id="cpu-allocator-windows"),
     pytest.param(lambda: RuntimeError(CUBLAS_OOM), id="cublas-alloc-failed"),
     pytest.param(lambda: torch.OutOfMemoryError(), id="OutOfMemoryError-without-message"),
 ]
@@ -233,6 +240,24 @@ def test_a_size_already_below_the_minimum_is_tried_once() -> None:
     with pytest.raises(BatchTooLargeError) as caught:
         shrink_batch_on_oom(minimum=8)(body)(4)
     assert [4] == caught.value.tried
+
+
+def test_a_refusal_at_a_size_asked_below_the_minimum_gives_a_minimum_that_helps() -> None:
+    """Asked for 4 with minimum=8, the error says nothing smaller was tried, and its fix
+    names a minimum below 4 (not 8 // 2 = 4, which fails the same way): applied, it runs."""
+    body = Recorder(fits=2)
+
+    with pytest.raises(BatchTooLargeError) as caught:
+        shrink_batch_on_oom(minimum=8)(body)(batch_size=4)
+    expected = [
+        f"{body!r}() ran out of memory at every batch_size tried: 4 "
+        "(minimum=8); the call asked for 4, not above the minimum, so no smaller size was tried",
+        f"last error: {CUDA_OOM}",
+        "fix: @shrink_batch_on_oom(minimum=2) to try smaller batches, or make one sample need "
+        "less memory (shorter sequences, torch.autocast), or free memory held outside the call",
+    ]
+    assert expected == str(caught.value).splitlines()
+    assert 2 == shrink_batch_on_oom(minimum=2)(body)(batch_size=4)
 
 
 @given(start=st.integers(1, 4096), minimum=st.integers(1, 64), fits=st.integers(0, 4096))
@@ -531,10 +556,71 @@ def test_each_shrink_is_logged(caplog: pytest.LogCaptureFixture) -> None:
         run(32)
     name = run.__qualname__
     expected = [
-        f"{name}(): out of memory at batch_size=32; retrying with batch_size=16",
+        f"{name}(): out of memory at batch_size=32; retrying with batch_size=16 (what the "
+        "failed attempt changed, such as gradients it accumulated, is not undone)",
         f"{name}(): out of memory at batch_size=16; retrying with batch_size=8",
     ]
     assert expected == [record.getMessage() for record in caplog.records]
+
+
+def test_the_shrinks_are_logged_on_the_public_devicectx_oom_logger(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The log lines come from the logger "devicectx.oom" (docs/diagnostics.md), a name that
+    a logging configuration can rely on, not a private module's path."""
+
+    @shrink_batch_on_oom
+    def run(batch_size: int) -> int:
+        return Recorder(fits=8)(batch_size)
+
+    with caplog.at_level(logging.WARNING, logger="devicectx.oom"):
+        run(16)
+        run(16)
+    assert ["devicectx.oom", "devicectx.oom"] == [record.name for record in caplog.records]
+
+
+def test_the_not_undone_clause_is_logged_once_per_function(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first shrink of a decorated function says that the failed attempt is not undone;
+    later shrinks, in this call or the next, do not say it again."""
+
+    @shrink_batch_on_oom(remember=False)
+    def run(batch_size: int) -> int:
+        return Recorder(fits=8)(batch_size)
+
+    with caplog.at_level(logging.WARNING, logger="devicectx"):
+        run(16)
+        run(16)
+    told = ["not undone" in record.getMessage() for record in caplog.records]
+    assert [True, False] == told
+
+
+def test_a_call_held_below_its_batch_size_by_the_ceiling_is_logged_once_per_ceiling(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A call that asks for more than the remembered size logs, at WARNING as the shrinks
+    do, that it starts lower; once per ceiling, and again once the ceiling is lowered."""
+    body = Recorder(fits=16)
+    run = shrink_batch_on_oom(body)
+    name = repr(body)  # a callable object is shown as itself
+    run(64)
+
+    with caplog.at_level(logging.WARNING, logger="devicectx"):
+        run(128)
+        run(512)
+        run(8)  # asked for less: not held, nothing to say
+        body.fits = 4
+        run(64)  # held at 16 again (not logged), then shrinks to 4
+        run(64)
+    held = [r.getMessage() for r in caplog.records if "asked for" in r.getMessage()]
+    assert [
+        f"{name}(): asked for batch_size=128, starting at batch_size=16, the size an earlier "
+        "call shrank to (remember=True); later calls held there are not logged",
+        f"{name}(): asked for batch_size=64, starting at batch_size=4, the size an earlier "
+        "call shrank to (remember=True); later calls held there are not logged",
+    ] == held
+    assert {logging.WARNING} == {record.levelno for record in caplog.records}
 
 
 def test_concurrent_calls_each_find_a_size_that_fits() -> None:
@@ -611,6 +697,137 @@ def test_generators_classes_and_method_objects_are_refused() -> None:
     with pytest.raises(TypeError) as caught:
         shrink_batch_on_oom(staticmethod(batches))
     assert "fix: put @shrink_batch_on_oom below @staticmethod, next to the def" in str(caught.value)
+
+
+def test_the_generator_function_refusal_points_away_from_generators() -> None:
+    """The generator function refusal's fix says to pass a list or a DataLoader, not a
+    generator: passing the generator instead is refused too (below)."""
+
+    def batches(batch_size: int):  # type: ignore[no-untyped-def]
+        yield batch_size
+
+    with pytest.raises(TypeError) as caught:
+        shrink_batch_on_oom(batches)
+    assert str(caught.value).splitlines()[-1] == (
+        "fix: decorate the function that takes the batch size and reads the items, and pass "
+        "it a list or a DataLoader (read again from the start at each attempt), not a generator"
+    )
+
+
+def _one_shots() -> list[object]:
+    samples = list(range(32))
+    return [
+        (x for x in samples),
+        iter(samples),
+        map(int, samples),
+        iter(torch.utils.data.DataLoader(samples, batch_size=4)),
+        prefetch((x for x in samples), "cpu"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("index", "kind"),
+    [
+        (0, "a generator"),
+        (1, "a list_iterator"),
+        (2, "a map"),
+        (3, "a _SingleProcessDataLoaderIter"),
+        (4, "a Prefetcher over a generator"),
+    ],
+)
+def test_a_one_shot_iterator_argument_is_refused_before_the_first_attempt(
+    index: int, kind: str
+) -> None:
+    """A generator, iter(...), an iterator over a DataLoader or a prefetch over one, as an
+    argument, would be read in part by an attempt that runs out of memory, and the retry
+    would see only the rest: refused before the function runs, naming the argument."""
+    calls: list[int] = []
+
+    @shrink_batch_on_oom
+    def total(stream: object, batch_size: int = 16) -> int:
+        calls.append(batch_size)
+        return batch_size
+
+    with pytest.raises(TypeError) as caught:
+        total(_one_shots()[index])
+    name = total.__qualname__
+    assert [
+        f"shrink_batch_on_oom cannot retry {name}() with stream={kind}, an iterator read "
+        "once: an attempt that runs out of memory reads part of it, and the retry would see "
+        "only the rest",
+        f"fix: pass list(stream) or a DataLoader, which each attempt reads from the start, "
+        f"not an iterator; or make the iterator inside {name}()",
+    ] == str(caught.value).splitlines()
+    assert [] == calls
+
+
+def test_a_one_shot_iterator_is_named_by_keyword_and_in_star_args() -> None:
+    """The argument is named as the call passes it: a keyword, or *args' position."""
+
+    @shrink_batch_on_oom
+    def run(*parts: object, batch_size: int = 4, **extra: object) -> int:
+        return batch_size
+
+    with pytest.raises(TypeError, match=r"with parts\[1\]=a list_iterator, "):
+        run([1], iter([2]))
+    with pytest.raises(TypeError, match=r"with labels=a generator, "):
+        run([1], labels=(x for x in "ab"))
+
+
+def test_the_fix_of_the_one_shot_refusal_works_when_applied() -> None:
+    """The data loss the refusal prevents, and its fix: list(stream), passed in place of the
+    generator, gives every item to the attempt that fits."""
+
+    @shrink_batch_on_oom(remember=False)
+    def total(stream: object, batch_size: int = 16) -> tuple[int, int]:
+        seen: list[int] = []
+        batch: list[int] = []
+        for x in stream:  # type: ignore[attr-defined]
+            batch.append(x)
+            if len(batch) == batch_size:
+                if batch_size > 4:  # stands in for the device running out of memory
+                    raise torch.OutOfMemoryError(CUDA_OOM)
+                seen += batch
+                batch = []
+        return len(seen + batch), sum(seen + batch)
+
+    stream = (x for x in range(32))
+    with pytest.raises(TypeError):
+        total(stream)
+    assert (32, sum(range(32))) == total(list(stream))
+
+
+def test_re_iterables_are_not_refused() -> None:
+    """A list, a tensor, a DataLoader, a dict and a prefetch over a list are read anew by
+    each attempt: not refused."""
+
+    @shrink_batch_on_oom
+    def run(stream: object, batch_size: int = 4) -> int:
+        return batch_size
+
+    samples = list(range(8))
+    loader = torch.utils.data.DataLoader(samples, batch_size=4)
+    for argument in [samples, torch.ones(3), loader, {"a": 1}, prefetch(samples, "cpu"), "text"]:
+        assert 4 == run(argument)
+
+
+def test_an_async_iterator_argument_is_refused() -> None:
+    """An async generator passed to an async function is read once too: refused, with a fix
+    that builds a list with an async comprehension."""
+
+    async def items():  # type: ignore[no-untyped-def]
+        yield 1
+
+    @shrink_batch_on_oom
+    async def run(stream: object, batch_size: int = 4) -> int:
+        return batch_size
+
+    with pytest.raises(TypeError) as caught:
+        asyncio.run(run(items()))
+    assert str(caught.value).splitlines()[-1] == (
+        "fix: pass [item async for item in stream], which each attempt reads from the start, "
+        f"not an iterator; or make the iterator inside {run.__qualname__}()"
+    )
 
 
 def test_a_nested_batch_too_large_error_shrinks_the_outer_batch() -> None:

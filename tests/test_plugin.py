@@ -13,6 +13,7 @@ import torch
 
 import devicectx
 from devicectx import DeviceUnavailableError
+from devicectx.devices._resolve import accelerator_type
 from devicectx.testing import emulated
 
 pytest_plugins = ["pytester"]
@@ -21,6 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # A device no machine has: no torch build has 100 CUDA devices.
 ABSENT = "cuda:99"
+# What "gpu" gets on this machine: its own accelerator, else the CPU (tests/test_resolve.py).
+_ACCELERATOR = accelerator_type()
+GPU_HINT = (
+    f"did you mean {_ACCELERATOR!r} (this machine's accelerator) or 'auto'?"
+    if _ACCELERATOR is not None
+    else "did you mean 'cpu' (no accelerator here; a GPU is 'cuda' on NVIDIA and AMD, 'mps' "
+    "on Apple, 'xpu' on Intel) or 'auto'?"
+)
 
 TEST_DEVICE = """
     import torch
@@ -107,8 +116,8 @@ def test_missing_device_reason_in_the_summary(pytester: pytest.Pytester) -> None
         (
             "--devices=cpu,gpu",
             [
-                "ERROR: --devices=cpu,gpu: invalid device 'gpu': unknown device type 'gpu', "
-                "did you mean 'cuda' (NVIDIA, AMD ROCm), 'mps' (Apple), 'xpu' (Intel), or 'auto'?",
+                f"ERROR: --devices=cpu,gpu: invalid device 'gpu': unknown device type 'gpu', "
+                f"{GPU_HINT}",
                 "valid forms: 'auto', 'cpu', 'cuda', 'cuda:1', 'mps', 'xpu', 'meta' (any device "
                 "type torch knows, with an optional ':index'), an int index on the current "
                 "accelerator, a torch.device, or None (same as 'auto')",
@@ -322,8 +331,7 @@ def test_marker_is_registered(pytester: pytest.Pytester) -> None:
             "requires_device('gpu')",
             [
                 "@pytest.mark.requires_device('gpu'): invalid device 'gpu': unknown device "
-                "type 'gpu', did you mean 'cuda' (NVIDIA, AMD ROCm), 'mps' (Apple), 'xpu' "
-                "(Intel), or 'auto'?",
+                f"type 'gpu', {GPU_HINT}",
                 "valid forms: 'auto', 'cpu', 'cuda', 'cuda:1', 'mps', 'xpu', 'meta' (any device "
                 "type torch knows, with an optional ':index'), an int index on the current "
                 "accelerator, a torch.device, or None (same as 'auto')",

@@ -32,6 +32,14 @@ VALID_FORMS = (
     "a torch.device, or None (same as 'auto')"
 )
 HERE = ", ".join(str(d) for d in [*available_devices(), META])
+ACCELERATOR = _resolve.accelerator_type()
+# What "gpu" gets on this machine: its own accelerator, else the CPU, which both work.
+GPU_HINT = (
+    f"did you mean {ACCELERATOR!r} (this machine's accelerator) or 'auto'?"
+    if ACCELERATOR is not None
+    else "did you mean 'cpu' (no accelerator here; a GPU is 'cuda' on NVIDIA and AMD, 'mps' "
+    "on Apple, 'xpu' on Intel) or 'auto'?"
+)
 
 
 @pytest.mark.parametrize(
@@ -125,8 +133,7 @@ def test_invalid_env_var_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
         resolve_device()
     expected = [
         "environment variable DEVICECTX_DEVICE='gpu' is not a usable device:",
-        "invalid device 'gpu': unknown device type 'gpu', did you mean 'cuda' (NVIDIA, AMD "
-        "ROCm), 'mps' (Apple), 'xpu' (Intel), or 'auto'?",
+        f"invalid device 'gpu': unknown device type 'gpu', {GPU_HINT}",
         ENV_FORMS,
         f"available here: {HERE}",
         ENV_FIX,
@@ -264,11 +271,10 @@ def test_resolve_never_sets_environment_variables(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(
     ("spec", "problem"),
     [
-        (
-            "gpu",
-            "unknown device type 'gpu', did you mean 'cuda' (NVIDIA, AMD ROCm), 'mps' (Apple), "
-            "'xpu' (Intel), or 'auto'?",
-        ),
+        ("gpu", f"unknown device type 'gpu', {GPU_HINT}"),
+        ("GPU", f"unknown device type 'GPU', {GPU_HINT}"),
+        ("AUTO", "unknown device type 'AUTO', did you mean 'auto'?"),
+        (" Auto ", "unknown device type 'Auto', did you mean 'auto'?"),
         (
             "tpu",
             "unknown device type 'tpu', did you mean 'xla' (TPUs are XLA devices, with "
@@ -460,3 +466,40 @@ def test_cuda_resolves_inside_fullgraph() -> None:
         assert expected == [t.device for t in compiled(torch.ones(1))]
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("spec", ["gpu", "GPU", "gpu:0", "gpu:99", "AUTO"])
+def test_the_first_suggestion_for_a_misnamed_device_works_here(spec: str) -> None:
+    """The first device a did-you-mean names resolves on this machine (the accelerator it
+    has, else the CPU), where 'cuda' fails on a machine without CUDA."""
+    with pytest.raises(InvalidDeviceError) as info:
+        resolve_device(spec)
+    suggested = str(info.value).split("did you mean ", 1)[1].split("'")[1]
+    assert resolve_device(suggested) in available_devices()
+
+
+def test_an_index_as_text_suggests_that_device() -> None:
+    """'1' (what argparse gives for --device 1) is refused as torch refuses it, with the
+    device at that index of this machine's accelerator as the fix, which works."""
+    with pytest.raises(InvalidDeviceError) as info:
+        resolve_device("1")
+    problem = str(info.value).splitlines()[0]
+    count = torch.accelerator.device_count() if ACCELERATOR is not None else 0
+    if ACCELERATOR is None:
+        expected = (
+            "invalid device '1': an index as text, and an index names an accelerator's device: "
+            "there is none here, did you mean 'cpu'?"
+        )
+    elif count > 1:
+        expected = (
+            f"invalid device '1': an index as text, did you mean '{ACCELERATOR}:1' (or the "
+            "int 1: index 1 of this machine's accelerator)?"
+        )
+    else:
+        expected = (
+            f"invalid device '1': an index as text, and this machine's accelerator has "
+            f"{count} device(s), did you mean '{ACCELERATOR}:0'?"
+        )
+    assert expected == problem
+    suggested = problem.split("did you mean ", 1)[1].split("'")[1]
+    assert resolve_device(suggested) in available_devices()

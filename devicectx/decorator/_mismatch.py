@@ -252,13 +252,22 @@ def optimizer_stopped(
 
 
 def not_materialised(
-    function: str, module: str, kind: str, target: torch.device, reason: str
+    function: str,
+    module: str,
+    kind: str,
+    target: torch.device,
+    reason: str,
+    resettable: bool = True,
 ) -> DeviceMismatchError:
-    """An FSDP2 module sharded while its tensors were on ``meta``: nothing to compute with."""
+    """An FSDP2 module sharded while its tensors were on ``meta``: nothing to compute with.
+    ``resettable``: the module has a ``reset_parameters()`` to initialise it with."""
     what = f"{module} ({kind}) not materialised, its shards on meta"
+    how = (
+        f"{module}.reset_parameters(), or load a state dict" if resettable else "load a state dict"
+    )
     fix = (
         f"{module}.to_empty(device={_quote(target)}), then initialise it "
-        f"({module}.reset_parameters(), or load a state dict), before calling {function}()"
+        f"({how}), before calling {function}()"
     )
     found = {torch.device("meta"): [module]}
     return _error(function, what, found, target, reason, fix, count=False)

@@ -48,7 +48,7 @@ from devicectx.decorator._target import (
 from devicectx.devices._capabilities import CAPABILITIES
 from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move, _repeats
-from devicectx.move._distributed import wrapper_name
+from devicectx.move._distributed import fsdp_compute_device, wrapper_name
 from devicectx.move._dtypes import DtypesLike, arguments_code, check_dtypes, holds_any
 from devicectx.move._unseen import is_device_mismatch
 from devicectx.move._walk import NotPlain, plain_device_uncast
@@ -588,14 +588,23 @@ class Plan:
         if isinstance(device, Unmaterialised):
             target = requested if requested is not None else device.compute
             reason = option.reason() if option is not None else module_label(module, called)
-            raise _mismatch.not_materialised(self.name, called, kind, target, reason)
-        reason = option.reason() if option is not None else "a module must be on one device"
+            resettable = hasattr(unwrap(module), "reset_parameters")
+            raise _mismatch.not_materialised(self.name, called, kind, target, reason, resettable)
+        # An FSDP2 module moved after fully_shard: its target is where FSDP2 computes.
+        compute = fsdp_compute_device(unwrap(module)) if option is None else None
+        if option is not None:
+            reason = option.reason()
+        elif compute is not None:
+            reason = module_label(module, called)
+        else:
+            reason = "a module must be on one device"
+        wanted = requested if compute is None else compute
         found = module_devices(unwrap(module), called)
         wrapper = wrapper_name(module)
         dtypes = module_dtypes(unwrap(module), called)
         shared = shared_devices(unwrap(module))
         raise _mismatch.module_off_target(
-            self.name, called, kind, found, requested, reason, wrapper, dtypes, shared
+            self.name, called, kind, found, wanted, reason, wrapper, dtypes, shared
         )
 
     def _module_name(

@@ -38,6 +38,7 @@ _PARALLEL_WRAPPERS: tuple[type[nn.Module], ...] = (
 )
 # Device types whose resolution cannot change while the process runs: no current index.
 _INDEXLESS = frozenset({"cpu", "meta"})
+_CPU = torch.device("cpu")  # where CPU offload keeps an FSDP2 module's parameters
 
 
 class DeviceOption:
@@ -228,12 +229,14 @@ def _walk(module: nn.Module) -> tuple[torch.device | Spread | None, Sample | Non
 def _walk_placed(module: nn.Module) -> tuple[Placed, Sample | None]:
     """:func:`_walk`, and what its answer means where it is not one device's.
 
-    An FSDP2 module's answer is where it computes (its mesh's device), which differs from
-    where its parameters sit under CPU offload; one whose shards are all still on ``meta``
-    is :class:`~devicectx.decorator._spread.Unmaterialised`. A module on several devices,
-    on ``meta``, or with accelerate's hooks is analysed
-    (:func:`~devicectx.decorator._spread.analyse`): on purpose, or a mistake. One wholly on
-    a device where its hooks run every part of it is a module on that device like any other.
+    An FSDP2 module's answer is where it computes (the device fully_shard fixed), which
+    differs from where its parameters sit under CPU offload; one whose shards are all still
+    on ``meta`` is :class:`~devicectx.decorator._spread.Unmaterialised`; one wholly on
+    another device than those two (moved after fully_shard) is ``Spread.SPREAD``, a
+    mistake the call refuses. A module on several devices, on ``meta``, or with
+    accelerate's hooks is analysed (:func:`~devicectx.decorator._spread.analyse`): on
+    purpose, or a mistake. One wholly on a device where its hooks run every part of it is
+    a module on that device like any other.
     """
     found, sample, hooked = _walk(module)
     if found is None:
@@ -242,7 +245,10 @@ def _walk_placed(module: nn.Module) -> tuple[Placed, Sample | None]:
     if compute is not None:
         if found is not Spread.SPREAD and found.type == "meta" and compute.type != "meta":
             return Unmaterialised(compute), sample
-        if found is not Spread.SPREAD or _offloaded(module, compute):
+        if found is not Spread.SPREAD:
+            # Off its compute device and not offloaded: moved after fully_shard, a mistake.
+            return (compute if found in (compute, _CPU) else Spread.SPREAD), sample
+        if _offloaded(module, compute):
             return compute, sample
     if found is Spread.SPREAD or found.type == "meta" or hooked:
         analysed = analyse(module, on_one_device=found is not Spread.SPREAD)

@@ -1,7 +1,9 @@
 """``devicectx`` / ``python -m devicectx``: print the device report, as text or JSON.
 
 Exit status: 0 when the set-up works, 1 when it is broken (``"auto"`` cannot resolve,
-say ``DEVICECTX_DEVICE=cuda:7`` on a machine with one GPU), 2 for a usage error.
+say ``DEVICECTX_DEVICE=cuda:7`` on a machine with one GPU), 2 for a usage error. A
+warning (local ranks that share a device) is printed, and the status stays 0: such a
+set-up runs under gloo, and some share a device on purpose.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ EXIT_USAGE = 2
 _DESCRIPTION = """\
 Print what torch was built with, every device this process can use (name, memory,
 capability), the device "auto" resolves to here and why, and torch's current default
-device. Exit status: 0 when the set-up works, 1 when it is broken (the problem is
-printed on stderr), 2 for a usage error."""
+device. Exit status: 0 when the set-up works (warnings, such as local ranks that share
+a device, included), 1 when it is broken (the problem is printed on stderr), 2 for a
+usage error."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,6 +77,7 @@ def format_report(report: DeviceReport) -> str:
         auto = f"cannot be resolved: {error} (see below)"
     rows = [
         ("devicectx", report.devicectx),
+        ("python", f"{report.python}, {report.platform}"),
         ("torch", f"{build.torch_version}, built for {built_for}"),
         *([("xla", _xla_line(report))] if build.xla is not None else []),
         ("accelerator", build.accelerator or "none"),
@@ -84,6 +88,7 @@ def format_report(report: DeviceReport) -> str:
     ]
     if report.job is not None:
         rows.append(("job", _job_line(report.job)))
+    rows += [("warning", warning) for warning in report.warnings]
     width = max(len(key) for key, _ in rows) + 2
     prefix = report.job.prefix if report.job is not None else ""
     return "\n".join(f"{prefix}{key:<{width}}{value}".rstrip() for key, value in rows)

@@ -9,8 +9,8 @@ How an out-of-memory error is recognised, from any backend:
   memory"`` from outside the caching allocator, and older torch releases that raised
   plain ``RuntimeError`` for all of these;
 - the allocation failures that say so in other words: the CPU allocator
-  (``"DefaultCPUAllocator: can't allocate memory"``) and cuBLAS
-  (``"CUBLAS_STATUS_ALLOC_FAILED"``).
+  (``"DefaultCPUAllocator: can't allocate memory"``; ``"DefaultCPUAllocator: not enough
+  memory"`` on Windows) and cuBLAS (``"CUBLAS_STATUS_ALLOC_FAILED"``).
 
 The same list as accelerate's ``should_reduce_batch_size``, less the cuDNN
 ``CUDNN_STATUS_NOT_SUPPORTED`` error, which is not about memory.
@@ -25,25 +25,31 @@ import inspect
 import logging
 import operator
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, ParamSpec, SupportsIndex, TypeVar, cast, overload
 
 import torch
 
 from devicectx._errors import SMALLER_BATCHES, BatchTooLargeError, MoveError
 from devicectx.devices._resolve import accelerator_type
+from devicectx.move._prefetch import Prefetcher
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
-_logger = logging.getLogger(__name__)
+# A public name, documented in docs/diagnostics.md: logging configurations name it.
+_logger = logging.getLogger("devicectx.oom")
 
+# torch's CPU allocator (c10/core/impl/alloc_cpu.cpp) says "can't allocate memory" where
+# posix_memalign fails, "not enough memory" where Windows' _aligned_malloc does.
 _OOM_MESSAGES = (
     "out of memory",
     "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
 )
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_NOT_UNDONE = "what the failed attempt changed, such as gradients it accumulated, is not undone"
 
 
 @overload
@@ -111,7 +117,9 @@ def shrink_batch_on_oom(
         TypeError: (at decoration time) ``param`` is not a parameter of the function,
             or is ``*args``/``**kwargs``; the function is a generator, a class, or a
             ``staticmethod``/``classmethod`` object; (at call time) the batch size is
-            not an integer.
+            not an integer, or an argument is an iterator read once (a generator,
+            ``iter(loader)``, a :func:`~devicectx.prefetch` over one), which a retry would
+            find part-read: pass a list or a DataLoader.
         ValueError: ``minimum`` below 1; (at call time) a batch size below 1.
 
     Caveats:
@@ -123,14 +131,21 @@ def shrink_batch_on_oom(
           never rises again. To start over, decorate the function anew, or pass
           ``remember=False`` where the memory a batch needs varies between calls.
         - The function must use the batch size it is given: it is the only thing
-          that changes between attempts. Work done before the error is repeated, so
-          the function should not have side effects it cannot repeat (an optimizer
-          step already taken, items already yielded: generators are refused for this).
+          that changes between attempts. Work done before the error is repeated, and
+          what it changed is not undone: gradients accumulated by ``.backward()``
+          before the error are still in ``.grad`` when the retry adds its own, and an
+          optimizer step already taken stays taken. Start the function from clean
+          state (``optimizer.zero_grad()`` first thing inside it). Items already
+          yielded cannot be taken back: generator functions, and iterators given as
+          arguments, are refused for this.
         - Memory held by the failed attempt is freed only if nothing outside the
           function keeps a reference to it; the traceback of the error is dropped
           before the retry so that its frames release their tensors.
-        - The shrink is logged (``logging`` WARNING on ``devicectx.devices._oom``): a smaller
-          batch changes the statistics of training (batch norm, learning rate scaling).
+        - The shrink is logged (``logging`` WARNING on the logger ``"devicectx.oom"``):
+          a smaller batch changes the statistics of training (batch norm, learning rate
+          scaling). So is a call held below the size it asks for by the ceiling, once
+          per ceiling. The first shrink's line also says that the failed attempt's
+          changes are not undone.
     """
 
     def decorate(function: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -196,9 +211,11 @@ def _decorate(
     _refuse_unsupported(function)
     name = getattr(function, "__qualname__", repr(function))
     batch = _BatchArgument.find(function, name, param)
-    state = _Ceiling(enabled=remember)
+    names = _ArgumentNames.find(function)
+    state = _Shared(remember=remember)
 
     def attempts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Attempts:
+        _refuse_one_shot(name, names, args, kwargs)
         return _Attempts(name, batch, minimum, state, args, kwargs)
 
     if inspect.iscoroutinefunction(function):
@@ -261,12 +278,76 @@ def _refuse_unsupported(function: object) -> None:
             f"shrink_batch_on_oom cannot retry the generator function {shown}(): an "
             "out-of-memory error arrives while its items are consumed, after some were "
             "already yielded, and a retry would yield them again\n"
-            "fix: decorate the function that consumes the generator and takes the batch size"
+            "fix: decorate the function that takes the batch size and reads the items, and "
+            "pass it a list or a DataLoader (read again from the start at each attempt), not "
+            "a generator"
         )
         raise TypeError(msg)
     if not callable(function):
         msg = f"shrink_batch_on_oom decorates functions, not {type(function).__name__} objects"
         raise TypeError(msg)
+
+
+class _ArgumentNames:
+    """The names a call's arguments are known by, for messages: found in the signature once."""
+
+    def __init__(self, positional: tuple[str, ...], star: str | None) -> None:
+        self.positional = positional
+        self.star = star  # the *args parameter, which takes the positional arguments beyond
+
+    @classmethod
+    def find(cls, function: Callable[..., Any]) -> _ArgumentNames:
+        parameters = inspect.signature(function).parameters.values()
+        positional = tuple(p.name for p in parameters if p.kind in _POSITIONAL)
+        star = next((p.name for p in parameters if p.kind is p.VAR_POSITIONAL), None)
+        return cls(positional, star)
+
+    def of(self, index: int) -> str:
+        """The name of the positional argument at ``index``."""
+        if index < len(self.positional):
+            return self.positional[index]
+        return f"{self.star or 'args'}[{index - len(self.positional)}]"
+
+
+def _refuse_one_shot(
+    shown: str, names: _ArgumentNames, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Refuse an argument a retry would find part-read: an iterator, read once."""
+    named = [(names.of(i), value) for i, value in enumerate(args)]
+    for argument, value in [*named, *kwargs.items()]:
+        kind = _one_shot(value)
+        if kind is None:
+            continue
+        listed = (
+            f"[item async for item in {argument}]"
+            if isinstance(value, AsyncIterator)
+            else f"list({argument}) or a DataLoader"
+        )
+        msg = (
+            f"shrink_batch_on_oom cannot retry {shown}() with {argument}={kind}, an iterator "
+            "read once: an attempt that runs out of memory reads part of it, and the retry "
+            "would see only the rest\n"
+            f"fix: pass {listed}, which each attempt reads from the start, not an iterator; "
+            f"or make the iterator inside {shown}()"
+        )
+        raise TypeError(msg)
+
+
+def _one_shot(value: object) -> str | None:
+    """What ``value`` is (``"a generator"``) where it is an iterator that can be read once
+    (``iter(value) is value``, or a prefetch over one), else None."""
+    if isinstance(value, Prefetcher):
+        # Not itself an iterator: each iter() of it resumes the one pass over its batches.
+        inner = _one_shot(value.batches)
+        return None if inner is None else f"a Prefetcher over {inner}"
+    try:
+        if isinstance(value, Iterator) and iter(value) is value:
+            return f"a {type(value).__name__}"
+        if isinstance(value, AsyncIterator) and aiter(value) is value:
+            return f"a {type(value).__name__}"
+    except Exception:  # an __iter__ that fails is the function's to report, when it reads
+        return None
+    return None
 
 
 class _BatchArgument:
@@ -328,24 +409,41 @@ class _BatchArgument:
         return args, {**kwargs, self.name: size}
 
 
-class _Ceiling:
-    """The batch size that worked after a shrink, for later calls (``remember=True``)."""
+class _Shared:
+    """What the calls of one decorated function share: the batch size that worked after a
+    shrink, a ceiling for later calls (``remember=True``), and which notes were logged."""
 
-    def __init__(self, *, enabled: bool) -> None:
-        self.enabled = enabled
-        self.size: int | None = None
+    def __init__(self, *, remember: bool) -> None:
+        self.remember = remember
+        self.ceiling: int | None = None
+        self._held_logged: int | None = None  # the ceiling whose first held call was logged
+        self._undone_logged = False
         self._lock = threading.Lock()
 
     def cap(self, size: int) -> int:
-        ceiling = self.size
+        ceiling = self.ceiling
         return size if ceiling is None else min(size, ceiling)
 
     def lower(self, size: int) -> None:
-        if not self.enabled:
+        if not self.remember:
             return
         with self._lock:  # two threads that both shrank keep the smaller size
-            if self.size is None or size < self.size:
-                self.size = size
+            if self.ceiling is None or size < self.ceiling:
+                self.ceiling = size
+
+    def first_held_at(self, ceiling: int) -> bool:
+        """Whether a call held at ``ceiling`` is the first one there (to be logged)."""
+        with self._lock:
+            first = self._held_logged != ceiling
+            self._held_logged = ceiling
+        return first
+
+    def first_shrink(self) -> bool:
+        """Whether this is the function's first shrink (to say what it does not undo)."""
+        with self._lock:
+            first = not self._undone_logged
+            self._undone_logged = True
+        return first
 
 
 class _Attempts:
@@ -356,14 +454,14 @@ class _Attempts:
         name: str,
         batch: _BatchArgument,
         minimum: int,
-        ceiling: _Ceiling,
+        shared: _Shared,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
         self.name = name
         self.batch = batch
         self.minimum = minimum
-        self.ceiling = ceiling
+        self.shared = shared
         self.args = args
         self.kwargs = kwargs
         self.tried: list[int] = []
@@ -374,9 +472,10 @@ class _Attempts:
         self.asked: int | None = None  # the size the call gave, where a ceiling lowered it
         if requested is not inspect.Parameter.empty:
             asked = self._check(requested)
-            self.size = ceiling.cap(asked)
+            self.size = shared.cap(asked)
             if self.size != asked:
                 self.asked = asked
+                self._log_held(asked, self.size)
 
     def next_call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.size is None:
@@ -386,7 +485,21 @@ class _Attempts:
 
     def succeeded(self) -> None:
         if self.size is not None and len(self.tried) > 1:
-            self.ceiling.lower(self.size)
+            self.shared.lower(self.size)
+
+    def _log_held(self, asked: int, size: int) -> None:
+        # A shared log may hold the shrink that set the ceiling thousands of lines earlier.
+        if not self.shared.first_held_at(size):
+            return
+        _logger.warning(
+            "%s(): asked for %s=%d, starting at %s=%d, the size an earlier call shrank to "
+            "(remember=True); later calls held there are not logged",
+            self.name,
+            self.batch.name,
+            asked,
+            self.batch.name,
+            size,
+        )
 
     def shrink_after(self, error: Exception) -> bool:
         """Move to the next size after ``error``; False when ``error`` is not ours to handle.
@@ -408,12 +521,13 @@ class _Attempts:
         if smaller >= self.size:
             raise self._too_large(error) from error
         _logger.warning(
-            "%s(): out of memory at %s=%d; retrying with %s=%d",
+            "%s(): out of memory at %s=%d; retrying with %s=%d%s",
             self.name,
             self.batch.name,
             self.size,
             self.batch.name,
             smaller,
+            f" ({_NOT_UNDONE})" if self.shared.first_shrink() else "",
         )
         self.size = smaller
         return True
@@ -455,17 +569,22 @@ class _Attempts:
     def _too_large(self, error: Exception) -> BatchTooLargeError:
         sizes = ", ".join(str(size) for size in self.tried)
         last = _first(error)
-        decorator = f"@shrink_batch_on_oom(minimum={self.minimum // 2})"
+        # Below the last size tried: a call that asked for less than the minimum tried that.
+        smaller = min(self.minimum, self.tried[-1]) // 2
+        decorator = f"@shrink_batch_on_oom(minimum={smaller})"
         if self.batch.name != "batch_size":
-            decorator = (
-                f"@shrink_batch_on_oom(param={self.batch.name!r}, minimum={self.minimum // 2})"
-            )
-        lower = f"{decorator} to try smaller batches, or " if self.minimum > 1 else ""
+            decorator = f"@shrink_batch_on_oom(param={self.batch.name!r}, minimum={smaller})"
+        lower = f"{decorator} to try smaller batches, or " if smaller >= 1 else ""
         start = ""
         if self.asked is not None:
             start = (
                 f"; asked for {self.asked}, it started at {self.tried[0]}, the "
                 f"{self.batch.name} an earlier call shrank to (remember=True)"
+            )
+        elif len(self.tried) == 1:
+            start = (
+                f"; the call asked for {self.tried[0]}, not above the minimum, so no smaller "
+                "size was tried"
             )
         msg = (
             f"{self.name}() ran out of memory at every {self.batch.name} tried: {sizes} "

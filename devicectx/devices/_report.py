@@ -19,7 +19,13 @@ import torch
 from devicectx._errors import DeviceError
 from devicectx.devices import _xla
 from devicectx.devices._capabilities import ORDINARY, missing_dtypes
-from devicectx.devices._resolve import ENV_VAR, _resolve, accelerator_type, available_devices
+from devicectx.devices._resolve import (
+    ENV_VAR,
+    _accelerator_count,
+    _resolve,
+    accelerator_type,
+    available_devices,
+)
 from devicectx.move._distributed import job
 from devicectx.scope._stack import current_device
 
@@ -149,6 +155,8 @@ class DeviceReport:
 
     Attributes:
         devicectx: the installed devicectx version.
+        python: the Python version (``platform.python_version()``).
+        platform: the operating system and machine (``platform.platform()``).
         build: how torch was built (:class:`BuildInfo`).
         devices: every device this process can use, the CPU first.
         auto: where ``"auto"`` resolves, and why; ``None`` when it cannot resolve.
@@ -161,6 +169,8 @@ class DeviceReport:
         job: the ranks and sizes of a distributed job and its process group's backend
             (:class:`JobInfo`); ``None`` outside one (no torchrun variable set, malformed
             or not, and no process group initialised).
+        warnings: what may go wrong though ``"auto"`` resolves (local ranks that share a
+            device), one sentence each, with its fix; empty when nothing may.
     """
 
     devicectx: str
@@ -171,6 +181,9 @@ class DeviceReport:
     environment: dict[str, str | None]
     problem: Problem | None
     job: JobInfo | None = None
+    python: str = field(default_factory=platform.python_version)
+    platform: str = field(default_factory=platform.platform)
+    warnings: list[str] = field(default_factory=list)
 
 
 def gather_report() -> DeviceReport:
@@ -197,6 +210,8 @@ def gather_report() -> DeviceReport:
         problem = Problem(error=type(error).__name__, message=str(error))
     else:
         auto = AutoChoice(device=str(device), reason=reason)
+    job_info = _job_info()
+    shared = _shared_device(job_info) if auto is not None else None
     return DeviceReport(
         devicectx=_version("devicectx"),
         build=_build_info(),
@@ -205,8 +220,51 @@ def gather_report() -> DeviceReport:
         default_device=str(current_device()),
         environment={name: os.environ.get(name) for name in ENV_VARS},
         problem=problem,
-        job=_job_info(),
+        job=job_info,
+        warnings=[] if shared is None else [shared],
     )
+
+
+def _shared_device(job_info: JobInfo | None) -> str | None:
+    """Where "auto" puts more local ranks than there are devices (``LOCAL_RANK % count``),
+    which ranks share a device, in a sentence with its fix; else None.
+
+    Not a problem (exit 1): gloo runs two ranks on one device, and some share on purpose
+    (small models); NCCL refuses it, as torchrun users mostly run.
+    """
+    accelerator = accelerator_type()
+    if job_info is None or job_info.local_rank is None or accelerator is None:
+        return None
+    # LOCAL_RANK places the rank only where neither DEVICECTX_DEVICE nor XLA does (the
+    # order of "auto"'s rules, devicectx.devices._resolve).
+    if os.environ.get(ENV_VAR, "").strip() not in ("", "auto") or _xla.in_use():
+        return None
+    count = _accelerator_count()
+    rank = job_info.local_rank
+    ranks = max(job_info.local_world_size or 0, rank + 1)
+    if ranks <= count:
+        return None
+    device = f"{accelerator}:{rank % count}"
+    others = [other for other in range(ranks) if other % count == rank % count and other != rank]
+    if others:
+        here = f"local rank {rank} shares {device} with local rank {_and(others)}"
+    else:
+        crowded = [r for r in range(ranks) if r >= count or r + count < ranks]
+        here = f"local rank {rank} has {device} to itself; local ranks {_and(crowded)} share theirs"
+    # Without LOCAL_WORLD_SIZE, the ranks below this one are all that is known to be there.
+    counted = str(ranks) if job_info.local_world_size else f"at least {ranks}"
+    return (
+        f"{counted} local ranks on {count} {accelerator} device(s), placed by LOCAL_RANK % "
+        f'{count}: {here}; NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); '
+        f"fix: start {count} processes per machine (torchrun --nproc_per_node {count}), or "
+        f"make {ranks} devices visible"
+    )
+
+
+def _and(numbers: list[int]) -> str:
+    """``1``, ``1 and 3``, ``0, 2 and 4``."""
+    shown = [str(number) for number in numbers]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}"
 
 
 def _job_info() -> JobInfo | None:

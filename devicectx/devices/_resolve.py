@@ -298,6 +298,8 @@ def _parse(spec: object) -> torch.device:
         problem = "an empty string" if not text else f"unknown device type {kind!r}"
         if text and _is_known_type(kind):
             problem = "the index after ':' must be a whole number >= 0"
+        elif text.isascii() and text.isdigit():
+            problem = f"an index as text{_index_hint(int(text))}"
         elif text:
             problem += _hint(text, kind)
         raise InvalidDeviceError(f"invalid device {spec!r}: {problem}\n{_VALID_FORMS}") from None
@@ -312,7 +314,6 @@ _PACKAGED = {
     "gcu": ("torch_gcu", "Enflame"),
 }
 _OTHER_NAMES = {
-    "gpu": "'cuda' (NVIDIA, AMD ROCm), 'mps' (Apple), 'xpu' (Intel), or 'auto'",
     "tpu": "'xla' (TPUs are XLA devices, with torch_xla installed)",
 }
 _GLUED = re.compile(r"^([A-Za-z_]+)\s*(\d+)$")  # cuda0, emu 1: an index without its colon
@@ -327,6 +328,10 @@ def _hint(text: str, kind: str) -> str:
     if kind != kind.lower() and _is_known_type(kind.lower()):  # torch's types are lower case
         return f", did you mean {lower!r}?"
     named = kind.lower()
+    if named == "auto":
+        return ", did you mean 'auto'?"
+    if named == "gpu":
+        return _gpu_hint(text.partition(":")[2])
     if named in _PACKAGED:
         package, maker = _PACKAGED[named]
         return (
@@ -336,6 +341,41 @@ def _hint(text: str, kind: str) -> str:
     if named in _OTHER_NAMES:
         return f", did you mean {_OTHER_NAMES[named]}?"
     return ""
+
+
+def _gpu_hint(index: str) -> str:
+    """What "gpu" (with ``index`` after its colon, or none) means here: the accelerator this
+    machine has, else the CPU; a name that works here first, not 'cuda' everywhere."""
+    accelerator = accelerator_type()
+    if accelerator is None:
+        return (
+            ", did you mean 'cpu' (no accelerator here; a GPU is 'cuda' on NVIDIA and AMD, "
+            "'mps' on Apple, 'xpu' on Intel) or 'auto'?"
+        )
+    # An index past this machine's devices is left out: the fix should resolve here.
+    usable = index.isascii() and index.isdigit() and int(index) < _accelerator_count()
+    named = f"{accelerator}:{int(index)}" if usable else accelerator
+    return f", did you mean {named!r} (this machine's accelerator) or 'auto'?"
+
+
+def _index_hint(index: int) -> str:
+    """What ``"1"`` (an index as text, as argparse and YAML give it) means here: the device
+    at that index of this machine's accelerator, where there is one."""
+    accelerator = accelerator_type()
+    if accelerator is None:
+        return (
+            ", and an index names an accelerator's device: there is none here, did you mean 'cpu'?"
+        )
+    count = _accelerator_count()
+    if index >= count:
+        return (
+            f", and this machine's accelerator has {count} device(s), did you mean "
+            f"'{accelerator}:0'?"
+        )
+    return (
+        f", did you mean '{accelerator}:{index}' (or the int {index}: index {index} of this "
+        "machine's accelerator)?"
+    )
 
 
 def _is_known_type(kind: str) -> bool:

@@ -22,6 +22,8 @@
   on MPS): refuse it, or cast it;
 - ``_unmaterialised``: the refusal of a move of modules holding tensors on ``meta``, made
   before any module moves;
+- ``_wrapped``: the refusal of a move of a model DDP or FSDP2 (``fully_shard``) wrapped
+  at another device, made before any module moves;
 - ``_hooks``: modules accelerate hooked (where each part runs), and the refusal of a move
   that takes a part off its hook's device;
 - ``_unseen``: the tensors a move cannot see (attributes of plain objects), looked for

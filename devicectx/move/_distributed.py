@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from devicectx._torch.fsdp import fsdp_module_type
+from devicectx._torch.fsdp import fsdp_module_type, fsdp_state_device
 
 _Tensor = torch.Tensor
 
@@ -148,14 +148,19 @@ def split_mixed(
 def fsdp_compute_device(module: nn.Module) -> torch.device | None:
     """Where an FSDP2 (``fully_shard``) module computes; None for any other module.
 
-    FSDP2 computes on its mesh's device (the current index of the mesh's device type),
-    whatever device its sharded parameters sit on between steps: with CPU offload
-    (``offload_policy=CPUOffloadPolicy()``) they stay on the CPU while it computes on
-    the accelerator, where the inputs must go.
+    FSDP2 computes on the device ``fully_shard`` fixed when it ran (its mesh's device type
+    at the index current then: sharded inside ``on_device("cuda:1")``, it computes on
+    ``cuda:1`` after the block too), whatever device its sharded parameters sit on
+    between steps: with CPU offload (``offload_policy=CPUOffloadPolicy()``) they stay on
+    the CPU while it computes on the accelerator, where the inputs must go. Where torch
+    does not say which device it fixed, its mesh's device type at the current index.
     """
     fsdp = fsdp_module_type()
     if fsdp is None or not isinstance(module, fsdp):
         return None
+    fixed = fsdp_state_device(module)
+    if fixed is not None:
+        return fixed
     for param in module.parameters():
         mesh = getattr(param, "device_mesh", None)
         if mesh is not None:
@@ -174,11 +179,9 @@ def fsdp_label(module: nn.Module, name: str) -> str | None:
     param = next((p for p in module.parameters() if is_dtensor(p)), None)
     mesh = _mesh(param.device_mesh) if param is not None else "its mesh"  # type: ignore[attr-defined]
     kept = param.device if param is not None else compute
-    offload = (
-        f"; its parameters are kept on {kept} (CPU offload)"
-        if kept != compute and kept.type != "meta"  # meta: not made yet, not offloaded
-        else ""
-    )
+    # Only the CPU is an offload: meta is not made yet, another device a misplaced model.
+    offloaded = kept.type == "cpu" and compute.type != "cpu"
+    offload = f"; its parameters are kept on {kept} (CPU offload)" if offloaded else ""
     return (
         f"the compute device of {name} ({type(module).__name__}), sharded by fully_shard "
         f"over {mesh}{offload}"

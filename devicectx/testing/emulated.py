@@ -70,11 +70,15 @@ What it does not emulate: timings (a kernel costs what the CPU takes, a copy's d
 fixed), CUDA graphs, the sync-debug mode, real GPU kernels and their numerics (TF32,
 reduction orders), device-side asserts, a caching allocator's fragmentation (the memory
 limit counts live tensors' bytes), peer access, IPC, ``torch.compile`` for the device, an
-MPS device's single queue (the "mps" profile keeps the streams). Ops queue no work on
-streams: only copies and events do. Where a CUDA GPU is present, two of its errors crash the
-process instead of raising (a segmentation fault, seen with torch 2.11 on an H100): the
-out-of-memory error (so :func:`configure` refuses a memory limit there) and
-``torch.Generator(device="emu:N")`` for a device that does not exist.
+MPS device's single queue (the "mps" profile keeps the streams), collectives and process
+groups on the device (torch.distributed has no backend for ``emu``: ``all_reduce`` of an
+``emu`` tensor, and ``DistributedDataParallel`` or ``fully_shard`` over two ranks of a
+model on it, raise; under ``torchrun ... -m devicectx.testing.emulate``, run the
+collectives on CPU tensors and a CPU mesh). Ops queue no work on streams: only copies and
+events do. Where a CUDA GPU is present, two of its errors crash the process instead of
+raising (a segmentation fault, seen with torch 2.11 on an H100): the out-of-memory error
+(so :func:`configure` refuses a memory limit there) and ``torch.Generator(device="emu:N")``
+for a device that does not exist.
 
 Build cost: about 40-60 s of a C++ compiler the first time per torch and Python (cached
 under ``~/.cache/devicectx/emulated``), then a fraction of a second to load. It needs a

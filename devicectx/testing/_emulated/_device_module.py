@@ -2,10 +2,11 @@
 
 torch asks a renamed PrivateUse1 backend's module for these names
 (``torch.utils.backend_registration``, ``torch.amp.autocast_mode``, ``torch.random``,
-``Tensor.emu()``): the device count and current index, the dtypes autocast accepts, and
-the default generators (``torch.manual_seed`` calls :func:`manual_seed_all`;
-``torch.random.fork_rng`` calls :func:`get_rng_state` and :func:`set_rng_state`), named as
-``torch.cuda`` names them. Registered with ``torch._register_device_module("emu", this module)``.
+``Tensor.emu()``, ``torch.distributed``): the device count and current index, streams and
+events, the dtypes autocast accepts, and the default generators (``torch.manual_seed``
+calls :func:`manual_seed_all`; ``torch.random.fork_rng`` calls :func:`get_rng_state` and
+:func:`set_rng_state`), named as ``torch.cuda`` names them. Registered with
+``torch._register_device_module("emu", this module)``.
 """
 
 from __future__ import annotations
@@ -115,6 +116,54 @@ def synchronize(device: torch.device | str | int | None = None) -> None:
 def current_stream(device: torch.device | str | int | None = None) -> torch.Stream:
     """This thread's current stream on ``device``."""
     return torch.accelerator.current_stream(_index(device))
+
+
+# torch.distributed (checkpoint writers, FSDP2) calls torch.cuda's stream API on the
+# accelerator's module: torch.Stream and torch.Event already take the emulated device.
+Stream = torch.Stream
+Event = torch.Event
+
+
+def default_stream(device: torch.device | str | int | None = None) -> torch.Stream:
+    """The default stream of ``device`` (default: the current one): stream 0."""
+    index = _index(device)
+    kind = torch.accelerator.current_stream(index).device_type
+    return torch.Stream(stream_id=0, device_index=index, device_type=kind)
+
+
+def set_stream(stream: torch.Stream) -> None:
+    """Make ``stream`` this thread's current stream, and its device the current device, as
+    ``torch.cuda.set_stream`` does."""
+    torch.accelerator.set_stream(stream)
+
+
+class StreamContext:  # torch.cuda.StreamContext's name and form
+    """A block with ``stream`` as this thread's current stream (``None``: nothing changes);
+    on exit, the current stream of its device and, if another device was current, that
+    device and its stream are restored."""
+
+    def __init__(self, stream: torch.Stream | None) -> None:
+        self.stream = stream
+        self.previous: list[torch.Stream] = []
+
+    def __enter__(self) -> None:
+        if self.stream is None:
+            return
+        here = current_stream()
+        self.previous = [here]
+        if here.device_index != self.stream.device_index:  # restored first, then `here`
+            self.previous.insert(0, current_stream(self.stream.device_index))
+        set_stream(self.stream)
+
+    def __exit__(self, *exc_info: object) -> None:
+        for previous in self.previous:
+            set_stream(previous)
+        self.previous = []
+
+
+def stream(stream: torch.Stream | None) -> StreamContext:
+    """A block with ``stream`` current, as ``torch.cuda.stream``."""
+    return StreamContext(stream)
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
