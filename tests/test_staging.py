@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import described, placed, python_output, tensors_of
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,7 +94,11 @@ needs_emulated = pytest.mark.skipif(
 # The whole engine, staged and not: the same results.
 
 
+_ABSENT = torch.tensor([1.5, 2.0])  # a base no batch holds
+
+
 @given(st.one_of(batches, mixed_batches, grad_batches))
+@example([_ABSENT[0:1], _ABSENT[1:1]])  # an empty view where another view ends
 def test_staged_move_keeps_what_the_per_tensor_move_keeps(batch: Any) -> None:
     """Staged to meta, every structure comes back as the per-tensor move gives it: types,
     dtypes, shapes, strides, autograd, which places hold one tensor, which are views."""

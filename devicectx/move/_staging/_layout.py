@@ -202,10 +202,13 @@ def _settle_views(
 
 
 def _disjoint(members: list[torch.Tensor]) -> bool:
-    """Whether views of one base share no byte (each alone is then what ``.to`` copies)."""
+    """Whether views of one base share no byte (each alone is then what ``.to`` copies).
+
+    An empty one shares none but is not told apart: the per-tensor move makes it a view of
+    another view it starts in (its end included), so such a group is left to that move."""
     spans = []
     for tensor in members:
-        if tensor.layout is not _STRIDED or tensor.is_nested:
+        if tensor.layout is not _STRIDED or tensor.is_nested or tensor.numel() == 0:
             return False
         if not (tensor.is_contiguous() or dense(tensor.size(), tensor.stride())):
             return False
