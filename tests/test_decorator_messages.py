@@ -333,7 +333,30 @@ def test_unmovable_argument_names_the_parameter() -> None:
         run(torch.ones(1), {"mask": on_meta(1)})
     lines = lines_of(error)
     assert "could not move batch['mask'] (" in lines[0]
-    assert "@device_agnostic(exclude=('batch',))" in lines[-1]
+    assert "@device_agnostic(device='cpu', exclude=('batch',))" in lines[-1]
+
+
+def test_the_exclude_fix_keeps_the_decorators_other_arguments() -> None:
+    """The fix of an argument that cannot be moved writes the decorator again with it
+    added to exclude=, keeping what the caller wrote (dtypes=, device=, an exclude= of
+    its own): pasted, the call runs, its dtypes= still in force."""
+
+    @device_agnostic(device="cpu", dtypes={torch.float64: torch.float32}, exclude=("n",))
+    def run(x: torch.Tensor, batch: dict[str, torch.Tensor], n: int = 0) -> torch.dtype:
+        return x.dtype
+
+    with pytest.raises(RuntimeError) as error:
+        run(torch.ones(1, dtype=torch.float64), {"mask": on_meta(1)})
+    decorator = lines_of(error)[-1].rsplit("leave the argument out of the move: ", 1)[1]
+    expected = (
+        "@device_agnostic(device='cpu', dtypes={torch.float64: torch.float32}, "
+        "exclude=('n', 'batch'))"
+    )
+    assert expected == decorator
+    fixed = eval(decorator[1:], {"device_agnostic": device_agnostic, "torch": torch})(
+        run.__wrapped__
+    )
+    assert torch.float32 == fixed(torch.ones(1, dtype=torch.float64), {"mask": on_meta(1)})
 
 
 def test_decorator_frames_are_hidden_from_pytest() -> None:

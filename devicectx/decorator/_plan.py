@@ -102,6 +102,7 @@ class Plan:
         "exclude",
         "kind",
         "move",
+        "move_fix",
         "name",
         "non_blocking",
         "output",
@@ -188,6 +189,20 @@ class Plan:
         self.casts = frozenset(mapping) or None
         names = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         self.exclude = self.params.exclusion(names) if names else None
+        # The fix of an argument that fails to move: the decorator again with that argument
+        # added to exclude=, its other arguments (dtypes= too) kept as the caller wrote them.
+        kept = arguments_code(
+            [
+                ("device", device, None),
+                ("output", output, None),
+                ("non_blocking", non_blocking, False),
+                ("scope", scope, True),
+                ("coalesce", coalesce, True),
+                ("precision", precision, None),
+                ("dtypes", dtypes, None),
+            ]
+        )
+        self.move_fix = _move.exclude_fix(kept, names)
         self.kind = (
             ASYNC_GENERATOR
             if inspect.isasyncgenfunction(function)
@@ -483,6 +498,7 @@ class Plan:
                     parameters=False,  # a loose parameter's gradient reaches the caller's
                     written=self.written,
                     who=f"{self.name}()",
+                    fix=self.move_fix,
                 )
                 args, kwargs = moved if held is None else held.merge(*moved)
             else:

@@ -384,6 +384,11 @@ def code_of(value: object) -> str | None:
             return f"({inner},)" if len(items) == 1 else f"({inner})"
         braced = f"{{{inner}}}" if items else ""
         return braced if type(value) is set and items else f"{type(value).__name__}({braced})"
+    if type(value) is dict:  # a dtypes= mapping
+        pairs = [(code_of(key), code_of(item)) for key, item in value.items()]
+        if any(key is None or item is None for key, item in pairs):
+            return None
+        return "{" + ", ".join(f"{key}: {item}" for key, item in pairs) + "}"
     if isinstance(value, type) or inspect.isfunction(value) or inspect.isbuiltin(value):
         return _name_of(value)
     return None

@@ -388,6 +388,7 @@ def move_call(
     dtypes: DtypesLike = None,
     parameters: bool = True,
     written: str = "",
+    fix: Fix | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments moved as one structure, with errors that name the parameters.
 
@@ -400,16 +401,19 @@ def move_call(
     ``@device_agnostic``, with its other arguments ``written`` as code
     (``"device='mps', exclude='rng'"``). ``parameters`` False copies an ``nn.Parameter``
     as ``.to`` does, through autograd (the decorator's choice: a loose parameter's
-    gradient reaches the caller's), not as a new parameter.
+    gradient reaches the caller's), not as a new parameter. ``fix``: the fix of an
+    argument that fails to move (:func:`exclude_fix`); None: ``exclude=`` that argument.
     """
     __tracebackhide__ = True
+    if fix is None:
+        fix = _call_fix
     compiled = compile_skip(skip, "")
     policy = policy_for(dtypes, device)
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
         values = (*args, *kwargs.values())
         call = Call(args, kwargs, names, rest)
         cast = policy.apply(
-            call, compiled, "", who, _call_fix, _decorator_suggest(written), values, parameters
+            call, compiled, "", who, fix, _decorator_suggest(written), values, parameters
         )
         args, kwargs = cast.args, cast.kwargs
     if compiled is None:
@@ -424,7 +428,7 @@ def move_call(
         non_blocking,
         compiled,
         "",
-        _call_fix,
+        fix,
         who,
         coalesce,
         where,
@@ -560,12 +564,25 @@ def _decorator_suggest(written: str) -> Suggest:
 
 
 def _call_fix(path: str) -> str:
-    match = re.match(r"[A-Za-z_]\w*", path)
-    parameter = match.group(0) if match else path
-    return (
-        f"move it yourself, or leave the argument out of the move: "
-        f"@device_agnostic(exclude=({parameter!r},))"
-    )
+    return exclude_fix([], ())(path)
+
+
+def exclude_fix(kept: Sequence[str], excluded: Sequence[str]) -> Fix:
+    """The fix of a decorated call's argument that fails to move: ``@device_agnostic``
+    with its other arguments ``kept`` (as code) and the argument added to those
+    ``excluded`` already."""
+
+    def fix(path: str) -> str:
+        match = re.match(r"[A-Za-z_]\w*", path)
+        parameter = match.group(0) if match else path
+        names = (*excluded, parameter) if parameter not in excluded else tuple(excluded)
+        arguments = ", ".join([*kept, f"exclude={names!r}"])
+        return (
+            f"move it yourself, or leave the argument out of the move: "
+            f"@device_agnostic({arguments})"
+        )
+
+    return fix
 
 
 def _split_call(call: Call) -> tuple[list[str], list[Any]]:
