@@ -933,7 +933,7 @@ def test_the_same_move_out_of_memory_twice_stops_with_the_moves_fix() -> None:
         assert lines[-1] == (
             "fix: free memory on emu:0 (del what you no longer need there); or move it "
             "yourself, or leave the argument out of the move: "
-            "@device_agnostic(exclude=('data',))"
+            "@device_agnostic(output='input', exclude=('data',))"
         )
         excluded = shrink_batch_on_oom(minimum=1)(
             device_agnostic(output="input", exclude=("data",))(evaluate)
