@@ -285,7 +285,7 @@ def test_python_m_devicectx_prints_xla(pjrt: str) -> None:
     lines = result.stdout.splitlines()
     assert (0, "") == (result.returncode, result.stderr)
     assert format_report(gather_report()).splitlines() == lines
-    assert f"xla          torch_xla {_xla.version()}, PJRT_DEVICE={pjrt}" == lines[2]
+    assert f"xla          torch_xla {_xla.version()}, PJRT_DEVICE={pjrt}" == lines[3]
     width = max(len(str(device)) for device in available_devices()) + 2
     assert f"{'':13}{'xla:0':<{width}}PJRT {pjrt}" in lines
     auto = "xla:0: environment variable PJRT_DEVICE={!r}: torch_xla's default device"
@@ -299,5 +299,5 @@ def test_python_m_devicectx_without_pjrt_device_says_xla_is_unused() -> None:
     lines = result.stdout.splitlines()
     assert 0 == result.returncode
     expected = f"torch_xla {_xla.version()}, not used: PJRT_DEVICE is unset (set it to use XLA)"
-    assert f"xla          {expected}" == lines[2]
+    assert f"xla          {expected}" == lines[3]
     assert not any("xla:" in line for line in lines)
