@@ -205,13 +205,19 @@ def test_explicit_stack_walk_gives_the_same(batch: Any) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_rebuild, "_DEPTH", -1)
         explicit = to_device(batch, META)
-    assert skeleton(recursive) == skeleton(explicit)
-    pairs = list(zip(positioned(recursive), positioned(explicit), strict=True))
-    for i, (a, a_explicit) in enumerate(pairs):
-        assert (a._base is None) == (a_explicit._base is None)
-        for b, b_explicit in pairs[i + 1 :]:
-            assert (a is b) == (a_explicit is b_explicit)
-            assert (a._base is b) == (a_explicit._base is b_explicit)
+    assert_same_moves(recursive, explicit)
+
+
+def assert_same_moves(first: Any, second: Any) -> None:
+    """Two results of moves of one input agree: the same structure, and the same tensors
+    at the same places (aliasing), views of the same tensors."""
+    assert skeleton(first) == skeleton(second)
+    pairs = list(zip(positioned(first), positioned(second), strict=True))
+    for i, (a, a_second) in enumerate(pairs):
+        assert (a._base is None) == (a_second._base is None)
+        for b, b_second in pairs[i + 1 :]:
+            assert (a is b) == (a_second is b_second)
+            assert (a._base is b) == (a_second._base is b_second)
 
 
 @given(st.lists(batches, max_size=3), st.dictionaries(st.sampled_from("xyz"), batches, max_size=2))
@@ -224,13 +230,7 @@ def test_a_calls_arguments_move_as_the_same_structure_would(
     across arguments; nothing moved gives back the very same objects."""
     whole = to_device((tuple(args), kwargs), META)
     moved = move_call(tuple(args), kwargs, META, names=("a", "b"))
-    assert skeleton(whole) == skeleton(moved)
-    pairs = list(zip(positioned(whole), positioned(moved), strict=True))
-    for i, (a, a_call) in enumerate(pairs):
-        assert (a._base is None) == (a_call._base is None)
-        for b, b_call in pairs[i + 1 :]:
-            assert (a is b) == (a_call is b_call)
-            assert (a._base is b) == (a_call._base is b_call)
+    assert_same_moves(whole, moved)
     again = move_call(*moved, META, names=("a", "b"))
     assert all(x is y for x, y in zip(again, moved, strict=True))
 

@@ -169,39 +169,26 @@ class Plan:
             )
             raise ValueError(msg)
         self.dtypes = dtypes
-        # The decorator's other arguments as code, for the fix of a dtype refusal, which
-        # adds dtypes= to them: one dropped would change the call (exclude=, device=).
+        # The decorator's other arguments as code, for the fixes that write it again: a
+        # dtype refusal's adds dtypes= to them, a failed move's adds to exclude= (keeping
+        # dtypes=): one dropped would change the call.
+        others = [
+            ("device", device, None),
+            ("output", output, None),
+            ("non_blocking", non_blocking, False),
+            ("scope", scope, True),
+            ("coalesce", coalesce, True),
+            ("precision", precision, None),
+        ]
         self.written = ", ".join(
-            arguments_code(
-                [
-                    ("device", device, None),
-                    ("output", output, None),
-                    ("exclude", exclude or (), ()),
-                    ("non_blocking", non_blocking, False),
-                    ("scope", scope, True),
-                    ("coalesce", coalesce, True),
-                    ("precision", precision, None),
-                ]
-            )
+            arguments_code([*others[:2], ("exclude", exclude or (), ()), *others[2:]])
         )
         # The dtypes an explicit mapping casts wherever the tensors are (on the target too):
         # a call with tensors of these is no fast call.
         self.casts = frozenset(mapping) or None
         names = (exclude,) if isinstance(exclude, str) else tuple(exclude)
         self.exclude = self.params.exclusion(names) if names else None
-        # The fix of an argument that fails to move: the decorator again with that argument
-        # added to exclude=, its other arguments (dtypes= too) kept as the caller wrote them.
-        kept = arguments_code(
-            [
-                ("device", device, None),
-                ("output", output, None),
-                ("non_blocking", non_blocking, False),
-                ("scope", scope, True),
-                ("coalesce", coalesce, True),
-                ("precision", precision, None),
-                ("dtypes", dtypes, None),
-            ]
-        )
+        kept = arguments_code([*others, ("dtypes", dtypes, None)])
         self.move_fix = _move.exclude_fix(kept, names)
         self.kind = (
             ASYNC_GENERATOR
