@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import accelerator
+from helpers import accelerator, mps_like
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -1646,3 +1646,77 @@ def test_an_excluded_tensor_torch_fails_on_is_named_with_its_move() -> None:
     )
     code = lines[-1].removeprefix("fix: pass ").partition(", or")[0]
     assert META == h(model, eval(code, {"x": x})).device
+
+
+@pytest.mark.requires_device("accelerator")
+def test_an_excluded_tensor_of_a_dtype_the_target_lacks_gets_a_fix_that_casts() -> None:
+    """An excluded float64 tensor off a device without float64: the fix's ``.to`` also
+    casts it to the device's nearest dtype, so that the pasted call runs (a plain
+    ``x.to(device)`` meets torch's own dtype error)."""
+    with mps_like() as device:
+        model = nn.Linear(4, 2, device=device)
+
+        @device_agnostic(exclude=("bias",))
+        def h(model: nn.Module, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            return model(x) + bias  # type: ignore[no-any-return]
+
+        x, bias = torch.ones(3, 4), torch.ones(3, 2, dtype=torch.float64)
+        with pytest.raises(DeviceMismatchError) as error:
+            h(model, x, bias)
+        fix = str(error.value).splitlines()[-1]
+        assert fix == (
+            f'fix: pass bias.to("{device}", torch.float32), or drop "bias" from exclude= so '
+            "that it is moved: exclude= means neither moved nor checked"
+        )
+        code = fix.removeprefix("fix: pass ").partition(", or")[0]
+        assert device == h(model, x, eval(code, {"bias": bias, "torch": torch})).device
+
+
+@pytest.mark.parametrize("lacking", [False, True])
+@pytest.mark.requires_device("accelerator")
+def test_an_excluded_container_gets_a_fix_that_moves_it_with_to_device(lacking: bool) -> None:
+    """An excluded dict of tensors has no ``.to``: the fix moves it with ``to_device``
+    (casting what the device lacks), and the pasted call runs."""
+    with mps_like() if lacking else contextlib.nullcontext(accelerator()) as device:
+        model = nn.Linear(4, 2, device=device)
+
+        @device_agnostic(exclude=("batch",))
+        def h(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return model(batch["x"].float())  # type: ignore[no-any-return]
+
+        dtype = torch.float64 if lacking else torch.float32
+        batch = {"x": torch.ones(3, 4, dtype=dtype)}
+        with pytest.raises(DeviceMismatchError) as error:
+            h(model, batch)
+        fix = str(error.value).splitlines()[-1]
+        cast = ', dtypes="device"' if lacking else ""
+        assert fix == (
+            f'fix: pass to_device(batch, "{device}"{cast}), or drop "batch" from exclude= '
+            "so that it is moved: exclude= means neither moved nor checked"
+        )
+        code = fix.removeprefix("fix: pass ").partition(", or")[0]
+        moved = eval(code, {"batch": batch, "to_device": devicectx.to_device})
+        assert device == h(model, moved).device
+
+
+@pytest.mark.requires_device("accelerator")
+def test_move_false_fix_casts_what_the_target_lacks() -> None:
+    """``move=False`` with a float64 tensor off a device without float64: the fix's moves
+    cast it to the nearest dtype the device holds, and the pasted call runs."""
+    with mps_like() as device:
+
+        @device_agnostic(move=False, device=device)
+        def h(x: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return x + batch["y"]
+
+        x, batch = torch.ones(3, dtype=torch.float64), {"y": torch.ones(3, dtype=torch.float64)}
+        with pytest.raises(DeviceMismatchError) as error:
+            h(x, batch)
+        fix = lines_of(error)[-1]
+        assert fix == (
+            f'fix: pass x.to("{device}", torch.float32), to_device(batch, "{device}", '
+            'dtypes="device"), or use @device_agnostic(move=True) to move the arguments'
+        )
+        code = fix.removeprefix("fix: pass ").partition(", or")[0]
+        scope = {"x": x, "batch": batch, "torch": torch, "to_device": devicectx.to_device}
+        assert device == h(*eval(code, scope)).device

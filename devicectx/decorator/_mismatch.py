@@ -20,8 +20,8 @@ import torch
 
 from devicectx._errors import DeviceMismatchError
 from devicectx.decorator._spread import Part, path_of
-from devicectx.devices._capabilities import missing_dtypes
-from devicectx.move._dtypes import module_casts
+from devicectx.devices._capabilities import missing_dtypes, nearest_dtype
+from devicectx.move._dtypes import code_of, module_casts
 from devicectx.move._paths import within
 
 # Paths shown per device before "and N more": enough to find the culprit, short enough to read.
@@ -42,6 +42,7 @@ def tensors_off_target(
     target: torch.device,
     reason: str,
     mend: str | None = None,
+    dtypes: Mapping[str, Collection[torch.dtype]] | None = None,
 ) -> DeviceMismatchError:
     """``move=False`` and some tensors are not on ``target``.
 
@@ -52,9 +53,11 @@ def tensors_off_target(
         reason: why ``target``, in words (``"@device_agnostic(device=\\"meta\\")"``).
         mend: how to write an object's own ``.to`` that leaves its tensors behind, where
             one does: moving the object with it would not do, so the fix starts there.
+        dtypes: the dtypes of each argument's tensors, where known: the fix's moves cast
+            those ``target`` lacks.
     """
     off = [path for device, paths in found.items() if device != target for path in paths]
-    calls = _to_calls(off, target)
+    calls = _to_calls(off, target, dtypes)
     fix = f"pass {calls}, or use @device_agnostic(move=True) to move the arguments"
     if mend is not None:
         fix = f"{mend}; then {fix}"
@@ -385,16 +388,38 @@ def _paths(paths: Sequence[str]) -> str:
     return f"{', '.join(paths[:_MAX_PATHS])} and {len(paths) - _MAX_PATHS} more"
 
 
-def _to_calls(paths: Sequence[str], target: torch.device) -> str:
-    """``x.to("meta")`` for a tensor argument, ``to_device(batch, "meta")`` for a nested one."""
+def move_code(
+    argument: str, tensor: bool, target: torch.device, dtypes: Collection[torch.dtype] = ()
+) -> str:
+    """How to move one argument to ``target``, as code: ``x.to("meta")`` for a tensor,
+    ``to_device(batch, "meta")`` for a nested one. Where ``dtypes`` (those of its tensors)
+    hold one ``target`` lacks, the move casts it too, as the pasted line would otherwise
+    meet torch's dtype error: ``x.to("mps:0", torch.float32)``, ``dtypes="device"``.
+
+    Example:
+        >>> move_code("batch", False, torch.device("meta"))
+        'to_device(batch, "meta")'
+    """
+    lacked = [dtype for dtype in dtypes if dtype in missing_dtypes(target)]
+    if not tensor:
+        cast = ', dtypes="device"' if lacked else ""
+        return f"to_device({argument}, {_quote(target)}{cast})"
+    nearest = nearest_dtype(target, lacked[0]) if lacked else None
+    cast = f", {code_of(nearest)}" if nearest is not None else ""
+    return f"{argument}.to({_quote(target)}{cast})"
+
+
+def _to_calls(
+    paths: Sequence[str],
+    target: torch.device,
+    dtypes: Mapping[str, Collection[torch.dtype]] | None = None,
+) -> str:
+    """:func:`move_code` of each argument the ``paths`` start from, once each."""
     calls: list[str] = []
     for path in paths:
         argument = _argument_of(path)
-        call = (
-            f"{argument}.to({_quote(target)})"
-            if argument == path
-            else f"to_device({argument}, {_quote(target)})"
-        )
+        lacked = () if dtypes is None else dtypes.get(argument, ())
+        call = move_code(argument, argument == path, target, lacked)
         if call not in calls:
             calls.append(call)
     shown = ", ".join(calls[:_MAX_FIXES])

@@ -495,7 +495,12 @@ class Plan:
                     reason = self._reason(module, instance, args, kwargs, offset)
                     named = self.params.named(seen_args, seen_kwargs, offset)
                     mend = _unseen.own_to_mend(named, target)
-                    raise _mismatch.tensors_off_target(self.name, found, target, reason, mend)
+                    dtypes = _unseen.argument_dtypes(
+                        self.params.named(seen_args, seen_kwargs, offset)
+                    )
+                    raise _mismatch.tensors_off_target(
+                        self.name, found, target, reason, mend, dtypes
+                    )
         if self.output is not None:
             return args, kwargs, target, self.output.resolve()
         return args, kwargs, target, home if self.to_input else None

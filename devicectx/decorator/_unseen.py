@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from devicectx._errors import DeviceError, DeviceMismatchError
+from devicectx.decorator._mismatch import move_code
 from devicectx.move._unseen import (
     Unseen,
     attribute_of,
@@ -39,6 +40,16 @@ def own_to_mend(named: Iterable[tuple[str, Any, object]], target: torch.device) 
     """
     unseen = unseen_tensors((name, value) for name, value, _ in named)
     return own_to_fix([u for u in unseen if u.device != target], target)
+
+
+def argument_dtypes(named: Iterable[tuple[str, Any, object]]) -> dict[str, set[torch.dtype]]:
+    """The dtypes of each argument's tensors, by the argument's name (``extra`` for the
+    values of ``*extra``), for a fix that writes their moves. On the error path only."""
+    dtypes: dict[str, set[torch.dtype]] = {}
+    for name, value, _ in named:
+        held = dtypes.setdefault(name.partition("[")[0], set())
+        held.update(tensor.dtype for _, tensor in iter_tensors(value, name))
+    return dtypes
 
 
 def explain(
@@ -91,7 +102,7 @@ def explain(
         f"target {target} (from {reason})" if target is not None else f"no target: {reason}"
     )
     lines.append(f"torch said: {torch_said}")
-    lines.append(f"fix: {_excluded_fix(unseen, held, names, target, follow)}")
+    lines.append(f"fix: {_excluded_fix(unseen, held, excluded, target, follow)}")
     devices = {device: [u.path for u in group] for device, group in found.items()}
     for device, paths in held.items():
         devices.setdefault(device, []).extend(paths)
@@ -114,13 +125,14 @@ def _held_out(
 def _excluded_fix(
     unseen: list[Unseen],
     held: dict[torch.device, list[str]],
-    names: Collection[str],
+    excluded: Sequence[tuple[str, Any]],
     target: torch.device | None,
     follow: bool,
 ) -> str:
     """The fix: for an excluded module, stop excluding it (modules are never moved, so
     excluding one only keeps it from choosing the target); for excluded tensors, move
-    them; else what :func:`fix_for` says."""
+    them (casting what ``target`` cannot hold); else what :func:`fix_for` says."""
+    names = {name for name, _ in excluded}
     module = next(
         (u for u in unseen if u.module is not None and attribute_of(u.path) in names), None
     )
@@ -132,8 +144,11 @@ def _excluded_fix(
         )
     if held and target is not None:
         argument = attribute_of(next(iter(held.values()))[0])
+        value = dict(excluded).get(argument)
+        dtypes = {tensor.dtype for _, tensor in iter_tensors(value, argument)}
+        move = move_code(argument, isinstance(value, torch.Tensor), target, dtypes)
         return (
-            f'pass {argument}.to("{target}"), or drop "{argument}" from exclude= so '
+            f'pass {move}, or drop "{argument}" from exclude= so '
             f"that it is moved: exclude= means neither moved nor checked"
         )
     return fix_for(unseen, target, follow)
