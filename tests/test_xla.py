@@ -141,6 +141,20 @@ def test_views_moved_from_xla_hold_their_own_elements() -> None:
     assert torch.equal(host.view(2, 3).t(), back[2])
 
 
+def test_empty_views_past_their_bases_end_arrive_empty() -> None:
+    """Empty views of an empty base, at offsets past its end (which ``as_strided`` makes):
+    on XLA, whose lowering refuses a view of no element at such an offset, each arrives as
+    an empty tensor of its own shape, and the base and a repeated view keep their identity."""
+    base = torch.zeros(3, 0, 1)
+    views = [base.as_strided((1, 0, 1), (0, 1, 1), 2), base.as_strided((0, 1), (1, 1), 2)]
+    batch = [views[0], base, views[1], views[0]]
+    there = to_device(batch, "xla")
+    assert there[0] is there[3]
+    back = to_device(there, "cpu")
+    assert [tensor.shape for tensor in batch] == [tensor.shape for tensor in back]
+    assert back[0] is back[3]
+
+
 def test_a_move_copies_at_the_call() -> None:
     """No staging, no stream: a tensor written after its move (non-blocking or not) does
     not change the copy, and a copy back to the host holds what the device computed."""

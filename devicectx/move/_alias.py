@@ -15,7 +15,8 @@ autograd did not record (made under ``no_grad``) where it has history of its own
 gradient would stop there instead of reaching their base.
 Tensors that share memory without being views (``x.data``, ``x.detach()``) are copied
 apart, as ``.to`` would copy them. A view on XLA is copied alone too: XLA tensors report
-their base but not where in it they lie (every one says offset 0, contiguous strides).
+their base but not where in it they lie (every one says offset 0, contiguous strides), and
+so is an empty view moved to XLA (it has no element to share).
 
 A module is moved in place by its own ``module.to``, which makes its own copies: a tensor of
 the module that the structure also holds is *adopted* (:meth:`TensorMover.adopt`), its result
@@ -102,7 +103,12 @@ class TensorMover:
         if tensor.device == self.device:
             return tensor
         base = base_of(tensor)
-        if base is not None and tensor.device.type in _NO_GEOMETRY:  # copied alone (XLA)
+        if base is not None and (
+            tensor.device.type in _NO_GEOMETRY
+            or (tensor.numel() == 0 and self.device is not None and self.device.type == "xla")
+        ):
+            # Copied alone: an XLA view's place is unknown; and XLA's lowering refuses an
+            # empty view at an offset past its source's end, where an empty base covers one.
             base = None
         if base is None:
             group = self.groups.get(id(tensor)) if self.groups else None
