@@ -249,6 +249,21 @@ def test_pageable_sources_may_change_once_the_move_returns(batch: Any) -> None:
     assert [e.tolist() for e in before] == [a.cpu().tolist() for a in tensors_of(moved)]
 
 
+def test_pinned_sources_may_change_after_the_first_staged_move_on_an_idle_stream() -> None:
+    """The first staged move of a process, on an idle stream, packs pinned sources too, so
+    that they may change once it returns: the look at whether pinned memory and events work
+    (made on that first move) leaves the stream idle, not busy with a probe of its own."""
+    device = accelerator()
+    sources = [torch.ones(64).pin_memory() for _ in range(4)]
+    with swapped(STATE.replace(hosts={})):  # no host yet: this move makes it
+        torch.accelerator.synchronize()
+        moved = to_device(sources, device, non_blocking=True)
+        for source in sources:
+            source.fill_(2.0)
+        torch.accelerator.synchronize()
+    assert [[1.0] * 64] * 4 == [tensor.cpu().tolist() for tensor in moved]
+
+
 # Non-blocking moves on the copy stream. The caller's stream is held back (work queued ahead
 # of the move, as a training step's kernels are), and the pool holds two chunks of 1 KiB:
 # a sequence of batches reuses every chunk several times. Each move must return without the

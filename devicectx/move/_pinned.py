@@ -289,7 +289,7 @@ def host_for(
             with current(device):
                 _pinned_buffer(1)  # the allocator is there
                 if device is not None:  # and events, which tell when a chunk is free again
-                    _new_event(device).record(_current_stream(device))
+                    _probe_events(device)
         except Exception:  # no pinned allocator for it, or none for now
             backoff.failed()
             return None
@@ -307,6 +307,16 @@ def never(device_type: str) -> bool:
 
 def _current_stream(device: torch.device) -> Any:
     return torch.accelerator.current_stream(device)
+
+
+def _probe_events(device: torch.device) -> None:
+    """Raise where ``device`` has no events. Its copy stream, where it has one, was made
+    with an event recorded; else one is recorded on its current stream. Never on the
+    caller's stream where another will do: the move that probes next asks whether that
+    stream is idle, and packs pinned sources only if so (so that the caller may change
+    them once it returns), which a probe of our own still pending there would deny."""
+    if copy_stream(device) is None:
+        _new_event(device).record(_current_stream(device))
 
 
 def _idle(device: torch.device) -> bool:
