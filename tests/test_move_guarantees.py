@@ -106,6 +106,19 @@ def test_autograd_history_kept() -> None:
     assert type(moved.grad_fn).__name__ == "ToCopyBackward0"
 
 
+@pytest.mark.parametrize("base_first", [True, False])
+def test_under_no_grad_a_view_moved_with_its_base_requires_no_grad(base_first: bool) -> None:
+    """Under ``no_grad``, a view of a tensor that requires grad, moved with its base, comes
+    back requiring no grad, as ``.to``'s copies do and as its moved base does: an in-place
+    op on it later, with grad enabled, works as on ``.to``'s copy."""
+    weight = torch.randn(4, requires_grad=True)
+    view = weight[:2]
+    with torch.no_grad():
+        moved = to_device([weight, view] if base_first else [view, weight], "meta")
+    assert [False, False] == [tensor.requires_grad for tensor in moved]
+    moved[1 if base_first else 0].mul_(2)
+
+
 def test_parameter_stays_a_parameter() -> None:
     """An nn.Parameter comes back an nn.Parameter, with its requires_grad and attributes."""
     frozen = nn.Parameter(torch.zeros(2), requires_grad=False)

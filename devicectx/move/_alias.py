@@ -488,8 +488,8 @@ def view_of(anchor: _Tensor, moved_anchor: _Tensor, tensor: _Tensor) -> _Tensor 
         source = moved_anchor.detach()  # shares memory, but adds no autograd history
     try:
         view = source.as_strided(tensor.size(), tensor.stride(), offset)
-        if tensor.requires_grad and not view.requires_grad:
-            view.requires_grad_(True)
+        if tensor.requires_grad and not view.requires_grad and torch.is_grad_enabled():
+            view.requires_grad_(True)  # as .to's copy would (under no_grad, it would not)
     except RuntimeError:
         return None
     return view
