@@ -1720,3 +1720,38 @@ def test_move_false_fix_casts_what_the_target_lacks() -> None:
         code = fix.removeprefix("fix: pass ").partition(", or")[0]
         scope = {"x": x, "batch": batch, "torch": torch, "to_device": devicectx.to_device}
         assert device == h(*eval(code, scope)).device
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_0_dim_cpu_tensor_the_inputs_left_on_the_host_is_named_when_torch_fails(
+    nested: bool,
+) -> None:
+    """The inputs chose the target (no ``device=``, module or block): a 0-dim CPU tensor
+    among them stays on the host, as PyTorch mixes it with any device. Where the body then
+    fails on it (unsqueezed into a tensor of one element), the error names it and its fix,
+    which works when pasted."""
+
+    @device_agnostic
+    def bootstrap(values: torch.Tensor, last: Any) -> torch.Tensor:
+        reward = last["reward"] if nested else last
+        return torch.cat([values, reward.unsqueeze(0)])
+
+    values, reward = torch.ones(3, device="meta"), torch.tensor(1.0)
+    last = {"reward": reward} if nested else reward
+    with pytest.raises(DeviceMismatchError) as error:
+        bootstrap(values, last)
+    path = "last['reward']" if nested else "last"
+    move = 'to_device(last, "meta")' if nested else 'last.to("meta")'
+    assert [
+        f"{bootstrap.__qualname__}() failed in torch on a 0-dim CPU tensor @device_agnostic "
+        "leaves where it is:",
+        f"    cpu <- {path} (0-dim: mixes with any device, so it is not moved)",
+        "target meta (from the tensor arguments)",
+    ] == lines_of(error)[:3]
+    assert lines_of(error)[-1] == (
+        f"fix: pass {move}, or give the call a target, to which every tensor moves: "
+        '@device_agnostic(device="auto"), or the call inside an on_device block'
+    )
+    code = lines_of(error)[-1].removeprefix("fix: pass ").partition(", or")[0]
+    moved = eval(code, {"last": last, "to_device": devicectx.to_device})
+    assert META == bootstrap(values, moved).device

@@ -82,10 +82,14 @@ def explain(
     """
     if isinstance(error, DeviceError) or not is_device_mismatch(error):
         return None
+    named = list(named)
     unseen = [u for u in unseen_tensors(named, checked) if target is None or u.device != target]
     held = _held_out(excluded, target)
     if not unseen and not held:
-        return None
+        if not follow or target is None:
+            return None
+        scalars = _scalars_left(named, target)
+        return None if not scalars else _scalars_error(error, function, scalars, target, reason)
     names = {name for name, _ in excluded}
     found = _by_device(unseen)
     shown = _shown(found, names)
@@ -106,6 +110,52 @@ def explain(
     devices = {device: [u.path for u in group] for device, group in found.items()}
     for device, paths in held.items():
         devices.setdefault(device, []).extend(paths)
+    return DeviceMismatchError("\n".join(lines), devices=devices, target=target, reason=reason)
+
+
+def _scalars_left(named: Sequence[tuple[str, Any]], target: torch.device) -> list[tuple[str, Any]]:
+    """``(path, argument value)`` of each 0-dim CPU tensor in the arguments, where
+    ``target`` (which the inputs chose) is elsewhere: left on the host, as PyTorch mixes
+    such a tensor with any device, it fails an op that needs it on the target."""
+    if target.type == "cpu":
+        return []
+    return [
+        (path, value)
+        for name, value in named
+        for path, tensor in iter_tensors(value, name)
+        if tensor.dim() == 0 and tensor.device.type == "cpu"
+    ]
+
+
+def _scalars_error(
+    error: BaseException,
+    function: str,
+    scalars: list[tuple[str, Any]],
+    target: torch.device,
+    reason: str,
+) -> DeviceMismatchError:
+    one = len(scalars) == 1
+    what = "a 0-dim CPU tensor" if one else "0-dim CPU tensors"
+    paths = ", ".join(path for path, _ in scalars[:_MAX_PATHS])
+    more = f" and {len(scalars) - _MAX_PATHS} more" if len(scalars) > _MAX_PATHS else ""
+    moves: list[str] = []
+    for path, value in scalars:
+        argument = attribute_of(path)
+        move = move_code(argument, isinstance(value, torch.Tensor), target)
+        if move not in moves:
+            moves.append(move)
+    torch_said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    lines = [
+        f"{function}() failed in torch on {what} @device_agnostic leaves where "
+        f"{'it is' if one else 'they are'}:",
+        f"    cpu <- {paths}{more} (0-dim: mixes with any device, so "
+        f"{'it is' if one else 'they are'} not moved)",
+        f"target {target} (from {reason})",
+        f"torch said: {torch_said}",
+        f"fix: pass {', '.join(moves)}, or give the call a target, to which every tensor "
+        'moves: @device_agnostic(device="auto"), or the call inside an on_device block',
+    ]
+    devices = {torch.device("cpu"): [path for path, _ in scalars]}
     return DeviceMismatchError("\n".join(lines), devices=devices, target=target, reason=reason)
 
 
