@@ -509,6 +509,27 @@ def test_a_rank_with_a_device_to_itself_still_hears_of_the_others(
     )
 
 
+@pytest.mark.requires_device("accelerator")
+def test_a_device_type_without_an_index_under_torchrun_is_warned_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DEVICECTX_DEVICE set to the accelerator's type alone, with several local ranks: every
+    rank takes the current index (the same device), which NCCL refuses. The report warns,
+    with the fix: leave the variable unset (LOCAL_RANK then gives each rank its device)."""
+    kind = accelerator_type()
+    _share_env(monkeypatch, 1, "2")
+    monkeypatch.setenv("DEVICECTX_DEVICE", kind)
+    current = torch.accelerator.current_device_index()
+    assert [
+        f"DEVICECTX_DEVICE={kind} (a device type without an index) puts every one of the 2 "
+        f"local ranks on the current {kind} device, {kind}:{current} here; NCCL refuses two "
+        f'ranks on one GPU ("Duplicate GPU detected"); fix: unset DEVICECTX_DEVICE, so that '
+        f"each rank takes {kind}:LOCAL_RANK, or set it to {kind}:LOCAL_RANK in each rank"
+    ] == gather_report().warnings
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank: nothing to share
+    assert [] == gather_report().warnings
+
+
 @pytest.mark.parametrize(
     ("local_rank", "local_world", "variable"),
     [(0, "2", "DEVICECTX_DEVICE"), (1, "1", None), (0, "99", "LOCAL_RANK_ONLY_CPU")],

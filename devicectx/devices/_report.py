@@ -211,7 +211,7 @@ def gather_report() -> DeviceReport:
     else:
         auto = AutoChoice(device=str(device), reason=reason)
     job_info = _job_info()
-    shared = _shared_device(job_info) if auto is not None else None
+    found = (_shared_device(job_info), _type_alone(job_info)) if auto is not None else ()
     return DeviceReport(
         devicectx=_version("devicectx"),
         build=_build_info(),
@@ -221,7 +221,7 @@ def gather_report() -> DeviceReport:
         environment={name: os.environ.get(name) for name in ENV_VARS},
         problem=problem,
         job=job_info,
-        warnings=[] if shared is None else [shared],
+        warnings=[warning for warning in found if warning is not None],
     )
 
 
@@ -258,6 +258,28 @@ def _shared_device(job_info: JobInfo | None) -> str | None:
         f'{count}: {here}; NCCL refuses two ranks on one GPU ("Duplicate GPU detected"); '
         f"fix: start {count} processes per machine (torchrun --nproc_per_node {count}), or "
         f"make {ranks} devices visible"
+    )
+
+
+def _type_alone(job_info: JobInfo | None) -> str | None:
+    """Where ``DEVICECTX_DEVICE`` names the accelerator's type without an index, with
+    several local ranks: each takes the current index, the same device for all (the
+    variable overrides ``LOCAL_RANK``), in a sentence with its fix; else None."""
+    accelerator = accelerator_type()
+    if job_info is None or job_info.local_rank is None or accelerator is None:
+        return None
+    if os.environ.get(ENV_VAR, "").strip() != accelerator:
+        return None
+    ranks = job_info.local_world_size or job_info.local_rank + 1
+    if ranks < 2:
+        return None
+    current = f"{accelerator}:{torch.accelerator.current_device_index()}"
+    return (
+        f"{ENV_VAR}={accelerator} (a device type without an index) puts every one of the "
+        f"{ranks} local ranks on the current {accelerator} device, {current} here; NCCL "
+        f'refuses two ranks on one GPU ("Duplicate GPU detected"); fix: unset {ENV_VAR}, so '
+        f"that each rank takes {accelerator}:LOCAL_RANK, or set it to {accelerator}:LOCAL_RANK "
+        "in each rank"
     )
 
 
