@@ -173,6 +173,38 @@ class ReadOnlyMap(Mapping[str, Any]):
         return len(self._items)
 
 
+def test_distributions_are_moved_with_their_parameters() -> None:
+    """A ``torch.distributions`` object (an RL policy's output) is moved: a new one of its
+    class, its parameters and cached values on the target (``logits`` and ``_param``, one
+    tensor, stay one), a wrapped distribution and a transform's tensors too; sampling it
+    works there, and the original is unchanged. find_devices sees its tensors."""
+    dist = torch.distributions
+    logits = torch.randn(2, 3, requires_grad=True)
+    categorical = dist.Categorical(logits=logits)
+    categorical.probs  # noqa: B018  (a lazy property: cached in the object once read)
+    normal = dist.Independent(dist.Normal(torch.zeros(2), torch.ones(2)), 1)
+    affine = dist.transforms.AffineTransform(torch.zeros(2), torch.full((2,), 2.0))
+    squashed = dist.TransformedDistribution(dist.Normal(torch.zeros(2), torch.ones(2)), [affine])
+    step = {"pi": categorical, "value": normal, "action": squashed}
+    assert {CPU} == set(find_devices(step))
+
+    moved = to_device(step, "meta")
+
+    assert type(moved["pi"]) is dist.Categorical
+    assert moved["pi"] is not categorical
+    assert moved["pi"].logits is moved["pi"]._param
+    assert META == moved["pi"].logits.device == moved["pi"].probs.device
+    assert moved["pi"].logits.requires_grad
+    assert META == moved["value"].base_dist.loc.device == moved["value"].base_dist.scale.device
+    assert META == moved["action"].transforms[0].loc.device
+    assert META == moved["action"].base_dist.scale.device
+    sample = moved["pi"].sample()
+    assert ((2,), META) == (sample.shape, sample.device)
+    assert CPU == categorical.logits.device == categorical.probs.device
+    assert CPU == affine.scale.device
+    assert {META} == set(find_devices(moved))
+
+
 def test_mapping_subclasses_are_rebuilt() -> None:
     """A dict subclass keeps its type and attributes; an immutable Mapping is rebuilt."""
     tagged = TaggedDict(x=torch.zeros(1))

@@ -28,6 +28,7 @@ from collections.abc import (
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+import torch
 from torch.nn.utils.rnn import PackedSequence
 
 from devicectx.move._attributes import (
@@ -145,6 +146,33 @@ def _chain_rebuild(
 
 
 CHAIN_KIND = Kind(CONTAINER, ATTR, _chain_split, _chain_rebuild)
+
+
+def _attributes_split(obj: Any) -> tuple[list[str], list[Any]]:
+    state = obj.__dict__
+    return list(state), list(state.values())
+
+
+def _attributes_rebuild(obj: Any, keys: list[str], old: object, new: list[Any]) -> Any:
+    # A shallow copy, made without __init__ (which would check and recompute), given the
+    # moved attributes: every other attribute (shapes, flags, a transform's cache size)
+    # is kept as it was.
+    clone = copy.copy(obj)
+    clone.__dict__.update(zip(keys, new, strict=True))
+    return clone
+
+
+ATTRIBUTES_KIND = Kind(CONTAINER, ATTR, _attributes_split, _attributes_rebuild)
+"""``torch.distributions`` objects and their transforms: their attributes are their state
+(parameters, the values their lazy properties cached, a wrapped distribution), and they
+have no ``.to``; moved, each is a copy of its own with its tensors on the target."""
+
+_ATTRIBUTE_BASES = (torch.distributions.Distribution, torch.distributions.Transform)
+
+
+def moves_attributes(tp: type) -> bool:
+    """Whether ``tp`` is moved through its attributes (:data:`ATTRIBUTES_KIND`)."""
+    return issubclass(tp, _ATTRIBUTE_BASES)
 
 
 def tuple_kind(tp: type) -> Kind:

@@ -4,7 +4,8 @@
 read directly on the hot path). The rules, first match wins: a registered type (nearest in
 the MRO, :func:`register_container`), a tensor, a module, a known leaf (``str``,
 ``torch.Size``, ``range``, ...), the built-in container types (and the package's own,
-:func:`register_builtin_kind`), ``PackedSequence``, ``ChainMap``, an object with a ``.to``
+:func:`register_builtin_kind`), ``PackedSequence``, ``ChainMap``, a ``torch.distributions``
+distribution or transform, an object with a ``.to``
 method, a dataclass, a ``SimpleNamespace``, a tuple type, a ``UserDict``, a ``Mapping``, a
 ``Set``, a ``UserList``, a ``Sequence``; anything else is a leaf.
 
@@ -31,6 +32,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from devicectx._errors import RegistrationError
 from devicectx.move._collection_types import (
+    ATTRIBUTES_KIND,
     CHAIN_KIND,
     PACKED_KIND,
     STACK_KIND,
@@ -38,6 +40,7 @@ from devicectx.move._collection_types import (
     graph_split,
     is_graph,
     is_lazy_stack,
+    moves_attributes,
     rebuild_mapping,
     rebuild_sequence,
     rebuild_set,
@@ -388,6 +391,8 @@ def _work_out(tp: type) -> Kind:
         return PACKED_KIND
     if issubclass(tp, collections.ChainMap):
         return CHAIN_KIND
+    if moves_attributes(tp):
+        return ATTRIBUTES_KIND
     if callable(getattr(tp, "to", None)):
         return _own_kind(tp)
     if dataclasses.is_dataclass(tp):
