@@ -144,6 +144,54 @@ def test_exclude_is_kept_when_compiled(branch: str) -> None:
     assert [META, CPU] == agree(branch, lambda x: with_excluded(x, keep=x), torch.ones(2))
 
 
+WEIGHTS = torch.ones(2)
+
+
+@device_agnostic
+def weighted(model: nn.Module, x: torch.Tensor, w: torch.Tensor = WEIGHTS) -> torch.Tensor:
+    """A tensor default the call may leave out: moved with the arguments, as if passed."""
+    return model(x) * w  # type: ignore[no-any-return]
+
+
+@device_agnostic
+def weighted_by_keyword(
+    model: nn.Module, x: torch.Tensor, *, table: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """A keyword-only default holding no tensor: left as it is."""
+    return model(x) if table is None else model(x) * table["w"]  # type: ignore[no-any-return]
+
+
+@device_agnostic
+def weighted_by_table(
+    model: nn.Module,
+    x: torch.Tensor,
+    *,
+    table: dict[str, torch.Tensor] = {"w": WEIGHTS},  # noqa: B006
+) -> torch.Tensor:
+    """A keyword-only default holding a tensor in a dict."""
+    return model(x) * table["w"]  # type: ignore[no-any-return]
+
+
+def test_tensor_defaults_left_out_are_moved_when_compiled(branch: str) -> None:
+    """A default holding a tensor, left out of the call, is moved when compiled as in eager
+    code (the compiled function itself, and a compiled caller); one passed, or one holding
+    no tensor, changes nothing; the default itself stays where it is."""
+    model = nn.Linear(2, 2, device="meta")
+    cases: list[Callable[..., Any]] = [
+        weighted,
+        lambda x: weighted(model, x) + 1,
+        lambda x: weighted(model, x, w=torch.ones(2)),
+        lambda x: weighted(model, x, torch.ones(2, device="meta")),
+        lambda x: weighted_by_keyword(model, x),
+        lambda x: weighted_by_table(model, x),
+    ]
+    for fn in cases:
+        torch._dynamo.reset()
+        args = (model, torch.ones(2)) if fn is weighted else (torch.ones(2),)
+        assert [META] == agree(branch, fn, *args)
+    assert CPU == WEIGHTS.device
+
+
 class Net(nn.Module):
     """A model whose decorated forward and other method make tensors of their own."""
 

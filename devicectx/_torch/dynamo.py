@@ -18,6 +18,11 @@ release CI covers:
 - ``_torchdynamo_orig_callable`` with ``_torchdynamo_wrapper_id``: what
   ``torch.compile(obj)`` compiles instead of ``obj`` (``eval_frame.innermost_fn``), when
   the id is ``id(obj)``.
+- ``OptimizedModule`` (``torch._dynamo.eval_frame``) and its ``_orig_mod``: what
+  ``torch.compile(module)`` returns, and the module it compiled (:func:`compiled_original`).
+- ``__script_unsupported``: what ``torch.jit.script`` refuses a function with (as
+  ``"TorchScript error: " + message``), for the function itself and for one a scripted
+  function calls (:func:`refuse_script`); checked on 2.13.
 - ``torch._dynamo.graph_break(msg=...)`` (from 2.7): a graph break whose ``fullgraph=True``
   error quotes the message.
 - ``_dynamo_marked_constant``: all that ``torch.compiler.assume_constant_result`` sets, and
@@ -44,6 +49,13 @@ release CI covers:
   started while another is being traced (the probe's) clears the log's per-thread stack of
   open events up to 2.12, and the outer compile then warns that its events are gone
   (2.13 restores the depth itself). :func:`nested_compile` puts the stack back.
+- what :func:`nested_compile` clears for a compile made while another is traced (the
+  probe's), to make it in an ordinary context: ``torch.compiler._is_exporting_flag`` (set
+  by a strict ``torch.export``, where ``torch.compile`` compiles nothing), the functorch
+  layers of ``torch._C._functorch`` (``peek_interpreter_stack``,
+  ``pop_dynamic_layer_stack``, ``push_dynamic_layer_stack``: ``vmap``, ``grad``); and
+  what it puts back: ``torch_function_mode_stack_state_mgr.stack``, the modes of a
+  ``with torch.device(...)`` around the outer compile (checked on 2.13 only).
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ _is_compiling = torch.compiler.is_compiling
 INLINE = "_torchdynamo_inline"
 ORIG_CALLABLE = "_torchdynamo_orig_callable"
 WRAPPER_ID = "_torchdynamo_wrapper_id"
+SCRIPT_UNSUPPORTED = "__script_unsupported"
 CLASS_HOOKS = (INLINE, ORIG_CALLABLE, WRAPPER_ID)
 """What :func:`install` puts on a class."""
 
@@ -143,6 +156,22 @@ def called_by_dynamo(depth: int) -> bool:
         return False
     caller = sys._getframe(depth + 1).f_globals.get("__name__", "")
     return isinstance(caller, str) and caller.startswith("torch._dynamo") and not faking()
+
+
+def refuse_script(cls: type, message: Callable[[Any], str]) -> None:
+    """Make ``torch.jit.script`` refuse the objects of ``cls``, with ``message(obj)``:
+    TorchScript compiles a function's source, and a wrapper's is its wrapped function's."""
+    setattr(cls, SCRIPT_UNSUPPORTED, property(message))
+
+
+def compiled_original(module: object) -> Any:
+    """The module ``torch.compile(module)`` compiled, where ``module`` is what it returned
+    (an ``OptimizedModule``, which keeps it as ``_orig_mod``); else None."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is None or not isinstance(module, optimized):
+        return None  # dynamo not loaded: nothing was compiled
+    return getattr(module, "_orig_mod", None)
 
 
 def disable(fn: _F) -> _F:
@@ -242,16 +271,68 @@ def keep_trace_rules(replaced: Iterable[tuple[object, object]]) -> None:
 
 @contextlib.contextmanager
 def nested_compile() -> Iterator[None]:
-    """Run a compile while dynamo traces another, and leave the outer one's event log intact."""
+    """Run a compile while dynamo traces another, as a compile of its own in an ordinary
+    context: not exported, under no functorch transform, and leaving the outer one's
+    event log and saved mode stack intact."""
     logger = _event_logger()
     saved = [list(part) if isinstance(part, list) else dict(part) for part in _log_parts(logger)]
+    modes = _saved_modes()
+    stack = None if modes is None else modes.stack
     try:
-        yield
+        with _not_exporting(), _no_functorch_transforms():
+            yield
     finally:
+        if modes is not None:
+            modes.stack = stack
         for part, before in zip(_log_parts(logger), saved, strict=True):
             if part != before:
                 part.clear()
                 part.update(before) if isinstance(part, dict) else part.extend(before)
+
+
+def _saved_modes() -> Any:
+    """Where dynamo keeps the thread's torch function modes (a ``torch.device`` block)
+    while it compiles: ``torch_function_mode_stack_state_mgr``, one for all compiles. A
+    nested compile replaces its ``stack`` with the (empty) one of the outer compile and
+    then empties it: the outer compile would then check its guards against no modes (a
+    failed guard of its own) and give the thread no modes back."""
+    modes = sys.modules.get("torch._dynamo.variables.torch_function")
+    manager = getattr(modes, "torch_function_mode_stack_state_mgr", None)
+    return manager if isinstance(getattr(manager, "stack", None), list) else None
+
+
+@contextlib.contextmanager
+def _not_exporting() -> Iterator[None]:
+    """Inside ``torch.export``'s region (``torch.compiler._is_exporting_flag``, a global),
+    ``torch.compile`` returns its function uncompiled: a compile made there is none. The
+    flag is off only while the outer compile holds dynamo's compile lock (the probe runs
+    while dynamo traces): no other thread's compile reads it meanwhile, though code that
+    another thread's non-strict export runs at that moment would."""
+    compiler = torch.compiler
+    exporting = getattr(compiler, "_is_exporting_flag", None)
+    if not exporting:
+        yield
+        return
+    compiler._is_exporting_flag = False
+    try:
+        yield
+    finally:
+        compiler._is_exporting_flag = exporting
+
+
+@contextlib.contextmanager
+def _no_functorch_transforms() -> Iterator[None]:
+    """The thread's functorch transforms (``vmap``, ``grad``) set aside: code run inside
+    ``vmap`` cannot draw random numbers (``nn.Linear``'s initialisation)."""
+    functorch = torch._C._functorch
+    layers = []
+    try:
+        while functorch.peek_interpreter_stack() is not None:
+            layers.append(functorch.pop_dynamic_layer_stack())
+        yield
+    finally:
+        while layers:
+            functorch.push_dynamic_layer_stack(layers.pop())
 
 
 def _event_logger() -> object:

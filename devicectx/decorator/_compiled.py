@@ -55,7 +55,7 @@ import builtins
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import FunctionType
+from types import FunctionType, MethodType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -134,14 +134,19 @@ def entry_function(plan: Plan, function: Callable[..., Any]) -> Callable[..., An
     """What dynamo inlines for a call of the function ``plan`` decorates (``function``).
 
     Reached as a method, it gets the instance (or class) as its first argument, as the raw
-    function does. A copy of :func:`_entry` whose globals hold the plan. Where dynamo traces
-    the plan's own eager call instead, the plan hands the call to :func:`under_compile`.
+    function does; for a bound method decorated (``device_agnostic(model.forward)``), the
+    instance is its ``__self__``, as wrapt hands it to the eager call. A copy of
+    :func:`_entry` whose globals hold the plan. Where dynamo traces the plan's own eager
+    call instead, the plan hands the call to :func:`under_compile`.
     """
     plan.when_traced = functools.partial(under_compile, plan)
-    function = getattr(function, "__func__", function)  # classmethod, staticmethod
+    if isinstance(function, (classmethod, staticmethod)):
+        function = function.__func__
+    instance = function.__self__ if isinstance(function, MethodType) else None
     names = {
         "_plan": plan,
         "_function": function,
+        "_instance": instance,
         "_is_traced": _is_traced,
         "under_compile": under_compile,
         "_run_disabled": _run_disabled,
@@ -175,8 +180,8 @@ def _entry(*args: Any, **kwargs: Any) -> Any:
     __tracebackhide__ = True
     if not _is_traced():  # run for real: dynamo gave up on a frame and runs it eagerly
         # dynamo off for the whole call, or it would compile the eager code frame by frame
-        return _run_disabled(_plan, _function, None, args, kwargs)  # type: ignore[name-defined]  # noqa: F821
-    return under_compile(_plan, _function, None, args, kwargs)  # type: ignore[name-defined]  # noqa: F821
+        return _run_disabled(_plan, _function, _instance, args, kwargs)  # type: ignore[name-defined]  # noqa: F821
+    return under_compile(_plan, _function, _instance, args, kwargs)  # type: ignore[name-defined]  # noqa: F821
 
 
 def under_compile(
@@ -232,11 +237,14 @@ def traced_call(
 ) -> Any:
     """A decorated call, written so dynamo can trace it: see the module docstring.
 
-    In steps: the tensors of the arguments (:func:`_traced_leaves`), the target and what it
-    refuses, the move (:func:`_dtype_refused` first), the body (:func:`_traced_body`), then
-    the result placed.
+    In steps: the tensor defaults the call leaves out, added as keywords (as the eager call
+    adds them); the tensors of the arguments (:func:`_traced_leaves`); the target and what
+    it refuses; the move (:func:`_dtype_refused` first); the body (:func:`_traced_body`);
+    then the result placed.
     """
     __tracebackhide__ = True
+    if plan.defaults is not None:  # moved and checked as if passed, as in the eager call
+        kwargs = plan._with_defaults(wrapped, instance, args, kwargs)
     offset = self_offset(wrapped, instance)
     leaves, unwalked = _traced_leaves(plan, args, kwargs, offset)
     if unwalked is not None:  # served in eager code: a graph break, the eager call

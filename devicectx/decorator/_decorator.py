@@ -20,6 +20,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 import torch
 from torch import nn
 
+from devicectx._torch import dynamo as _dynamo_hooks
 from devicectx._torch.module_tree import children_of
 from devicectx.decorator._params import check_switches
 from devicectx.decorator._plan import Plan
@@ -243,15 +244,27 @@ def check_wrapped(wrapped: object) -> None:
 def _module_refusal(module: nn.Module, name: str | None) -> str:
     """The refusal of a module instance: its bound ``forward`` decorated is what works
     (assigned back to ``model.forward``, it would stay bound to the original in a deep
-    copy, and ``torch.save`` of the model would fail)."""
-    kind = type(module).__qualname__
-    label = f"{name} (a {kind})" if name is not None else f"a {kind}"
+    copy, and ``torch.save`` of the model would fail).
+
+    A compiled module's ``forward`` is dynamo's function, no method of the module: there
+    the original module's ``forward`` is decorated, then compiled.
+    """
     held = name if name is not None else "model"
-    bound = f"forward = device_agnostic({held}.forward), then call forward(...)"
+    original = _dynamo_hooks.compiled_original(module)
+    if isinstance(original, nn.Module):
+        module = original
+        kind = f"{type(module).__qualname__} compiled by torch.compile"
+        decorated = f"torch.compile(device_agnostic({held}._orig_mod.forward))"
+    else:
+        kind = type(module).__qualname__
+        decorated = f"device_agnostic({held}.forward)"
+    label = f"{name} (a {kind})" if name is not None else f"a {kind}"
+    bound = f"forward = {decorated}, then call forward(...)"
     if type(module).__module__.split(".")[0] == "torch":
         fix = f"{bound} where you called {held}(...)"
     else:  # the user's own class can take the decorator on its forward
-        fix = f"@device_agnostic above `def forward` in class {kind}, or {bound}"
+        own = type(module).__qualname__
+        fix = f"@device_agnostic above `def forward` in class {own}, or {bound}"
     return (
         f"@device_agnostic cannot decorate a module instance, {label}: it decorates "
         f"functions and methods\n"

@@ -11,7 +11,11 @@ of the process (:mod:`devicectx.decorator._wrappers`).
 
 It takes about a second, once per process, and only in processes that compile code
 reaching a decorated function. It may run while dynamo traces the user's code: a nested
-compile, which dynamo supports (:func:`devicectx._torch.dynamo.nested_compile`).
+compile, which dynamo supports (:func:`devicectx._torch.dynamo.nested_compile`), made in an
+ordinary context whatever the user's compile is inside (a strict ``torch.export``, where
+``torch.compile`` compiles nothing; ``torch.func.vmap``, where ``nn.Linear`` cannot draw
+its random weights; a ``with torch.device(...)`` block, whose modes dynamo keeps aside):
+what the probe finds is the installed torch's answer, not the context's.
 """
 
 from __future__ import annotations

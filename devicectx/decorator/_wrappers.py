@@ -201,6 +201,20 @@ class DeviceAgnosticWrapper(_FunctionWrapper):
         return self
 
 
+def _script_refusal(wrapper: DeviceAgnosticWrapper) -> str:
+    """Why ``torch.jit.script`` refuses a decorated function, and the fix."""
+    name = wrapper.__qualname__
+    return (
+        f"@device_agnostic cannot be compiled by torch.jit.script, which would run {name}() "
+        f"without it (no move, no check, no scope)\n"
+        f"fix: torch.jit.trace({name}, example_inputs) records its moves, or call {name}() "
+        f"outside the scripted code"
+    )
+
+
+_dynamo_hooks.refuse_script(DeviceAgnosticWrapper, _script_refusal)
+
+
 class _ForwardWrapper(DeviceAgnosticWrapper):
     """The wrapper of a function named ``forward``: what dynamo gets when it binds it.
 
