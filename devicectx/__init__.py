@@ -33,6 +33,7 @@ from devicectx._errors import (
     PrecisionUnsupportedError,
     RegistrationError,
     RepeatedMoveWarning,
+    ScopeExitError,
     StrayTensorError,
     StrayTensorWarning,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "PrecisionUnsupportedError",
     "RegistrationError",
     "RepeatedMoveWarning",
+    "ScopeExitError",
     "StrayTensorError",
     "StrayTensorWarning",
     "Transfer",

@@ -141,6 +141,14 @@ class StrayTensorError(DeviceError, RuntimeError):
     """
 
 
+class ScopeExitError(DeviceError, RuntimeError):
+    """An ``on_device`` object left more times than it was entered.
+
+    A ``RuntimeError``, like torch's own error for one exit too many of ``torch.device``
+    ("trying to pop from empty mode stack"), so code that catches that keeps working.
+    """
+
+
 class RegistrationError(DeviceError, TypeError):
     """A :func:`~devicectx.register_container` registration that cannot work: its
     ``children=`` gives something other than ``(key, child)`` pairs."""

@@ -334,6 +334,32 @@ def test_compiled_function_called_inside_blocks() -> None:
     assert CPU == compiled(torch.ones(2))[1]
 
 
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_function_called_inside_an_exact_block(fullgraph: bool) -> None:
+    """Inside ``on_device(..., exact=True)`` a compiled function compiles into one graph (as
+    inside ``torch.device``) and allocates where eager code would, a constructor held in
+    an object included."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph: torch.fx.GraphModule, _: list[torch.Tensor]) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    def make(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x.sin() + torch.zeros(2), OWN["zeros"](1), torch.ones(1, device="cpu")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(make, fullgraph=fullgraph, backend=backend)
+    with on_device("meta", exact=True):
+        eager = make(torch.ones(2, device="meta"))
+        traced = compiled(torch.ones(2, device="meta"))
+    assert [META, META, CPU] == [t.device for t in eager]
+    assert [t.device for t in eager] == [t.device for t in traced]
+    assert 1 == len(graphs)
+    assert CPU == compiled(torch.ones(2))[1].device  # outside the block: recompiled for it
+    torch._dynamo.reset()
+
+
 # dynamo is imported first: on torch 2.6 its import makes tensors, which on meta fails (as it
 # does under torch's own set_default_device("meta")); its table of functions is built at the
 # first compile, in the block.

@@ -22,6 +22,7 @@ from torch.utils._device import DeviceContext
 from devicectx import (
     DeviceUnavailableError,
     InvalidDeviceError,
+    ScopeExitError,
     StrayTensorWarning,
     current_device,
     device_agnostic,
@@ -124,6 +125,29 @@ def test_bad_spec_raises_before_any_state_changes() -> None:
         pass  # pragma: no cover
     assert [] == _get_current_function_mode_stack()
     assert active_device() is None
+
+
+@pytest.mark.parametrize("options", [{}, {"exact": True}, {"precision": "32"}])
+def test_one_exit_too_many_is_named_with_its_fix(options: dict[str, object]) -> None:
+    """An ``__exit__`` with no entry of the object open (a notebook cell run once too often)
+    raises our error, a ``RuntimeError`` as torch's own for ``torch.device``, and leaves
+    the state as it was."""
+    block = on_device("meta", **options)  # type: ignore[arg-type]
+    block.__enter__()
+    block.__exit__(None, None, None)
+    with pytest.raises(ScopeExitError) as raised:
+        block.__exit__(None, None, None)
+    assert isinstance(raised.value, RuntimeError)
+    written = ", ".join(["'meta'", *(f"{k}={v!r}" for k, v in options.items())])
+    assert [
+        f"on_device({written}).__exit__() was called once more than its __enter__(): "
+        "no entry of this object is open",
+        f"fix: call __exit__ once per __enter__, or write `with on_device({written}):`",
+    ] == str(raised.value).splitlines()
+    assert CPU == allocated()
+    with block:
+        assert META == allocated()
+    assert CPU == allocated()
 
 
 def test_auto_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

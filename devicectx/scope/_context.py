@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from devicectx._errors import InvalidDeviceError
+from devicectx._errors import InvalidDeviceError, ScopeExitError
 from devicectx._torch.dynamo import constant, disable, graph_break
 from devicectx._torch.modes import DeviceContext
 from devicectx.devices._resolve import DeviceLike, resolve_device
@@ -292,6 +292,8 @@ class on_device:
             scope = entry if type(entry) is Block else entry[0] if type(entry) is tuple else None
             if scope is not None and open_here(scope):
                 return self._entered.pop(index)
+        if not self._entered:
+            raise _extra_exit(self)
         return self._entered.pop()  # traced entries: the latest, as nesting makes it
 
     def __call__(self, func: _F) -> _F:
@@ -349,6 +351,16 @@ class on_device:
         self, func: Callable[..., AsyncGenerator[Any, Any]]
     ) -> Callable[..., Any]:
         return resumed_async_generator_function(func, self._resumable)
+
+
+def _extra_exit(block: on_device) -> ScopeExitError:
+    """The error for an ``__exit__`` of ``block`` with none of its entries open."""
+    msg = (
+        f"{block!r}.__exit__() was called once more than its __enter__(): no entry of this "
+        f"object is open\n"
+        f"fix: call __exit__ once per __enter__, or write `with {block!r}:`"
+    )
+    return ScopeExitError(msg)
 
 
 def _class_refusal(cls: type) -> str:

@@ -60,6 +60,7 @@ from devicectx.scope._index import INDEX_READERS, ThreadIndex, learn_index_reade
 from devicectx.scope._suspended import Suspended, inside
 
 _CPU = torch.device("cpu")
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 _UNCHANGED = object()
 """A scope's ``previous`` where it changed nothing (its device already was the default)."""
@@ -184,11 +185,24 @@ class _ExactMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if kwargs.get("device") is None and func in _CONSTRUCTORS:
-            device = scope_device()
+        if kwargs.get("device") is None:
+            if _is_dynamo_compiling():
+                # dynamo traces this method into the graph of every call it meets: it
+                # cannot hash some of torch's constructors (a set look-up) nor read a
+                # context variable, so both are answered once, at trace time.
+                device = _traced_device_of(func)
+            else:
+                device = scope_device() if func in _CONSTRUCTORS else None
             if device is not None:
                 kwargs["device"] = device
         return func(*args, **kwargs)
+
+
+@constant
+def _traced_device_of(func: Callable[..., Any]) -> torch.device | None:
+    """For :class:`_ExactMode` in traced code: the device a call of ``func`` without
+    ``device=`` gets, None where ``func`` is no constructor or no scope applies."""
+    return traced_scope_device() if func in _CONSTRUCTORS else None
 
 
 # The factory functions torch's own DeviceContext fills in ``device=`` for; read once,
