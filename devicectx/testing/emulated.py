@@ -21,7 +21,12 @@ device that is not the CPU and has an accelerator's semantics:
   the CPU (the values are real); work on other streams is not waited for, so races
   between streams show as they do on a GPU; the fused recurrent cells torch calls for
   ``nn.LSTM`` and ``nn.GRU`` (and their cells) off the CPU, which have no CPU kernels,
-  are the device's own, forward and backward;
+  are the device's own, forward and backward; where torch gives a backend out of tree no
+  kernel or a composite one, the CPU's kernel runs (convolutions, layer and group norm),
+  and an argument an op writes reaches the device though its schema does not mark it
+  (batch norm's running statistics), so a layer computes the CPU's values bit for bit
+  (``scaled_dot_product_attention`` takes torch's math path, as on a device without a
+  fused kernel: close to the CPU's, not equal);
 - random numbers of its own, as CUDA's and MPS's: ``torch.Generator(device="emu")``, and a
   default generator per device (``torch.emu.manual_seed``, ``get_rng_state``, ...), which
   ``torch.manual_seed`` seeds and a random op draws from without ``generator=``; an emu
@@ -69,7 +74,12 @@ sets can change at run time, so one process (one test session) tests several pro
 What it does not emulate: timings (a kernel costs what the CPU takes, a copy's delay is
 fixed), CUDA graphs, the sync-debug mode, real GPU kernels and their numerics (TF32,
 reduction orders), device-side asserts, a caching allocator's fragmentation (the memory
-limit counts live tensors' bytes), peer access, IPC, ``torch.compile`` for the device, an
+limit counts live tensors' bytes), peer access, IPC, ``torch.compile`` for the device,
+CUDA's ``Module.to`` keeping each parameter object (to ``emu``, as to every backend out of
+tree and to ``meta``, torch makes new ``Parameter`` objects: an optimizer built before the
+move steps the old ones, and a lazy module's uninitialized parameters become empty ordinary
+ones, so ``nn.LazyLinear(3).to("emu")`` fails at its first call; make a lazy module on the
+device, ``nn.LazyLinear(3, device=device)``, or call it once before ``.to()``), an
 MPS device's single queue (the "mps" profile keeps the streams), collectives and process
 groups on the device (torch.distributed has no backend for ``emu``: ``all_reduce`` of an
 ``emu`` tensor, and ``DistributedDataParallel`` or ``fully_shard`` over two ranks of a

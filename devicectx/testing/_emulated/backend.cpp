@@ -2,8 +2,9 @@
 // pinned host allocator, and the ATen operators registered for PrivateUse1.
 //
 // Operators: the factory, view and copy operators are ours (views must share device
-// memory; copies are where streams and pinned memory matter); every other operator runs
-// on the CPU through torch's boxed CPU fallback, after the current stream has drained.
+// memory; copies are where streams and pinned memory matter); the convolutions call the
+// CPU's (torch has no kernel for a backend out of tree); every other operator runs on the
+// CPU through torch's boxed CPU fallback, after the current stream has drained.
 //
 // Random numbers: each device has a default generator, and torch.Generator(device="emu")
 // makes more (EmuGenerator); a random operator on the device runs the CPU kernel with the
@@ -32,13 +33,16 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #define DEVICECTX_TORCH_AT_LEAST(major, minor) \
@@ -757,6 +761,124 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(
   return std::make_tuple(input.mul(mask).mul_(scale), mask);
 }
 
+// Convolutions: at::_convolution picks a kernel by device, and for a backend out of tree
+// calls convolution_overrideable (and convolution_backward_overrideable), whose default
+// raises NotImplementedError. Here the CPU's convolution runs on the device's bytes, with
+// the arguments it would have had for CPU tensors, so that nn.Conv*d computes the CPU's
+// values and gradients on the device.
+at::Tensor on_device(const at::Tensor& host, const c10::Device& device) {
+  return host.defined() ? host.to(device) : host;
+}
+
+// The device check of CUDA's convolution kernels (tensors of two devices), in its words.
+void check_one_device(
+    const char* method, std::initializer_list<std::pair<const at::Tensor*, const char*>> args) {
+  std::optional<c10::Device> common;
+  for (const auto& [tensor, name] : args) {
+    if (tensor->defined()) {
+      c10::impl::check_and_update_common_device(common, *tensor, method, name);
+    }
+  }
+}
+
+at::Tensor convolution_overrideable(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    bool transposed,
+    c10::SymIntArrayRef output_padding,
+    c10::SymInt groups) {
+  at::Tensor no_bias;
+  const at::Tensor& given_bias = bias.has_value() ? *bias : no_bias;
+  check_one_device(
+      "wrapper_PrivateUse1__convolution_overrideable",
+      {{&input, "input"}, {&weight, "weight"}, {&given_bias, "bias"}});
+  wait_current_stream(index_of(input.device()));
+  std::optional<at::Tensor> host_bias;
+  if (given_bias.defined()) {
+    host_bias = host_alias(given_bias);
+  }
+  at::Tensor output = at::convolution_symint(
+      host_alias(input),
+      host_alias(weight),
+      host_bias,
+      stride,
+      padding,
+      dilation,
+      transposed,
+      output_padding,
+      std::move(groups));
+  return on_device(output, input.device());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output,
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding,
+    c10::SymIntArrayRef dilation,
+    bool transposed,
+    c10::SymIntArrayRef output_padding,
+    c10::SymInt groups,
+    std::array<bool, 3> output_mask) {
+  check_one_device(
+      "wrapper_PrivateUse1__convolution_backward_overrideable",
+      {{&grad_output, "grad_output"}, {&input, "input"}, {&weight, "weight"}});
+  wait_current_stream(index_of(input.device()));
+  std::vector<c10::SymInt> bias_sizes{grad_output.sym_size(1)};
+  auto [grad_input, grad_weight, grad_bias] = at::convolution_backward_symint(
+      host_alias(grad_output),
+      host_alias(input),
+      host_alias(weight),
+      output_mask[2] ? std::optional<c10::SymIntArrayRef>(bias_sizes) : std::nullopt,
+      stride,
+      padding,
+      dilation,
+      transposed,
+      output_padding,
+      std::move(groups),
+      output_mask);
+  const c10::Device& device = input.device();
+  return std::make_tuple(
+      on_device(grad_input, device), on_device(grad_weight, device), on_device(grad_bias, device));
+}
+
+// Arguments that an operator writes although its schema does not mark them written (no
+// `Tensor(a!)`): torch's CPU fallback copies back only the marked ones, so it would drop
+// these writes. Batch norm's running statistics, as native_batch_norm (which
+// F.batch_norm, the BatchNorm and InstanceNorm modules reach) and batch_norm_update_stats
+// write them; the other operators that do (cudnn_batch_norm, miopen_batch_norm,
+// batch_norm_gather_stats) have no CPU kernel, and _native_batch_norm_legit and
+// _batch_norm_with_update mark theirs.
+bool writes_unmarked(const c10::FunctionSchema& schema, const c10::Argument& argument) {
+  const std::string& name = schema.name();
+  if (name != "aten::native_batch_norm" && name != "aten::batch_norm_update_stats") {
+    return false;
+  }
+  return argument.name() == "running_mean" || argument.name() == "running_var";
+}
+
+// The CPU kernel writes such an argument in place, into the device's bytes (host_alias):
+// its values, strides and the tensors that view it are then the CPU kernel's. The device
+// tensors are returned, so that they live until the kernel has run.
+std::vector<at::Tensor> alias_unmarked_writes(
+    const c10::FunctionSchema& schema, torch::jit::Stack* stack, size_t first) {
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    c10::IValue& value = (*stack)[first + i];
+    if (value.isTensor() && value.toTensor().is_privateuseone() &&
+        writes_unmarked(schema, schema.arguments()[i])) {
+      written.push_back(value.toTensor());
+      value = c10::IValue(host_alias(written.back()));
+    }
+  }
+  return written;
+}
+
 // Every other operator: on the CPU, after the streams of the devices involved drained, once
 // its tensors were found on one device (SameDevice).
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -814,6 +936,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!generators.empty()) {
     swap_generators(schema, stack, stack->size() - count, generators, common);
   }
+  std::vector<at::Tensor> written = alias_unmarked_writes(schema, stack, stack->size() - count);
   at::native::cpu_fallback(op, stack);
 }
 
@@ -852,6 +975,13 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_local_scalar_dense", local_scalar_dense);
   m.impl("record_stream", record_stream);
   m.impl("native_dropout", native_dropout);
+  m.impl("convolution_overrideable", convolution_overrideable);
+  m.impl("convolution_backward_overrideable", convolution_backward_overrideable);
+  // Ops with a CPU kernel and a composite one, which torch runs for a backend without a
+  // kernel: layer and group norm decompose into other ops, whose rounding differs from the
+  // CPU kernel's by a few ulps. The device runs the CPU kernel, through the fallback.
+  m.impl("native_layer_norm", torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  m.impl("native_group_norm", torch::CppFunction::makeFromBoxedFunction<&fallback>());
   // Ops whose meta function resizes the output after sizing it as the inputs: for a backend
   // without a kernel, torch's composite kernel allocates that output and calls the out=
   // variant, whose CPU kernel (through the fallback) sizes a one-element output again and
