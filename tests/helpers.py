@@ -158,6 +158,22 @@ def passing_run(*arguments: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+def skip_unless_emulated(request: pytest.FixtureRequest) -> None:
+    """Skip a test of the emulated device (an ``emu`` fixture) in a session without it:
+    :func:`emulated_tests_in_a_child` runs such a file's tests in a fresh process that
+    enables it."""
+    from devicectx.testing import emulated
+
+    if emulated.enabled():
+        return
+    if request.config.getoption("devicectx_accelerator") is not None:
+        pytest.skip("the emulated accelerator is unavailable (see the report header)")
+    pytest.skip(
+        "needs --devicectx-accelerator=emulated; "
+        "test_this_file_on_the_emulated_accelerator runs it so, in a fresh process"
+    )
+
+
 def emulated_tests_in_a_child(request: pytest.FixtureRequest, file: str) -> list[str]:
     """In a session without the emulated accelerator, the tests of ``file`` that need it
     (its ``emu`` fixture), run in a fresh pytest that enables it; they must pass, none

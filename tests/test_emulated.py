@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import emulated_tests_in_a_child, passing_run, python_output
+from helpers import emulated_tests_in_a_child, passing_run, python_output, skip_unless_emulated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._pytree import tree_leaves
@@ -54,13 +54,7 @@ DEFAULTS = {
 @pytest.fixture
 def emu(request: pytest.FixtureRequest) -> Iterator[torch.device]:
     """emu:0, in a session where the emulated accelerator is enabled; checks nothing leaked."""
-    if not emulated.enabled():
-        if request.config.getoption("devicectx_accelerator") is not None:
-            pytest.skip("the emulated accelerator is unavailable (see the report header)")
-        pytest.skip(
-            "needs --devicectx-accelerator=emulated; "
-            "test_this_file_on_the_emulated_accelerator runs it so, in a fresh process"
-        )
+    skip_unless_emulated(request)
     yield torch.device("emu", 0)
     torch.accelerator.synchronize(0)
     torch.accelerator.synchronize(1)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import emulated_tests_in_a_child
+from helpers import emulated_tests_in_a_child, skip_unless_emulated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -66,13 +66,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def emu(request: pytest.FixtureRequest) -> Iterator[torch.device]:
     """emu:0 playing the profile, in a session where the emulated accelerator is enabled;
     the random states of the CPU and of every emu device are restored after the test."""
-    if not emulated.enabled():
-        if request.config.getoption("devicectx_accelerator") is not None:
-            pytest.skip("the emulated accelerator is unavailable (see the report header)")
-        pytest.skip(
-            "needs --devicectx-accelerator=emulated; "
-            "test_this_file_on_the_emulated_accelerator runs it so, in a fresh process"
-        )
+    skip_unless_emulated(request)
     cpu_state, device_states = torch.get_rng_state(), torch.emu.get_rng_state_all()
     with emulated.profile(request.param):
         yield torch.device("emu", 0)

@@ -16,12 +16,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import emulated_tests_in_a_child
+from helpers import emulated_tests_in_a_child, skip_unless_emulated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-
-from devicectx.testing import emulated
 
 pytestmark = pytest.mark.torch_internals  # the device's C++ meets torch's operator schemas
 
@@ -31,13 +29,7 @@ ATEN = torch.ops.aten
 @pytest.fixture
 def emu(request: pytest.FixtureRequest) -> Iterator[torch.device]:
     """emu:0, in a session where the emulated accelerator is enabled."""
-    if not emulated.enabled():
-        if request.config.getoption("devicectx_accelerator") is not None:
-            pytest.skip("the emulated accelerator is unavailable (see the report header)")
-        pytest.skip(
-            "needs --devicectx-accelerator=emulated; "
-            "test_this_file_on_the_emulated_accelerator runs it so, in a fresh process"
-        )
+    skip_unless_emulated(request)
     yield torch.device("emu", 0)
     torch.accelerator.synchronize(0)
 

@@ -134,10 +134,11 @@ def entry_function(plan: Plan, function: Callable[..., Any]) -> Callable[..., An
     """What dynamo inlines for a call of the function ``plan`` decorates (``function``).
 
     Reached as a method, it gets the instance (or class) as its first argument, as the raw
-    function does; for a bound method decorated (``device_agnostic(model.forward)``), the
-    instance is its ``__self__``, as wrapt hands it to the eager call. A copy of
-    :func:`_entry` whose globals hold the plan. Where dynamo traces the plan's own eager
-    call instead, the plan hands the call to :func:`under_compile`.
+    function does; for a bound method decorated (``device_agnostic(model.forward)``, which
+    ``torch.compile`` of it reaches), the instance is its ``__self__``, as wrapt hands it to
+    the eager call. A copy of :func:`_entry` whose globals hold the plan. Where dynamo
+    traces the plan's own eager call instead, the plan hands the call to
+    :func:`under_compile`.
     """
     plan.when_traced = functools.partial(under_compile, plan)
     if isinstance(function, (classmethod, staticmethod)):
@@ -244,7 +245,7 @@ def traced_call(
     """
     __tracebackhide__ = True
     if plan.defaults is not None:  # moved and checked as if passed, as in the eager call
-        kwargs = plan._with_defaults(wrapped, instance, args, kwargs)
+        kwargs = plan.with_defaults(wrapped, instance, args, kwargs)
     offset = self_offset(wrapped, instance)
     leaves, unwalked = _traced_leaves(plan, args, kwargs, offset)
     if unwalked is not None:  # served in eager code: a graph break, the eager call

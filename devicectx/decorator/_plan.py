@@ -221,7 +221,7 @@ class Plan:
         if instance is UNBOUND:
             instance = None
         if self.defaults is not None:
-            kwargs = self._with_defaults(wrapped, instance, args, kwargs)
+            kwargs = self.with_defaults(wrapped, instance, args, kwargs)
         if _is_traced():  # dynamo traces this call after all (a generator, the fallback)
             return self.when_traced(wrapped, instance, args, kwargs)
         # The common case inline: nothing excluded, every tensor already on the target.
@@ -305,7 +305,7 @@ class Plan:
             raise
         return result if back is None else self.place(result, back)
 
-    def _with_defaults(
+    def with_defaults(
         self,
         wrapped: Callable[..., Any],
         instance: object,
@@ -493,11 +493,9 @@ class Plan:
                     found = self._found(seen_args, seen_kwargs, offset)
                 if any(device != target for device in found):
                     reason = self._reason(module, instance, args, kwargs, offset)
-                    named = self.params.named(seen_args, seen_kwargs, offset)
+                    named = list(self.params.named(seen_args, seen_kwargs, offset))
                     mend = _unseen.own_to_mend(named, target)
-                    dtypes = _unseen.argument_dtypes(
-                        self.params.named(seen_args, seen_kwargs, offset)
-                    )
+                    dtypes = _unseen.argument_dtypes(named)
                     raise _mismatch.tensors_off_target(
                         self.name, found, target, reason, mend, dtypes
                     )

@@ -97,7 +97,7 @@ def explain(
         listed = ", ".join(f"{path} (excluded)" for path in paths)
         shown[device] = f"{shown[device]}, {listed}" if device in shown else listed
     width = max(len(str(device)) for device in shown)
-    torch_said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    torch_said = _first_line(error)
     roots = {attribute_of(u.path) for u in unseen}
     held_out = "" if not held and not names & roots else " or excludes"
     lines = [f"{function}() failed in torch on tensors @device_agnostic cannot see into{held_out}:"]
@@ -144,7 +144,7 @@ def _scalars_error(
         move = move_code(argument, isinstance(value, torch.Tensor), target)
         if move not in moves:
             moves.append(move)
-    torch_said = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    torch_said = _first_line(error)
     lines = [
         f"{function}() failed in torch on {what} @device_agnostic leaves where "
         f"{'it is' if one else 'they are'}:",
@@ -157,6 +157,12 @@ def _scalars_error(
     ]
     devices = {torch.device("cpu"): [path for path, _ in scalars]}
     return DeviceMismatchError("\n".join(lines), devices=devices, target=target, reason=reason)
+
+
+def _first_line(error: BaseException) -> str:
+    """What torch said, for the message: its first line, or the error's class."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _held_out(
