@@ -25,6 +25,11 @@ from devicectx.move._move import iter_tensors
 from devicectx.testing import assert_device_agnostic, strategies
 
 CPU_META = ["cpu", "meta"]
+# Tests of the comparison itself run one device twice (values that differ on the CPU); the
+# warning that such a check compares nothing across devices has tests of its own.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:assert_device_agnostic\\(devices=:devicectx.DeviceWarning"
+)
 # Why a fix that leaves a device out adds meta, which the caller did not list.
 LEAVE_OUT_META = (
     "meta added: a check needs a second device to compare with, and meta compares "
@@ -60,6 +65,23 @@ def drifting() -> Callable[[torch.Tensor], dict[str, object]]:
     return drift
 
 
+def _accelerators() -> list[str]:
+    return [str(d) for d in devicectx.available_devices() if d.type != "cpu"]
+
+
+def instead_of_meta() -> str:
+    """The fix that replaces meta where it was the second device: never the CPU alone, which
+    a check would compare with itself, but this machine's accelerator or the emulated one."""
+    if _accelerators():
+        return (
+            f"check it on an accelerator instead of meta: devices=['cpu', '{_accelerators()[0]}']"
+        )
+    return (
+        "check it on an accelerator instead of meta: devices=['cpu', 'emu:0'] under pytest "
+        "--devicectx-accelerator=emulated"
+    )
+
+
 def test_passes_for_an_agnostic_function() -> None:
     """A function that computes the same everywhere passes, with a nested output."""
     assert_device_agnostic(agnostic, torch.randn(4, 3), devices=CPU_META)
@@ -75,7 +97,51 @@ def test_default_devices_are_the_available_devices() -> None:
         return x + 1
 
     assert_device_agnostic(record, torch.ones(2))
-    assert devicectx.available_devices() == seen
+    found = devicectx.available_devices()
+    # The CPU alone would be compared with itself: meta is the second device then.
+    assert (found if len(found) > 1 else [torch.device("cpu"), torch.device("meta")]) == seen
+
+
+class _OnCpuByName(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + torch.ones(3, device="cpu")
+
+
+def test_default_devices_catch_a_tensor_put_on_the_cpu_by_name() -> None:
+    """On every machine, one with the CPU alone too, the default devices find the bug."""
+    with pytest.raises(AssertionError, match="is not device-agnostic"):
+        assert_device_agnostic(_OnCpuByName(), torch.randn(2, 4))
+
+
+def test_devices_that_are_all_one_warn_with_a_fix_that_finds_the_bug() -> None:
+    """A check of one device against itself passes anything: a warning says so, and its fix
+    (a second device, one this machine has) then finds the bug."""
+    with pytest.warns(devicectx.DeviceWarning) as caught:
+        assert_device_agnostic(_OnCpuByName(), torch.randn(2, 4), devices=["cpu", "cpu"])
+    [warning] = caught
+    text = str(warning.message)
+    assert warning.filename == __file__
+    accelerators = [str(d) for d in devicectx.available_devices() if d.type != "cpu"]
+    pair = ["cpu", accelerators[0] if accelerators else "meta"]
+    assert [
+        "assert_device_agnostic(devices=['cpu', ...]): every device listed is cpu, so nothing "
+        "is compared across devices: the check passes code that runs on cpu alone",
+        f"fix: devices={pair} (or, with the plugin's device fixture on a machine without an "
+        "accelerator, pytest --devicectx-accelerator=emulated)",
+    ] == text.splitlines()
+    with pytest.raises(AssertionError, match="is not device-agnostic"):
+        assert_device_agnostic(_OnCpuByName(), torch.randn(2, 4), devices=pair)
+
+
+def test_two_devices_do_not_warn() -> None:
+    """The warning is for devices that are all one, not for a device listed twice."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_device_agnostic(lambda x: x * 2, torch.ones(2), devices=["cpu", "meta", "cpu"])
 
 
 def test_inputs_are_moved_together() -> None:
@@ -404,9 +470,7 @@ def test_raising_on_a_later_device_is_a_failure() -> None:
         "to_float is not device-agnostic: it raised on meta, not on cpu:",
         "    RuntimeError: Tensor.item() cannot be called on meta tensors",
         "fix: to_float copies a tensor's values to the host (.item(), .tolist(), .cpu()), "
-        "which meta has none of: check it on the emulated accelerator instead of meta "
-        "(pytest --devicectx-accelerator=emulated, devices=['cpu', 'emu:0']), or leave meta "
-        "out: devices=['cpu']",
+        f"which meta has none of: {instead_of_meta()}",
     ] == message_lines(raised)
     assert isinstance(raised.value.__cause__, RuntimeError)
 
@@ -488,7 +552,7 @@ def test_an_op_mps_lacks_gets_its_fallback_as_the_fix() -> None:
         "  meta has no kernel for aten::_masked_scale: an op the device's backend lacks "
         "(torch's gap, not on_mps's: it ran on cpu)",
         "fix: run with MPS's CPU fallback for the ops it lacks, set before Python starts "
-        "(PYTORCH_ENABLE_MPS_FALLBACK=1 pytest ...), or leave meta out: devices=['cpu']",
+        f"(PYTORCH_ENABLE_MPS_FALLBACK=1 pytest ...), or {instead_of_meta()}",
     ] == message_lines(raised)
 
 
@@ -976,6 +1040,94 @@ def test_a_dtype_the_device_cannot_hold_is_refused_with_a_fix_that_works() -> No
         assert_device_agnostic(decorated, x, devices=["cpu", device], dtypes="device")
 
 
+class _ClassWeights(nn.Module):
+    """A loss whose class weights come from numpy: float64 unless made float32."""
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.as_tensor(np.array([1.0, 2.0, 0.5]), dtype=dtype))
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits, y, weight=self.w.float())
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_modules_own_float64_buffer_gets_the_code_fix_first() -> None:
+    """A module's own buffer of a dtype the device cannot hold fails the module's own move
+    there (model.to("mps") on a Mac): the fix is to make it in a dtype the device holds,
+    which passes, not dtypes="device", which would cast the check's copies only. A float64
+    input beside it still gets dtypes="device"."""
+    logits, y = torch.randn(5, 3), torch.tensor([0, 1, 2, 1, 0])
+    made = (
+        "(torch.as_tensor(array, dtype=torch.float32), or .to(torch.float32) before "
+        "register_buffer)"
+    )
+    with mps_like() as device:
+        with pytest.raises(devicectx.DtypeUnsupportedError) as raised:
+            assert_device_agnostic(_ClassWeights(), logits, y, devices=["cpu", device])
+        assert [
+            f"assert_device_agnostic(_ClassWeights) cannot move a tensor to {device}, which "
+            "holds no torch.float64:",
+            "    torch.float64 <- self.w",
+            f"fix: make self.w in a dtype {device} holds (torch.float32 for torch.float64) "
+            f"where the module makes it {made}: moving the module to {device} fails for it "
+            'too, which dtypes="device" would hide, as it casts the check\'s copies only; or '
+            f"leave {device} out: devices=['cpu', 'meta'] ({LEAVE_OUT_META})",
+        ] == str(raised.value).splitlines()
+        with pytest.raises(TypeError, match="float64"):
+            _ClassWeights().to(device)
+        assert_device_agnostic(_ClassWeights(torch.float32), logits, y, devices=["cpu", device])
+        with pytest.raises(devicectx.DtypeUnsupportedError) as raised:
+            assert_device_agnostic(_ClassWeights(), logits.double(), y, devices=["cpu", device])
+        assert (
+            str(raised.value)
+            .splitlines()[-1]
+            .endswith(
+                "; and for the other inputs: assert_device_agnostic(_ClassWeights, ..., "
+                'dtypes="device"), which casts torch.float64 to torch.float32 on each device that '
+                f"holds no torch.float64 (here {device}), or leave {device} out: devices=['cpu', "
+                f"'meta'] ({LEAVE_OUT_META})"
+            )
+        )
+
+
+@pytest.fixture
+def float64_by_default() -> Iterator[None]:
+    """torch's default dtype float64 in the test, as scientific code sets it."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.usefixtures("float64_by_default")
+def test_a_default_dtype_the_device_cannot_hold_is_named_for_an_operator() -> None:
+    """``ids * 0.5`` makes torch's default dtype; on a device without it torch says only
+    "unsupported operand type(s)" (MPS too): the message names the dtype, and its fix (the
+    default dtype one the device holds) passes."""
+
+    def half(ids: torch.Tensor) -> torch.Tensor:
+        return ids * 0.5
+
+    with mps_like() as device:
+        with pytest.raises(AssertionError) as raised:
+            assert_device_agnostic(half, torch.arange(4), devices=["cpu", device])
+        assert [
+            f"half is not device-agnostic: it raised on {device}, not on cpu:",
+            "    TypeError: unsupported operand type(s) for *: 'Tensor' and 'float'",
+            f"  {device} holds no torch.float64, torch's default dtype here, which an op of a "
+            "tensor and a Python float makes (ids * 0.5)",
+            f"fix: keep torch's default dtype one {device} holds where half runs there "
+            f"(torch.set_default_dtype(torch.float32)), or leave {device} out: devices=['cpu', "
+            f"'meta'] ({LEAVE_OUT_META})",
+        ] == message_lines(raised)
+        torch.set_default_dtype(torch.float32)
+        assert_device_agnostic(half, torch.arange(4), devices=["cpu", device])
+
+
 @pytest.mark.requires_device("accelerator")
 def test_the_dtype_fix_leaves_out_every_device_without_the_dtype() -> None:
     """With two devices that hold no float64, the fix leaves both out (not the first alone,
@@ -1318,6 +1470,28 @@ def test_an_optimizer_without_its_model_is_refused_with_a_fix_that_works() -> No
         return train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), x, y)["weight"]
 
     assert_device_agnostic(step_inside, model, x, y, devices=CPU_META)
+
+
+def test_each_run_draws_from_the_callers_generator_in_its_state() -> None:
+    """A generator argument is copied for each run, in the caller's state: noise drawn on
+    the CPU and moved is the same on every device (a check of the same device twice too),
+    one generator passed twice stays one, and the caller's is not advanced."""
+    drawn: list[list[torch.Tensor]] = []
+
+    def noisy(x: torch.Tensor, first: torch.Generator, second: torch.Generator) -> torch.Tensor:
+        draws = [torch.randn(x.shape, generator=g) for g in (first, second)]
+        drawn.append(draws)
+        return x + sum(draws).to(x.device)  # type: ignore[union-attr]
+
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    devices = ["cpu", *_accelerators()[:1], "cpu"]
+    assert_device_agnostic(noisy, torch.ones(3), generator, generator, devices=devices)
+    assert torch.equal(state, generator.get_state())
+    expected = [torch.randn(3, generator=generator) for _ in range(2)]
+    assert not torch.equal(expected[0], expected[1])
+    for draws in drawn:
+        assert all(torch.equal(a, b) for a, b in zip(draws, expected, strict=True))
 
 
 # In-place writes: each run writes into inputs of its own, never the caller's.
@@ -1943,6 +2117,56 @@ def test_a_generator_in_the_output_is_refused_with_a_fix_that_works() -> None:
     assert_device_agnostic(lambda *a: list(rows(*a)), torch.ones(2, 2), devices=CPU_META)
 
 
+def test_an_iterator_inside_the_output_gets_the_fix_for_its_place() -> None:
+    """list() around the call is the fix only for an iterator that is the whole output:
+    around a dict that holds one, it would compare the dict's keys and pass a wrong output.
+    The fix given, a list in its place, lets the check find the output's own bug."""
+
+    def rows(x: torch.Tensor) -> dict[str, object]:
+        return {"y": torch.zeros(2), "rows": iter(list(x))}
+
+    def listed(x: torch.Tensor) -> dict[str, object]:
+        return {"y": torch.zeros(2), "rows": list(x)}
+
+    with pytest.raises(TypeError) as raised:
+        assert_device_agnostic(rows, torch.ones(2, 2), devices=CPU_META)
+    assert [
+        "assert_device_agnostic(rows): out['rows'] is a list_iterator, which cannot be "
+        "compared without running it (it may never end, or be meant to run once)",
+        "fix: return a list in its place (list(...) where rows builds out['rows'])",
+    ] == str(raised.value).splitlines()
+    with pytest.raises(AssertionError, match=r"out\['y'\]: on cpu, expected meta"):
+        assert_device_agnostic(listed, torch.ones(2, 2), devices=CPU_META)
+
+
+@pytest.mark.parametrize(
+    ("make", "call"),
+    [(lambda: lambda x: (row for row in x), "fn"), (lambda: _Rows(), "model")],
+    ids=["lambda", "module"],
+)
+def test_an_iterator_output_of_a_callable_without_a_name_gets_code_that_runs(
+    make: Callable[[], Callable[[torch.Tensor], Iterator[torch.Tensor]]], call: str
+) -> None:
+    """A lambda, or a module, has no name to call it by in the fix's code: the fix calls
+    ``fn`` (or ``model``), which, bound to it, runs."""
+    fn = make()
+    model = fn
+    with pytest.raises(TypeError) as raised:
+        assert_device_agnostic(fn, torch.ones(2, 2), devices=CPU_META)
+    fix = str(raised.value).splitlines()[-1]
+    assert fix.endswith(f"or compare one: assert_device_agnostic(lambda *a: list({call}(*a)), ...)")
+    code = fix.rpartition("or compare one: ")[2].replace(
+        "...", "torch.ones(2, 2), devices=CPU_META"
+    )
+    namespace = {"fn": fn, "model": model, "torch": torch, "CPU_META": CPU_META}
+    exec(code, {"assert_device_agnostic": assert_device_agnostic, **namespace})
+
+
+class _Rows(nn.Module):
+    def forward(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+        return (row * 2 for row in x)
+
+
 def test_a_strategy_for_devices_gets_a_fix() -> None:
     """devices= given a hypothesis strategy raises our TypeError, saying to draw it."""
     with pytest.raises(TypeError) as raised:
@@ -2169,8 +2393,10 @@ def test_a_move_to_meta_that_fails_is_not_fixed_by_listing_meta_again() -> None:
     nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     with pytest.raises(devicectx.MoveError) as raised:
         assert_device_agnostic(lambda n: n * 2, nested, devices=CPU_META)
-    assert str(raised.value).splitlines()[-1].endswith("leave meta out: devices=['cpu']")
-    assert_device_agnostic(lambda n: n * 2, nested, devices=["cpu"])
+    assert str(raised.value).splitlines()[-1].endswith(f", or {instead_of_meta()}")
+    cuda = [device for device in _accelerators() if device.startswith("cuda")]
+    if cuda:  # the emulated accelerator has no nested-tensor kernels
+        assert_device_agnostic(lambda n: n * 2, nested, devices=["cpu", cuda[0]])
 
 
 def _moving_the_original(model: nn.Module) -> Callable[..., Any]:

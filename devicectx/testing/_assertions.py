@@ -8,12 +8,13 @@ import math
 import numbers
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from devicectx._errors import with_article
+from devicectx._errors import DeviceWarning, with_article
 from devicectx.decorator._wrappers import DeviceAgnosticWrapper, _BoundWrapper
 from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
@@ -85,8 +86,11 @@ def assert_device_agnostic(
             (``model.forward``), is copied to each device like a module argument.
         *args: its positional arguments.
         devices: the devices to run on, in order; the first is the reference. Default:
-            :func:`devicectx.available_devices` (the CPU and every accelerator index).
+            :func:`devicectx.available_devices` (the CPU and every accelerator index), with
+            ``meta`` added where that is the CPU alone: a check needs a second device.
             ``"meta"`` may be listed: there only structure, dtype and shape are compared.
+            Devices that are all one (``["cpu", "cpu"]``) compare nothing across devices:
+            a :class:`devicectx.DeviceWarning` says so.
         rtol: relative tolerance for floating point values; with ``atol``, as in
             ``torch.testing.assert_close``. Default: by dtype, ``torch.testing``'s defaults
             (``1.3e-6`` for float32). Integer and bool values are compared exactly.
@@ -153,6 +157,9 @@ def assert_device_agnostic(
           Pass the model too. Hooks registered on the optimizer are not copied; other
           objects that hold a model or its parameters (an EMA helper) are not copied:
           build those inside ``fn``, from the model it is given.
+        - A ``torch.Generator`` in the arguments is copied for each run, in the caller's
+          generator's state: every device draws the numbers it would draw next, and the
+          caller's is not advanced.
         - Tensors, numbers (an ``int`` and a numpy bool exactly, a ``float`` from
           ``loss.item()`` within the tolerances, by default float32's), numpy arrays (as
           tensors: dtype, shape, and values where they are numbers), ``torch.Size`` and
@@ -195,7 +202,10 @@ def assert_device_agnostic(
                 raise
             raise AssertionError(raised) from error
     runs = [Run(device, holds_for(dtypes, device), memory_of(call)) for device, call in calls]
-    hints = Hints(_decorated(fn, inputs.name), functools.partial(_training, inputs))
+    call = "model" if isinstance(fn, nn.Module) else "fn"
+    if inspect.isfunction(fn) and inputs.name.isidentifier():
+        call = inputs.name
+    hints = Hints(_decorated(fn, inputs.name), functools.partial(_training, inputs), call)
     message = compare(inputs.name, outputs, tolerances, runs, hints)
     if message is not None:
         raise AssertionError(message)
@@ -203,7 +213,9 @@ def assert_device_agnostic(
 
 def _resolve_devices(devices: Iterable[DeviceLike] | None) -> list[torch.device]:
     if devices is None:
-        return available_devices()
+        found = available_devices()
+        # The CPU alone would be compared with itself, and every check would pass.
+        return found if len(found) > 1 else [*found, _META]
     hypothesis = sys.modules.get("hypothesis.strategies")
     if hypothesis is not None and isinstance(devices, hypothesis.SearchStrategy):
         given = repr(devices)
@@ -229,7 +241,23 @@ def _resolve_devices(devices: Iterable[DeviceLike] | None) -> list[torch.device]
             "assert_device_agnostic(devices=[]): no device to run on\nfix: devices=['cpu', 'meta']"
         )
         raise ValueError(msg)
+    if len(set(resolved)) == 1:
+        _warn_one_device(resolved[0])
     return resolved
+
+
+def _warn_one_device(device: torch.device) -> None:
+    """Warn of a check that compares ``device`` with itself: it finds no device bug (a
+    tensor put on the CPU by name is on the right device there), yet it passes."""
+    pair = ", ".join(repr(str(d)) for d in _pair_for(device))
+    msg = (
+        f"assert_device_agnostic(devices=[{str(device)!r}, ...]): every device listed is "
+        f"{device}, so nothing is compared across devices: the check passes code that "
+        f"runs on {device} alone\n"
+        f"fix: devices=[{pair}] (or, with the plugin's device fixture on a machine "
+        f"without an accelerator, pytest --devicectx-accelerator=emulated)"
+    )
+    warnings.warn(msg, DeviceWarning, stacklevel=4)
 
 
 def _pair_for(device: DeviceLike) -> list[torch.device]:
@@ -333,6 +361,21 @@ def _raised(
         lines.append(f"  {device} holds no {lacked}, which {name} makes there")
         lines.append(f"fix: {_lacked_dtype_fix(name, device, lacked, inputs.devices)}")
         return "\n".join(lines)
+    lacked = _lacked_default_dtype(error, device)
+    if lacked is not None:  # torch turns the refusal into NotImplemented: a TypeError
+        lines.append(
+            f"  {device} holds no {lacked}, torch's default dtype here, which an op of a "
+            f"tensor and a Python float makes (ids * 0.5)"
+        )
+        nearest = nearest_dtype(device, lacked)
+        leave = leave_out(device, inputs.devices, [lacked])
+        lines.append(
+            f"fix: keep torch's default dtype one {device} holds where {name} runs there "
+            f"(torch.set_default_dtype({nearest})), or {leave}"
+            if nearest is not None
+            else f"fix: {leave}"
+        )
+        return "\n".join(lines)
     if reference is None:
         return None
     lines.append(f"fix: {_host_fix(name, error, device, inputs.devices)}")
@@ -358,6 +401,16 @@ def _lacked_dtype(error: Exception, device: torch.device) -> torch.dtype | None:
     if not isinstance(dtype, torch.dtype) or CAPABILITIES.holds(device, dtype):
         return None
     return dtype
+
+
+def _lacked_default_dtype(error: Exception, device: torch.device) -> torch.dtype | None:
+    """torch's default dtype, where ``device`` cannot hold it and the error is an operator's
+    refusal (``x * 0.5`` makes the default dtype; torch reports the device's refusal as
+    Python's "unsupported operand type(s)"); else None."""
+    if not (isinstance(error, TypeError) and "unsupported operand type(s)" in str(error)):
+        return None
+    dtype = torch.get_default_dtype()
+    return None if CAPABILITIES.holds(device, dtype) else dtype
 
 
 def _lacked_dtype_fix(
@@ -421,7 +474,7 @@ def _host_fix(
     if on_meta and any(words in str(error) for words in _NO_VALUES_ON_META):
         return (
             f"{name} copies a tensor's values to the host (.item(), .tolist(), .cpu()), "
-            f"which meta has none of: {_EMULATED_INSTEAD}, or {leave_out(device, devices)}"
+            f"which meta has none of: {leave_out(device, devices)}"
         )
     return f"make {name} work on {device}, or leave {device} out of devices="
 

@@ -86,6 +86,9 @@ class Hints(NamedTuple):
     where it is decorated already."""
     training: Callable[[], str | None]
     """The fix for a module in training mode that holds dropout, if there is one."""
+    call: str = "fn"
+    """How a fix's code calls ``fn``: its name where that is a function's, else a
+    placeholder (a lambda or a module has no name to call it by)."""
 
 
 def compare(
@@ -104,7 +107,8 @@ def compare(
     walks = [walked(output) for _, output in outputs]
     for walk in walks:
         if walk.iterators:
-            raise TypeError(_iterator_message(name, walk.iterators))
+            call = "fn" if hints is None else hints.call
+            raise TypeError(_iterator_message(name, walk.iterators, call))
     holds = [run.holds for run in runs]
     # Values are compared with the first device that has any: meta has none.
     value_index = next((i for i, (d, _) in enumerate(outputs) if d != _META), None)
@@ -187,13 +191,19 @@ def _no_training() -> None:
     return None
 
 
-def _iterator_message(name: str, iterators: dict[str, type]) -> str:
+def _iterator_message(name: str, iterators: dict[str, type], call: str) -> str:
     path, tp = next(iter(iterators.items()))
+    # Only an iterator that is the whole output can be listed around the call: list() of a
+    # dict that holds one would compare the dict's keys, and pass.
+    compare_one = (
+        f", or compare one: assert_device_agnostic(lambda *a: list({call}(*a)), ...)"
+        if path == "out"
+        else f" (list(...) where {name} builds {path})"
+    )
     return (
         f"assert_device_agnostic({name}): {path} is {_a(tp)}, which cannot be compared "
         f"without running it (it may never end, or be meant to run once)\n"
-        f"fix: return a list in its place, or compare one: "
-        f"assert_device_agnostic(lambda *a: list({name}(*a)), ...)"
+        f"fix: return a list in its place{compare_one}"
     )
 
 

@@ -9,7 +9,7 @@ import copy
 import functools
 import inspect
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from devicectx._torch.optim import keep_step_tracking
 from devicectx._torch.tensors import base_of
 from devicectx.decorator._params import Params
 from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
+from devicectx.devices._resolve import available_devices
 from devicectx.move._alias import anchor_among, view_of
 from devicectx.move._containers import kind_for
 from devicectx.move._dtypes import DtypesLike, policy_for
@@ -205,6 +206,17 @@ class _Copies:
         self.finish()
         return call_fn, call_args, call_kwargs
 
+    def generator(self, original: torch.Generator) -> torch.Generator:
+        """A generator of its own for this run, in the caller's generator's state: each
+        device draws the numbers the caller's would draw next, and the caller's is not
+        advanced."""
+        copy: torch.Generator | None = self.copies.get(id(original))
+        if copy is None:
+            copy = torch.Generator(device=original.device)
+            copy.set_state(original.get_state())
+            self.copies[id(original)] = copy
+        return copy
+
     def of_callable(self, fn: Callable[..., object]) -> Callable[..., object]:
         if isinstance(fn, nn.Module):
             module: Callable[..., object] = self.module(fn)
@@ -231,6 +243,8 @@ class _Copies:
             return self.module(obj)
         if role == LEAF and isinstance(obj, (Optimizer, LRScheduler)):
             return self.optimizing(obj)
+        if isinstance(obj, torch.Generator):
+            return self.generator(obj)
         if role != CONTAINER or kind.split is None or kind.rebuild is None:
             return obj
         self.done[id(obj)] = obj  # a cycle back to it meets the original
@@ -423,11 +437,14 @@ def _refuse_dtypes(
     """Raise, naming every input tensor (modules' included) of a dtype in ``missing``: the
     dtypes ``device`` cannot hold that ``dtypes`` casts to none it holds."""
     paths: dict[torch.dtype, list[str]] = {}
+    owned: list[str] = []  # a module's parameters and buffers, which its own .to moves
     count = 0
     for name, value in named_arguments(fn, args, kwargs):
+        plain = {path for path, _ in iter_tensors(value, name)}
         for path, tensor in iter_tensors(value, name, modules=True):
             if tensor.dtype in missing:
                 paths.setdefault(tensor.dtype, []).append(path)
+                owned += [] if path in plain else [path]
                 count += 1
     if not paths:
         return
@@ -437,7 +454,7 @@ def _refuse_dtypes(
         f"assert_device_agnostic({name_of(fn)}) cannot move {what} to {device}, which holds "
         f"no {' or '.join(str(dtype) for dtype in paths)}:",
         *(f"    {dtype!s:<{width}} <- {', '.join(p)}" for dtype, p in paths.items()),
-        f"fix: {_dtype_fix(device, paths, name_of(fn), dtypes, devices)}",
+        f"fix: {_dtype_fix(device, paths, name_of(fn), dtypes, devices, owned)}",
     ]
     raise DtypeUnsupportedError("\n".join(lines), device=device, paths=paths)
 
@@ -448,12 +465,24 @@ def _dtype_fix(
     name: str,
     dtypes: DtypesLike,
     devices: list[torch.device],
+    owned: Sequence[str] = (),
 ) -> str:
     left_out = leave_out(device, devices, paths)
     nearest = {dtype: nearest_dtype(device, dtype) for dtype in paths}
     held = {dtype: to for dtype, to in nearest.items() if to is not None}
     if len(held) < len(nearest):
         return left_out
+    if owned:
+        inputs = {
+            dtype: [p for p in found if p not in owned]
+            for dtype, found in paths.items()
+            if any(p not in owned for p in found)
+        }
+        code = _owned_fix(device, owned, held)
+        if not inputs:
+            return f"{code}; or {left_out}"
+        rest = _dtype_fix(device, inputs, name, dtypes, devices)
+        return f"{code}; and for the other inputs: {rest}"
     if dtypes is None:
         casts = ", ".join(f"{dtype} to {to}" for dtype, to in held.items())
         lacking = ", ".join(str(d) for d in lacking_devices(device, devices, paths))
@@ -465,6 +494,23 @@ def _dtype_fix(
     mapping = {**(dtypes if isinstance(dtypes, Mapping) else {}), **held}
     pairs = ", ".join(f"{k}: {v}" for k, v in mapping.items())  # torch.float64: ...
     return f"assert_device_agnostic({name}, ..., dtypes={{{pairs}}}), or {left_out}"
+
+
+def _owned_fix(
+    device: torch.device, owned: Sequence[str], held: Mapping[torch.dtype, torch.dtype]
+) -> str:
+    """The fix for a module's own parameters or buffers of a dtype ``device`` cannot hold:
+    make them in one it holds. ``dtypes="device"`` would cast the check's copies and pass,
+    while the module itself still fails to move there (``model.to("mps")`` on a Mac)."""
+    casts = ", ".join(f"{to} for {dtype}" for dtype, to in held.items())
+    to = next(iter(held.values()))
+    which = " and ".join(owned)
+    return (
+        f"make {which} in a dtype {device} holds ({casts}) where the module makes it "
+        f"(torch.as_tensor(array, dtype={to}), or .to({to}) before register_buffer): "
+        f'moving the module to {device} fails for it too, which dtypes="device" would '
+        f"hide, as it casts the check's copies only"
+    )
 
 
 # Why a fix that leaves devices out lists meta (and the CPU, where no device is left),
@@ -496,13 +542,25 @@ def leave_out(
     gone = lacking_devices(device, devices, dtypes)
     others = [str(d) for d in devices if d not in gone]
     names = " and ".join(str(d) for d in gone)
-    if len(others) >= 2 or "meta" in others or device.type == "meta":
+    if device.type == "meta" and len(set(others)) < 2:
+        return _accelerator_for_meta(others)
+    if len(others) >= 2 or "meta" in others:
         return f"leave {names} out: devices={others!r}"
     # Where no device is left, the CPU too: every machine has it, and it holds every dtype.
     cpu = [] if others or any(d.type == "cpu" for d in gone) else ["cpu"]
     added = [*cpu, "meta"]
     why = _ADDED.format(added=" and ".join(added))
     return f"leave {names} out: devices={others + added!r} ({why})"
+
+
+def _accelerator_for_meta(others: list[str]) -> str:
+    """The fix that replaces meta where it was the only second device: an accelerator, this
+    machine's, else the emulated one (a check of one device against itself finds nothing)."""
+    found = [str(d) for d in available_devices() if d.type != "cpu"]
+    accelerator = found[0] if found else "emu:0"
+    pair = [*others, *(d for d in ("cpu", accelerator) if d not in others)]
+    where = "" if found else " under pytest --devicectx-accelerator=emulated"
+    return f"check it on an accelerator instead of meta: devices={pair!r}{where}"
 
 
 def named_arguments(
