@@ -1708,9 +1708,110 @@ def test_a_tensor_moved_to_the_cpu_is_no_tensor_made_without_device() -> None:
         "@devicectx.device_agnostic so that those made without device= land there",
         "ToCpuDecorated": "fix: make the tensors ToCpuDecorated creates on its inputs' "
         "device, torch.zeros(n, device=x.device), and move none to cpu (a tensor made "
-        "without device= is on cpu, as is one moved there: .cpu(), .to('cpu'))",
+        "without device= is on cpu, as is one moved there: .cpu(), .to('cpu')); one made "
+        "from numpy (torch.from_numpy(array)) is on cpu whatever the scope: "
+        "torch.as_tensor(array, device=x.device)",
     } == lines
     assert_device_agnostic(ToCpuFixed(), torch.ones(2, 4), devices=devices)
+
+
+class _NumpyOffset(nn.Module):
+    """Adds an offset made over numpy's memory: on the CPU, whatever the scope."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ones(3, dtype=np.float32)) + self.linear(x)
+
+
+class _NumpyOffsetDecorated(_NumpyOffset):
+    forward = devicectx.device_agnostic(_NumpyOffset.forward)
+
+
+class _NumpyOffsetFixed(_NumpyOffset):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(np.ones(3, dtype=np.float32), device=x.device) + self.linear(x)
+
+
+def test_a_numpy_tensor_inside_a_decorated_forward_gets_the_as_tensor_fix() -> None:
+    """The first fix (the decorator) does not reach numpy's memory: decorated, the module
+    gets the fix that does, which passes."""
+    devices = ["cpu", _accelerators()[0] if _accelerators() else "meta"]
+    for model in (_NumpyOffset(), _NumpyOffsetDecorated()):
+        with pytest.raises(AssertionError) as raised:
+            assert_device_agnostic(model, torch.ones(2, 4), devices=devices)
+        decorated = isinstance(model, _NumpyOffsetDecorated)
+        assert (
+            message_lines(raised)[-1].endswith(
+                "torch.from_numpy(array)) is on cpu whatever the scope: torch.as_tensor(array, "
+                "device=x.device)"
+            )
+            is decorated
+        )
+    assert_device_agnostic(_NumpyOffsetFixed(), torch.ones(2, 4), devices=devices)
+
+
+class _StoredDevice(nn.Module):
+    """Keeps the device it was built for, as much code does."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.head = nn.Sequential(nn.Linear(4, 3))
+        self.head[0].device = torch.device(device)
+
+    @devicectx.device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x) + torch.zeros(3, device=self.device)
+
+
+class _StoredDeviceFixed(_StoredDevice):
+    @devicectx.device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x) + torch.zeros(3, device=x.device)
+
+
+def test_a_device_stored_in_a_module_is_named_with_its_fix() -> None:
+    """``self.device`` set when the module was built stays after model.to(): the message
+    names each such attribute (a submodule's too) and the fix, which passes."""
+    devices = ["cpu", _accelerators()[0] if _accelerators() else "meta"]
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(_StoredDevice(), torch.ones(2, 4), devices=devices)
+    assert [
+        "  devices stored in the call's objects, which may have put it there:",
+        "    cpu <- self.device",
+        "    cpu <- self.head[0].device",
+        "fix: read the device where the tensors are made, from the inputs (device=x.device) "
+        "or the module's parameters (next(self.parameters()).device), not self.device: "
+        "model.to() moves a module's tensors, not a device it stored when it was built",
+    ] == message_lines(raised)[2:]
+    assert_device_agnostic(_StoredDeviceFixed(), torch.ones(2, 4), devices=devices)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_device_named_by_its_type_alone_is_told_on_another_index() -> None:
+    """``device=x.device.type`` lands on the current device, not the inputs' (a second
+    GPU): the message says so, not that a tensor is on the CPU; the fix passes."""
+    if len(_accelerators()) < 2:
+        pytest.skip("needs two accelerator devices")
+    second = _accelerators()[1]
+
+    def add_bias(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.zeros(x.shape[-1], device=x.device.type)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(add_bias, torch.ones(2, 3), devices=["cpu", second])
+    current = torch.device(torch.device(second).type, torch.accelerator.current_device_index())
+    assert (
+        f"fix: add_bias makes a tensor on {current}, and runs on {second}: a device named by "
+        f'its type alone (device=x.device.type, "{current.type}") is the current one, not the '
+        "inputs': use the inputs' device itself, torch.zeros(n, device=x.device)"
+    ) == message_lines(raised)[-1]
+    assert_device_agnostic(
+        lambda x: x + torch.zeros(3, device=x.device), torch.ones(2, 3), devices=["cpu", second]
+    )
 
 
 def test_an_output_off_the_device_of_a_decorated_function_offers_no_decorator() -> None:
