@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import accelerator, mps_like
@@ -711,19 +712,83 @@ def test_tensors_in_accelerates_hook_are_not_named() -> None:
     assert "_hf_hook" not in str(error.value)
 
 
-def test_a_mismatch_with_nothing_unseen_is_torchs_own() -> None:
-    """Where every tensor was seen (the body made the stray one), torch's error is raised
-    as it was: the same object."""
+def test_a_mismatch_with_nothing_unseen_names_what_the_body_reached() -> None:
+    """Where every argument's tensor was seen, the stray one came from the body (a global
+    here): the error says where such a tensor comes from and the fix, chained to torch's;
+    the fix followed (the global passed as an argument) runs."""
     stray = torch.ones(2)
 
     @device_agnostic(device="meta")
     def adds(x: torch.Tensor, cfg: Config) -> torch.Tensor:
         return x + stray
 
-    with pytest.raises(RuntimeError) as error:
+    @device_agnostic(device="meta")
+    def adds_passed(x: torch.Tensor, cfg: Config, offset: torch.Tensor) -> torch.Tensor:
+        return x + offset
+
+    with pytest.raises(DeviceMismatchError) as error:
         adds(torch.ones(2), Config(on_meta(2)))  # cfg's tensor is on the target
-    assert type(error.value) is RuntimeError
-    assert "Tensor on device cpu is not on the expected device meta!" == str(error.value)
+    assert [
+        f"{adds.__qualname__}() failed in torch on a tensor on cpu that @device_agnostic "
+        "found in none of its arguments: made in the body on cpu by name, from numpy, or "
+        "read from a global or a closure (or held deeper in an argument than it looks)",
+        'target meta (from @device_agnostic(device="meta"))',
+        "torch said: Tensor on device cpu is not on the expected device meta!",
+        "fix: make it on the inputs' device in the body, torch.zeros(n, device=x.device), "
+        "and move none to cpu by name; torch.as_tensor(array, device=x.device) for a numpy "
+        "array (torch.from_numpy stays on cpu); pass a global or closure's tensor as an "
+        "argument",
+    ] == str(error.value).splitlines()
+    assert type(error.value.__cause__) is RuntimeError
+    assert {torch.device("cpu"): []} == error.value.devices
+    assert adds_passed(torch.ones(2), Config(on_meta(2)), stray).device.type == "meta"
+
+
+class _KeepsItsDevice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = torch.device("cpu")  # stored when built: model.to() leaves it
+        self.linear = nn.Linear(2, 2)
+
+    @device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + torch.zeros(2, device=self.device)
+
+
+def test_a_device_stored_in_the_module_is_named_with_its_fix() -> None:
+    """``self.device`` kept from construction puts a tensor off the device the module was
+    moved to: the error names the attribute and the fix reads the inputs' device."""
+    model = _KeepsItsDevice().to("meta")
+    with pytest.raises(DeviceMismatchError) as error:
+        model(torch.ones(1, 2))
+    assert [
+        "_KeepsItsDevice.forward() failed in torch on a tensor on cpu, where devices stored "
+        "in its arguments point:",
+        "    cpu <- self.device",
+        "target meta (from the parameters of self (_KeepsItsDevice))",
+        "torch said: Tensor on device cpu is not on the expected device meta!",
+        "fix: read the device where the tensors are made, from the inputs (device=x.device) "
+        "or the module's parameters (next(self.parameters()).device), not self.device: "
+        "model.to() moves a module's tensors, not a device it stored when it was built",
+    ] == str(error.value).splitlines()
+    assert {torch.device("cpu"): ["self.device"]} == error.value.devices
+
+
+def test_a_body_made_numpy_tensor_is_named_with_its_fix() -> None:
+    """A tensor made over numpy's memory in a decorated body stays on the CPU, whatever
+    the scope: the error names numpy and ``torch.as_tensor(array, device=x.device)``."""
+
+    @device_agnostic(device="meta")
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.from_numpy(np.ones(2, dtype=np.float32))
+
+    @device_agnostic(device="meta")
+    def shifted_fixed(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.as_tensor(np.ones(2, dtype=np.float32), device=x.device)
+
+    with pytest.raises(DeviceMismatchError, match=r"torch.from_numpy stays on cpu"):
+        shifted(torch.ones(2))
+    assert shifted_fixed(torch.ones(2)).device.type == "meta"
 
 
 def test_other_errors_pass_through() -> None:
@@ -827,9 +892,9 @@ def test_the_look_is_bounded_in_depth_and_ends_on_cycles() -> None:
         outer = Config(on_meta(2))
         outer.name = deep  # type: ignore[assignment]
         deep = outer
-    with pytest.raises(RuntimeError) as raw:
+    with pytest.raises(DeviceMismatchError) as raw:  # not found: named as not found
         innermost(torch.ones(2), deep)
-    assert type(raw.value) is RuntimeError
+    assert "(or held deeper in an argument than it looks)" in str(raw.value).splitlines()[0]
 
 
 @pytest.mark.parametrize("option", ["move", "non_blocking", "scope", "coalesce"])

@@ -23,7 +23,9 @@ from devicectx.move._unseen import (
     attribute_of,
     fix_for,
     is_device_mismatch,
+    mismatched_devices,
     own_to_fix,
+    stored_devices,
     unseen_tensors,
 )
 from devicectx.move._walk import iter_tensors
@@ -86,10 +88,14 @@ def explain(
     unseen = [u for u in unseen_tensors(named, checked) if target is None or u.device != target]
     held = _held_out(excluded, target)
     if not unseen and not held:
-        if not follow or target is None:
+        if target is None:
             return None
+        if not follow:
+            return _made_elsewhere(error, function, named, target, reason)
         scalars = _scalars_left(named, target)
-        return None if not scalars else _scalars_error(error, function, scalars, target, reason)
+        if scalars:
+            return _scalars_error(error, function, scalars, target, reason)
+        return _made_elsewhere(error, function, named, target, reason)
     names = {name for name, _ in excluded}
     found = _by_device(unseen)
     shown = _shown(found, names)
@@ -157,6 +163,52 @@ def _scalars_error(
     ]
     devices = {torch.device("cpu"): [path for path, _ in scalars]}
     return DeviceMismatchError("\n".join(lines), devices=devices, target=target, reason=reason)
+
+
+def _made_elsewhere(
+    error: BaseException,
+    function: str,
+    named: Sequence[tuple[str, Any]],
+    target: torch.device,
+    reason: str,
+) -> DeviceMismatchError | None:
+    """For a tensor off ``target`` that no argument holds: one the body put on a device by
+    name (a device its arguments stored, ``self.device``, named as such), made over numpy's
+    memory, or read from a global or a closure, none of which the scope or the move
+    reaches. None where torch's words do not name such a device."""
+    pair = mismatched_devices(error)
+    others = [] if pair is None else [d for d in pair if d != target]
+    if len(others) != 1:
+        return None
+    stray = others[0]
+    stored = stored_devices(named, stray)
+    if stored:
+        lines = [
+            f"{function}() failed in torch on a tensor on {stray}, where devices stored in "
+            f"its arguments point:",
+            f"    {stray} <- {', '.join(stored)}",
+            f"target {target} (from {reason})",
+            f"torch said: {_first_line(error)}",
+            f"fix: read the device where the tensors are made, from the inputs "
+            f"(device=x.device) or the module's parameters (next(self.parameters()).device), "
+            f"not {stored[0]}: model.to() moves a module's tensors, not a device it stored "
+            f"when it was built",
+        ]
+        return DeviceMismatchError(
+            "\n".join(lines), devices={stray: stored}, target=target, reason=reason
+        )
+    lines = [
+        f"{function}() failed in torch on a tensor on {stray} that @device_agnostic found "
+        f"in none of its arguments: made in the body on {stray} by name, from numpy, or "
+        f"read from a global or a closure (or held deeper in an argument than it looks)",
+        f"target {target} (from {reason})",
+        f"torch said: {_first_line(error)}",
+        f"fix: make it on the inputs' device in the body, torch.zeros(n, device=x.device), "
+        f"and move none to {stray} by name; torch.as_tensor(array, device=x.device) for a "
+        f"numpy array (torch.from_numpy stays on cpu); pass a global or closure's tensor as "
+        f"an argument",
+    ]
+    return DeviceMismatchError("\n".join(lines), devices={stray: []}, target=target, reason=reason)
 
 
 def _first_line(error: BaseException) -> str:

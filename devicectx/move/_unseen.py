@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from devicectx._torch.module_tree import submodules
 from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx.move._attributes import slot_names
 from devicectx.move._containers import is_plain_leaf, kind_for
@@ -37,6 +38,10 @@ from devicectx.move._kinds import CONTAINER, LEAF, MODULE, OWN, TENSOR
 from devicectx.move._own_to import shallow_copy
 from devicectx.move._paths import ATTR, join, keyed_modules, module_path
 
+_TWO_DEVICES = re.compile(
+    r"found at least two devices, (?P<a>[\w:]+) and (?P<b>[\w:]+)!"
+    r"|Tensor on device (?P<c>[\w:]+) is not on the expected device (?P<d>[\w:]+)!"
+)
 # torch's words for tensors on different devices, across its releases and backends.
 _MISMATCH_WORDS = (
     "Expected all tensors to be on the same device",
@@ -99,6 +104,45 @@ def is_device_mismatch(error: BaseException) -> bool:
         return False
     text = str(error)
     return any(words in text for words in _MISMATCH_WORDS)
+
+
+def mismatched_devices(error: BaseException) -> tuple[torch.device, torch.device] | None:
+    """The two devices torch's mismatch error names (the dispatcher's "found at least two
+    devices, A and B", a kernel's "Tensor on device A is not on the expected device B");
+    None where its words name no two."""
+    found = _TWO_DEVICES.search(str(error))
+    if found is None:
+        return None
+    first, second = (found["a"], found["b"]) if found["a"] is not None else found.group("c", "d")
+    try:
+        return torch.device(first), torch.device(second)
+    except RuntimeError:
+        return None
+
+
+def stored_devices(named: Iterable[tuple[str, Any]], stray: torch.device) -> list[str]:
+    """The paths of ``torch.device`` attributes that put a tensor on ``stray``, in the
+    modules (and their submodules) and the plain objects of ``named`` arguments
+    (``self.device``): a device stored when they were built, which ``model.to`` leaves.
+    ``cuda`` without an index counts for ``cuda:0``, the current device unless set."""
+    paths: list[str] = []
+    for name, value in named:
+        holders = (
+            [(module_path(name, sub) if sub else name, m) for sub, m in submodules(value)]
+            if isinstance(value, nn.Module)
+            else [(name, value)]
+        )
+        for path, holder in holders:
+            attributes = getattr(holder, "__dict__", None)
+            if not isinstance(attributes, dict):
+                continue
+            paths += [
+                f"{path}.{attribute}"
+                for attribute, held in attributes.items()
+                if isinstance(held, torch.device)
+                and (held == stray or (held.index is None and held.type == stray.type))
+            ]
+    return paths
 
 
 def unseen_tensors(

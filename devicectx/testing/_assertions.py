@@ -14,14 +14,19 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from devicectx._errors import DeviceWarning, with_article
-from devicectx._torch.module_tree import submodules
+from devicectx._errors import DeviceMismatchError, DeviceWarning, with_article
 from devicectx.decorator._wrappers import DeviceAgnosticWrapper, _BoundWrapper
 from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 from devicectx.move._dtypes import DtypesLike, check_dtypes
-from devicectx.move._paths import module_path
-from devicectx.move._unseen import Unseen, fix_for, is_device_mismatch, unseen_tensors
+from devicectx.move._unseen import (
+    Unseen,
+    fix_for,
+    is_device_mismatch,
+    mismatched_devices,
+    stored_devices,
+    unseen_tensors,
+)
 from devicectx.testing._compare import Hints, Run, compare, memory_of, moves_to
 from devicectx.testing._inputs import Inputs, holds_for, leave_out, named_arguments, walk_arguments
 
@@ -40,11 +45,6 @@ _MPS_NO_KERNEL = re.compile(
 )
 _NUMPY_OFF_CPU = "device type tensor to numpy"
 # MPS's words (and the emulated accelerator's, playing it) for a dtype it cannot hold.
-# The two devices of torch's mismatch errors: the dispatcher's, then a kernel's check.
-_TWO_DEVICES = re.compile(
-    r"found at least two devices, (?P<a>[\w:]+) and (?P<b>[\w:]+)!"
-    r"|Tensor on device (?P<c>[\w:]+) is not on the expected device (?P<d>[\w:]+)!"
-)
 _NO_DTYPE = re.compile(r"Cannot convert a \w+ Tensor to (?P<dtype>\w+) dtype")
 # What torch says where meta is asked for values: .item() (float(t), bool(t)), .tolist(),
 # .cpu().
@@ -335,6 +335,8 @@ def _raised(
     detail = _trimmed(error, missing).replace("\n", "\n    ")
     where = f"on {device}" if reference is None else f"on {device}, not on {reference}"
     lines = [f"{name} is not device-agnostic: it raised {where}:", f"    {detail}"]
+    if isinstance(error, DeviceMismatchError):  # @device_agnostic's: its fix is there
+        return "\n".join(lines)
     if is_device_mismatch(error):
         unseen, made = _unseen(inputs, device, call)
         if unseen:
@@ -346,7 +348,7 @@ def _raised(
             lines.append(f"  tensors {name} made during the call, kept off {device}:")
             lines += [f"    {u.device} <- {u.path} (in {u.holder.__qualname__})" for u in made]
         stray = _stray_device(error, device)
-        stored = [] if stray is None else _stored_devices(call, stray)
+        stored = [] if stray is None else stored_devices(named_arguments(*call), stray)
         if stored:
             lines.append("  devices stored in the call's objects, which may have put it there:")
             lines += [f"    {stray} <- {path}" for path in stored]
@@ -360,7 +362,7 @@ def _raised(
         if stray is not None and stray.type == device.type:
             lines.append(
                 f"fix: {name} makes a tensor on {stray}, and runs on {device}: a device named "
-                f"by its type alone (device=x.device.type, \"{device.type}\") is the current "
+                f'by its type alone (device=x.device.type, "{device.type}") is the current '
                 f"one, not the inputs': use the inputs' device itself, "
                 f"torch.zeros(n, device=x.device)"
             )
@@ -527,48 +529,9 @@ def _unseen(
 def _stray_device(error: Exception, device: torch.device) -> torch.device | None:
     """The other device torch's mismatch error names beside ``device``; None where its
     words name no two devices."""
-    found = _TWO_DEVICES.search(str(error))
-    if found is None:
-        return None
-    pair = ("a", "b") if found["a"] is not None else ("c", "d")
-    try:
-        named = [torch.device(found[group]) for group in pair]
-    except RuntimeError:
-        return None
-    others = [d for d in named if d != device]
+    named = mismatched_devices(error)
+    others = [] if named is None else [d for d in named if d != device]
     return others[0] if len(others) == 1 else None
-
-
-def _stored_devices(
-    call: tuple[Callable[..., object], tuple[object, ...], dict[str, object]],
-    stray: torch.device,
-) -> list[str]:
-    """The paths of ``torch.device`` attributes equal to ``stray`` in the modules of the
-    call (``self.device``, ``model.encoder.device``) and in the plain objects it was given:
-    a device stored when they were built, which a move to another device does not change."""
-    paths: list[str] = []
-    for name, value in named_arguments(*call):
-        holders = (
-            [(module_path(name, sub) if sub else name, m) for sub, m in submodules(value)]
-            if isinstance(value, nn.Module)
-            else [(name, value)]
-        )
-        for path, holder in holders:
-            attributes = getattr(holder, "__dict__", None)
-            if not isinstance(attributes, dict):
-                continue
-            paths += [
-                f"{path}.{attribute}"
-                for attribute, held in attributes.items()
-                if isinstance(held, torch.device) and _same_device(held, stray)
-            ]
-    return paths
-
-
-def _same_device(held: torch.device, stray: torch.device) -> bool:
-    """Whether a stored device puts a tensor on ``stray``: ``cuda`` without an index is
-    its current one, index 0 unless set."""
-    return held == stray or (held.index is None and held.type == stray.type)
 
 
 def _made_without_device(name: str, decorate: str | None, device: torch.device) -> str:
