@@ -735,13 +735,48 @@ def test_a_mismatch_with_nothing_unseen_names_what_the_body_reached() -> None:
         'target meta (from @device_agnostic(device="meta"))',
         "torch said: Tensor on device cpu is not on the expected device meta!",
         "fix: make it on the inputs' device in the body, torch.zeros(n, device=x.device), "
-        "and move none to cpu by name; torch.as_tensor(array, device=x.device) for a numpy "
-        "array (torch.from_numpy stays on cpu); pass a global or closure's tensor as an "
-        "argument",
+        "and move none to cpu by name; torch.as_tensor(array), which the scope puts on the "
+        "target, for a numpy array (torch.from_numpy stays on cpu); pass a global or "
+        "closure's tensor as an argument",
     ] == str(error.value).splitlines()
     assert type(error.value.__cause__) is RuntimeError
     assert {torch.device("cpu"): []} == error.value.devices
     assert adds_passed(torch.ones(2), Config(on_meta(2)), stray).device.type == "meta"
+
+
+def _act(model: nn.Module, obs: np.ndarray) -> torch.Tensor:
+    return model(torch.from_numpy(obs))  # type: ignore[no-any-return]
+
+
+def _act_fixed(model: nn.Module, obs: np.ndarray) -> torch.Tensor:
+    return model(torch.as_tensor(obs))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["meta", pytest.param("accelerator", marks=[pytest.mark.requires_device("accelerator")])],
+)
+@pytest.mark.parametrize("scope", [True, False])
+def test_a_numpy_argument_made_a_tensor_in_the_body_gets_its_fix(where: str, scope: bool) -> None:
+    """``model(torch.from_numpy(obs))``, the commonest line of acting code: the error names
+    the numpy argument and the fix, which runs, in the words torch has for each device
+    ("mat1 is on cpu, different from other tensors on ..." off meta)."""
+    device = torch.device("meta") if where == "meta" else accelerator()
+    model = nn.Linear(3, 2).to(device)
+    obs = np.ones((1, 3), dtype=np.float32)
+    with pytest.raises(DeviceMismatchError) as error:
+        device_agnostic(scope=scope)(_act)(model, obs)
+    made = (
+        "torch.as_tensor(obs), which the scope puts on the target"
+        if scope
+        else "torch.as_tensor(obs, device=x.device)"
+    )
+    assert (
+        f"fix: obs is a numpy array, passed as it is: make its tensor with {made}, in the "
+        "body (torch.from_numpy stays on cpu)"
+    ) == str(error.value).splitlines()[-1]
+    if scope:
+        assert device == device_agnostic(_act_fixed)(model, obs).device
 
 
 class _KeepsItsDevice(nn.Module):
@@ -784,7 +819,7 @@ def test_a_body_made_numpy_tensor_is_named_with_its_fix() -> None:
 
     @device_agnostic(device="meta")
     def shifted_fixed(x: torch.Tensor) -> torch.Tensor:
-        return x + torch.as_tensor(np.ones(2, dtype=np.float32), device=x.device)
+        return x + torch.as_tensor(np.ones(2, dtype=np.float32))
 
     with pytest.raises(DeviceMismatchError, match=r"torch.from_numpy stays on cpu"):
         shifted(torch.ones(2))

@@ -357,7 +357,9 @@ class Plan:
             checked.add(id(module))
             checked.update(id(part) for part in unwrap(module).modules())
         follow = reason == _FROM_INPUTS
-        return _unseen.explain(error, self.name, named, target, reason, checked, follow, excluded)
+        return _unseen.explain(
+            error, self.name, named, target, reason, checked, follow, excluded, self.scope
+        )
 
     def _optimizers(
         self,

@@ -63,6 +63,7 @@ def explain(
     checked: Collection[int] = (),
     follow: bool = False,
     excluded: Sequence[tuple[str, Any]] = (),
+    scoped: bool = True,
 ) -> DeviceMismatchError | None:
     """The error to raise instead of torch's ``error``, or None to let it through.
 
@@ -81,6 +82,8 @@ def explain(
             module): a module elsewhere is then better followed than moved.
         excluded: ``(name, value)`` of each argument ``exclude=`` held out: its tensors
             off ``target`` are named as excluded, and the fix says to stop excluding it.
+        scoped: whether the body ran in the target's scope (``scope=True``), which puts
+            tensors made without ``device=`` there.
     """
     if isinstance(error, DeviceError) or not is_device_mismatch(error):
         return None
@@ -91,11 +94,11 @@ def explain(
         if target is None:
             return None
         if not follow:
-            return _made_elsewhere(error, function, named, target, reason)
+            return _made_elsewhere(error, function, named, target, reason, scoped)
         scalars = _scalars_left(named, target)
         if scalars:
             return _scalars_error(error, function, scalars, target, reason)
-        return _made_elsewhere(error, function, named, target, reason)
+        return _made_elsewhere(error, function, named, target, reason, scoped)
     names = {name for name, _ in excluded}
     found = _by_device(unseen)
     shown = _shown(found, names)
@@ -171,6 +174,7 @@ def _made_elsewhere(
     named: Sequence[tuple[str, Any]],
     target: torch.device,
     reason: str,
+    scoped: bool,
 ) -> DeviceMismatchError | None:
     """For a tensor off ``target`` that no argument holds: one the body put on a device by
     name (a device its arguments stored, ``self.device``, named as such), made over numpy's
@@ -203,12 +207,33 @@ def _made_elsewhere(
         f"read from a global or a closure (or held deeper in an argument than it looks)",
         f"target {target} (from {reason})",
         f"torch said: {_first_line(error)}",
-        f"fix: make it on the inputs' device in the body, torch.zeros(n, device=x.device), "
-        f"and move none to {stray} by name; torch.as_tensor(array, device=x.device) for a "
-        f"numpy array (torch.from_numpy stays on cpu); pass a global or closure's tensor as "
-        f"an argument",
+        f"fix: {_body_fix(named, stray, scoped)}",
     ]
     return DeviceMismatchError("\n".join(lines), devices={stray: []}, target=target, reason=reason)
+
+
+def _body_fix(named: Sequence[tuple[str, Any]], stray: torch.device, scoped: bool) -> str:
+    """The fix for a stray tensor the body made: a numpy argument's first, the commonest
+    (``model(torch.from_numpy(obs))``). In the body, the scope puts what ``torch.as_tensor``
+    makes of an array on the target; ``torch.from_numpy`` shares the array's memory, on the
+    CPU."""
+    arrays = [name for name, value in named if type(value).__module__ == "numpy"]
+    array = arrays[0] if arrays and stray.type == "cpu" else "array"
+    made = (
+        f"torch.as_tensor({array}), which the scope puts on the target"
+        if scoped
+        else f"torch.as_tensor({array}, device=x.device)"
+    )
+    if array != "array":
+        return (
+            f"{array} is a numpy array, passed as it is: make its tensor with {made}, in "
+            f"the body (torch.from_numpy stays on cpu)"
+        )
+    return (
+        f"make it on the inputs' device in the body, torch.zeros(n, device=x.device), and "
+        f"move none to {stray} by name; {made}, for a numpy array (torch.from_numpy stays "
+        f"on cpu); pass a global or closure's tensor as an argument"
+    )
 
 
 def _first_line(error: BaseException) -> str:

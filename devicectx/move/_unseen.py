@@ -41,6 +41,7 @@ from devicectx.move._paths import ATTR, join, keyed_modules, module_path
 _TWO_DEVICES = re.compile(
     r"found at least two devices, (?P<a>[\w:]+) and (?P<b>[\w:]+)!"
     r"|Tensor on device (?P<c>[\w:]+) is not on the expected device (?P<d>[\w:]+)!"
+    r"|but got \w+ is on (?P<e>[\w:]+), different from other tensors on (?P<f>[\w:]+)"
 )
 # torch's words for tensors on different devices, across its releases and backends.
 _MISMATCH_WORDS = (
@@ -113,7 +114,11 @@ def mismatched_devices(error: BaseException) -> tuple[torch.device, torch.device
     found = _TWO_DEVICES.search(str(error))
     if found is None:
         return None
-    first, second = (found["a"], found["b"]) if found["a"] is not None else found.group("c", "d")
+    first, second = next(
+        found.group(one, other)
+        for one, other in (("a", "b"), ("c", "d"), ("e", "f"))
+        if found[one] is not None
+    )
     try:
         return torch.device(first), torch.device(second)
     except RuntimeError:
