@@ -192,6 +192,115 @@ def test_tensors_refuse_what_they_cannot_draw_from(
     assert expected == str(raised.value).splitlines()
 
 
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (
+            lambda: tensors(dtypes="float32"),
+            [
+                "tensors(dtypes=...): got 'float32', a str: dtypes are torch's objects",
+                "fix: tensors(dtypes=[torch.float32])",
+            ],
+        ),
+        (
+            lambda: tensors(dtypes=["torch.int64"]),
+            [
+                "tensors(dtypes=...): got 'torch.int64', a str: dtypes are torch's objects",
+                "fix: tensors(dtypes=[torch.int64])",
+            ],
+        ),
+        (
+            lambda: tensors(dtypes=[torch.float32, 3]),
+            [
+                "tensors(dtypes=...): got 3 (an int), not a torch.dtype",
+                "fix: tensors(dtypes=[torch.float32])",
+            ],
+        ),
+        (
+            lambda: tensors(dtypes=[torch.quint8]),
+            [
+                "tensors(dtypes=...): got torch.quint8, which tensors() cannot fill with values "
+                "(torch makes it only from other tensors: quantized dtypes)",
+                "fix: tensors(dtypes=[torch.float32]), and torch.quantize_per_tensor in the test",
+            ],
+        ),
+        (
+            lambda: tensors(shapes=(2, 3)),  # type: ignore[arg-type]
+            [
+                "tensors(shapes=(2, 3)): takes a hypothesis strategy of shapes, not a tuple",
+                "fix: tensors(shapes=st.just((2, 3)))",
+            ],
+        ),
+        (
+            lambda: nested(max_depth="2"),  # type: ignore[arg-type]
+            ["nested(max_depth='2'): takes an int, not a str", "fix: nested(max_depth=3)"],
+        ),
+        (
+            lambda: nested(leaves=torch.ones(2)),  # type: ignore[arg-type]
+            [
+                "nested(leaves=tensor([1., 1.])): takes a hypothesis strategy of tensors, not "
+                "a Tensor",
+                "fix: nested(strategies.tensors(devices=['cpu']))",
+            ],
+        ),
+    ],
+    ids=["dtype-str", "dtype-str-in-list", "dtype-int", "quantized", "shape", "depth", "leaves"],
+)
+def test_bad_arguments_are_refused_when_the_strategy_is_built(
+    build: Any, expected: list[str]
+) -> None:
+    """Each argument is checked where the strategy is built, not when a test draws from
+    it, with our message: a str is no dtype (it was drawn letter by letter)."""
+    with pytest.raises(TypeError) as raised:
+        build()
+    assert expected == str(raised.value).splitlines()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        (
+            lambda: tensors(shapes=st.just("5")),
+            [
+                "tensors(shapes=...): drew '5', not a shape (a tuple of sizes, 0 or more)",
+                "fix: tensors(shapes=st.just((5,))), or hypothesis.extra.numpy.array_shapes()",
+            ],
+        ),
+        (
+            lambda: tensors(dtypes=st.just(torch.qint8)),
+            [
+                "tensors(dtypes=...): drew torch.qint8, which tensors() cannot fill with values "
+                "(torch makes it only from other tensors: quantized dtypes)",
+                "fix: tensors(dtypes=[torch.float32]), and torch.quantize_per_tensor in the test",
+            ],
+        ),
+        (
+            lambda: nested(leaves=st.just(1)),
+            [
+                "nested(leaves=...): drew 1 (an int), not a tensor: the leaves are the tensors "
+                "the structure shares and views",
+                "fix: nested(strategies.tensors(devices=['cpu'])); plain values come among "
+                "them with plain_values=True (the default)",
+            ],
+        ),
+    ],
+    ids=["shape", "dtype", "leaves"],
+)
+def test_what_a_strategy_argument_draws_is_checked_with_our_message(
+    strategy: Any, expected: list[str]
+) -> None:
+    """A strategy given as an argument is checked on what it draws, where torch would
+    name its own functions (randint's overloads, empty_strided)."""
+    with pytest.raises(TypeError) as raised:
+        drawn(strategy(), examples=1)
+    assert expected == str(raised.value).splitlines()
+
+
+def test_a_shape_drawn_as_one_int_is_a_one_dimensional_shape() -> None:
+    """``st.just(5)`` draws 5, which torch takes as ``(5,)``: so does ``tensors``."""
+    assert {(5,)} == {tuple(t.shape) for t in drawn(tensors(shapes=st.just(5)), examples=3)}
+
+
 @pytest.fixture
 def mps_like() -> Iterator[torch.device]:
     """emu:0 playing MPS (no float64, no complex128) for the test."""

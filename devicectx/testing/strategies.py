@@ -32,6 +32,7 @@ import torch
 from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
 
+from devicectx._errors import with_article
 from devicectx.devices._capabilities import nearest_dtype, supports_dtype
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 
@@ -108,8 +109,19 @@ def tensors(
     elif isinstance(dtypes, st.SearchStrategy):
         dtype_choice = dtypes
     else:
-        dtype_choice = _listed("dtypes", dtypes, (torch.dtype,), example="[torch.float32]")
-    shape_strategy = shapes if shapes is not None else _SHAPES
+        dtype_choice = _listed_dtypes(dtypes)
+    if shapes is None:
+        shape_strategy = _SHAPES
+    elif isinstance(shapes, st.SearchStrategy):
+        shape_strategy = shapes.map(_checked_shape)
+    else:
+        given_shape = _as_shape(shapes)
+        example = (5,) if given_shape is None else given_shape
+        msg = (
+            f"tensors(shapes={shapes!r}): takes a hypothesis strategy of shapes, not a "
+            f"{type(shapes).__name__}\nfix: tensors(shapes=st.just({example!r}))"
+        )
+        raise TypeError(msg)
     return st.builds(
         _make_tensor,
         shape_strategy,
@@ -148,9 +160,21 @@ def nested(
     of an overly large repr (``HypothesisWarning``) where it prints one; ``max_depth=2``
     draws smaller structures.
     """
+    if not isinstance(max_depth, int) or isinstance(max_depth, bool):
+        msg = (
+            f"nested(max_depth={max_depth!r}): takes an int, not a "
+            f"{type(max_depth).__name__}\nfix: nested(max_depth=3)"
+        )
+        raise TypeError(msg)
     if max_depth < 0:
         msg = f"nested(max_depth={max_depth}): the depth cannot be negative\nfix: max_depth=3"
         raise ValueError(msg)
+    if leaves is not None and not isinstance(leaves, st.SearchStrategy):
+        msg = (
+            f"nested(leaves={leaves!r}): takes a hypothesis strategy of tensors, not a "
+            f"{type(leaves).__name__}\nfix: nested(strategies.tensors(devices=['cpu']))"
+        )
+        raise TypeError(msg)
     source = leaves if leaves is not None else tensors(devices=["cpu"])
     return _nested(source, max_depth, plain_values, views)
 
@@ -276,6 +300,73 @@ def kind_of(obj: object) -> str | None:
 _SHAPES = st.lists(st.integers(0, 4), max_size=3).map(tuple)
 
 
+def _listed_dtypes(given: Any) -> list[torch.dtype]:
+    """``dtypes=`` as a list of dtypes ``tensors`` can make, each checked now, not when
+    drawn: a str (``"float32"``) would be iterated letter by letter."""
+    if isinstance(given, str):
+        given = [given]
+    listed = _listed("dtypes", given, (torch.dtype,), example="[torch.float32]")
+    return [_checked_dtype(dtype, drawn=False) for dtype in listed]
+
+
+def _checked_dtype(dtype: Any, *, drawn: bool) -> torch.dtype:
+    """``dtype``, where it is a torch dtype ``tensors`` can make values in (a quantized
+    dtype is none); else a TypeError that says so, with the fix."""
+    how = "drew" if drawn else "got"
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype.removeprefix("torch."), None)
+        spelled = (
+            f"torch.{dtype.removeprefix('torch.')}"
+            if isinstance(named, torch.dtype)
+            else "torch.float32"
+        )
+        msg = (
+            f"tensors(dtypes=...): {how} {dtype!r}, a str: dtypes are torch's objects\n"
+            f"fix: tensors(dtypes=[{spelled}])"
+        )
+        raise TypeError(msg)
+    if not isinstance(dtype, torch.dtype):
+        msg = (
+            f"tensors(dtypes=...): {how} {dtype!r} ({with_article(type(dtype).__name__)}), not a "
+            f"torch.dtype\nfix: tensors(dtypes=[torch.float32])"
+        )
+        raise TypeError(msg)
+    try:
+        torch.zeros(1).to(dtype)
+    except (RuntimeError, TypeError):
+        msg = (
+            f"tensors(dtypes=...): {how} {dtype}, which tensors() cannot fill with values "
+            f"(torch makes it only from other tensors: quantized dtypes)\n"
+            f"fix: tensors(dtypes=[torch.float32]), and torch.quantize_per_tensor in the test"
+        )
+        raise TypeError(msg) from None
+    return dtype
+
+
+def _checked_shape(shape: Any) -> tuple[int, ...]:
+    """A drawn shape, where it is a sequence of sizes of 0 or more; else our TypeError
+    (torch's would name ``randint``'s overloads)."""
+    sizes = _as_shape(shape)
+    if sizes is None:
+        msg = (
+            f"tensors(shapes=...): drew {shape!r}, not a shape (a tuple of sizes, 0 or "
+            f"more)\nfix: tensors(shapes=st.just((5,))), or "
+            f"hypothesis.extra.numpy.array_shapes()"
+        )
+        raise TypeError(msg)
+    return sizes
+
+
+def _as_shape(shape: Any) -> tuple[int, ...] | None:
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        return None
+    return tuple(shape)
+
+
 def _listed(name: str, given: Any, one: tuple[type, ...], *, example: str) -> list[Any]:
     """``given`` as a list: one value of the types ``one`` (a str is one device, not its
     characters), or the items of a sequence."""
@@ -306,7 +397,7 @@ def _placed_dtypes(
     if isinstance(dtypes, st.SearchStrategy):
         # Replaced, not filtered out: a strategy of dtypes the device cannot hold would end
         # in hypothesis's "filtering too much", which says nothing of dtypes.
-        dtype = draw(dtypes)
+        dtype = _checked_dtype(draw(dtypes), drawn=True)
         if supports_dtype(device, dtype):
             return device, dtype
         replaced = nearest_dtype(resolve_device(device), dtype)
@@ -390,6 +481,7 @@ def _views(draw: st.DrawFn, bases: Sequence[torch.Tensor], max_size: int) -> lis
 def _pool(
     draw: st.DrawFn, leaves: st.SearchStrategy[torch.Tensor], with_views: bool
 ) -> list[torch.Tensor]:
+    leaves = leaves.map(_checked_leaf)
     if not with_views:
         return draw(st.lists(leaves, min_size=1, max_size=4))
     bases = draw(st.lists(leaves, min_size=1, max_size=2))
@@ -399,6 +491,18 @@ def _pool(
     # Views of a tensor that is not in the pool, so never in the structure.
     hidden = _views(draw, [draw(leaves)], 1) if draw(st.booleans()) else []
     return bases + views + hidden
+
+
+def _checked_leaf(leaf: Any) -> torch.Tensor:
+    if not isinstance(leaf, torch.Tensor):
+        msg = (
+            f"nested(leaves=...): drew {leaf!r} ({with_article(type(leaf).__name__)}), not a "
+            f"tensor: the leaves are the tensors the structure shares and views\nfix: "
+            f"nested(strategies.tensors(devices=['cpu'])); plain values come among them "
+            f"with plain_values=True (the default)"
+        )
+        raise TypeError(msg)
+    return leaf
 
 
 def _plain_values() -> st.SearchStrategy[Any]:
