@@ -377,6 +377,27 @@ def test_malformed_marker_errors_its_test(
     assert expected == result.outlines[start : start + len(expected)]
 
 
+def test_marker_takes_its_device_by_keyword(pytester: pytest.Pytester) -> None:
+    """``requires_device(device="cpu")``, as a user may write it, is the positional form:
+    the CPU is everywhere, and a device that is not here skips with the reason."""
+    pytester.makepyfile(
+        test_it="""
+        import pytest
+
+        @pytest.mark.requires_device(device="cpu")
+        def test_cpu():
+            pass
+
+        @pytest.mark.requires_device(device="cuda:7")
+        def test_absent():
+            pass
+        """
+    )
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    assert any("requires_device('cuda:7'): device 'cuda:7'" in line for line in result.outlines)
+
+
 @pytest.mark.requires_device("cuda")
 def test_fixture_ids_on_cuda(pytester: pytest.Pytester) -> None:
     """On a CUDA machine the ids name each CUDA index, and --devices=cuda means the current one."""
@@ -550,6 +571,74 @@ def build_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     a HOME of their own, and would build it from scratch (a minute) in each test."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     monkeypatch.setenv("XDG_CACHE_HOME", base)
+
+
+CONFTEST_PLAYING_MPS = """
+from devicectx.testing import emulated
+
+emulated.enable(devices=3, profile="mps")
+"""
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            ["--devicectx-accelerator=emulated"],
+            [
+                "ERROR: --devicectx-accelerator=emulated: plays a CUDA GPU, and the emulated "
+                "accelerator is already enabled playing mps (enable(profile=...) or configure() "
+                "in a conftest or a plugin)",
+                "fix: --devicectx-accelerator=emulated:mps to keep it, or emulated:cuda to play "
+                "CUDA",
+            ],
+        ),
+        (
+            ["--devicectx-accelerator=emulated:mps", "--devicectx-emulated-devices=2"],
+            [
+                "ERROR: --devicectx-emulated-devices=2: the emulated accelerator is already "
+                "enabled with 3 devices (enable() in a conftest or a plugin), a count fixed for "
+                "the process",
+                "fix: --devicectx-emulated-devices=3, or leave the option out",
+            ],
+        ),
+    ],
+    ids=["cuda-over-mps", "count"],
+)
+@pytest.mark.usefixtures("build_cache")
+def test_options_that_conflict_with_a_conftests_enable_are_usage_errors(
+    pytester: pytest.Pytester, options: list[str], expected: list[str]
+) -> None:
+    """A conftest that enabled the emulated accelerator (3 devices, playing MPS), then an
+    option asking for another device or count: a usage error whose fix is an option, not
+    the device silently kept (plain ``emulated`` plays CUDA)."""
+    pytester.makeconftest(CONFTEST_PLAYING_MPS)
+    pytester.makepyfile(test_it="def test_plain(): pass")
+    result = pytester.runpytest_subprocess(*options)
+    if any("C++17 compiler" in line for line in result.errlines + result.outlines):
+        pytest.skip("the emulated accelerator cannot be built here")
+    assert expected == [line for line in result.errlines if line.strip()][: len(expected)]
+
+
+@pytest.mark.parametrize("option", ["emulated:mps", "emulated:cuda"])
+@pytest.mark.usefixtures("build_cache")
+def test_an_option_that_names_the_profile_agrees_with_a_conftests_enable(
+    pytester: pytest.Pytester, option: str
+) -> None:
+    """Naming the profile on the command line keeps the conftest's count (3 devices) and
+    plays the profile named: mps holds no float64, cuda does."""
+    pytester.makeconftest(CONFTEST_PLAYING_MPS)
+    pytester.makepyfile(
+        test_it=f"""
+        import torch
+        from devicectx import supports_dtype
+
+        def test_played(device):
+            assert supports_dtype("emu:0", torch.float64) is {option.endswith("cuda")}
+        """
+    )
+    result = pytester.runpytest_subprocess(f"--devicectx-accelerator={option}")
+    result.assert_outcomes(passed=4)
 
 
 def emulated_header(result: pytest.RunResult) -> list[str]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -144,7 +144,9 @@ def pytest_configure(config: pytest.Config) -> None:
             )
             raise pytest.UsageError(msg)
         _check_emulated_options(profile or None, count)
-        config.stash[_EMULATED_STATE] = _enable_emulated(_emulated_count(config), profile or None)
+        enabled_count = _enabled_before(accelerator, profile or None, count)
+        devices = enabled_count if count is None and enabled_count else _emulated_count(config)
+        config.stash[_EMULATED_STATE] = _enable_emulated(devices, profile or None)
     text = config.getoption(_OPTION_DEST, default=None)
     if text is not None:
         # Parsed here, not at first use, so a bad spec stops the run before any test.
@@ -279,6 +281,55 @@ def _check_emulated_options(profile: str | None, count: int | None) -> None:
         raise pytest.UsageError(msg)
 
 
+def _enabled_before(accelerator: str, profile: str | None, count: int | None) -> int | None:
+    """The device count of an emulated accelerator a conftest (or a plugin) enabled before
+    the option, None where none is; refuses, in the command line's words, an option that
+    would silently change or keep what it set: another count, or CUDA asked for (plain
+    ``emulated``) while it plays another device."""
+    from devicectx.testing import emulated
+
+    if not emulated.enabled():
+        return None
+    enabled: int = emulated._require().device_count()
+    if count is not None and count != enabled:
+        msg = (
+            f"--devicectx-emulated-devices={count}: the emulated accelerator is already "
+            f"enabled with {enabled} devices (enable() in a conftest or a plugin), a count "
+            f"fixed for the process\nfix: --devicectx-emulated-devices={enabled}, or leave "
+            f"the option out"
+        )
+        raise pytest.UsageError(msg)
+    playing = _profile_played()
+    if profile is None and playing != "cuda":
+        keep = f"{_EMULATED}:{playing}" if playing is not None else "emulated:cuda"
+        msg = (
+            f"--devicectx-accelerator={accelerator}: plays a CUDA GPU, and the emulated "
+            f"accelerator is already enabled playing {playing or 'another device'} "
+            f"(enable(profile=...) or configure() in a conftest or a plugin)\n"
+            f"fix: --devicectx-accelerator={keep} to keep it, or emulated:cuda to play CUDA"
+        )
+        raise pytest.UsageError(msg)
+    return enabled
+
+
+def _profile_played() -> str | None:
+    """The profile whose device the emulated accelerator plays now, by the switches that
+    tell the profiles apart (a memory limit set beside one does not); None for none."""
+    from devicectx.testing import emulated
+
+    now = emulated.settings()
+    names = list(emulated.PROFILES)
+    telling = {
+        switch
+        for switch in emulated.PROFILES[names[0]]
+        if len({emulated.PROFILES[name][switch] for name in names}) > 1
+    }
+    for name in names:
+        if all(now[switch] == emulated.PROFILES[name][switch] for switch in telling):
+            return name
+    return None
+
+
 def _enable_emulated(devices: int, profile: str | None) -> _Emulated:
     from devicectx.testing import emulated
 
@@ -348,7 +399,7 @@ def _missing_device(marker: pytest.Mark, emulated_failure: str | None) -> str | 
 
     if _marker_problem(marker) is not None:
         return None
-    spec = marker.args[0]
+    spec = _marker_device(marker)
     if _names_emulated_off(spec):
         return _emulated_off_reason(spec, emulated_failure)
     if spec == _ANY_ACCELERATOR:
@@ -366,12 +417,22 @@ def _missing_device(marker: pytest.Mark, emulated_failure: str | None) -> str | 
     return None
 
 
+def _marker_device(marker: pytest.Mark) -> Any:
+    """The one device the marker names, by position or as ``device=``; None where it names
+    none or more than one."""
+    given = [*marker.args, *(v for k, v in marker.kwargs.items() if k == "device")]
+    if len(given) != 1 or set(marker.kwargs) - {"device"}:
+        return None
+    return given[0]
+
+
 def _marker_problem(marker: pytest.Mark) -> str | None:
     """What is wrong with how the marker is written; None when nothing is."""
     from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
     from devicectx.devices._resolve import resolve_device
 
-    if len(marker.args) != 1 or marker.kwargs:
+    spec = _marker_device(marker)
+    if spec is None:
         given = ", ".join(
             [*map(repr, marker.args), *(f"{k}={v!r}" for k, v in marker.kwargs.items())]
         )
@@ -379,7 +440,6 @@ def _marker_problem(marker: pytest.Mark) -> str | None:
             f"@pytest.mark.{_MARKER}({given}): give exactly one device\n"
             f"fix: @pytest.mark.{_MARKER}('cuda')"
         )
-    spec = marker.args[0]
     if spec == _ANY_ACCELERATOR or _names_emulated_off(spec):
         return None
     try:
@@ -399,7 +459,7 @@ def _meeting(
     left, one skipped choice that says why (the marker's own skip covers a machine
     without the device; this, devices chosen with ``--devices`` that leave it out, or an
     emulated device in a run without the emulated accelerator)."""
-    wanted = [marker.args[0] for marker in markers if _marker_problem(marker) is None]
+    wanted = [_marker_device(marker) for marker in markers if _marker_problem(marker) is None]
     if not wanted:
         return choices
     kept = [choice for choice in choices if all(_accepts(spec, choice.id) for spec in wanted)]
