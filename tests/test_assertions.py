@@ -759,7 +759,8 @@ def test_a_tensor_the_move_cannot_see_is_named_with_the_fix() -> None:
         "    RuntimeError: Tensor on device cpu is not on the expected device meta!",
         "  tensors the move to meta could not see, left where they were:",
         "    cpu <- scales.factor (in Scales)",
-        'fix: import copy; register_container(Scales, children=lambda obj: [("factor", '
+        "fix: import copy; from devicectx import register_container; "
+        'register_container(Scales, children=lambda obj: [("factor", '
         "obj.factor)], rebuild=lambda obj, new: (clone := copy.copy(obj), setattr(clone, "
         '"factor", new[0]))[0]), pass scales.factor as an argument, or give Scales a '
         ".to(device) method",
@@ -1706,11 +1707,11 @@ def test_a_tensor_moved_to_the_cpu_is_no_tensor_made_without_device() -> None:
         "device=x.device), and move none to cpu (a tensor made without device= is on cpu, as "
         "is one moved there: .cpu(), .to('cpu')), or decorate ToCpu.forward with "
         "@devicectx.device_agnostic so that those made without device= land there",
-        "ToCpuDecorated": "fix: make the tensors ToCpuDecorated creates on its inputs' "
-        "device, torch.zeros(n, device=x.device), and move none to cpu (a tensor made "
-        "without device= is on cpu, as is one moved there: .cpu(), .to('cpu')); one made "
-        "from numpy (torch.from_numpy(array)) is on cpu whatever the scope: "
-        "torch.as_tensor(array, device=x.device)",
+        # Its own @device_agnostic's error, quoted: the stray tensor came from the body.
+        "ToCpuDecorated": "    fix: make it on the inputs' device in the body, torch.zeros(n, "
+        "device=x.device), and move none to cpu by name; torch.as_tensor(array), which the "
+        "scope puts on the target, for a numpy array (torch.from_numpy stays on cpu); pass a "
+        "global or closure's tensor as an argument",
     } == lines
     assert_device_agnostic(ToCpuFixed(), torch.ones(2, 4), devices=devices)
 

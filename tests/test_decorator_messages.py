@@ -465,7 +465,8 @@ def test_a_tensor_in_a_plain_object_is_named_when_torch_fails() -> None:
         "    cpu <- cfg.scale (in Config)",
         'target meta (from @device_agnostic(device="meta"))',
         "torch said: Tensor on device cpu is not on the expected device meta!",
-        'fix: import copy; register_container(Config, children=lambda obj: [("scale", '
+        "fix: import copy; from devicectx import register_container; "
+        'register_container(Config, children=lambda obj: [("scale", '
         "obj.scale)], rebuild=lambda obj, new: (clone := copy.copy(obj), setattr(clone, "
         '"scale", new[0]))[0]), pass cfg.scale as an argument, or give Config a .to(device) '
         "method",
@@ -612,7 +613,8 @@ def test_slots_and_lists_inside_them_are_looked_into() -> None:
         scaled(torch.ones(2), Slotted(torch.ones(2), [on_meta(2), torch.ones(2)]))
     assert "    cpu <- cfg.bias (in Slotted), cfg.extra[1] (in Slotted)" == lines_of(error)[1]
     assert lines_of(error)[-1].startswith(
-        'fix: import copy; register_container(Slotted, children=lambda obj: [("bias", '
+        "fix: import copy; from devicectx import register_container; "
+        'register_container(Slotted, children=lambda obj: [("bias", '
         'obj.bias), ("extra", obj.extra)], rebuild=lambda obj, new: (clone := copy.copy(obj), '
         'setattr(clone, "bias", new[0]), setattr(clone, "extra", new[1]))[0]), or give '
     )
@@ -777,6 +779,31 @@ def test_a_numpy_argument_made_a_tensor_in_the_body_gets_its_fix(where: str, sco
     ) == str(error.value).splitlines()[-1]
     if scope:
         assert device == device_agnostic(_act_fixed)(model, obs).device
+
+
+def test_a_torch_types_container_fix_names_it_by_its_public_path_and_runs() -> None:
+    """A tensor in one of torch's plain objects (a ``TensorDataset``): the fix imports
+    what it uses and names the type as ``torch.utils.data.TensorDataset``, so that it
+    runs pasted into a fresh namespace; the call then moves the dataset's tensors."""
+
+    @device_agnostic(device="meta")
+    def first(x: torch.Tensor, ds: torch.utils.data.TensorDataset) -> torch.Tensor:
+        return x + ds.tensors[0]
+
+    with pytest.raises(DeviceMismatchError) as error:
+        first(torch.ones(2), torch.utils.data.TensorDataset(torch.ones(2)))
+    fix = lines_of(error)[-1]
+    assert fix.startswith(
+        "fix: import copy, torch; from devicectx import register_container; "
+        "register_container(torch.utils.data.TensorDataset, children=lambda obj: "
+    )
+    code = fix.removeprefix("fix: ").partition(", pass ")[0]
+    try:
+        exec(code, {})  # a fresh namespace: nothing imported
+        dataset = torch.utils.data.TensorDataset(torch.ones(2))
+        assert META == first(torch.ones(2), dataset).device
+    finally:
+        unregister_container(torch.utils.data.TensorDataset)
 
 
 class _KeepsItsDevice(nn.Module):
@@ -1123,7 +1150,8 @@ def test_a_tensor_in_a_plain_class_body_is_named_and_an_instance_one_shadows_it(
         looked_up(on_meta(2, 2), Lookup())
     assert "    cpu <- lookup.table (a class attribute of Lookup)" == lines_of(error)[1]
     assert lines_of(error)[-1] == (
-        'fix: import copy; register_container(Lookup, children=lambda obj: [("table", '
+        "fix: import copy; from devicectx import register_container; "
+        'register_container(Lookup, children=lambda obj: [("table", '
         "obj.table)], rebuild=lambda obj, new: (clone := copy.copy(obj), setattr(clone, "
         '"table", new[0]))[0]), pass lookup.table as an argument, or give Lookup a '
         ".to(device) method"
@@ -1160,9 +1188,13 @@ def cached(x: torch.Tensor, cache: Outer) -> torch.Tensor:
 
 @contextlib.contextmanager
 def printed_fix_run(fix: str, types: dict[str, type]) -> Iterator[list[type]]:
-    """Runs the ``import copy; register_container(...)`` calls a fix line prints, as
+    """Runs the ``import copy; ...; register_container(...)`` calls a fix line prints, as
     printed; unregisters them when the block ends. Yields what it registered."""
     calls = fix.removeprefix("fix: ").partition(", pass ")[0].partition(", or give ")[0]
+    # The fix imports register_container; the test's, which records, stands in for it.
+    imported = "from devicectx import register_container; "
+    assert imported in calls
+    calls = calls.replace(imported, "")
     registered: list[type] = []
 
     def register(cls: type, children: Any, rebuild: Any) -> None:
@@ -1189,7 +1221,8 @@ def test_a_nested_plain_object_fix_teaches_every_type_the_walk_passes() -> None:
         "    cpu <- cache.inner.t (in Inner), cache.k[0] (in Outer)",
         'target meta (from @device_agnostic(device="meta"))',
         f"torch said: {error.value.__cause__}",
-        'fix: import copy; register_container(Outer, children=lambda obj: [("inner", '
+        "fix: import copy; from devicectx import register_container; "
+        'register_container(Outer, children=lambda obj: [("inner", '
         'obj.inner), ("k", obj.k)], rebuild=lambda obj, new: (clone := copy.copy(obj), '
         'setattr(clone, "inner", new[0]), setattr(clone, "k", new[1]))[0]); '
         'register_container(Inner, children=lambda obj: [("t", obj.t)], rebuild=lambda obj, '
@@ -1200,7 +1233,10 @@ def test_a_nested_plain_object_fix_teaches_every_type_the_walk_passes() -> None:
     with printed_fix_run(fix, {"Outer": Outer, "Inner": Inner}) as registered:
         assert [Outer, Inner] == registered
         assert META == cached(on_meta(2), Outer()).device
-    inner_only = "fix: import copy; " + fix.split("; ", 2)[2]  # the call for Outer left out
+    # The call for Outer left out.
+    inner_only = (
+        "fix: import copy; from devicectx import register_container; " + fix.split("; ", 3)[3]
+    )
     with printed_fix_run(inner_only, {"Inner": Inner}), pytest.raises(DeviceMismatchError):
         cached(on_meta(2), Outer())
     assert fix.endswith(", or give Outer a .to(device) method")
@@ -1501,7 +1537,8 @@ def test_an_object_with_its_own_to_inside_a_plain_one_is_moved_by_its_to() -> No
     assert "    cpu <- holder.cfg.scale (in OwnScale)" == lines_of(error)[1]
     fix = lines_of(error)[-1]
     assert fix.startswith(
-        'fix: import copy; register_container(Holder, children=lambda obj: [("cfg", obj.cfg)], '
+        "fix: import copy; from devicectx import register_container; "
+        'register_container(Holder, children=lambda obj: [("cfg", obj.cfg)], '
     )
     with printed_fix_run(fix, {"Holder": Holder}) as registered:
         assert [Holder] == registered

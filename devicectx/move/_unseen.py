@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Collection, Iterable, Sequence
 from itertools import chain
 from typing import Any, NamedTuple
@@ -432,18 +433,51 @@ def fix_for(
                 names.append(name)
     calls = "; ".join(register_call(tp, names) for tp, names in children.items())
     passed = f", pass {first.path} as an argument" if len(group) == 1 and argument else ""
-    return f"import copy; {calls}{passed}, or give {root.__qualname__} a .to(device) method"
+    imports = "import copy, torch" if any(_in_torch(tp) for tp in children) else "import copy"
+    return (
+        f"{imports}; from devicectx import register_container; {calls}{passed}, or give "
+        f"{root.__qualname__} a .to(device) method"
+    )
+
+
+def _in_torch(tp: type) -> bool:
+    return tp.__module__ == "torch" or tp.__module__.startswith("torch.")
+
+
+def class_path(tp: type) -> str:
+    """How code names ``tp``: its name, or for one of torch's types, the shortest public
+    path to it (``torch.distributions.Categorical``), which needs only ``import torch``.
+
+    Example:
+        >>> from torch.distributions import Categorical
+        >>> class Config: ...
+        >>> class_path(Categorical), class_path(Config)
+        ('torch.distributions.Categorical', 'Config')
+    """
+    if not _in_torch(tp):
+        return tp.__qualname__
+    parts = tp.__module__.split(".")
+    top = tp.__qualname__.split(".")[0]
+    for end in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:end])
+        module = sys.modules.get(prefix)
+        if module is not None and getattr(module, top, None) is sys.modules[
+            tp.__module__
+        ].__dict__.get(top):
+            return f"{prefix}.{tp.__qualname__}"
+    return f"{tp.__module__}.{tp.__qualname__}"
 
 
 def register_call(tp: type, names: Sequence[str]) -> str:
     """The ``register_container`` call that teaches the walk ``tp`` through its attributes
-    ``names``, runnable as written (after ``import copy``): its rebuild sets the moved
+    ``names``, runnable as written (after ``import copy``, and ``import torch`` for one of
+    torch's types): its rebuild sets the moved
     children on a shallow copy, which keeps every other attribute, as a plain object's
     copy needs."""
     listed = ", ".join(f'("{name}", obj.{name})' for name in names)
     sets = "".join(f', setattr(clone, "{name}", new[{i}])' for i, name in enumerate(names))
     return (
-        f"register_container({tp.__qualname__}, children=lambda obj: [{listed}], "
+        f"register_container({class_path(tp)}, children=lambda obj: [{listed}], "
         f"rebuild=lambda obj, new: (clone := copy.copy(obj){sets})[0])"
     )
 

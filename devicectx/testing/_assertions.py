@@ -544,18 +544,11 @@ def _made_without_device(name: str, decorate: str | None, device: torch.device) 
             f"device=x.device), and move none to {default} (a tensor made without device= "
             f"is on {default}, as is one moved there: {moves_to(default)})"
         )
-        if decorate is not None:
-            return (
-                f"{fix}, or decorate {decorate} with @devicectx.device_agnostic so that those "
-                "made without device= land there"
-            )
-        if default.type != "cpu":
+        if decorate is None:  # decorated already: the decorator is no fix
             return fix
-        # Decorated already: what its scope leaves on the CPU is named there, or made over
-        # numpy's memory, which no scope reaches.
         return (
-            f"{fix}; one made from numpy (torch.from_numpy(array)) is on cpu whatever the "
-            f"scope: torch.as_tensor(array, device=x.device)"
+            f"{fix}, or decorate {decorate} with @devicectx.device_agnostic so that those "
+            "made without device= land there"
         )
     return (
         f"fix: pass {name} each tensor it uses as an argument (one in a global or a closure "
