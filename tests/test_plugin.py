@@ -168,6 +168,90 @@ def test_unused_plugin_looks_up_no_device(pytester: pytest.Pytester) -> None:
     assert _CHOICES not in config.stash
 
 
+def devicectx_lines(result: pytest.RunResult) -> list[str]:
+    """The report's devicectx lines, each with the indented lines that follow it."""
+    lines: list[str] = []
+    taking = False
+    for line in result.outlines:
+        taking = line.startswith("devicectx:") or (taking and line.startswith("    "))
+        if taking:
+            lines.append(line)
+    return lines
+
+
+RECORD_DEVICES = """
+    import devicectx
+
+    def test_record():
+        with open("devices.txt", "w") as file:
+            file.write(", ".join(map(str, devicectx.available_devices())))
+"""
+
+
+def test_report_says_when_the_fixture_gives_the_cpu_only(pytester: pytest.Pytester) -> None:
+    """Without options, the report names the devices the `device` fixture gives; where that
+    is the CPU alone (no accelerator), it says that checks against the CPU compare it with
+    itself, and how to add a device (in a process of its own: this one may have the
+    emulated accelerator enabled)."""
+    pytester.makepyfile(test_it=TEST_DEVICE, test_record=RECORD_DEVICES)
+    result = pytester.runpytest_subprocess()
+    devices = (pytester.path / "devices.txt").read_text()
+    if devices == "cpu":
+        expected = [
+            "devicectx: the `device` fixture gives cpu only (no accelerator here): checks "
+            "with devices=['cpu', device] compare the CPU with itself",
+            "    fix: pytest --devicectx-accelerator=emulated, or pytest --devices=cpu,meta",
+        ]
+    else:  # a machine with an accelerator: it is listed, and nothing is said of "only"
+        expected = [f"devicectx: the `device` fixture gives {devices}"]
+    assert expected == devicectx_lines(result)
+
+
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        ("--devices=cpu,meta", ["devicectx: the `device` fixture gives cpu, meta"]),
+        (
+            f"--devices=meta,{ABSENT}",
+            [f"devicectx: the `device` fixture gives meta (skipped here: {ABSENT})"],
+        ),
+        (
+            "--devices=cpu",
+            [
+                "devicectx: the `device` fixture gives cpu only (--devices=cpu): checks with "
+                "devices=['cpu', device] compare the CPU with itself",
+                "    fix: pytest --devices=cpu,meta",
+            ],
+        ),
+        (
+            f"--devices=cpu,{ABSENT}",
+            [
+                f"devicectx: the `device` fixture gives cpu only (--devices=cpu,{ABSENT}; "
+                f"skipped here: {ABSENT}): checks with devices=['cpu', device] compare the "
+                "CPU with itself",
+                f"    fix: pytest --devices=cpu,{ABSENT},meta",
+            ],
+        ),
+    ],
+    ids=["two", "one-skipped", "cpu", "cpu-and-absent"],
+)
+def test_report_names_the_devices_option(
+    pytester: pytest.Pytester, option: str, expected: list[str]
+) -> None:
+    """With --devices, the report header names the devices the fixture gives (and those it
+    skips); the CPU alone is said, with a fix that keeps what was listed."""
+    pytester.makepyfile(test_it=TEST_DEVICE)
+    assert expected == devicectx_lines(pytester.runpytest(option))
+
+
+def test_report_has_no_devices_line_where_no_test_takes_the_fixture(
+    pytester: pytest.Pytester,
+) -> None:
+    """A session without options in which no test takes `device` reports nothing of it."""
+    pytester.makepyfile(test_it="def test_plain(): pass")
+    assert [] == devicectx_lines(pytester.runpytest())
+
+
 def test_fixture_through_another_fixture(pytester: pytest.Pytester) -> None:
     """A module-scoped fixture may take `device`: it is built once per device."""
     pytester.makepyfile(
@@ -659,6 +743,7 @@ def test_emulated_accelerator_option(pytester: pytest.Pytester, workers: list[st
         pytest.skip("\n".join(result.outlines[:12]))
     assert 1 == len(header)
     assert header[0].startswith("devicectx: emulated accelerator 'emu' enabled, 2 devices")
+    assert header[0].endswith(" s); the `device` fixture gives cpu, emu:0, emu:1")
     result.assert_outcomes(passed=4)
     for test_id in ["test_device[cpu]", "test_device[emu:0]", "test_device[emu:1]"]:
         assert any(test_id in line and "PASSED" in line for line in result.outlines), test_id

@@ -296,6 +296,22 @@ def test_what_a_strategy_argument_draws_is_checked_with_our_message(
     assert expected == str(raised.value).splitlines()
 
 
+def test_a_failing_example_prints_the_tensor_drawn() -> None:
+    """A user's failing property test prints the tensor as torch does, which they can
+    read and paste, not a call of the strategies' private helper."""
+
+    @settings(max_examples=50, database=None, derandomize=True)
+    @given(tensors(devices="cpu"))
+    def fails(t: torch.Tensor) -> None:
+        assert t.numel() != 0  # shrinks to an empty tensor
+
+    with pytest.raises(AssertionError) as raised:
+        fails()
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "fails(\n    t=tensor(" in notes
+    assert "_make_tensor" not in notes
+
+
 def test_a_shape_drawn_as_one_int_is_a_one_dimensional_shape() -> None:
     """``st.just(5)`` draws 5, which torch takes as ``(5,)``: so does ``tensors``."""
     assert {(5,)} == {tuple(t.shape) for t in drawn(tensors(shapes=st.just(5)), examples=3)}

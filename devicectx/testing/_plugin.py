@@ -196,20 +196,67 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    # With an option given, the devices are known here at no cost (torch is imported
+    # already); without one, pytest_report_collectionfinish says them, once collection
+    # shows that some test takes the fixture.
     state = config.stash.get(_EMULATED_STATE, None)
+    text: str | None = config.getoption(_OPTION_DEST, default=None)
     if state is None:
-        return []
+        return [] if text is None else _devices_lines(_choices(config), text)
     if state.failure is None:
         import torch
 
+        first, *rest = _devices_lines(_choices(config), text)
         return [
             f"devicectx: emulated accelerator 'emu' enabled, {torch.accelerator.device_count()} "
-            f"devices (built or loaded in {state.seconds:.1f} s)"
+            f"devices (built or loaded in {state.seconds:.1f} s); "
+            f"{first.removeprefix('devicectx: ')}",
+            *rest,
         ]
     return [
         "devicectx: the emulated accelerator is unavailable; tests that need it are skipped:",
         *(f"    {line}" for line in state.failure.splitlines()),
     ]
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    # Not called on an xdist controller, which collects nothing; there the check itself
+    # (assert_device_agnostic) warns when its devices are one.
+    told = config.stash.get(_EMULATED_STATE, None) is not None
+    told = told or config.getoption(_OPTION_DEST, default=None) is not None
+    if told or _CHOICES not in config.stash:
+        return []
+    return _devices_lines(config.stash[_CHOICES], None)
+
+
+def _devices_lines(choices: list[_Choice], text: str | None) -> list[str]:
+    """The report's lines on the devices the ``device`` fixture gives; ``text`` is
+    ``--devices``'s value, None without the option. Where that is the CPU alone, a check
+    with ``devices=["cpu", device]`` compares the CPU with itself and passes: they say so,
+    with a fix."""
+    running = [choice.id for choice in choices if choice.skip_reason is None]
+    skipped = ", ".join(choice.id for choice in choices if choice.skip_reason is not None)
+    skipped_note = [f"skipped here: {skipped}"] if skipped else []
+    if running != ["cpu"]:
+        listed = ", ".join(running) or "none"
+        return [f"devicectx: the `{_FIXTURE}` fixture gives {listed}{_bracketed(skipped_note)}"]
+    option = [] if text is None else [f"--devices={text}"]
+    fix = (
+        f"pytest --devicectx-accelerator={_EMULATED}, or pytest --devices=cpu,meta"
+        if text is None
+        else f"pytest --devices={text},meta"
+    )
+    return [
+        f"devicectx: the `{_FIXTURE}` fixture gives cpu only"
+        f"{_bracketed([*option, *skipped_note] or ['no accelerator here'])}: checks with "
+        f"devices=['cpu', {_FIXTURE}] compare the CPU with itself",
+        f"    fix: {fix}",
+    ]
+
+
+def _bracketed(notes: list[str]) -> str:
+    """``notes`` as ``" (a; b)"``, or nothing where there are none."""
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

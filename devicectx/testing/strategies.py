@@ -122,13 +122,20 @@ def tensors(
             f"{type(shapes).__name__}\nfix: tensors(shapes=st.just({example!r}))"
         )
         raise TypeError(msg)
-    return st.builds(
-        _make_tensor,
-        shape_strategy,
-        _placed_dtypes(device_strategy, dtype_choice),
-        st.integers(0, 2**31 - 1),
-        st.just(requires_grad),
-    )
+    return _tensors(shape_strategy, _placed_dtypes(device_strategy, dtype_choice), requires_grad)
+
+
+@st.composite
+def _tensors(
+    draw: st.DrawFn,
+    shapes: st.SearchStrategy[tuple[int, ...]],
+    placed: st.SearchStrategy[tuple[torch.device, torch.dtype]],
+    requires_grad: bool,
+) -> torch.Tensor:
+    # Drawn here, not built with st.builds: a failing example then prints the tensor as
+    # torch does, not a call of this module's private helper.
+    seed = st.integers(0, 2**31 - 1)
+    return _make_tensor(draw(shapes), draw(placed), draw(seed), requires_grad)
 
 
 def nested(
