@@ -433,11 +433,18 @@ def test_marker_is_registered(pytester: pytest.Pytester) -> None:
             "requires_device('cpu', kind='cuda')",
             [
                 "@pytest.mark.requires_device('cpu', kind='cuda'): give exactly one device",
-                "fix: @pytest.mark.requires_device('cuda')",
+                "fix: @pytest.mark.requires_device('cpu')",
+            ],
+        ),
+        (
+            "requires_device('cuda:1', 'meta')",
+            [
+                "@pytest.mark.requires_device('cuda:1', 'meta'): give exactly one device",
+                "fix: @pytest.mark.requires_device('cuda:1')",
             ],
         ),
     ],
-    ids=["unknown-type", "no-device", "keyword"],
+    ids=["unknown-type", "no-device", "keyword", "two-devices"],
 )
 def test_malformed_marker_errors_its_test(
     pytester: pytest.Pytester, marker: str, expected: list[str]

@@ -483,9 +483,11 @@ def _marker_problem(marker: pytest.Mark) -> str | None:
         given = ", ".join(
             [*map(repr, marker.args), *(f"{k}={v!r}" for k, v in marker.kwargs.items())]
         )
+        # The first device given is the one meant, most likely; none given: an example.
+        first = next(iter([*marker.args, *marker.kwargs.values()]), "cuda")
         return (
             f"@pytest.mark.{_MARKER}({given}): give exactly one device\n"
-            f"fix: @pytest.mark.{_MARKER}('cuda')"
+            f"fix: @pytest.mark.{_MARKER}({first!r})"
         )
     if spec == _ANY_ACCELERATOR or _names_emulated_off(spec):
         return None
