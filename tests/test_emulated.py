@@ -890,16 +890,18 @@ def test_a_stray_part_fails_as_on_a_gpu(emu: torch.device) -> None:
 
 def test_torchs_error_reaches_the_body_of_a_decorated_function(emu: torch.device) -> None:
     """A CPU tensor the decorator cannot see (held by a closure) fails in the body with
-    torch's own error, unchanged, as on CUDA: the inputs it can see were moved."""
+    torch's error, as on CUDA (the inputs it can see were moved), told as a tensor from
+    the body, chained to torch's own."""
     weight = torch.ones(4, 3)
 
     @devicectx.device_agnostic(device=emu)
     def project(x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
 
-    with pytest.raises(RuntimeError, match=same_device_error("emu:0", "cpu")) as info:
+    with pytest.raises(devicectx.DeviceMismatchError) as info:
         project(torch.ones(2, 3))
-    assert not isinstance(info.value, devicectx.DeviceError)
+    assert "or read from a global or a closure" in str(info.value)
+    assert re.search(same_device_error("emu:0", "cpu"), str(info.value.__cause__))
     weight = weight.to(emu)
     assert [[3.0] * 4] * 2 == project(torch.ones(2, 3)).tolist()
 
