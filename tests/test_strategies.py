@@ -232,6 +232,13 @@ def test_tensors_refuse_what_they_cannot_draw_from(
             ],
         ),
         (
+            lambda: tensors(shapes=5),  # type: ignore[arg-type]
+            [
+                "tensors(shapes=5): takes a hypothesis strategy of shapes, not an int",
+                "fix: tensors(shapes=st.just((5,)))",
+            ],
+        ),
+        (
             lambda: nested(max_depth="2"),  # type: ignore[arg-type]
             ["nested(max_depth='2'): takes an int, not a str", "fix: nested(max_depth=3)"],
         ),
@@ -244,7 +251,16 @@ def test_tensors_refuse_what_they_cannot_draw_from(
             ],
         ),
     ],
-    ids=["dtype-str", "dtype-str-in-list", "dtype-int", "quantized", "shape", "depth", "leaves"],
+    ids=[
+        "dtype-str",
+        "dtype-str-in-list",
+        "dtype-int",
+        "quantized",
+        "shape",
+        "shape-int",
+        "depth",
+        "leaves",
+    ],
 )
 def test_bad_arguments_are_refused_when_the_strategy_is_built(
     build: Any, expected: list[str]

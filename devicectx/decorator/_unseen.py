@@ -23,9 +23,10 @@ from devicectx.move._unseen import (
     attribute_of,
     fix_for,
     is_device_mismatch,
-    mismatched_devices,
     own_to_fix,
+    stored_device_fix,
     stored_devices,
+    stray_device,
     unseen_tensors,
 )
 from devicectx.move._walk import iter_tensors
@@ -180,11 +181,9 @@ def _made_elsewhere(
     name (a device its arguments stored, ``self.device``, named as such), made over numpy's
     memory, or read from a global or a closure, none of which the scope or the move
     reaches. None where torch's words do not name such a device."""
-    pair = mismatched_devices(error)
-    others = [] if pair is None else [d for d in pair if d != target]
-    if len(others) != 1:
+    stray = stray_device(error, target)
+    if stray is None:
         return None
-    stray = others[0]
     stored = stored_devices(named, stray)
     if stored:
         lines = [
@@ -193,10 +192,7 @@ def _made_elsewhere(
             f"    {stray} <- {', '.join(stored)}",
             f"target {target} (from {reason})",
             f"torch said: {_first_line(error)}",
-            f"fix: read the device where the tensors are made, from the inputs "
-            f"(device=x.device) or the module's parameters (next(self.parameters()).device), "
-            f"not {stored[0]}: model.to() moves a module's tensors, not a device it stored "
-            f"when it was built",
+            f"fix: {stored_device_fix(stored[0])}",
         ]
         return DeviceMismatchError(
             "\n".join(lines), devices={stray: stored}, target=target, reason=reason

@@ -39,6 +39,8 @@ from devicectx.move._kinds import CONTAINER, LEAF, MODULE, OWN, TENSOR
 from devicectx.move._own_to import shallow_copy
 from devicectx.move._paths import ATTR, join, keyed_modules, module_path
 
+# The two devices named by torch's mismatch errors: the dispatcher's, a kernel's check, and
+# the argument check of newer releases.
 _TWO_DEVICES = re.compile(
     r"found at least two devices, (?P<a>[\w:]+) and (?P<b>[\w:]+)!"
     r"|Tensor on device (?P<c>[\w:]+) is not on the expected device (?P<d>[\w:]+)!"
@@ -124,6 +126,24 @@ def mismatched_devices(error: BaseException) -> tuple[torch.device, torch.device
         return torch.device(first), torch.device(second)
     except RuntimeError:
         return None
+
+
+def stray_device(error: BaseException, device: torch.device) -> torch.device | None:
+    """The device torch's mismatch error names beside ``device`` (the one a call ran
+    for); None where its words do not name exactly one other."""
+    pair = mismatched_devices(error)
+    others = [] if pair is None else [d for d in pair if d != device]
+    return others[0] if len(others) == 1 else None
+
+
+def stored_device_fix(path: str) -> str:
+    """The fix for a tensor put off the device by a ``torch.device`` stored at ``path``
+    (``self.device``) when its object was built."""
+    return (
+        f"read the device where the tensors are made, from the inputs (device=x.device) or "
+        f"the module's parameters (next(self.parameters()).device), not {path}: model.to() "
+        f"moves a module's tensors, not a device it stored when it was built"
+    )
 
 
 def stored_devices(named: Iterable[tuple[str, Any]], stray: torch.device) -> list[str]:
@@ -457,13 +477,11 @@ def class_path(tp: type) -> str:
     if not _in_torch(tp):
         return tp.__qualname__
     parts = tp.__module__.split(".")
-    top = tp.__qualname__.split(".")[0]
-    for end in range(1, len(parts) + 1):
+    top = tp.__qualname__.split(".")[0]  # the class at the module's top that holds tp
+    outer = getattr(sys.modules[tp.__module__], top, None)
+    for end in range(1, len(parts)):
         prefix = ".".join(parts[:end])
-        module = sys.modules.get(prefix)
-        if module is not None and getattr(module, top, None) is sys.modules[
-            tp.__module__
-        ].__dict__.get(top):
+        if getattr(sys.modules.get(prefix), top, None) is outer:
             return f"{prefix}.{tp.__qualname__}"
     return f"{tp.__module__}.{tp.__qualname__}"
 
@@ -471,9 +489,8 @@ def class_path(tp: type) -> str:
 def register_call(tp: type, names: Sequence[str]) -> str:
     """The ``register_container`` call that teaches the walk ``tp`` through its attributes
     ``names``, runnable as written (after ``import copy``, and ``import torch`` for one of
-    torch's types): its rebuild sets the moved
-    children on a shallow copy, which keeps every other attribute, as a plain object's
-    copy needs."""
+    torch's types): its rebuild sets the moved children on a shallow copy, which keeps
+    every other attribute, as a plain object's copy needs."""
     listed = ", ".join(f'("{name}", obj.{name})' for name in names)
     sets = "".join(f', setattr(clone, "{name}", new[{i}])' for i, name in enumerate(names))
     return (

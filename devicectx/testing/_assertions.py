@@ -23,8 +23,9 @@ from devicectx.move._unseen import (
     Unseen,
     fix_for,
     is_device_mismatch,
-    mismatched_devices,
+    stored_device_fix,
     stored_devices,
+    stray_device,
     unseen_tensors,
 )
 from devicectx.testing._compare import Hints, Run, compare, memory_of, moves_to
@@ -347,17 +348,12 @@ def _raised(
         if made:
             lines.append(f"  tensors {name} made during the call, kept off {device}:")
             lines += [f"    {u.device} <- {u.path} (in {u.holder.__qualname__})" for u in made]
-        stray = _stray_device(error, device)
+        stray = stray_device(error, device)
         stored = [] if stray is None else stored_devices(named_arguments(*call), stray)
         if stored:
             lines.append("  devices stored in the call's objects, which may have put it there:")
             lines += [f"    {stray} <- {path}" for path in stored]
-            lines.append(
-                f"fix: read the device where the tensors are made, from the inputs "
-                f"(device=x.device) or the module's parameters "
-                f"(next(self.parameters()).device), not {stored[0]}: model.to() moves a "
-                f"module's tensors, not a device it stored when it was built"
-            )
+            lines.append(f"fix: {stored_device_fix(stored[0])}")
             return "\n".join(lines)
         if stray is not None and stray.type == device.type:
             lines.append(
@@ -524,14 +520,6 @@ def _unseen(
     caller = named_arguments(inputs.fn, inputs.args, inputs.kwargs)
     before = {u.path for u in unseen_tensors(caller)}
     return [u for u in after if u.path in before], [u for u in after if u.path not in before]
-
-
-def _stray_device(error: Exception, device: torch.device) -> torch.device | None:
-    """The other device torch's mismatch error names beside ``device``; None where its
-    words name no two devices."""
-    named = mismatched_devices(error)
-    others = [] if named is None else [d for d in named if d != device]
-    return others[0] if len(others) == 1 else None
 
 
 def _made_without_device(name: str, decorate: str | None, device: torch.device) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import types
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -118,8 +119,8 @@ def tensors(
         given_shape = _as_shape(shapes)
         example = (5,) if given_shape is None else given_shape
         msg = (
-            f"tensors(shapes={shapes!r}): takes a hypothesis strategy of shapes, not a "
-            f"{type(shapes).__name__}\nfix: tensors(shapes=st.just({example!r}))"
+            f"tensors(shapes={shapes!r}): takes a hypothesis strategy of shapes, not "
+            f"{with_article(type(shapes).__name__)}\nfix: tensors(shapes=st.just({example!r}))"
         )
         raise TypeError(msg)
     return _tensors(shape_strategy, _placed_dtypes(device_strategy, dtype_choice), requires_grad)
@@ -169,8 +170,8 @@ def nested(
     """
     if not isinstance(max_depth, int) or isinstance(max_depth, bool):
         msg = (
-            f"nested(max_depth={max_depth!r}): takes an int, not a "
-            f"{type(max_depth).__name__}\nfix: nested(max_depth=3)"
+            f"nested(max_depth={max_depth!r}): takes an int, not "
+            f"{with_article(type(max_depth).__name__)}\nfix: nested(max_depth=3)"
         )
         raise TypeError(msg)
     if max_depth < 0:
@@ -178,8 +179,9 @@ def nested(
         raise ValueError(msg)
     if leaves is not None and not isinstance(leaves, st.SearchStrategy):
         msg = (
-            f"nested(leaves={leaves!r}): takes a hypothesis strategy of tensors, not a "
-            f"{type(leaves).__name__}\nfix: nested(strategies.tensors(devices=['cpu']))"
+            f"nested(leaves={leaves!r}): takes a hypothesis strategy of tensors, not "
+            f"{with_article(type(leaves).__name__)}\n"
+            f"fix: nested(strategies.tensors(devices=['cpu']))"
         )
         raise TypeError(msg)
     source = leaves if leaves is not None else tensors(devices=["cpu"])
@@ -339,7 +341,9 @@ def _checked_dtype(dtype: Any, *, drawn: bool) -> torch.dtype:
         )
         raise TypeError(msg)
     try:
-        torch.zeros(1).to(dtype)
+        with warnings.catch_warnings():  # complex32's "experimental" warning is the draws'
+            warnings.simplefilter("ignore")
+            torch.zeros(1).to(dtype)
     except (RuntimeError, TypeError):
         msg = (
             f"tensors(dtypes=...): {how} {dtype}, which tensors() cannot fill with values "
