@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -16,11 +17,17 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
 
-from devicectx import available_devices, find_devices, to_device
+from devicectx import (
+    DeviceUnavailableError,
+    InvalidDeviceError,
+    available_devices,
+    find_devices,
+    to_device,
+)
 from devicectx.testing import emulated
 from devicectx.testing.strategies import KINDS, devices, kind_of, nested, tensors
 
@@ -312,6 +319,127 @@ def test_what_a_strategy_argument_draws_is_checked_with_our_message(
     assert expected == str(raised.value).splitlines()
 
 
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (
+            lambda: tensors(requires_grad="yes"),
+            [
+                "tensors(requires_grad='yes'): takes True or False, not a str",
+                "fix: tensors(requires_grad=True), or requires_grad=False",
+            ],
+        ),
+        (
+            lambda: devices(allow_meta=None),
+            [
+                "devices(allow_meta=None): takes True or False, not a NoneType",
+                "fix: devices(allow_meta=True), or allow_meta=False",
+            ],
+        ),
+        (
+            lambda: nested(plain_values=0),
+            [
+                "nested(plain_values=0): takes True or False, not an int",
+                "fix: nested(plain_values=False)",
+            ],
+        ),
+        (
+            lambda: nested(views="no"),
+            [
+                "nested(views='no'): takes True or False, not a str",
+                "fix: nested(views=True), or views=False",
+            ],
+        ),
+        (
+            lambda: tensors(shapes=5),  # type: ignore[arg-type]
+            [
+                "tensors(shapes=5): takes a hypothesis strategy of shapes, not an int",
+                "fix: tensors(shapes=st.just((5,)))",
+            ],
+        ),
+    ],
+    ids=["requires_grad", "allow_meta", "plain_values", "views", "shape-int"],
+)
+def test_flags_that_are_no_bool_are_refused_when_the_strategy_is_built(
+    build: Any, expected: list[str]
+) -> None:
+    """A switch given something other than True or False (``"no"`` is true) is refused
+    where the strategy is built, with the fix; so is a shape given as an int."""
+    with pytest.raises(TypeError) as raised:
+        build()
+    assert expected == str(raised.value).splitlines()
+
+
+@pytest.mark.parametrize(
+    ("given_devices", "error", "first_line"),
+    [
+        ("banana", InvalidDeviceError, "tensors(devices='banana'): invalid device 'banana'"),
+        (["cpu", 99], DeviceUnavailableError, "tensors(devices=['cpu', 99]): device 99 is not"),
+    ],
+    ids=["invalid", "unavailable"],
+)
+def test_a_listed_device_that_is_no_device_here_names_the_argument(
+    given_devices: Any, error: type[Exception], first_line: str
+) -> None:
+    """A device spec that is malformed or not on this machine is refused where the
+    strategy is built, in resolve_device's words after the strategy and argument."""
+    with pytest.raises(error) as raised:
+        tensors(devices=given_devices)
+    assert str(raised.value).startswith(first_line)
+    assert "\nfix: " in str(raised.value) or "\nvalid forms: " in str(raised.value)
+
+
+def test_a_device_strategy_may_draw_device_specs() -> None:
+    """A strategy of device specs (``"cpu"``, as the list form takes) draws tensors on
+    those devices: a str drawn failed with an AttributeError about ``.type``."""
+    found = drawn(tensors(devices=st.sampled_from(["cpu", "meta"])), examples=30)
+    assert {torch.device("cpu"), META} == {t.device for t in found}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "error", "expected"),
+    [
+        (
+            st.just(1.5),
+            TypeError,
+            [
+                "tensors(devices=...): drew 1.5 (a float), not a device",
+                "fix: tensors(devices=st.sampled_from(['cpu', 'meta']))",
+            ],
+        ),
+        (
+            st.just("banana"),
+            InvalidDeviceError,
+            [
+                "tensors(devices=...): drew 'banana': invalid device 'banana': unknown device "
+                "type 'banana'"
+            ],
+        ),
+    ],
+    ids=["float", "invalid"],
+)
+def test_what_a_device_strategy_draws_is_checked_with_our_message(
+    strategy: st.SearchStrategy[Any], error: type[Exception], expected: list[str]
+) -> None:
+    """A drawn value that is no device spec is named, with the strategy and argument."""
+    with pytest.raises(error) as raised:
+        drawn(tensors(devices=strategy), examples=1)
+    lines = str(raised.value).splitlines()
+    assert expected == lines[: len(expected)]
+
+
+def test_a_dtype_torch_cannot_fill_that_is_not_quantized_gets_no_quantize_fix() -> None:
+    """bits8 (like uint1 or float4) is refused as no dtype tensors() can fill, with no
+    advice to quantize: the fix is a dtype it can fill."""
+    with pytest.raises(TypeError) as raised:
+        tensors(dtypes=[torch.bits8])
+    assert [
+        "tensors(dtypes=...): got torch.bits8, which tensors() cannot fill with values "
+        "(torch makes no values of it from numbers)",
+        "fix: tensors(dtypes=[torch.float32])",
+    ] == str(raised.value).splitlines()
+
+
 def test_a_failing_example_prints_the_tensor_drawn() -> None:
     """A user's failing property test prints the tensor as torch does, which they can
     read and paste, not a call of the strategies' private helper."""
@@ -326,6 +454,54 @@ def test_a_failing_example_prints_the_tensor_drawn() -> None:
     notes = "\n".join(getattr(raised.value, "__notes__", []))
     assert "fails(\n    t=tensor(" in notes
     assert "_make_tensor" not in notes
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failing_nested_example_prints_values_not_private_helpers(kind: str) -> None:
+    """A failing example holding any container kind prints the values (reprs a user can
+    read and paste), not calls of the strategies' private helpers (``_packed``, ``_box``,
+    ``_chained``), which hypothesis prints for what st.builds or .map made."""
+
+    @settings(max_examples=1000, database=None, derandomize=True, phases=[Phase.generate])
+    @given(nested(max_depth=1))
+    def fails(batch: Any) -> None:
+        found = list(preorder(batch))
+        has_tensor = any(isinstance(o, torch.Tensor) for o in found)
+        assert not (has_tensor and any(kind_of(o) == kind for o in found))
+
+    with pytest.raises(AssertionError) as raised:
+        fails()
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "tensor(" in notes
+    assert [] == re.findall(r"\b_[a-z]\w*\(|lambda", notes), notes
+    if kind in ("dataclass", "list subclass", "tuple subclass"):  # late=, not a plain list
+        assert re.search(r"late=|TaggedList\(|TupleOf\(", notes)
+
+
+def test_a_failing_nested_example_shrinks_to_a_small_one() -> None:
+    """Shrinking still reaches a small structure: a mover that knows dicts, lists and
+    tuples alone fails on one small container of another kind, holding one tensor."""
+
+    def naive_move(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj.to(META)
+        if type(obj) in (list, tuple):
+            return type(obj)(naive_move(o) for o in obj)
+        if type(obj) is dict:
+            return {k: naive_move(v) for k, v in obj.items()}
+        return obj
+
+    @settings(max_examples=100, database=None, derandomize=True)
+    @given(nested(max_depth=1, plain_values=False, views=False))
+    def fails(batch: Any) -> None:
+        assert {META} >= set(find_devices(naive_move(batch)))
+
+    with pytest.raises(AssertionError) as raised:
+        fails()
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    example = notes[notes.index("fails(") : notes.index("\n)")]
+    assert example.count("tensor(") <= 2
+    assert len(example) < 120
 
 
 def test_a_shape_drawn_as_one_int_is_a_one_dimensional_shape() -> None:

@@ -33,7 +33,7 @@ import torch
 from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
 
-from devicectx._errors import with_article
+from devicectx._errors import DeviceUnavailableError, InvalidDeviceError, with_article
 from devicectx.devices._capabilities import nearest_dtype, supports_dtype
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 
@@ -47,6 +47,7 @@ __all__ = [
 
 _META = torch.device("meta")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.bool)
+_QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
 
 
 def devices(*, allow_meta: bool = False) -> st.SearchStrategy[torch.device]:
@@ -55,7 +56,11 @@ def devices(*, allow_meta: bool = False) -> st.SearchStrategy[torch.device]:
     Args:
         allow_meta: also draw ``meta``, the second device of a machine without an
             accelerator: tensors on it have shapes and dtypes but no values.
+
+    Raises:
+        TypeError: ``allow_meta`` is not True or False.
     """
+    _check_flag("devices", "allow_meta", allow_meta)
     found = available_devices()
     return st.sampled_from([*found, _META] if allow_meta else found)
 
@@ -81,9 +86,9 @@ def tensors(
         >>> test_float32_on_the_cpu()
 
     Args:
-        devices: a strategy of devices, one device spec (``"cpu"``, ``torch.device``),
-            or a list of them; default :func:`devices` (this machine's devices, no
-            ``meta``).
+        devices: a strategy of devices (or of device specs), one device spec
+            (``"cpu"``, ``torch.device``), or a list of them; default :func:`devices`
+            (this machine's devices, no ``meta``).
         dtypes: a strategy of dtypes, one dtype, or a list; default float32/64/16,
             int64/32, bool. Each tensor gets one its device holds
             (:func:`~devicectx.supports_dtype`): on an MPS-like device (MPS, or the
@@ -94,17 +99,26 @@ def tensors(
         requires_grad: make floating-point tensors leaves that require grad.
 
     Raises:
-        TypeError: ``devices`` or ``dtypes`` is neither a strategy, one value, nor a list.
+        TypeError: ``devices`` or ``dtypes`` is neither a strategy, one value, nor a list;
+            a dtype is a str (``"float32"``: torch's dtypes are objects) or one
+            ``tensors`` cannot fill with values (a quantized dtype); ``shapes`` is no
+            strategy; ``requires_grad`` is not True or False. When drawn: a strategy
+            drew a value of the wrong kind.
         ValueError: ``devices`` or ``dtypes`` is an empty list; or, when drawn, a device
             holds none of the listed dtypes, or neither a drawn dtype nor one near it.
+        devicectx.InvalidDeviceError: a device spec is malformed (``"gpu"``), where
+            the strategy is built or, from a strategy, when drawn.
+        devicectx.DeviceUnavailableError: a device is not on this machine.
     """
+    _check_flag("tensors", "requires_grad", requires_grad)
     if devices is None:
         device_strategy = _machine_devices()
     elif isinstance(devices, st.SearchStrategy):
         device_strategy = devices
     else:
         listed = _listed("devices", devices, (str, torch.device, int), example="['cpu']")
-        device_strategy = st.sampled_from([resolve_device(spec) for spec in listed])
+        call = f"tensors(devices={devices!r})"
+        device_strategy = st.sampled_from([_resolved(spec, call) for spec in listed])
     if dtypes is None:
         dtype_choice: st.SearchStrategy[torch.dtype] | list[torch.dtype] = list(_DTYPES)
     elif isinstance(dtypes, st.SearchStrategy):
@@ -164,10 +178,18 @@ def nested(
             with memory of its own (still at several places), for properties that count
             copies or bytes.
 
+    Raises:
+        TypeError: ``leaves`` is no strategy, or (when drawn) drew something other than
+            a tensor; ``max_depth`` is no int; ``plain_values`` or ``views`` is not True
+            or False.
+        ValueError: ``max_depth`` is negative.
+
     An example holds up to 125 tensor leaves at the default depth, so hypothesis may warn
     of an overly large repr (``HypothesisWarning``) where it prints one; ``max_depth=2``
-    draws smaller structures.
+    draws smaller structures. A failing example prints each structure as its repr.
     """
+    _check_flag("nested", "plain_values", plain_values)
+    _check_flag("nested", "views", views)
     if not isinstance(max_depth, int) or isinstance(max_depth, bool):
         msg = (
             f"nested(max_depth={max_depth!r}): takes an int, not "
@@ -206,6 +228,16 @@ class Box:
     label: str = "box"
     late: Any = dataclasses.field(init=False, default=None)
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Print as the repr does, ``late`` included: hypothesis's printer, which calls
+        this, shows only the fields the constructor takes, so a failing example would
+        hide what ``late`` holds."""
+        printer.text("Box(value=")
+        printer.pretty(self.value)
+        printer.text(f", label={self.label!r}, late=")
+        printer.pretty(self.late)
+        printer.text(")")
+
 
 @dataclasses.dataclass(frozen=True)
 class FrozenBox:
@@ -227,9 +259,23 @@ class TaggedList(list[Any]):
 
     tag = "tagged"
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Print with the type's name: hypothesis's printer would show a plain list."""
+        _pretty_call(printer, "TaggedList", list(self))
+
 
 class TupleOf(tuple[Any, ...]):
     """A tuple subclass that is no namedtuple."""
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Print with the type's name: hypothesis's printer would show a plain tuple."""
+        _pretty_call(printer, "TupleOf", tuple(self))
+
+
+def _pretty_call(printer: Any, name: str, argument: Any) -> None:
+    printer.text(f"{name}(")
+    printer.pretty(argument)
+    printer.text(")")
 
 
 class FrozenMap(Mapping[Any, Any]):
@@ -345,13 +391,23 @@ def _checked_dtype(dtype: Any, *, drawn: bool) -> torch.dtype:
             warnings.simplefilter("ignore")
             torch.zeros(1).to(dtype)
     except (RuntimeError, TypeError):
-        msg = (
+        raise TypeError(_unfillable(dtype, how)) from None
+    return dtype
+
+
+def _unfillable(dtype: torch.dtype, how: str) -> str:
+    """The message for a dtype torch makes no tensor of from numbers: quantized ones are
+    made from float tensors (the fix says how); bits, sub-byte and packed ones not at all."""
+    if dtype in _QUANTIZED:
+        return (
             f"tensors(dtypes=...): {how} {dtype}, which tensors() cannot fill with values "
             f"(torch makes it only from other tensors: quantized dtypes)\n"
             f"fix: tensors(dtypes=[torch.float32]), and torch.quantize_per_tensor in the test"
         )
-        raise TypeError(msg) from None
-    return dtype
+    return (
+        f"tensors(dtypes=...): {how} {dtype}, which tensors() cannot fill with values "
+        f"(torch makes no values of it from numbers)\nfix: tensors(dtypes=[torch.float32])"
+    )
 
 
 def _checked_shape(shape: Any) -> tuple[int, ...]:
@@ -386,7 +442,7 @@ def _listed(name: str, given: Any, one: tuple[type, ...], *, example: str) -> li
     if isinstance(given, (bytes, Mapping)) or not isinstance(given, Iterable):
         msg = (
             f"tensors({name}={given!r}): takes a hypothesis strategy, one value or a list, "
-            f"not a {type(given).__name__}\nfix: tensors({name}={example})"
+            f"not {with_article(type(given).__name__)}\nfix: tensors({name}={example})"
         )
         raise TypeError(msg)
     values = list(given)
@@ -394,6 +450,42 @@ def _listed(name: str, given: Any, one: tuple[type, ...], *, example: str) -> li
         msg = f"tensors({name}={given!r}): nothing to draw from\nfix: tensors({name}={example})"
         raise ValueError(msg)
     return values
+
+
+def _check_flag(strategy: str, name: str, value: object) -> None:
+    """Refuse a switch that is not True or False: ``"no"`` would be true."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):  # 0 or 1: the switch it stands for
+        fix = f"{strategy}({name}={bool(value)})"
+    else:
+        fix = f"{strategy}({name}=True), or {name}=False"
+    msg = (
+        f"{strategy}({name}={value!r}): takes True or False, not "
+        f"{with_article(type(value).__name__)}\nfix: {fix}"
+    )
+    raise TypeError(msg)
+
+
+def _resolved(spec: DeviceLike, call: str) -> torch.device:
+    """``spec`` resolved; its error, which has the fix, begins with the strategy's call."""
+    try:
+        return resolve_device(spec)
+    except (InvalidDeviceError, DeviceUnavailableError) as error:
+        raise type(error)(f"{call}: {error}") from None
+
+
+def _drawn_device(value: object) -> torch.device:
+    """A device a ``devices=`` strategy drew: a spec (``"cpu"``) as the list form takes."""
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        return _resolved(value, f"tensors(devices=...): drew {value!r}")
+    msg = (
+        f"tensors(devices=...): drew {value!r} ({with_article(type(value).__name__)}), not "
+        f"a device\nfix: tensors(devices=st.sampled_from(['cpu', 'meta']))"
+    )
+    raise TypeError(msg)
 
 
 @st.composite
@@ -404,7 +496,7 @@ def _placed_dtypes(
 ) -> tuple[torch.device, torch.dtype]:
     """A device, and a dtype it holds: asked at each draw, since what a device holds can
     change in a run (the emulated accelerator's profiles)."""
-    device = draw(devices)
+    device = _drawn_device(draw(devices))
     if isinstance(dtypes, st.SearchStrategy):
         # Replaced, not filtered out: a strategy of dtypes the device cannot hold would end
         # in hypothesis's "filtering too much", which says nothing of dtypes.
@@ -492,7 +584,7 @@ def _views(draw: st.DrawFn, bases: Sequence[torch.Tensor], max_size: int) -> lis
 def _pool(
     draw: st.DrawFn, leaves: st.SearchStrategy[torch.Tensor], with_views: bool
 ) -> list[torch.Tensor]:
-    leaves = leaves.map(_checked_leaf)
+    leaves = _built(_checked_leaf, leaves)
     if not with_views:
         return draw(st.lists(leaves, min_size=1, max_size=4))
     bases = draw(st.lists(leaves, min_size=1, max_size=2))
@@ -516,6 +608,11 @@ def _checked_leaf(leaf: Any) -> torch.Tensor:
     return leaf
 
 
+# On a line of its own: hypothesis reads a lambda's source to print what it made, and some
+# releases cannot read one written inside a list.
+_GENERATORS = st.integers(0, 3).map(lambda n: (i for i in range(n)))
+
+
 def _plain_values() -> st.SearchStrategy[Any]:
     values: list[st.SearchStrategy[Any]] = [
         st.none(),
@@ -526,10 +623,10 @@ def _plain_values() -> st.SearchStrategy[Any]:
         st.binary(max_size=3),
         st.sampled_from([torch.float32, torch.int64]),
         st.just(torch.device("cpu")),
-        st.lists(st.integers(0, 3), max_size=3).map(torch.Size),
+        _built(torch.Size, st.lists(st.integers(0, 3), max_size=3)),
         st.integers(0, 5).map(range),
         st.lists(st.integers(), max_size=3).map(iter),
-        st.integers(0, 3).map(lambda n: (i for i in range(n))),
+        _GENERATORS,
     ]
     try:
         import numpy as np
@@ -564,32 +661,42 @@ def _containers(
     keys = st.sampled_from(["a", "b", "mask", "ids", 0, 1])
     small = st.lists(child, min_size=2, max_size=5)
     mapping = st.dictionaries(keys, child, min_size=2, max_size=5)
+    hashables = st.lists(hashable, max_size=3)
     return _weighted(
         [
             small,
-            small.map(tuple),
-            st.builds(Pair, child, child),
-            st.builds(lambda a, b: torch.return_types.max((a, b)), child, child),
+            _built(tuple, small),
+            _built(Pair, child, child),
+            _built(lambda a, b: torch.return_types.max((a, b)), child, child),
             mapping,
-            mapping.map(collections.OrderedDict),
-            mapping.map(lambda m: collections.defaultdict(list, m)),
-            st.builds(_chained, mapping, st.integers(0, 5)),
-            mapping.map(types.MappingProxyType),
-            st.builds(collections.deque, small, st.sampled_from([None, 5])),
-            st.lists(hashable, max_size=3).map(set),
-            st.lists(hashable, max_size=3).map(frozenset),
-            st.builds(_box, child, child),
-            st.builds(FrozenBox, child, child),
-            st.builds(SlottedBox, child),
-            tensor.map(_packed),
-            mapping.map(collections.UserDict),
-            mapping.map(FrozenMap),
-            small.map(collections.UserList),
-            small.map(TaggedList),
-            small.map(TupleOf),
-            st.sampled_from([list, tuple, dict]).map(lambda empty: empty()),
+            _built(collections.OrderedDict, mapping),
+            _built(lambda m: collections.defaultdict(list, m), mapping),
+            _built(_chained, mapping, st.integers(0, 5)),
+            _built(types.MappingProxyType, mapping),
+            _built(collections.deque, small, st.sampled_from([None, 5])),
+            _built(set, hashables),
+            _built(frozenset, hashables),
+            _built(_box, child, child),
+            _built(FrozenBox, child, child),
+            _built(SlottedBox, child),
+            _built(_packed, tensor),
+            _built(collections.UserDict, mapping),
+            _built(FrozenMap, mapping),
+            _built(collections.UserList, small),
+            _built(TaggedList, small),
+            _built(TupleOf, small),
+            _built(lambda empty: empty(), st.sampled_from([list, tuple, dict])),
         ]
     )
+
+
+@st.composite
+def _built(draw: st.DrawFn, make: Callable[..., Any], *parts: st.SearchStrategy[Any]) -> Any:
+    """``make`` called on a value drawn from each of ``parts``. Drawn here, not with
+    ``st.builds`` or ``.map``: for what those make, a failing example prints the call
+    (``_packed(tensor(...))``, this module's private helpers); for what is made here, it
+    prints the value's repr, which shrinks the same."""
+    return make(*[draw(part) for part in parts])
 
 
 def _weighted(choices: list[st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
