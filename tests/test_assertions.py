@@ -523,6 +523,71 @@ def test_an_op_the_first_device_lacks_is_named_too() -> None:
     ] == message_lines(raised)
 
 
+def sparse_doubled(x: torch.Tensor) -> torch.Tensor:
+    """Sparse COO ops: the emulated accelerator has no kernels for them, and meta has none
+    for ``to_sparse``."""
+    return (x.to_sparse() * 2).to_dense()
+
+
+@pytest.mark.requires_device("accelerator")
+def test_an_op_meta_lacks_too_gets_no_fix_that_sends_the_check_to_meta() -> None:
+    """Where meta lacks the op too, leaving the device out for meta would fail again: the
+    fix says so and gives what works, the op on the CPU in fn."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the op missing here is one the emulated accelerator lacks")
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(sparse_doubled, torch.ones(2, 2), devices=["cpu", device])
+    assert (
+        "fix: run that op on the CPU in sparse_doubled where emu:0 lacks it (x.cpu(), then "
+        ".to(x.device) on its result), or check sparse_doubled where another accelerator is "
+        "(devices=['cpu', 'cuda']): leaving emu:0 out here leaves the CPU alone, as meta "
+        "lacks an op sparse_doubled needs too (aten::_to_sparse)"
+    ) == message_lines(raised)[-1]
+
+    def on_the_cpu(x: torch.Tensor) -> torch.Tensor:
+        return sparse_doubled(x.cpu()).to(x.device)
+
+    assert_device_agnostic(on_the_cpu, torch.ones(2, 2), devices=["cpu", device])
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_missing_op_fix_leaves_out_the_whole_backend_and_meta_where_it_fails() -> None:
+    """The other devices of the backend lack the op too, so the fix leaves them out with
+    it; meta listed after the device is left out as well where fn fails on it."""
+    device, second = accelerator(), accelerator(1) if torch.accelerator.device_count() > 1 else None
+    if device.type != "emu" or second is None:
+        pytest.skip("needs two emulated devices (the suite's --devicectx-accelerator=emulated)")
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(
+            sparse_doubled, torch.ones(2, 2), devices=["cpu", device, second, "meta", "cpu"]
+        )
+    assert message_lines(raised)[-1].startswith("fix: run that op on the CPU in sparse_doubled")
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(masked_double, torch.ones(3), devices=["cpu", device, second])
+    assert (f"fix: leave emu:0 out: devices=['cpu', 'meta'] ({LEAVE_OUT_META})") == message_lines(
+        raised
+    )[-1]
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_missing_op_fix_names_why_meta_fails_where_it_is_no_op() -> None:
+    """fn failing on meta for another reason (values read to the host) is named too."""
+    device = accelerator()
+    if device.type != "emu":
+        pytest.skip("the op missing here is one the emulated accelerator lacks")
+
+    def masked_total(x: torch.Tensor) -> float:
+        return float(masked_double(x).sum())
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(masked_total, torch.ones(3), devices=["cpu", device])
+    assert message_lines(raised)[-1].endswith(
+        "as meta fails masked_total too (RuntimeError: Tensor.item() cannot be called on "
+        "meta tensors)"
+    )
+
+
 MPS_MISSING = (
     "The operator 'aten::_masked_scale' is not currently implemented for the MPS device. If "
     "you want this op to be considered for addition please comment on "

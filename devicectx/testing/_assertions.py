@@ -379,7 +379,7 @@ def _raised(
             f"  {device} has no kernel for {op}: an op the device's backend lacks (torch's "
             f"gap, not {name}'s{ran})"
         )
-        lines.append(f"fix: {_missing_op_fix(device, inputs.devices, mps)}")
+        lines.append(f"fix: {_missing_op_fix(inputs, device, mps)}")
         return "\n".join(lines)
     lacked = _lacked_dtype(error, device)
     if lacked is not None:  # the device's gap, on the first device too
@@ -468,14 +468,72 @@ def _trimmed(error: Exception, missing: tuple[str, bool] | None) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-def _missing_op_fix(device: torch.device, devices: list[torch.device], mps: bool) -> str:
-    leave = leave_out(device, devices)
+def _missing_op_fix(inputs: Inputs, device: torch.device, mps: bool) -> str:
+    leave = _leave_out_lacking(inputs, device)
     if not mps:
         return leave
     return (
         "run with MPS's CPU fallback for the ops it lacks, set before Python starts "
         f"(PYTORCH_ENABLE_MPS_FALLBACK=1 pytest ...), or {leave}"
     )
+
+
+def _leave_out_lacking(inputs: Inputs, device: torch.device) -> str:
+    """The fix that leaves ``device`` out where it lacks an op: to meta, as for any device,
+    only where ``fn`` runs there (meta lacks many ops an accelerator lacks: sparse ones),
+    else to an accelerator of this machine, or an op on the CPU in ``fn``."""
+    name = inputs.name
+    # A backend lacks the op on each of its devices.
+    devices = [d for d in inputs.devices if d == device or d.type != device.type]
+    others = [d for d in devices if d != device]
+    if device.type == "meta" or not (_META in others or len(others) < 2):
+        return leave_out(device, devices)
+    # Made as every run is, from the caller's objects; a run on meta before this one
+    # succeeded, which settles it.
+    ran = inputs.devices[: inputs.devices.index(device)]
+    why = None if _META in ran else _fails_on_meta(inputs)
+    if why is None:
+        return leave_out(device, devices)
+    kept = list(dict.fromkeys(str(d) for d in others if d != _META))
+    accelerators = [
+        str(d)
+        for d in available_devices()
+        if d.type not in ("cpu", device.type) and d not in others
+    ]
+    if len(kept) >= 2:
+        return f"leave {device} and meta out: devices={kept!r} (meta {why})"
+    if accelerators:
+        pair = [*(kept or ["cpu"]), accelerators[0]]
+        return f"leave {device} out: devices={pair!r} (meta, the usual second device, {why})"
+    return (
+        f"run that op on the CPU in {name} where {device} lacks it (x.cpu(), then "
+        f".to(x.device) on its result), or check {name} where another accelerator is "
+        f"(devices=['cpu', 'cuda']): leaving {device} out here leaves the CPU alone, as "
+        f"meta {why}"
+    )
+
+
+# torch's words where meta has no kernel for an op (a fake or Meta one).
+_NO_META_KERNEL = re.compile(r"^(?P<op>\w+::[\w.]+): attempted to run this operator with Meta")
+
+
+def _fails_on_meta(inputs: Inputs) -> str | None:
+    """Why ``fn`` cannot run on meta, as the fix says it ("lacks an op fn needs too
+    (aten::_to_sparse)"), or None where it runs there."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call_fn, args, kwargs = inputs.on(_META)
+            call_fn(*args, **kwargs)
+    except Exception as error:  # whatever stops fn there makes meta no second device
+        missing = _missing_op(error)
+        found = _NO_META_KERNEL.search(str(error))
+        op = missing[0] if missing else found["op"] if found else None
+        if op is not None:
+            return f"lacks an op {inputs.name} needs too ({op})"
+        first = str(error).strip().split("\n")[0].split(". ")[0]
+        return f"fails {inputs.name} too ({type(error).__name__}: {first})"
+    return None
 
 
 def _host_fix(
