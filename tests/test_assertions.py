@@ -588,6 +588,42 @@ def test_a_missing_op_fix_names_why_meta_fails_where_it_is_no_op() -> None:
     )
 
 
+def positives(x: torch.Tensor) -> torch.Tensor:
+    return x[x > 0]  # nonzero: a shape that depends on the values
+
+
+def test_an_op_whose_shape_needs_values_is_no_gap_of_fn_on_meta() -> None:
+    """Boolean indexing (nonzero) on meta: told as meta having no values, with an
+    accelerator as the fix; leaving meta out would leave the CPU alone, whose warning sent
+    the check back to meta."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(positives, torch.tensor([1.0, -1.0]), devices=CPU_META)
+    lines = message_lines(raised)
+    assert "(the rest of torch's text left out)" in lines[1]  # torch's words vary by release
+    assert [
+        "positives is not device-agnostic: it raised on meta, not on cpu:",
+        "  meta has no values, and aten::nonzero makes a tensor whose shape depends on them "
+        "(torch's gap, not positives's: it ran on cpu)",
+        f"fix: {instead_of_meta()}",
+    ] == [lines[0], *lines[2:]]
+
+
+def test_an_op_meta_has_no_kernel_for_is_named_with_its_fix() -> None:
+    """meta's own words for an op it has no kernel for (no fake impl): named as its gap,
+    its long advice on fake impls left out, and an accelerator as the fix."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(sparse_doubled, torch.ones(2, 2), devices=CPU_META)
+    assert [
+        "sparse_doubled is not device-agnostic: it raised on meta, not on cpu:",
+        "    NotImplementedError: aten::_to_sparse: attempted to run this operator with Meta "
+        "tensors, but there was no fake impl or Meta kernel registered. (the rest of torch's "
+        "text left out)",
+        "  meta has no kernel for aten::_to_sparse: an op the device's backend lacks (torch's "
+        "gap, not sparse_doubled's: it ran on cpu)",
+        f"fix: {instead_of_meta()}",
+    ] == message_lines(raised)
+
+
 MPS_MISSING = (
     "The operator 'aten::_masked_scale' is not currently implemented for the MPS device. If "
     "you want this op to be considered for addition please comment on "

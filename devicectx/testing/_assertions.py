@@ -10,6 +10,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +44,28 @@ _NO_CUDA = (
 _NO_KERNEL = re.compile(r"Could not run '(?P<op>[^']+)' with arguments from the '[^']+' backend\.")
 _MPS_NO_KERNEL = re.compile(
     r"The operator '(?P<op>[^']+)' is not currently implemented for the MPS device\."
+)
+# meta's: an op without a Meta kernel, and nonzero's (boolean indexing's too), which has
+# one that refuses: its output's shape depends on the values, which meta has none of.
+_META_NO_KERNEL = re.compile(
+    r"(?P<op>\w+::[\w.]+): attempted to run this operator with Meta tensors, but there was "
+    r"no fake impl or Meta kernel registered\."
+)
+_META_NONZERO = re.compile(
+    r"The register_meta function for torch\.(?P<op>nonzero)\(\) raises unimplemented by default"
+)
+# Ops whose output's shape depends on the input's values: meta cannot run them.
+_VALUE_SHAPED = frozenset(
+    {
+        "aten::nonzero",
+        "aten::masked_select",
+        "aten::_unique2",
+        "aten::unique_dim",
+        "aten::unique_consecutive",
+        "aten::bincount",
+        "aten::histc",
+        "aten::repeat_interleave",
+    }
 )
 _NUMPY_OFF_CPU = "device type tensor to numpy"
 # MPS's words (and the emulated accelerator's, playing it) for a dtype it cannot hold.
@@ -373,13 +396,18 @@ def _raised(
         )
         return "\n".join(lines)
     if missing is not None:  # torch's own words, on the first device too
-        op, mps = missing
         ran = "" if reference is None else f": it ran on {reference}"
-        lines.append(
-            f"  {device} has no kernel for {op}: an op the device's backend lacks (torch's "
-            f"gap, not {name}'s{ran})"
-        )
-        lines.append(f"fix: {_missing_op_fix(inputs, device, mps)}")
+        if device.type == "meta" and missing.op in _VALUE_SHAPED:
+            lines.append(
+                f"  meta has no values, and {missing.op} makes a tensor whose shape depends "
+                f"on them (torch's gap, not {name}'s{ran})"
+            )
+        else:
+            lines.append(
+                f"  {device} has no kernel for {missing.op}: an op the device's backend lacks "
+                f"(torch's gap, not {name}'s{ran})"
+            )
+        lines.append(f"fix: {_missing_op_fix(inputs, device, missing.mps)}")
         return "\n".join(lines)
     lacked = _lacked_dtype(error, device)
     if lacked is not None:  # the device's gap, on the first device too
@@ -407,15 +435,25 @@ def _raised(
     return "\n".join(lines)
 
 
-def _missing_op(error: Exception) -> tuple[str, bool] | None:
-    """The op named by torch's error for an op without a kernel for the device, and
-    whether it is MPS's; None for any other error."""
+class _MissingOp(NamedTuple):
+    """An op torch says the device has no kernel for, and the words it says it in."""
+
+    op: str
+    mps: bool  # MPS's words (with its fallback as a fix)
+    found: re.Match[str]  # where torch's first sentence ends: the rest is left out
+
+
+def _missing_op(error: Exception) -> _MissingOp | None:
+    """The op named by torch's error for an op without a kernel for the device (the
+    dispatcher's words, MPS's, meta's); None for any other error."""
     if not isinstance(error, NotImplementedError):
         return None
-    for pattern, mps in ((_NO_KERNEL, False), (_MPS_NO_KERNEL, True)):
-        found = pattern.search(str(error))
+    text = str(error)
+    for pattern in (_NO_KERNEL, _MPS_NO_KERNEL, _META_NO_KERNEL, _META_NONZERO):
+        found = pattern.search(text)
         if found is not None:
-            return found["op"], mps
+            op = found["op"] if "::" in found["op"] else f"aten::{found['op']}"
+            return _MissingOp(op, pattern is _MPS_NO_KERNEL, found)
     return None
 
 
@@ -455,16 +493,19 @@ def _lacked_dtype_fix(
     )
 
 
-def _trimmed(error: Exception, missing: tuple[str, bool] | None) -> str:
+def _trimmed(error: Exception, missing: _MissingOp | None) -> str:
     """``error`` as the message quotes it: for an op without a kernel, torch's first
-    sentence, without the dispatch keys (fifty lines) or MPS's advice."""
+    sentence, without the dispatch keys (fifty lines), MPS's advice or meta's."""
     text = str(error)
     if missing is not None:
-        pattern = _MPS_NO_KERNEL if missing[1] else _NO_KERNEL
-        found = pattern.search(text)
-        if found is not None and text[found.end() :].strip():
-            left = "the rest of torch's text" if missing[1] else "torch's list of dispatch keys"
-            text = f"{text[: found.end()]} ({left} left out)"
+        end = missing.found.end()
+        if text[end:].strip():
+            left = (
+                "torch's list of dispatch keys"
+                if missing.found.re is _NO_KERNEL
+                else ("the rest of torch's text")
+            )
+            text = f"{text[:end]} ({left} left out)"
     return f"{type(error).__name__}: {text}"
 
 
@@ -513,10 +554,6 @@ def _leave_out_lacking(inputs: Inputs, device: torch.device) -> str:
     )
 
 
-# torch's words where meta has no kernel for an op (a fake or Meta one).
-_NO_META_KERNEL = re.compile(r"^(?P<op>\w+::[\w.]+): attempted to run this operator with Meta")
-
-
 def _fails_on_meta(inputs: Inputs) -> str | None:
     """Why ``fn`` cannot run on meta, as the fix says it ("lacks an op fn needs too
     (aten::_to_sparse)"), or None where it runs there."""
@@ -527,10 +564,8 @@ def _fails_on_meta(inputs: Inputs) -> str | None:
             call_fn(*args, **kwargs)
     except Exception as error:  # whatever stops fn there makes meta no second device
         missing = _missing_op(error)
-        found = _NO_META_KERNEL.search(str(error))
-        op = missing[0] if missing else found["op"] if found else None
-        if op is not None:
-            return f"lacks an op {inputs.name} needs too ({op})"
+        if missing is not None:
+            return f"lacks an op {inputs.name} needs too ({missing.op})"
         first = str(error).strip().split("\n")[0].split(". ")[0]
         return f"fails {inputs.name} too ({type(error).__name__}: {first})"
     return None
