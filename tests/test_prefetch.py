@@ -1081,10 +1081,11 @@ def test_a_repeated_move_warning_points_at_the_prefetch_line() -> None:
     assert str(warning.message).startswith(f"{_repeats._short(__file__)}:{line} copied")
 
 
-def refilled(layout: str, steps: int) -> Iterator[dict[str, Any]]:
-    """A loader that refills one set of pageable host buffers for each batch it yields."""
+def refilled(layout: str, steps: int, pinned: bool = False) -> Iterator[dict[str, Any]]:
+    """A loader that refills one set of host buffers for each batch it yields (a ring
+    buffer, a replay reader)."""
     sizes = {"one small": [1_000], "many small": [16] * 8, "large": [1 << 20, 4]}[layout]
-    buffers = [torch.zeros(size) for size in sizes]
+    buffers = [torch.zeros(size, pin_memory=pinned) for size in sizes]
     for step in range(steps):
         for buffer in buffers:
             buffer.fill_(step)
@@ -1092,20 +1093,24 @@ def refilled(layout: str, steps: int) -> Iterator[dict[str, Any]]:
 
 
 @needs_accelerator
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     st.sampled_from(["one small", "many small", "large"]),
     st.integers(min_value=1, max_value=3),
     st.integers(min_value=2, max_value=6),
+    st.booleans(),
 )
-def test_property_a_loader_may_refill_its_pageable_buffers_at_once(
-    layout: str, depth: int, steps: int
+def test_property_a_loader_may_refill_its_buffers_at_once(
+    layout: str, depth: int, steps: int, pinned: bool
 ) -> None:
-    """A loader that reuses one pageable buffer per batch (refilled when read again) hands
-    over batches that each hold their own step's values, at any depth: the loader is read
-    again only once the last batch's move has read its sources."""
+    """A loader that reuses one host buffer per batch (refilled when read again), pageable
+    or pinned, hands over batches that each hold their own step's values, at any depth:
+    the loader is read again only once the last batch's sources have been read, by its
+    move (pageable ones, staged) or by its copies (pinned ones, which may be copied
+    directly: on the emulated device, whose copies land late, batch k carried batch
+    k + depth's values)."""
     device = accelerator()
-    for batch in prefetch(refilled(layout, steps), device, depth=depth):
+    for batch in prefetch(refilled(layout, steps, pinned), device, depth=depth):
         values = {float(tensor.min()) for tensor in batch["x"]}
         values |= {float(tensor.max()) for tensor in batch["x"]}
         assert {float(batch["step"])} == values
@@ -1160,15 +1165,20 @@ def test_pinned_batches_a_dataloader_pins_do_not_wait_for_the_callers_stream(
         loader = DataLoader(Pinnable(), batch_size=None, num_workers=1, pin_memory=True)
     copies = _streams.copy_stream(device)
     assert copies is not None
+    batches = iter(prefetch(loader, device, depth=1))
+    if source == "pinned":
+        # Before the loader is read again, the host waits for the copies of a pinned batch
+        # (the loader may refill its memory), which wait for the caller's stream: held back
+        # here, the emulated device says the host would wait for ever.
+        busy = step_ahead(torch.accelerator.current_stream(device))
+        with busy, pytest.raises(RuntimeError, match="is paused"):
+            next(batches)
+        batches.close()  # type: ignore[attr-defined]
+        return
     with step_ahead(torch.accelerator.current_stream(device)):  # the caller's stream busy
-        batches = iter(prefetch(loader, device, depth=1))
         first = next(batches)
         assert first["x"].device == device
-        if source == "pinned":
-            with pytest.raises(RuntimeError, match="is paused"):
-                copies.synchronize()
-        else:
-            copies.synchronize()  # landed while the caller's stream is held back
+        copies.synchronize()  # landed while the caller's stream is held back
     torch.accelerator.synchronize()
     assert [0.0, 1.0, 2.0] == [first["x"][0, 0].item()] + [b["x"][0, 0].item() for b in batches]
 
@@ -1197,8 +1207,12 @@ def test_a_source_another_current_stream_still_writes_is_read_after_it() -> None
         with emulated.paused(device, stream=mine):
             pending = (x * 1.0).to("cpu", non_blocking=True)  # lands once mine runs
             batch = {"y": pending, "small": [torch.full((1,), float(i)) for i in range(4)]}
-            batches = prefetch([batch], device)
-            (moved,) = list(batches)
+            batches = iter(prefetch([batch], device))
+            # Before reading the loader again, the host waits for the batch's copy of its
+            # pinned source, which waits for mine: held back, the emulated device says so.
+            with pytest.raises(RuntimeError, match="is paused"):
+                next(batches)
+        (moved,) = list(batches)
         torch.accelerator.synchronize()
         assert list(range(8)) == moved["y"].cpu().tolist()
 

@@ -47,6 +47,11 @@ class Ticket:
         """Wait for the job to have run, leaving its result (or exception) to :meth:`take`."""
         self._done.wait()
 
+    def peek(self) -> Any:
+        """The job's result, left for :meth:`take`; None where it raised or was taken."""
+        self._done.wait()
+        return self._value
+
     def take(self) -> Any:
         """Wait for the job; its result, or its exception raised. The ticket lets go of
         either: a second take returns None."""

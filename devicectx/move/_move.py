@@ -488,10 +488,19 @@ def _move(
     replace = mover.finish()
     if replace:  # views met before the tensor they belong to: made views of it now
         result = Rebuild.replacing(replace, name, fix, who).run(result)
+    if handed is not None and not handed.reads_later:
+        handed.reads_later = _copied_pinned(mover.sent, staged)
     if not compiling:
         _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
     del staged
     return result  # type: ignore[no-any-return]
+
+
+def _copied_pinned(sent: list[torch.Tensor], staged: _staging.Staged | None) -> bool:
+    """Whether a pinned host tensor of ``sent`` was copied by the move engine itself (not
+    staged): its copy reads its memory after the move returns."""
+    packed = {} if staged is None else staged.results
+    return any(t.is_cpu and id(t) not in packed and t.is_pinned() for t in sent)
 
 
 def _root(obj: object) -> object:

@@ -146,13 +146,15 @@ def prefetch(
           until that stream is done with it: ``record_stream`` on one of its small
           tensors does not reach the staged region it lies in (see
           :func:`~devicectx.to_device`).
-        - The source batch: pageable tensors (a ``DataLoader`` without ``pin_memory``)
-          have been copied into staging memory before the loader is read again, so the
-          loader may reuse their memory at once. Pinned tensors larger than 64 KiB are
-          copied to the device directly, later: as with ``.to(non_blocking=True)``, do
-          not write into them until the batch moved from them is in use on your stream
-          and that stream has passed it (``torch.accelerator.synchronize()``). A
-          ``DataLoader(pin_memory=True)`` never writes into a batch it has handed out.
+        - The source batch: the loader may reuse its memory at once (one host buffer
+          refilled for each batch). Pageable tensors (a ``DataLoader`` without
+          ``pin_memory``) have been copied into staging memory before the loader is read
+          again. Pinned ones may be copied to the device directly, later (large ones, a
+          batch of a few, any while your stream is busy): before it reads the loader
+          again, ``next()`` waits (the host waits) for the copies of the last batch that
+          had such a copy, and so for the work queued on your stream before it (see
+          below). A ``DataLoader(pin_memory=True, num_workers=N)`` with ``N > 0`` pins
+          each batch into memory of its own: nothing is waited for.
         - The copies of a batch with pinned tensors, or tensors on a device, wait for the
           work queued on your stream when the batch was read: a copy from the device
           queued there may still be filling one (``.to("cpu", non_blocking=True)``
@@ -523,12 +525,15 @@ class _Sent:
     does not reach its region, which must be recorded itself), and the caller's stream,
     on which both are recorded as used."""
 
-    __slots__ = ("caller", "event", "regions")
+    __slots__ = ("caller", "event", "reads_later", "regions")
 
-    def __init__(self, event: Any, regions: list[torch.Tensor], caller: Any) -> None:
+    def __init__(
+        self, event: Any, regions: list[torch.Tensor], caller: Any, *, reads_later: bool
+    ) -> None:
         self.event = event
         self.regions = regions
         self.caller = caller
+        self.reads_later = reads_later  # pinned sources read by their copies, after the move
 
 
 class Streams:
@@ -579,15 +584,20 @@ class Streams:
                 copy.wait_event(busy)
             handed = HandedTo(idle=busy is None)
             moved = move(batch, index, handed)
-        sent = _Sent(copy.record_event(), handed.regions, caller)
+        # A loader that pins each batch anew never refills one: nothing to wait for.
+        reads_later = handed.reads_later and not self.pinned_when_read
+        sent = _Sent(copy.record_event(), handed.regions, caller, reads_later=reads_later)
         self._record(moved, sent.regions, caller)
         return moved, sent
 
     def sources_read(self, token: Ticket) -> None:
-        """Wait until the move of a batch sent has read its host sources: a pageable one
-        is then in the staging buffer or on its way, and the loader may write it again
-        (pinned sources larger than the staged ones are read by their copies, later)."""
+        """Wait until the move of a batch sent has read its host sources, so that the
+        loader may write them again: a pageable or staged one once the move has run; a
+        pinned one copied directly once the batch's copies have landed (the host waits)."""
         token.wait()
+        done = token.peek()
+        if done is not None and done[1].reads_later:
+            done[1].event.synchronize()
 
     def hand_over(self, token: Ticket) -> Any:
         """The moved batch, made safe on the caller's current stream: it waits for the

@@ -72,6 +72,8 @@ def to_accelerator(
     # Queued now, waited for with the staged copies where the move blocks (the same stream,
     # or the caller's stream after the copy stream's event).
     results = {id(tensor): tensor.to(device, non_blocking=True) for tensor in direct}
+    if direct and handed is not None:
+        handed.reads_later = True
     # Behind work queued on the current stream, the copies would wait for it, and the
     # chunks with them: a non-blocking move sends them on the copy stream. On an idle
     # stream they start at once anyway, and the copy stream's hand-over would cost more;
@@ -188,8 +190,9 @@ def _unpinned(
 class HandedTo:
     """A move made on another current stream (a copy stream) for a stream of the target
     that gets the results later (:func:`devicectx.prefetch`'s caller), passed down to
-    :func:`stage`: whether that stream was ``idle`` when the move was asked for, and
-    ``regions``, which gets the device regions the move makes.
+    :func:`stage`: whether that stream was ``idle`` when the move was asked for;
+    ``regions``, which gets the device regions the move makes; and ``reads_later``, set
+    where a pinned source is copied directly (its memory read after the move returns).
 
     Pinned sources are then packed only if that stream was idle, not the current one: a
     copy from the device into one may be queued there. And the regions are for the
@@ -200,11 +203,14 @@ class HandedTo:
     result is freed.
     """
 
-    __slots__ = ("idle", "regions")
+    __slots__ = ("idle", "reads_later", "regions")
 
     def __init__(self, idle: bool) -> None:
         self.idle = idle
         self.regions: list[torch.Tensor] = []
+        # Whether a pinned source was copied directly, to be read by its copy after the
+        # move returns (a staged one is read by the move itself).
+        self.reads_later = False
 
 
 class _Sender:
