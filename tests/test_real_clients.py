@@ -18,6 +18,7 @@ installed torch, skips its tests with the reason.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
@@ -35,7 +36,9 @@ from devicectx import (
     available_devices,
     device_agnostic,
     find_devices,
+    register_container,
     to_device,
+    unregister_container,
 )
 
 CPU = torch.device("cpu")
@@ -753,6 +756,41 @@ def test_a_cast_keeps_a_tensordict_locked(lazy: bool) -> None:
         assert all(part.is_locked and part["next"].is_locked for part in parts(moved))
     assert batch.is_locked
     assert before == dtypes(batch)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_batch_of_graphs_gets_a_registration_of_a_class_code_can_name() -> None:
+    """torch_geometric makes ``DataBatch`` at run time (no module holds it): the fix that
+    teaches devicectx the type registers ``Batch``, which it is, and works as written."""
+    batch = graph_batch()
+    batch.x = batch.x.double()
+    assert "DataBatch" == type(batch).__name__
+    with mps_like() as device:
+        with pytest.raises(MoveError) as caught:
+            to_device(batch, device, dtypes="device")
+        fix = str(caught.value).split("\nfix: ", 1)[1]
+        assert (
+            "devicectx.register_container(Batch, children=batch_children, "
+            "rebuild=batch_rebuild) (a DataBatch, made at run time, is a Batch)"
+        ) in fix
+
+        def batch_children(obj: Any) -> list[tuple[str, Any]]:
+            return list(obj.to_dict().items())
+
+        def batch_rebuild(obj: Any, new: list[Any]) -> Any:
+            out = copy.copy(obj)
+            for (key, _), value in zip(batch_children(obj), new, strict=True):
+                out[key] = value
+            return out
+
+        Batch = client("torch_geometric.data").Batch  # as the fix names it
+        register_container(Batch, children=batch_children, rebuild=batch_rebuild)
+        try:
+            moved = to_device(batch, device, dtypes="device")
+        finally:
+            unregister_container(Batch)
+    assert (torch.float32, device) == (moved.x.dtype, moved.x.device)
+    assert 2 == moved.num_graphs
 
 
 @pytest.mark.requires_device("accelerator")

@@ -66,6 +66,7 @@ from devicectx.move._own_to import left_behind, lost_lock, off, own_to
 from devicectx.move._paths import ITEM, MEMBER, NAME, build, join
 from devicectx.move._skip import PredicateFailed, Skip
 from devicectx.move._unmaterialised import unmaterialised
+from devicectx.move._unseen import importable_class
 from devicectx.move._walk import all_on, iter_tensors, module_on
 from devicectx.move._wrapped import wrapped
 
@@ -769,12 +770,14 @@ def _registration(tp: type) -> str:
     """The ``register_container`` call for a type the move knows nothing of, with the two
     functions the user writes named: only its author knows its children and how it is
     built from them."""
-    stem = tp.__name__.lower()
+    named = importable_class(tp)
+    stem = named.__name__.lower()
+    made = "" if named is tp else f" (a {tp.__name__}, made at run time, is a {named.__name__})"
     return (
-        f"devicectx.register_container({tp.__qualname__}, children={stem}_children, "
-        f"rebuild={stem}_rebuild), where you write def {stem}_children(obj) giving its "
-        f"(key, child) pairs and def {stem}_rebuild(obj, new) giving a new {tp.__name__} "
-        f"of the moved children"
+        f"devicectx.register_container({named.__qualname__}, children={stem}_children, "
+        f"rebuild={stem}_rebuild){made}, where you write def {stem}_children(obj) giving "
+        f"its (key, child) pairs and def {stem}_rebuild(obj, new) giving a new "
+        f"{tp.__name__} of the moved children"
     )
 
 

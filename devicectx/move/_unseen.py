@@ -464,6 +464,25 @@ def _in_torch(tp: type) -> bool:
     return tp.__module__ == "torch" or tp.__module__.startswith("torch.")
 
 
+def importable_class(tp: type) -> type:
+    """``tp``, or where code cannot name it (a class made at run time, as torch_geometric
+    makes ``DataBatch``) the nearest class above it that code can: registering that one
+    reaches ``tp`` too, since registrations hold for subclasses.
+
+    Example:
+        >>> Made = type("Made", (dict,), {"__module__": "abc"})
+        >>> importable_class(Made), importable_class(dict)
+        (<class 'dict'>, <class 'dict'>)
+    """
+    for klass in tp.__mro__[:-1]:  # object, last, would name every class
+        found: object = sys.modules.get(klass.__module__)
+        for part in klass.__qualname__.split("."):
+            found = getattr(found, part, None)
+        if found is klass:
+            return klass
+    return tp
+
+
 def class_path(tp: type) -> str:
     """How code names ``tp``: its name, or for one of torch's types, the shortest public
     path to it (``torch.distributions.Categorical``), which needs only ``import torch``.
@@ -494,7 +513,8 @@ def register_call(tp: type, names: Sequence[str]) -> str:
     listed = ", ".join(f'("{name}", obj.{name})' for name in names)
     sets = "".join(f', setattr(clone, "{name}", new[{i}])' for i, name in enumerate(names))
     return (
-        f"register_container({class_path(tp)}, children=lambda obj: [{listed}], "
+        f"register_container({class_path(importable_class(tp))}, "
+        f"children=lambda obj: [{listed}], "
         f"rebuild=lambda obj, new: (clone := copy.copy(obj){sets})[0])"
     )
 
