@@ -40,6 +40,7 @@ from devicectx import (
     to_device,
     unregister_container,
 )
+from devicectx.testing import assert_device_agnostic
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -756,6 +757,31 @@ def test_a_cast_keeps_a_tensordict_locked(lazy: bool) -> None:
         assert all(part.is_locked and part["next"].is_locked for part in parts(moved))
     assert batch.is_locked
     assert before == dtypes(batch)
+
+
+@pytest.mark.parametrize("differs", ["batch_size", "names"])
+def test_a_tensordict_output_whose_batch_dimensions_differ_is_caught(differs: str) -> None:
+    """The kit compares a TensorDict's batch_size and names, not only its entries: a batch
+    that lost its batch dimension on one device has the same entries, another len()."""
+    tensordict = client("tensordict")
+    x = torch.ones(4, 3)
+
+    def batched(x: torch.Tensor) -> Any:
+        on_cpu = x.device.type == "cpu"
+        if differs == "batch_size":
+            return tensordict.TensorDict({"a": x}, batch_size=[4] if on_cpu else [])
+        names = ["time" if on_cpu else "batch"]
+        return tensordict.TensorDict({"a": x}, batch_size=[4], names=names)
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(batched, x, devices=["cpu", "meta"])
+    expected = {
+        "batch_size": "    out.batch_size: torch.Size([]), expected torch.Size([4])",
+        "names": "    out.names: ['batch'], expected ['time']",
+    }[differs]
+    assert expected in str(raised.value).splitlines()
+    same = tensordict.TensorDict
+    assert_device_agnostic(lambda x: same({"a": x}, [4]), x, devices=["cpu", "meta"])
 
 
 @pytest.mark.requires_device("accelerator")

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from devicectx.move._containers import kind_for
-from devicectx.move._kinds import TENSOR, Split
+from devicectx.move._kinds import OWN, TENSOR, Split
 from devicectx.move._paths import MEMBER, join
 
 _META = torch.device("meta")
@@ -226,6 +226,8 @@ class Pairing:
         if id(obj) in seen:
             return
         seen.add(id(obj))
+        if kind.role == OWN:
+            _batch_facts(obj, path, found)
         keys, children = kind.split(obj)
         # The reference's container at the same path: where it is of another type, that
         # is reported as missing and unexpected tensors; sets below it keep their order.
@@ -286,6 +288,24 @@ class Pairing:
             if self.differs(path, got, want):
                 return False
         return True
+
+
+# What a batch of tensors with its own .to says of its dimensions beside its entries (a
+# TensorDict's, a tensorclass's): a batch that lost its batch dimension on one device has
+# the same entries, and another len() and indexing.
+_BATCH_FACTS = ("batch_size", "names")
+
+
+def _batch_facts(obj: object, path: str, found: Walked) -> None:
+    """File ``obj``'s ``batch_size`` (a ``torch.Size``) and ``names`` (a list) where the
+    comparison compares values by equality."""
+    for name in _BATCH_FACTS:
+        try:
+            value = getattr(obj, name, None)
+        except Exception:  # a property that cannot answer here: nothing to compare
+            continue
+        if isinstance(value, torch.Size) or (name == "names" and isinstance(value, list)):
+            found.equal[f"{path}.{name}"] = value
 
 
 def _leaf(obj: object, path: str, found: Walked) -> None:
