@@ -4,6 +4,7 @@ optimizer left holding the parameters a move replaced is stopped before the body
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -234,6 +235,42 @@ def test_the_fix_for_to_device_of_an_optimizer_moves_its_state() -> None:
     model.to(target)
     optimizer.load_state_dict(optimizer.state_dict())
     assert target == optimizer.state[model.weight]["exp_avg"].device
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.usefixtures("swapping")
+@pytest.mark.parametrize("state", ["dict", "tuple"])
+def test_to_device_of_a_training_state_warns_that_its_optimizer_stayed(state: str) -> None:
+    """``to_device({"model": model, "optimizer": optimizer}, device)`` moves the model and
+    leaves the optimizer's state where it was: warned, at the caller's line, with a fix
+    that works as printed (the next plain ``optimizer.step()`` was torch's error)."""
+    target = accelerator()
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    step(model, optimizer, torch.ones(2))
+    training = {"model": model, "optimizer": optimizer} if state == "dict" else (model, optimizer)
+    with pytest.warns(DeviceWarning) as caught:
+        to_device(training, target)
+    assert str(caught[0].message).splitlines() == [
+        "to_device() moved a module in obj, and no optimizer (an Adam, in obj too): its "
+        "state stays where it was, off the parameters it steps",
+        "fix: optimizer.load_state_dict(optimizer.state_dict()) after the move, which puts the "
+        f"state beside each parameter (on {target}); or build the optimizer after moving the "
+        "model",
+    ]
+    assert caught[0].filename == __file__
+    exec(str(caught[0].message).splitlines()[1].removeprefix("fix: ").split(" after the move")[0])
+    assert target == optimizer.state[model.weight]["exp_avg"].device
+    step(model, optimizer, torch.ones(2, device=target))
+
+
+def test_to_device_of_a_batch_beside_an_optimizer_moves_no_module_and_warns_nothing() -> None:
+    """No module moved, no warning: the optimizer's state still lies beside its model."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        to_device({"x": torch.ones(2), "optimizer": optimizer}, "meta")
 
 
 def test_a_path_through_a_tensor_key_names_the_tensor_not_its_values() -> None:

@@ -62,6 +62,7 @@ class TensorMover:
         "groups",
         "moved",
         "non_blocking",
+        "optimizer",
         "parameters",
         "sent",
         "unsettled",
@@ -94,6 +95,8 @@ class TensorMover:
         # id(original) -> the original as it was, for the tensors adopted (see adopt); None
         # until a module moves, so that a move without modules pays nothing for it.
         self.adopted: dict[int, _Tensor] | None = None
+        # An optimizer the walk met (and left where it is): its state stays where it was.
+        self.optimizer: object = None
 
     def move(self, tensor: _Tensor) -> _Tensor:
         """``tensor`` (not on the target) on the target: the same copy every time."""

@@ -258,6 +258,7 @@ def to_device(
             _RESOLVED[device] = target  # type: ignore[index]
     if isinstance(obj, _Optimizer):
         warnings.warn(_optimizer_unmoved(obj, target), DeviceWarning, stacklevel=2)
+    left: list[object] = []
     if skip is None and dtypes is None and holds_every_dtype(target):
         if _nothing_to_move(obj, target, ()):
             return obj
@@ -266,7 +267,12 @@ def to_device(
             fix = _to_device_fix(target, "obj")
             if len(_FIXES) < 64:
                 _FIXES[target] = fix
-        return _move(obj, target, non_blocking, None, "obj", fix, "to_device()", coalesce)
+        result = _move(
+            obj, target, non_blocking, None, "obj", fix, "to_device()", coalesce, left=left
+        )
+        if left:
+            warnings.warn(_optimizer_unmoved(left[0], target, beside=True), DeviceWarning, 2)
+        return result
     fix = _to_device_fix(target, "obj", non_blocking, skip, coalesce, dtypes)
     compiled = compile_skip(skip)
     suggest = None  # a dtype refusal's fix, with the caller's arguments (its skip= as given)
@@ -281,7 +287,10 @@ def to_device(
         dtypes=dtypes,
         suggest=suggest,
         fix=fix,
+        left=left,
     )
+    if left:
+        warnings.warn(_optimizer_unmoved(left[0], target, beside=True), DeviceWarning, 2)
     if compiled is not None and (compiled.keys or compiled.paths):
         missing = unmatched(compiled, obj, "obj")
         if missing:
@@ -293,10 +302,19 @@ def to_device(
 _Optimizer = torch.optim.Optimizer
 
 
-def _optimizer_unmoved(optimizer: torch.optim.Optimizer, target: torch.device) -> str:
+def _optimizer_unmoved(optimizer: object, target: torch.device, beside: bool = False) -> str:
     """The warning for ``to_device(optimizer, ...)``, which moves nothing: an optimizer is
-    no container (its state is moved by torch as it is loaded, beside each parameter)."""
+    no container (its state is moved by torch as it is loaded, beside each parameter);
+    ``beside``: one in a structure whose module moved (a training state)."""
     kind = with_article(type(optimizer).__qualname__)
+    if beside:
+        what = f"moved a module in obj, and no optimizer ({kind}, in obj too): its state"
+        return (
+            f"to_device() {what} stays where it was, off the parameters it steps\n"
+            f"fix: optimizer.load_state_dict(optimizer.state_dict()) after the move, which "
+            f"puts the state beside each parameter (on {target}); or build the optimizer "
+            f"after moving the model"
+        )
     return (
         f"to_device() moves no optimizer ({kind}): it came back as it was, its state where "
         f"it was\n"
@@ -332,6 +350,7 @@ def move_to(
     dtypes: DtypesLike = None,
     suggest: Suggest | None = None,
     fix: Fix | None = None,
+    left: list[object] | None = None,
 ) -> T:
     """:func:`to_device` for a device already resolved: no resolution cost per call.
 
@@ -350,6 +369,7 @@ def move_to(
             ``dtypes=`` to write; None: ``to_device(name, device, dtypes=...)``.
         fix: the fix of a failed move, given the path that failed; None:
             ``to_device(name, device, skip=[path])``.
+        left: gets an optimizer the move left where it was, beside a module it moved.
 
     Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
     passed twice becomes one moved tensor.
@@ -360,7 +380,9 @@ def move_to(
     if skip is None and dtypes is None and holds_every_dtype(device):
         if _nothing_to_move(obj, device, ()):
             return obj
-        return _move(obj, device, non_blocking, None, name, fix, "to_device()", coalesce, where)
+        return _move(
+            obj, device, non_blocking, None, name, fix, "to_device()", coalesce, where, left=left
+        )
     compiled = compile_skip(skip, name)
     policy = policy_for(dtypes, device)
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
@@ -369,7 +391,9 @@ def move_to(
         obj = policy.apply(obj, compiled, name, "to_device()", fix, suggest)
     if (compiled is None or not compiled.slow) and _nothing_to_move(obj, device, _types(compiled)):
         return obj
-    return _move(obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce, where)
+    return _move(
+        obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce, where, left=left
+    )
 
 
 def move_call(
@@ -462,6 +486,7 @@ def _move(
     check_repeats: bool = True,
     handed: _staging.HandedTo | None = None,
     parameters: bool = True,
+    left: list[object] | None = None,
 ) -> T:
     __tracebackhide__ = True
     # The one test of torch.compile on the eager path (the accounting below made it).
@@ -490,6 +515,8 @@ def _move(
         result = Rebuild.replacing(replace, name, fix, who).run(result)
     if handed is not None and not handed.reads_later:
         handed.reads_later = _copied_pinned(mover.sent, staged)
+    if left is not None and mover.optimizer is not None and mover.adopted is not None:
+        left.append(mover.optimizer)  # a module it steps moved, and its state did not
     if not compiling:
         _transfers.account(mover.sent, device, obj, name, where, check_repeats, paths)
     del staged

@@ -71,6 +71,7 @@ from devicectx.move._walk import all_on, iter_tensors, module_on
 from devicectx.move._wrapped import wrapped
 
 _Tensor = torch.Tensor
+_Optimizer = torch.optim.Optimizer
 _CACHE = _containers.KIND_CACHE
 _DEPTH = 100  # containers deeper than this go on with an explicit stack
 _BUSY = object()  # a container whose rebuild is under way: meeting it again is a cycle
@@ -274,6 +275,8 @@ class Rebuild:
         kind = _CACHE.get(tp) or kind_for(tp)
         role = kind.role
         if role == LEAF or (self.skip_types and isinstance(obj, self.skip_types)):
+            if self.mover is not None and isinstance(obj, _Optimizer):
+                self.mover.optimizer = obj
             return obj
         if role == TENSOR:
             return obj if obj.device == self.device else self._tensor(obj)
@@ -488,6 +491,8 @@ class Rebuild:
         kind = _CACHE.get(tp) or kind_for(tp)
         role = kind.role
         if role == LEAF or (self.skip_types and isinstance(obj, self.skip_types)):
+            if self.mover is not None and isinstance(obj, _Optimizer):
+                self.mover.optimizer = obj
             return obj
         if role == TENSOR:
             return obj if obj.device == self.device else self._tensor(obj)

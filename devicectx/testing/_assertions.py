@@ -195,7 +195,8 @@ def assert_device_agnostic(
           ``loss.item()`` within the tolerances, by default float32's), numpy arrays (as
           tensors: dtype, shape, and values where they are numbers), ``torch.Size`` and
           ``torch.dtype`` values (a TensorDict's ``batch_size`` and ``names`` too), and
-          the types of containers and of those values are compared (found with the move engine's walk, so every container it supports).
+          the types of containers and of those values are compared (found with the move
+          engine's walk, so every container it supports).
           Other values in the output are not: a ``str`` or a ``torch.device`` names the
           device it ran on by nature; nor numbers inside a set. An iterator (a generator)
           is refused: return a list. ``fn`` must be deterministic: a random op (dropout in
