@@ -371,6 +371,27 @@ def test_a_decorated_forward_warns_at_the_line_that_calls_the_model(
     assert "x = x.to('meta') once, before the loop" in str(warning.message)
 
 
+@pytest.mark.requires_device("accelerator")
+def test_a_call_autograd_runs_again_warns_at_the_decorated_function(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """Under activation checkpointing, backward runs the decorated call again, from no
+    line of the caller's: the second move's warning is given at the function's definition
+    (it was at a line of devicectx's own source)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Linear(3, 1).to(torch.accelerator.current_accelerator())
+
+    @device_agnostic
+    def block(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    defined = inspect.getsourcelines(block)[1]
+    x = torch.ones(2, 3, requires_grad=True)
+    checkpoint(block, model, x, use_reentrant=False).sum().backward()
+    assert [(__file__, defined)] == [(w.filename, w.lineno) for w in _repeats(recorded)]
+
+
 def test_a_batch_of_constants_is_one_warning(recorded: list[warnings.WarningMessage]) -> None:
     """A cached batch moved again is one warning that names three of its tensors and counts
     the rest, with their bytes in all; a constant added later gets a warning of its own."""

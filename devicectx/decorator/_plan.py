@@ -157,7 +157,7 @@ class Plan:
             for _, name, value in defaults
             for _, tensor in _move.iter_tensors(value)
         }
-        self.where = _repeats.Place(f"{self.name}()", default_tensors)
+        self.where = _repeats.Place(f"{self.name}()", default_tensors, home=_home(function))
         self.where_result = _repeats.Place(f"{self.name}() -> result")
         mapping = check_dtypes(dtypes)
         if dtypes is not None and not move:
@@ -718,6 +718,17 @@ def _with_autocast(
             pop_nested(scope)
 
     return enter, leave
+
+
+def _home(function: Callable[..., object]) -> tuple[str, int, dict[str, Any]] | None:
+    """Where ``function`` is defined (its first decorator's line), with its module's
+    globals; None where it has no code of its own (a builtin, a callable object)."""
+    unwrapped = inspect.unwrap(function)
+    code = getattr(unwrapped, "__code__", None)
+    scope = getattr(unwrapped, "__globals__", None)
+    if code is None or not isinstance(scope, dict):
+        return None
+    return code.co_filename, code.co_firstlineno, scope
 
 
 def _no_scope() -> None:

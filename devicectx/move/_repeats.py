@@ -71,20 +71,24 @@ class Place:
     defaults, which a call that leaves them out moves (the fix is then to the default).
     ``origin``: the file, line and module globals its warnings are given at, where the
     moves run on another thread than the caller's (a prefetcher's); None: the caller's
-    line at the move.
+    line at the move. ``home``: where they are given where the move has no caller of the
+    user's (a decorated function run again by autograd's backward, under activation
+    checkpointing): where the function is defined (its first decorator's line).
     """
 
-    __slots__ = ("defaults", "label", "origin")
+    __slots__ = ("defaults", "home", "label", "origin")
 
     def __init__(
         self,
         label: str,
         defaults: dict[int, str] | None = None,
         origin: tuple[str, int, dict[str, Any]] | None = None,
+        home: tuple[str, int, dict[str, Any]] | None = None,
     ) -> None:
         self.label = label
         self.defaults = defaults or {}  # id(tensor) -> the parameter it is the default of
         self.origin = origin
+        self.home = home
 
     def __str__(self) -> str:
         return self.label
@@ -239,10 +243,12 @@ def warn(
     if isinstance(where, Place) and not _returned(where):  # a decorated call's arguments
         held = _held(frame, [tensor for _, tensor in fresh[:_NAMED]])
     message = _message(fresh, where, target, held)
-    if frame is None:
-        warnings.warn(message, RepeatedMoveWarning, stacklevel=2)
-    else:
+    if frame is not None:
         warn_at(frame, message, RepeatedMoveWarning)
+    elif isinstance(where, Place) and where.home is not None:
+        warn_explicit_at(*where.home, message, RepeatedMoveWarning)
+    else:
+        warnings.warn(message, RepeatedMoveWarning, stacklevel=2)
 
 
 _NAMED = 3  # the tensors a warning about several names; the rest are counted
