@@ -624,6 +624,38 @@ def test_an_op_meta_has_no_kernel_for_is_named_with_its_fix() -> None:
     ] == message_lines(raised)
 
 
+class Cache:
+    """A plain object holding a tensor, as a transformers cache holds its keys."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+def cached(x: torch.Tensor) -> dict[str, object]:
+    return {"y": x * 2, "cache": Cache(x * 3 if x.is_cpu else x[:1])}  # wrong off the CPU
+
+
+def test_tensors_the_comparison_cannot_see_are_warned_of_with_a_fix_that_works() -> None:
+    """A passing check says which tensors of the output it could not compare (in plain
+    objects), with a fix that, applied as printed, makes it compare them (and fail here)."""
+    with pytest.warns(devicectx.DeviceWarning) as caught:
+        assert_device_agnostic(cached, torch.ones(2), devices=CPU_META)
+    lines = str(caught[0].message).splitlines()
+    assert [
+        "assert_device_agnostic(cached): passed, but these tensors of the output were not "
+        "compared (held by objects the comparison does not look into):",
+        "    out['cache'].keys (in Cache)",
+    ] == lines[:2]
+    assert caught[0].filename == __file__
+    fix = lines[2].removeprefix("fix: teach devicectx those types, and the check compares them: ")
+    exec(fix)
+    try:
+        with pytest.raises(AssertionError, match=r"out\['cache'\]\.keys"):
+            assert_device_agnostic(cached, torch.ones(2), devices=CPU_META)
+    finally:
+        devicectx.unregister_container(Cache)
+
+
 MPS_MISSING = (
     "The operator 'aten::_masked_scale' is not currently implemented for the MPS device. If "
     "you want this op to be considered for addition please comment on "
@@ -1736,6 +1768,35 @@ def test_a_tensor_made_in_the_call_and_kept_is_blamed_on_its_making() -> None:
     ] == message_lines(raised)
     assert_device_agnostic(CachedDecorated(), torch.ones(2, 3), devices=CPU_META)
     assert_device_agnostic(CachedOnTheDevice(), torch.ones(2, 3), devices=CPU_META)
+
+
+class Stray(nn.Module):
+    """A user's module that makes a tensor without device=, inside a library's wrapper."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.ones(x.shape[-1])
+
+
+class StrayDecorated(Stray):
+    """``Stray`` with the printed fix followed: its forward decorated."""
+
+    @devicectx.device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_a_tensor_made_in_a_wrapped_module_is_blamed_on_that_module() -> None:
+    """The op that met the stray tensor is in a module the wrapper calls: the fix names
+    that module's forward, not the wrapper's (nn.Sequential's, torch's own code)."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(nn.Sequential(Stray()), torch.ones(2, 3), devices=CPU_META)
+    assert message_lines(raised)[-1] == (
+        "fix: make the tensors Stray.forward creates on its inputs' device, torch.zeros(n, "
+        "device=x.device), and move none to cpu (a tensor made without device= is on cpu, "
+        "as is one moved there: .cpu(), .to('cpu')), or decorate Stray.forward with "
+        "@devicectx.device_agnostic so that those made without device= land there"
+    )
+    assert_device_agnostic(nn.Sequential(StrayDecorated()), torch.ones(2, 3), devices=CPU_META)
 
 
 def test_a_tensor_made_without_device_gets_the_fix_for_it_on_any_device() -> None:

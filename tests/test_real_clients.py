@@ -728,6 +728,29 @@ def test_bert_on_an_accelerator_answers_on_the_cpu(device: torch.device) -> None
     torch.testing.assert_close(expected.to_tuple(), out.to_tuple())
 
 
+def test_a_cast_reaches_into_a_tensorclass() -> None:
+    """``dtypes=`` casts a tensorclass's fields as it casts a TensorDict's entries (it
+    raised the device's refusal from the tensorclass's own ``.to``): its batch size and
+    plain field are kept, and the original is unchanged."""
+    sample = sample_class()
+    batch = sample(
+        image=torch.randn(4, 2, 2, dtype=torch.float64),
+        label=torch.arange(4),
+        note="kept",
+        batch_size=[4],
+    )
+    for device in (torch.device("cpu"), torch.device("meta")):
+        moved = to_device(batch, device, dtypes={torch.float64: torch.float32})
+        assert type(moved) is type(batch)
+        assert (torch.float32, torch.int64) == (moved.image.dtype, moved.label.dtype)
+        assert (device, torch.Size([4]), "kept") == (
+            moved.image.device,
+            moved.batch_size,
+            moved.note,
+        )
+    assert torch.float64 == batch.image.dtype
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["TensorDict", "LazyStackedTensorDict"])
 def test_a_cast_keeps_a_tensordict_locked(lazy: bool) -> None:
     """A move that casts (``dtypes=``) takes a locked TensorDict or lazy stack apart to cast

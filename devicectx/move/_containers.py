@@ -21,6 +21,7 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
@@ -416,12 +417,33 @@ def _work_out(tp: type) -> Kind:
     return LEAF_KIND
 
 
+def _is_tensorclass(tp: type) -> bool:
+    """Whether ``tp`` is a tensordict ``@tensorclass`` (tensordict is imported where one
+    exists)."""
+    tensordict = sys.modules.get("tensordict")
+    is_tensorclass = getattr(tensordict, "is_tensorclass", None)
+    return callable(is_tensorclass) and bool(is_tensorclass(tp))
+
+
+def _tensorclass_rebuild(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
+    """A tensorclass with its changed fields set on its shallow copy (``obj.copy()``),
+    which keeps its batch size, device and plain fields, as a cast of its tensors needs
+    (its constructor would need them all given again)."""
+    clone = obj.copy()
+    for key, before, after in zip(keys, old, new, strict=True):
+        if after is not before:
+            setattr(clone, key, after)
+    return clone
+
+
 def _own_kind(tp: type) -> Kind:
     """An object with its own ``.to``: a split where its children can be read, and a
     rebuild where what its ``.to`` leaves behind can be moved by the type's own protocol."""
     if dataclasses.is_dataclass(tp):  # a tensorclass, say: its fields are its own business
         if two_views(tp):
             return Kind(OWN, DUAL, dual_split(tp), dual_rebuild(tp))
+        if _is_tensorclass(tp):
+            return Kind(OWN, ATTR, dataclass_split(tp), _tensorclass_rebuild)
         return Kind(OWN, ATTR, dataclass_split(tp))
     if is_graph(tp):
         return Kind(OWN, DUAL, graph_split)

@@ -391,6 +391,7 @@ def fix_for(
     target: torch.device | None = None,
     follow: bool = True,
     argument: bool = True,
+    own_to: bool = True,
 ) -> str:
     """The ``fix:`` text for tensors the engine cannot see (those under the first one's
     outermost holder).
@@ -404,7 +405,9 @@ def fix_for(
     such an object: its ``.to``, tried on a shallow copy as a move tries it, either moves
     them, and the fix calls it, or leaves them, and the fix says how to write it.
     ``argument`` False: the tensors are no call's arguments (a prefetched batch), and the
-    fix does not offer passing one as an argument.
+    fix does not offer passing one as an argument. ``own_to`` False: the fix for plain
+    objects does not offer a ``.to`` of their own (which a move calls, but a walk that
+    compares does not look through).
     """
     first = unseen[0]
     if first.module is not None:
@@ -454,10 +457,8 @@ def fix_for(
     calls = "; ".join(register_call(tp, names) for tp, names in children.items())
     passed = f", pass {first.path} as an argument" if len(group) == 1 and argument else ""
     imports = "import copy, torch" if any(_in_torch(tp) for tp in children) else "import copy"
-    return (
-        f"{imports}; from devicectx import register_container; {calls}{passed}, or give "
-        f"{root.__qualname__} a .to(device) method"
-    )
+    taught = f"{imports}; from devicectx import register_container; {calls}{passed}"
+    return f"{taught}, or give {root.__qualname__} a .to(device) method" if own_to else taught
 
 
 def _in_torch(tp: type) -> bool:

@@ -6,6 +6,7 @@ import functools
 import inspect
 import math
 import numbers
+import pathlib
 import re
 import sys
 import warnings
@@ -196,7 +197,8 @@ def assert_device_agnostic(
           tensors: dtype, shape, and values where they are numbers), ``torch.Size`` and
           ``torch.dtype`` values (a TensorDict's ``batch_size`` and ``names`` too), and
           the types of containers and of those values are compared (found with the move
-          engine's walk, so every container it supports).
+          engine's walk, so every container it supports; tensors held by plain objects
+          are not, and a check that passes warns of them, with the fix).
           Other values in the output are not: a ``str`` or a ``torch.device`` names the
           device it ran on by nature; nor numbers inside a set. An iterator (a generator)
           is refused: return a list. ``fn`` must be deterministic: a random op (dropout in
@@ -241,6 +243,32 @@ def assert_device_agnostic(
     message = compare(inputs.name, outputs, tolerances, runs, hints)
     if message is not None:
         raise AssertionError(message)
+    _warn_uncompared(inputs.name, outputs[0][1])
+
+
+def _warn_uncompared(name: str, output: object) -> None:
+    """Warn of the output's tensors that the comparison could not look at (held by plain
+    objects: a transformers cache's layers), where the check passed: it says nothing of
+    them."""
+    unseen = [u for u in unseen_tensors([("out", output)]) if u.module is None]
+    if not unseen:
+        return
+    shown = [f"    {u.path} (in {u.holder.__qualname__})" for u in unseen[:_LISTED]]
+    if len(unseen) > _LISTED:
+        shown.append(f"    and {len(unseen) - _LISTED} more")
+    message = "\n".join(
+        [
+            f"assert_device_agnostic({name}): passed, but these tensors of the output were not "
+            f"compared (held by objects the comparison does not look into):",
+            *shown,
+            f"fix: teach devicectx those types, and the check compares them: "
+            f"{fix_for(unseen, argument=False, own_to=False)}",
+        ]
+    )
+    warnings.warn(message, DeviceWarning, stacklevel=3)
+
+
+_LISTED = 4  # the uncompared tensors a warning names; the rest are counted
 
 
 def _resolve_devices(devices: Iterable[DeviceLike] | None) -> list[torch.device]:
@@ -387,7 +415,13 @@ def _raised(
                 f"torch.zeros(n, device=x.device)"
             )
             return "\n".join(lines)
-        lines.append(_made_without_device(name, _decorated(inputs.fn, name), device))
+        inner = _failed_in(error)
+        if inner is not None and inner != _decorated(inputs.fn, name):
+            # The op that met the stray tensor is in code fn calls (a submodule of a
+            # wrapper, say): the tensor was made there, or passed there.
+            lines.append(_made_without_device(inner, inner, device))
+        else:
+            lines.append(_made_without_device(name, _decorated(inputs.fn, name), device))
         return "\n".join(lines)
     if device.type != "cuda" and any(words in str(error) for words in _NO_CUDA):
         lines.append(
@@ -614,6 +648,32 @@ def _unseen(
     caller = named_arguments(inputs.fn, inputs.args, inputs.kwargs)
     before = {u.path for u in unseen_tensors(caller)}
     return [u for u in after if u.path in before], [u for u in after if u.path not in before]
+
+
+# Frames of these packages are torch's or ours: the code that failed is the caller's.
+_NOT_THE_CODE = (
+    str(pathlib.Path(torch.__file__).parent),
+    str(pathlib.Path(__file__).parents[1]),
+)
+
+
+def _failed_in(error: Exception) -> str | None:
+    """The function (``Scale.forward``) whose line raised ``error``: the innermost frame of
+    its traceback outside torch and devicectx; None where there is none."""
+    found = None
+    frame = error.__traceback__
+    while frame is not None:
+        if not frame.tb_frame.f_code.co_filename.startswith(_NOT_THE_CODE):
+            found = frame.tb_frame
+        frame = frame.tb_next
+    if found is None or found.f_code.co_name.startswith("<"):  # a lambda, a comprehension
+        return None
+    code = found.f_code
+    # A method's first parameter, whatever its name: an instance whose class has it.
+    owner = found.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    if owner is None or getattr(type(owner), code.co_name, None) is None:
+        return code.co_name
+    return f"{type(owner).__qualname__}.{code.co_name}"
 
 
 def _made_without_device(name: str, decorate: str | None, device: torch.device) -> str:
