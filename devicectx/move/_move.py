@@ -527,7 +527,9 @@ def _copied_pinned(sent: list[torch.Tensor], staged: _staging.Staged | None) -> 
     """Whether a pinned host tensor of ``sent`` was copied by the move engine itself (not
     staged): its copy reads its memory after the move returns."""
     packed = {} if staged is None else staged.results
-    return any(t.is_cpu and id(t) not in packed and t.is_pinned() for t in sent)
+    if len(sent) == len(packed):  # every tensor sent was staged (most of a large batch)
+        return False
+    return any(id(t) not in packed and t.is_cpu and t.is_pinned() for t in sent)
 
 
 def _root(obj: object) -> object:
