@@ -1799,6 +1799,21 @@ def test_a_tensor_made_in_a_wrapped_module_is_blamed_on_that_module() -> None:
     assert_device_agnostic(nn.Sequential(StrayDecorated()), torch.ones(2, 3), devices=CPU_META)
 
 
+def test_code_in_a_package_named_after_torch_is_the_callers_not_torchs() -> None:
+    """A frame in ``torch_geometric`` (beside torch, its name starting as torch's) is code
+    fn calls, named in the fix, not skipped as torch's own."""
+    import os
+
+    from devicectx.testing import _assertions
+
+    beside = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "torch_like", "x.py")
+    scope: dict[str, object] = {}
+    exec(compile("def conv(x):\n    raise RuntimeError('stray')\n", beside, "exec"), scope)
+    with pytest.raises(RuntimeError) as raised:
+        scope["conv"](1)  # type: ignore[operator]
+    assert "conv" == _assertions._failed_in(raised.value)
+
+
 def test_a_tensor_made_without_device_gets_the_fix_for_it_on_any_device() -> None:
     """torch's device mismatch from a tensor made without device= names that cause and
     its fix, on a later device and on the first one (meta first) alike; the decorated

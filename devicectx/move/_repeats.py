@@ -40,6 +40,7 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 
 __all__ = [
+    "NOT_CALLERS",
     "Line",
     "Place",
     "Where",
@@ -58,7 +59,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep 
 # Frames a move's caller is not in: devicectx's, and torch's own between the user's line and
 # a decorated call (nn.Module's __call__ for a decorated forward; dynamo's frame for a call
 # run eagerly behind a graph break).
-_NOT_CALLERS = (_PACKAGE, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+NOT_CALLERS = (_PACKAGE, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
 class Place:
@@ -465,7 +466,7 @@ def size_text(nbytes: int) -> str:
 def _user_frame() -> Any:
     """The innermost frame outside devicectx and torch: the caller of the move."""
     frame: Any = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_NOT_CALLERS):
+    while frame is not None and frame.f_code.co_filename.startswith(NOT_CALLERS):
         frame = frame.f_back
     return frame
 

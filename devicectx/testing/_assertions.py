@@ -6,7 +6,6 @@ import functools
 import inspect
 import math
 import numbers
-import pathlib
 import re
 import sys
 import warnings
@@ -21,6 +20,7 @@ from devicectx.decorator._wrappers import DeviceAgnosticWrapper, _BoundWrapper
 from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
 from devicectx.move._dtypes import DtypesLike, check_dtypes
+from devicectx.move._repeats import NOT_CALLERS
 from devicectx.move._unseen import (
     Unseen,
     fix_for,
@@ -535,11 +535,8 @@ def _trimmed(error: Exception, missing: _MissingOp | None) -> str:
     if missing is not None:
         end = missing.found.end()
         if text[end:].strip():
-            left = (
-                "torch's list of dispatch keys"
-                if missing.found.re is _NO_KERNEL
-                else ("the rest of torch's text")
-            )
+            dispatcher = missing.found.re is _NO_KERNEL
+            left = "torch's list of dispatch keys" if dispatcher else "the rest of torch's text"
             text = f"{text[:end]} ({left} left out)"
     return f"{type(error).__name__}: {text}"
 
@@ -650,20 +647,14 @@ def _unseen(
     return [u for u in after if u.path in before], [u for u in after if u.path not in before]
 
 
-# Frames of these packages are torch's or ours: the code that failed is the caller's.
-_NOT_THE_CODE = (
-    str(pathlib.Path(torch.__file__).parent),
-    str(pathlib.Path(__file__).parents[1]),
-)
-
-
 def _failed_in(error: Exception) -> str | None:
     """The function (``Scale.forward``) whose line raised ``error``: the innermost frame of
-    its traceback outside torch and devicectx; None where there is none."""
+    its traceback outside torch and devicectx (``torch_geometric``'s is not torch's); None
+    where there is none."""
     found = None
     frame = error.__traceback__
     while frame is not None:
-        if not frame.tb_frame.f_code.co_filename.startswith(_NOT_THE_CODE):
+        if not frame.tb_frame.f_code.co_filename.startswith(NOT_CALLERS):
             found = frame.tb_frame
         frame = frame.tb_next
     if found is None or found.f_code.co_name.startswith("<"):  # a lambda, a comprehension
