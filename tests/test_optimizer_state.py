@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -271,6 +272,24 @@ def test_to_device_of_a_batch_beside_an_optimizer_moves_no_module_and_warns_noth
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         to_device({"x": torch.ones(2), "optimizer": optimizer}, "meta")
+
+
+@pytest.mark.parametrize("skip", [torch.optim.Optimizer, (torch.optim.Adam,), "optimizer"])
+@pytest.mark.parametrize("depth", [1, 150])  # the recursive walk and the explicit stack's
+def test_to_device_of_a_training_state_warns_nothing_of_an_optimizer_it_was_told_to_skip(
+    skip: Any, depth: int
+) -> None:
+    """An optimizer the caller skipped (by type or by key) was left where it was on purpose:
+    no warning that it stayed behind the moved model, at any depth of nesting."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    training: object = {"model": model, "optimizer": optimizer}
+    for _ in range(depth - 1):
+        training = [training]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        to_device(training, "meta", skip=skip)
+    assert model.weight.device.type == "meta"
 
 
 def test_a_path_through_a_tensor_key_names_the_tensor_not_its_values() -> None:

@@ -276,7 +276,7 @@ class Rebuild:
         role = kind.role
         if role == LEAF or (self.skip_types and isinstance(obj, self.skip_types)):
             if self.mover is not None and isinstance(obj, _Optimizer):
-                self.mover.optimizer = obj
+                self._left_optimizer(obj)
             return obj
         if role == TENSOR:
             return obj if obj.device == self.device else self._tensor(obj)
@@ -339,6 +339,13 @@ class Rebuild:
         rebuilt = out if changed else obj
         memo[id(obj)] = rebuilt
         return rebuilt
+
+    def _left_optimizer(self, optimizer: Any) -> None:
+        """Notes an optimizer the walk left where it was, for the warning that its state
+        stays behind a module the walk moves; one the caller skipped by type is theirs."""
+        if not (self.skip_types and isinstance(optimizer, self.skip_types)):
+            assert self.mover is not None
+            self.mover.optimizer = optimizer
 
     def _call(self, call: Call) -> Any:
         """A call's arguments, the root of the walk: the positional ones walked as a tuple and
@@ -492,7 +499,7 @@ class Rebuild:
         role = kind.role
         if role == LEAF or (self.skip_types and isinstance(obj, self.skip_types)):
             if self.mover is not None and isinstance(obj, _Optimizer):
-                self.mover.optimizer = obj
+                self._left_optimizer(obj)
             return obj
         if role == TENSOR:
             return obj if obj.device == self.device else self._tensor(obj)
