@@ -55,7 +55,7 @@ from _trees import (
     tensors_in,
 )
 
-from devicectx import device_agnostic, find_devices, on_device
+from devicectx import device_agnostic, find_devices, on_device, to_device
 
 CPU = torch.device("cpu")
 META = torch.device("meta")
@@ -411,7 +411,49 @@ def section_move(
             missing=_missing(*(measured_at[t.key]["to_device"] for t in (small, large))),
         )
     )
+    case, encoding_row = _batch_encoding(config)
+    if case is not None:
+        cases["batch_encoding"] = case
+    rows.append(encoding_row)
     return {"device": str(META), "cases": cases, "per_leaf_growth": per_leaf}, rows
+
+
+def _batch_encoding(config: Config) -> tuple[Section | None, Row]:
+    """A tokenizer's batch (transformers' ``BatchEncoding``: a ``UserDict`` with its own
+    ``.to``), cpu->meta: ``to_device`` beside ``send_to_device``, which only calls that
+    ``.to``. Each call moves a new ``BatchEncoding`` of the same tensors: its ``.to``
+    moves in place, and a second call would find nothing left to move."""
+    what = "BatchEncoding (3 tensors), cpu->meta: to_device"
+    try:
+        from transformers import BatchEncoding
+    except ImportError:
+        return None, judge("2 move", what, None, "transformers not installed", None, "", None)
+    data = {
+        "input_ids": torch.randint(0, 30_000, (8, 128)),
+        "token_type_ids": torch.zeros(8, 128, dtype=torch.long),
+        "attention_mask": torch.ones(8, 128, dtype=torch.long),
+    }
+
+    def accelerate() -> Callable[[], Any]:
+        send_to_device = load("accelerate.utils", "send_to_device")
+        return lambda: send_to_device(BatchEncoding(data), META)
+
+    subjects = {
+        "to_device": Subject(lambda: lambda: to_device(BatchEncoding(data), META)),
+        "send_to_device": Subject(accelerate),
+    }
+    measured = measure_group(subjects, config)
+    peer = measured["send_to_device"]
+    return {"subjects": as_json(measured)}, judge(
+        "2 move",
+        what,
+        measured["to_device"].median_ns,
+        f"send_to_device {fmt_ns(peer.median_ns)}" if peer.ok else f"send_to_device {peer.status}",
+        peer.median_ns,
+        "send_to_device",
+        None,
+        missing=_missing(measured["to_device"]),
+    )
 
 
 def section_find(config: Config, trees: list[Tree]) -> tuple[Section, list[Row]]:

@@ -341,6 +341,41 @@ def test_object_with_own_to_is_moved_with_it_without_changing_the_input() -> Non
     assert encoding["ids"].device == CPU
 
 
+class BoxedEncoding(Encoding):
+    """An encoding whose entries are read through ``__getitem__``: ``data`` holds boxes."""
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key][0]
+
+    def to(self, device: Any) -> BoxedEncoding:
+        self.data = {k: (v[0].to(device),) for k, v in self.data.items()}
+        return self
+
+
+class ItemsEncoding(Encoding):
+    """An encoding whose ``items()`` is its own: the entries in reverse, one left out."""
+
+    def items(self) -> Any:
+        return list(reversed(self.data.items()))[1:]
+
+
+@given(entries=st.dictionaries(st.text(max_size=3), st.integers(0, 3), max_size=4))
+@pytest.mark.parametrize("tp", [Encoding, BoxedEncoding, ItemsEncoding])
+def test_a_mapping_with_its_own_to_is_read_as_its_items_give_it(
+    tp: type[Encoding], entries: dict[str, int]
+) -> None:
+    """What the engine reads of a ``UserDict`` with its own ``.to`` (to know whether it is
+    on the target, what its ``.to`` copies, and what it left) is what its ``items()``
+    gives: read from ``data`` only where that is the same."""
+    boxed = tp is BoxedEncoding
+    data = {k: (torch.full((1,), n),) if boxed else torch.full((1,), n) for k, n in entries.items()}
+    encoding = tp(data)
+    keys, values = _containers.kind_for(tp).split(encoding)  # type: ignore[misc]
+    assert list(zip(keys, values, strict=True)) == list(encoding.items())
+    paths = [f"enc[{key!r}]" for key, _ in encoding.items()]
+    assert ({CPU: paths} if paths else {}) == find_devices(encoding, name="enc")
+
+
 def test_object_with_own_to_already_there_comes_back_as_it_is() -> None:
     """An object with a .to whose tensors are on the target already is not moved again."""
     encoding = Encoding({"ids": torch.zeros(2, device="meta")})

@@ -195,3 +195,16 @@ def test_collect_finds_each_tensor_of_the_full_walk_once(batch: Any, own: Any) -
     assert {id(t) for _, t in _walk.iter_tensors(obj)} == found.keys() | inside.keys()
     assert {id(t) for _, t in _walk.iter_tensors(batch)} == found.keys()
     event("some inside an own .to" if inside else "none inside an own .to")
+
+
+@given(batch=mixed_batches, own=mixed_batches, with_module=st.booleans())
+def test_tensors_within_lists_each_tensor_of_the_full_walk_once(
+    batch: Any, own: Any, with_module: bool
+) -> None:
+    """What an object's own ``.to`` may copy, read without paths: each distinct tensor the
+    full walk meets, inside objects with their own ``.to`` and modules too, once."""
+    module = torch.nn.Linear(1, 1) if with_module else None
+    obj = OwnMove([batch, OwnMove(own), module, batch])
+    listed = [id(tensor) for tensor in _walk.tensors_within(obj)]
+    assert len(listed) == len(set(listed))
+    assert set(listed) == {id(t) for _, t in _walk.iter_tensors(obj, modules=True)}

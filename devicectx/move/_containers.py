@@ -41,6 +41,7 @@ from devicectx.move._collection_types import (
     graph_split,
     is_graph,
     is_lazy_stack,
+    mapping_items,
     moves_attributes,
     rebuild_mapping,
     rebuild_sequence,
@@ -450,5 +451,5 @@ def _own_kind(tp: type) -> Kind:
     if is_lazy_stack(tp):
         return STACK_KIND
     if issubclass(tp, Mapping):
-        return Kind(OWN, ITEM, items_split, rebuild_mapping)
+        return Kind(OWN, ITEM, mapping_items(tp), rebuild_mapping)
     return Kind(OWN)

@@ -67,7 +67,7 @@ from devicectx.move._paths import ITEM, MEMBER, NAME, build, join
 from devicectx.move._skip import PredicateFailed, Skip
 from devicectx.move._unmaterialised import unmaterialised
 from devicectx.move._unseen import importable_class
-from devicectx.move._walk import all_on, iter_tensors, module_on
+from devicectx.move._walk import all_on, iter_tensors, module_on, tensors_within
 from devicectx.move._wrapped import wrapped
 
 _Tensor = torch.Tensor
@@ -684,13 +684,9 @@ class Rebuild:
     def _sending(self, obj: Any) -> int:
         """List the tensors an object's own ``.to`` is about to copy (a module's are listed
         by :meth:`_module_to`); how many."""
-        seen: set[int] = set()
-        device, sent = self.device, self.sent
-        for _, tensor in iter_tensors(obj, modules=True):
-            if tensor.device != device and id(tensor) not in seen:
-                seen.add(id(tensor))
-                sent.append(tensor)
-        return len(seen)
+        device, before = self.device, len(self.sent)
+        self.sent.extend(tensor for tensor in tensors_within(obj) if tensor.device != device)
+        return len(self.sent) - before
 
     def _error(self, failed: _Failed) -> MoveError:
         path = build(self.name, reversed(failed.parts))

@@ -663,6 +663,20 @@ def collect(
     return found, inside, keep
 
 
+def tensors_within(obj: object) -> Iterable[torch.Tensor]:
+    """Every distinct tensor inside ``obj``, through objects with their own ``.to`` and
+    modules (their parameters and buffers): what ``obj.to`` may copy. No paths, unlike
+    :func:`iter_tensors`, and the same tensors (a tensor that both hold is listed once)."""
+    found: dict[int, torch.Tensor] = {}
+    keep: list[Any] = []
+    modules: list[nn.Module] = []
+    _gather([obj], found, set(), keep, (), True, modules)
+    for module in modules:
+        for tensor in chain(module.parameters(), module.buffers()):
+            found.setdefault(id(tensor), tensor)
+    return found.values()
+
+
 def _gather(
     stack: list[Any],
     found: dict[int, torch.Tensor],
