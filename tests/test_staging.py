@@ -754,6 +754,49 @@ def test_a_full_pool_waits_for_the_oldest_chunk_alone() -> None:
     assert 128 == pool.held_bytes
 
 
+class Interrupted(Pending):
+    """An event whose first wait is interrupted (Ctrl-C while a move waits for a chunk),
+    after ``meanwhile`` ran (another thread's ``release_staging``, say)."""
+
+    def __init__(self, log: list[str], meanwhile: Callable[[], object]) -> None:
+        super().__init__(log)
+        self.meanwhile = meanwhile
+
+    def synchronize(self) -> None:
+        if "interrupted" not in self.log:
+            self.log.append("interrupted")
+            self.meanwhile()
+            raise KeyboardInterrupt
+        super().synchronize()
+
+
+@pytest.mark.parametrize("cleared", [False, True])
+def test_a_wait_for_the_oldest_chunk_interrupted_gives_the_chunk_back(cleared: bool) -> None:
+    """Interrupted while it waits for the oldest chunk's copies, a full pool keeps that
+    chunk (first in line, its copies still to be waited for), or lets it go where the pool
+    was cleared meanwhile (``release_staging``): the next move gets a chunk, where a lost
+    one stayed counted as held and moves waited for ever once the pool was full."""
+    log: list[str] = []
+    pool: _pinned.Pool
+
+    def meanwhile() -> object:
+        return pool.clear() if cleared else None
+
+    pool = _pinned.Pool(_seam._host_buffer, lambda device: Interrupted(log, meanwhile), 64, 128)
+    first, second = pool.acquire(), pool.acquire()
+    pool.release(first, META, None)
+    pool.release(second, META, None)
+    with pytest.raises(KeyboardInterrupt):
+        pool.acquire()
+    if cleared:
+        assert (0, []) == (pool.held_bytes, pool.free)
+        assert pool.acquire() not in (first, second)
+    else:
+        assert (128, [first, second]) == (pool.held_bytes, pool.free)
+        assert pool.acquire() is first
+        assert ["record", "record", "interrupted", "synchronize"] == log
+
+
 def test_a_pool_backing_off_reuses_its_chunks_instead_of_allocating() -> None:
     """After a failed allocation, a pool that holds a chunk whose copies are in flight
     waits for that chunk where it would otherwise grow, allocating nothing, until the

@@ -128,7 +128,19 @@ class Pool:
                     msg = "no pinned staging memory: an allocation failed recently"
                     raise RuntimeError(msg)
                 self.changed.wait()
-        oldest.event.synchronize()  # waits for that chunk's copies, not for the device
+        try:
+            oldest.event.synchronize()  # waits for that chunk's copies, not for the device
+        except BaseException:
+            # Interrupted (Ctrl-C in a notebook lands here, where a large move waits):
+            # the chunk goes back first in line. Lost, it stayed counted as held, and
+            # once such chunks filled the pool every later move waited for ever.
+            with self.changed:
+                if oldest.generation == self.generation:
+                    self.free.insert(0, oldest)
+                else:
+                    self.held_bytes -= self.chunk_bytes
+                self.changed.notify()
+            raise
         return oldest
 
     def release(self, chunk: Chunk, device: torch.device | None, stream: Any) -> Event | None:
