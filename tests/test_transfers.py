@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import inspect
 import threading
 import warnings
@@ -27,10 +28,12 @@ from devicectx import (
     DeviceWarning,
     RepeatedMoveWarning,
     device_agnostic,
+    prefetch,
     set_repeated_move_warning,
     to_device,
     track_transfers,
 )
+from devicectx.move import _repeats as repeats_module
 from devicectx.move import _staging
 from devicectx.move._walk import iter_tensors
 from devicectx.testing import assert_device_agnostic
@@ -664,6 +667,64 @@ def test_the_check_keeps_no_batch_alive() -> None:
     to_device(batch, META)
     del batch
     assert gone() is None
+
+
+def test_a_places_memory_goes_with_its_function_and_its_prefetcher() -> None:
+    """What the check remembers of a decorated function, or of a prefetcher, goes with it:
+    a notebook that makes a prefetcher each epoch, or defines its step again in each run of
+    a cell, keeps nothing of the old ones."""
+    before = set(repeats_module._REMEMBERING)
+    weight = torch.ones(2)
+
+    def epoch() -> list[weakref.ref[Any]]:
+        @device_agnostic(device=META)
+        def step(batch: dict[str, torch.Tensor], w: torch.Tensor) -> int:
+            return len(batch)
+
+        batches = prefetch([{"x": torch.ones(2)}, {"x": torch.ones(2)}], META)
+        for batch in batches:
+            step(batch, weight)
+        return [weakref.ref(place) for place in set(repeats_module._REMEMBERING) - before]
+
+    made = epoch()
+    assert len(made) == 2  # the step's, the prefetcher's
+    gc.collect()
+    assert [None, None] == [place() for place in made]
+
+
+def test_the_lines_that_moved_are_remembered_up_to_a_bound(
+    monkeypatch: pytest.MonkeyPatch, recorded: list[warnings.WarningMessage]
+) -> None:
+    """The lines that called ``to_device`` are remembered up to a bound, the oldest let go
+    first (a notebook's cells are new files at each run); the newest still warn."""
+    monkeypatch.setattr(repeats_module, "_LAST", {})
+    monkeypatch.setattr(repeats_module, "_LINES", 4)
+    weight = torch.ones(2)
+    for run in range(10):
+        code = compile("for _ in range(2): to_device(weight, META)", f"<cell {run}>", "exec")
+        exec(code, {"to_device": to_device, "weight": weight, "META": META})
+        assert len(repeats_module._LAST) <= 4
+    assert [f"<cell {run}>" for run in range(10)] == [w.filename for w in _repeats(recorded)]
+
+
+def test_turning_the_check_off_forgets_what_decorated_functions_moved(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """Off and on again, the check starts afresh at a decorated function too: its first move
+    after is compared with nothing before."""
+    weight = torch.ones(2)
+
+    @device_agnostic(device=META)
+    def step(w: torch.Tensor) -> torch.Tensor:
+        return w
+
+    step(weight)
+    set_repeated_move_warning(False)
+    set_repeated_move_warning(True)
+    step(weight)
+    assert [] == _repeats(recorded)
+    step(weight)
+    assert 1 == len(_repeats(recorded))
 
 
 def test_inference_tensors_are_moved_without_a_check(

@@ -75,9 +75,13 @@ class Place:
     line at the move. ``home``: where they are given where the move has no caller of the
     user's (a decorated function run again by autograd's backward, under activation
     checkpointing): where the function is defined (its first decorator's line).
+
+    A place keeps what the check remembers of it (``last``, ``warned``), so that it goes
+    with its decorated function or prefetcher: a notebook that makes a prefetcher each
+    epoch, or defines a function again in each run of a cell, keeps nothing of the old.
     """
 
-    __slots__ = ("defaults", "home", "label", "origin")
+    __slots__ = ("__weakref__", "defaults", "home", "label", "last", "origin", "warned")
 
     def __init__(
         self,
@@ -90,6 +94,9 @@ class Place:
         self.defaults = defaults or {}  # id(tensor) -> the parameter it is the default of
         self.origin = origin
         self.home = home
+        # Per target: [how many moves it made, what its last checked move copied, by id].
+        self.last: dict[torch.device, list[Any]] = {}
+        self.warned: set[tuple[torch.device, str]] = set()  # (target, path) reported
 
     def __str__(self) -> str:
         return self.label
@@ -131,11 +138,16 @@ _CHECKED = 256
 _EVERY_FROM = 8
 _EVERY = 8
 _Seen = tuple["weakref.ref[torch.Tensor]", int, bool]  # the tensor, its version, reported
-# Per place: [how many moves it made, what its last checked move copied, by id].
-_LAST: dict[tuple[Where, torch.device], list[Any]] = {}
+# The caller lines' state, as a Place keeps its own: per (line, target), [how many moves
+# it made, what its last checked move copied, by id]; and the (line, target, path)
+# reported. At most _LINES lines, the oldest dropped first: a notebook's cells are new
+# files at each run.
+_LAST: dict[tuple[Line, torch.device], list[Any]] = {}
+_WARNED: set[tuple[Line, torch.device, str]] = set()
+_LINES = 512
 _NONE: list[torch.Tensor] = []  # no repeats (never appended to)
-_WARNED: set[tuple[Where, torch.device, str]] = set()
 _WARNED_LOCK = threading.Lock()
+_REMEMBERING: weakref.WeakSet[Place] = weakref.WeakSet()  # Places with a state to clear
 
 
 def set_repeated_move_warning(enabled: bool) -> bool:
@@ -154,6 +166,8 @@ def set_repeated_move_warning(enabled: bool) -> bool:
     _CHECK[0] = bool(enabled)
     if not enabled:
         _LAST.clear()
+        for place in list(_REMEMBERING):
+            place.last.clear()
     return previous
 
 
@@ -171,8 +185,13 @@ def repeated(where: Where, target: torch.device, sent: list[torch.Tensor]) -> li
     in ``_EVERY``: the first of a pair is remembered, the second compared with it. A
     tensor moved again by the very next move crosses on every call; one that comes back
     every few moves (a list of a few batches, cycled) is no such constant."""
-    key = (where, target)
-    state = _LAST.get(key)
+    table: dict[Any, list[Any]]
+    key: Any
+    if isinstance(where, Place):
+        table, key = where.last, target
+    else:
+        table, key = _LAST, (where, target)
+    state = table.get(key)
     count, get, compare = 0, None, True
     if state is not None:
         count = state[0] = state[0] + 1  # in place: a move not checked allocates nothing
@@ -203,7 +222,9 @@ def repeated(where: Where, target: torch.device, sent: list[torch.Tensor]) -> li
                     repeated.append(tensor)
                 continue
         now[id(tensor)] = (ref(tensor), version, False)
-    _LAST[key] = [count, now]
+    if state is None:
+        _remember(where, table)
+    table[key] = [count, now]
     for tensor in repeated:  # reported below (or already, at its path): never again
         weak, version, _ = now[id(tensor)]
         now[id(tensor)] = (weak, version, True)
@@ -213,8 +234,22 @@ def repeated(where: Where, target: torch.device, sent: list[torch.Tensor]) -> li
 def forget(where: Where, target: torch.device | None) -> None:
     """Forget the last move of ``where`` to ``target``: the call it moved for failed, and
     the same batch moved again by a retry is no tensor that crosses on every call."""
-    if target is not None:
+    if target is None:
+        return
+    if isinstance(where, Place):
+        where.last.pop(target, None)
+    else:
         _LAST.pop((where, target), None)
+
+
+def _remember(where: Where, table: dict[Any, list[Any]]) -> None:
+    """Before a place's first state: its Place noted (for a clear of every state), or
+    room made among the lines' states."""
+    if isinstance(where, Place):
+        _REMEMBERING.add(where)
+    elif len(table) >= _LINES:
+        with contextlib.suppress(StopIteration, KeyError):  # another thread's meanwhile
+            del table[next(iter(table))]
 
 
 def warn(
@@ -230,8 +265,7 @@ def warn(
     with _WARNED_LOCK:
         for tensor in repeated:
             path = paths.get(id(tensor), name or "?")
-            if (where, target, path) not in _WARNED:
-                _WARNED.add((where, target, path))
+            if _first_report(where, target, path):
                 fresh.append((path, tensor))
     if not fresh:
         return
@@ -250,6 +284,22 @@ def warn(
         warn_explicit_at(*where.home, message, RepeatedMoveWarning)
     else:
         warnings.warn(message, RepeatedMoveWarning, stacklevel=2)
+
+
+def _first_report(where: Where, target: torch.device, path: str) -> bool:
+    """Whether ``path`` moved by ``where`` to ``target`` was not reported yet; now it is.
+    Under ``_WARNED_LOCK``."""
+    if isinstance(where, Place):
+        if (target, path) in where.warned:
+            return False
+        where.warned.add((target, path))
+        return True
+    if (where, target, path) in _WARNED:
+        return False
+    if len(_WARNED) >= _LINES * 8:
+        _WARNED.clear()  # past the bound, a line may be warned of again
+    _WARNED.add((where, target, path))
+    return True
 
 
 _NAMED = 3  # the tensors a warning about several names; the rest are counted
@@ -501,3 +551,6 @@ def _reset_for_tests() -> None:
     _LAST.clear()
     with _WARNED_LOCK:
         _WARNED.clear()
+        for place in list(_REMEMBERING):
+            place.last.clear()
+            place.warned.clear()
