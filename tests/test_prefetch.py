@@ -312,8 +312,24 @@ def test_close_ends_the_passes() -> None:
 
 
 def test_repr_shows_the_call() -> None:
-    """The repr reads as the call that made it."""
+    """The repr reads as the call that made it, its loader by type and length, never its
+    batches (a notebook shows it as a cell's last line); an iterator by its own repr."""
     assert "prefetch([], 'meta', depth=3)" == repr(prefetch([], "meta", depth=3))
+    data = [{"x": torch.zeros(100)}] * 200
+    assert "prefetch(<list of 200 batches>, 'meta', depth=2)" == repr(prefetch(data, "meta"))
+    loader = torch.utils.data.DataLoader(torch.zeros(10, 3), batch_size=4)
+    assert "prefetch(<DataLoader of 3 batches>, 'meta', depth=2)" == repr(prefetch(loader, "meta"))
+    stream = torch.utils.data.DataLoader(_Stream(), batch_size=None)
+    assert "prefetch(<DataLoader>, 'meta', depth=2)" == repr(prefetch(stream, "meta"))
+    batches = iter(data)
+    assert f"prefetch({batches!r}, 'meta', depth=2)" == repr(prefetch(batches, "meta"))
+
+
+class _Stream(torch.utils.data.IterableDataset[torch.Tensor]):
+    """A dataset with no length."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield torch.zeros(2)
 
 
 # Errors, in order.

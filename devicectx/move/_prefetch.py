@@ -305,7 +305,28 @@ class Prefetcher(Generic[T]):
             self._streams.close()
 
     def __repr__(self) -> str:
-        return f"prefetch({self.batches!r}, {str(self.device)!r}, depth={self.depth})"
+        return f"prefetch({_batches_text(self.batches)}, {str(self.device)!r}, depth={self.depth})"
+
+
+def _batches_text(batches: object) -> str:
+    """The loader as a prefetcher's repr shows it: an iterator's own repr (one line), else
+    its type and length, never its batches (a notebook shows a prefetcher of a list of
+    batches as a cell's last line: the list's repr printed every tensor in it).
+
+    Example:
+        >>> _batches_text([{"x": 1}] * 200), _batches_text([])
+        ('<list of 200 batches>', '[]')
+    """
+    if isinstance(batches, Iterator):
+        return repr(batches)
+    kind = type(batches).__qualname__
+    try:
+        count = len(batches)  # type: ignore[arg-type]
+    except Exception:  # no length (an iterable dataset's loader raises TypeError)
+        return f"<{kind}>"
+    if not count and type(batches) in (list, tuple):
+        return repr(batches)
+    return f"<{kind} of {count} batch{'' if count == 1 else 'es'}>"
 
 
 class _InFlight:
