@@ -992,6 +992,53 @@ def test_local_function_is_refused_by_pickle_as_functions_are() -> None:
         pickle.dumps(local)
 
 
+def _subtract(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a - b
+
+
+checked = device_agnostic(move=False)(_subtract)  # decorated under another name
+offset = device_agnostic(device="meta")(functools.partial(_subtract, b=torch.ones(1)))
+
+
+@pytest.mark.parametrize("name", ["checked", "offset"])
+def test_a_decorated_object_its_name_does_not_lead_to_pickles_decorated_again(name: str) -> None:
+    """Decorated under another name than its function's, or a partial (which has none), it
+    is pickled as its function and comes back decorated as it was; pickle refused both, the
+    first with "not the same object as" the undecorated function."""
+    decorated = globals()[name]
+    back = pickle.loads(pickle.dumps(decorated))
+    assert back is not decorated
+    if name == "checked":
+        assert back.__wrapped__ is _subtract
+        with pytest.raises(DeviceMismatchError):
+            back(torch.ones(1), torch.ones(1, device="meta"))
+    else:
+        assert META == back(torch.ones(1)).device
+
+
+def test_cloudpickle_ships_a_function_by_value_decorated() -> None:
+    """cloudpickle pickles the functions of ``__main__`` (a notebook's, a script's: what Ray,
+    joblib and Dask ship to their workers) by value, from their code, as it does a module
+    registered so: a decorated function and a module's decorated forward come back
+    decorated. The function came back undecorated, moving nothing, silently."""
+    cloudpickle = pytest.importorskip("cloudpickle")
+    import pickle_subjects
+
+    cloudpickle.register_pickle_by_value(pickle_subjects)
+    try:
+        step = cloudpickle.loads(cloudpickle.dumps(pickle_subjects.step))
+        # What a class shipped by value holds (in this process cloudpickle hands back the
+        # class it has, so its forward is pickled alone here).
+        forward = cloudpickle.loads(cloudpickle.dumps(vars(pickle_subjects.Model)["forward"]))
+    finally:
+        cloudpickle.unregister_pickle_by_value(pickle_subjects)
+    assert step is not pickle_subjects.step
+    assert META == step(torch.ones(2)).device
+    model = pickle_subjects.Model().to("meta")
+    assert forward is not vars(pickle_subjects.Model)["forward"]
+    assert META == forward(model, torch.ones(2, 2)).device
+
+
 def test_runs_in_a_spawned_process() -> None:
     """Sent to a spawned worker (as a DataLoader or torch.multiprocessing does), it still
     scopes its body there."""

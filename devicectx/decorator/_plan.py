@@ -105,6 +105,7 @@ class Plan:
         "move_fix",
         "name",
         "non_blocking",
+        "options",
         "output",
         "params",
         "precision",
@@ -132,6 +133,18 @@ class Plan:
     ) -> None:
         function = getattr(wrapped, "__func__", wrapped)  # classmethod, staticmethod
         self.name: str = getattr(function, "__qualname__", repr(function))
+        # As given, to decorate the function again where it is pickled by value.
+        self.options: dict[str, Any] = {
+            "device": device,
+            "move": move,
+            "output": output,
+            "exclude": exclude,
+            "non_blocking": non_blocking,
+            "scope": scope,
+            "coalesce": coalesce,
+            "precision": precision,
+            "dtypes": dtypes,
+        }
         named = functools.partial(DeviceOption, owner=self.name)
         self.device = None if device is None else named(device, argument="device")
         self.move = move

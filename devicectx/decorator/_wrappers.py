@@ -80,11 +80,30 @@ _PROBING = _Probing()
 
 
 def _class_of(self: wrapt.ObjectProxy[Any]) -> type:
-    """A wrapper's ``__class__``: the wrapped function's (as wrapt has it), or in the
-    fallback, while dynamo traces, its own, so that dynamo cannot inline the wrapped code."""
+    """A wrapper's ``__class__``: the wrapped function's (as wrapt has it), or its own
+    where passing for a function would drop it: in the fallback, while dynamo traces (so
+    that dynamo cannot inline the wrapped code), and to cloudpickle's reducer, which
+    pickles a function of ``__main__`` by value from its code, the wrapper left out
+    (Ray, joblib and Dask ship a notebook's functions so)."""
     if _dynamo_hooks.tracing() and _falls_back():
         return type(self)
+    caller = sys._getframe(1)
+    if caller.f_code.co_name == "reducer_override" and caller.f_globals.get(
+        "__name__", ""
+    ).startswith("cloudpickle"):
+        _BY_VALUE.wrapper = self
+        return type(self)
     return cast(type, self.__wrapped__.__class__)
+
+
+class _ByValue(threading.local):
+    """The wrapper cloudpickle's reducer just asked for its class: it is pickled next,
+    by value (:meth:`DeviceAgnosticWrapper.__reduce_ex__`)."""
+
+    wrapper: object = None
+
+
+_BY_VALUE = _ByValue()
 
 
 def _falls_back() -> bool:
@@ -183,6 +202,7 @@ class DeviceAgnosticWrapper(_FunctionWrapper):
             wrapped, UNBOUND if instance is None else instance, plan.call, None, binding
         )
         self._self_entry = entry
+        self._self_plan = plan
 
     __bound_function_wrapper__ = _BoundWrapper
 
@@ -190,8 +210,14 @@ class DeviceAgnosticWrapper(_FunctionWrapper):
     # then be sent to another process (``torch.multiprocessing.spawn``, a spawned
     # ``DataLoader``'s ``collate_fn``), where its module holds the decorated object again,
     # and ``copy.deepcopy`` of a model holding one as an attribute works. wrapt's proxy
-    # refuses both.
-    def __reduce_ex__(self, protocol: SupportsIndex) -> str:
+    # refuses both. Where its name does not lead to it (decorated under another name, a
+    # partial, a classmethod reached through its class), or for cloudpickle, which ships a
+    # function of ``__main__`` by value, it is the function pickled and decorated again.
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        by_value = _BY_VALUE.wrapper is self
+        _BY_VALUE.wrapper = None
+        if by_value or not _named_so(self):
+            return _decorated_again, (self.__wrapped__, self._self_plan.options)
         return self.__qualname__
 
     def __copy__(self) -> DeviceAgnosticWrapper:
@@ -199,6 +225,21 @@ class DeviceAgnosticWrapper(_FunctionWrapper):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DeviceAgnosticWrapper:
         return self
+
+
+def _named_so(wrapper: DeviceAgnosticWrapper) -> bool:
+    """Whether ``wrapper``'s module and qualified name lead to ``wrapper`` itself."""
+    found: Any = sys.modules.get(getattr(wrapper, "__module__", None) or "")
+    for part in str(getattr(wrapper, "__qualname__", "<locals>")).split("."):
+        found = getattr(found, part, None)
+    return found is wrapper
+
+
+def _decorated_again(wrapped: Callable[..., Any], options: dict[str, Any]) -> Any:
+    """A decorated function unpickled: the function, decorated as it was."""
+    from devicectx.decorator._decorator import device_agnostic  # which imports this module
+
+    return device_agnostic(wrapped, **options)
 
 
 def _script_refusal(wrapper: DeviceAgnosticWrapper) -> str:
