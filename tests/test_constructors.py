@@ -528,3 +528,42 @@ def test_a_dtype_of_the_data_or_given_keeps_the_dtype_fix_under_a_float64_defaul
                 make()
             assert "default dtype" not in str(raised.value)
             assert ", dtype=torch.float32), or make it on the CPU" in str(raised.value)
+
+
+class _WorkerSeeds(torch.utils.data.Dataset[int]):
+    """Each item: the seed of the worker that loads it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        info = torch.utils.data.get_worker_info()
+        return -1 if info is None else info.seed
+
+
+def _loaded(workers: int) -> list[list[int]]:
+    torch.manual_seed(0)
+    shuffled = torch.utils.data.DataLoader(
+        list(range(8)), batch_size=4, shuffle=True, collate_fn=list
+    )
+    seeds = torch.utils.data.DataLoader(_WorkerSeeds(), num_workers=workers, collate_fn=list)
+    return [*shuffled, *seeds]
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["meta", pytest.param("accelerator", marks=pytest.mark.requires_device("accelerator"))],
+)
+def test_a_dataloader_in_a_block_draws_the_seeds_a_cpu_run_draws(target: str) -> None:
+    """torch.utils.data draws its shuffling sampler's seed and its workers' base seed with
+    ``torch.empty((), dtype=torch.int64).random_()``: in a block they are drawn on the host,
+    as outside it, so a block gives the order and the worker seeds of a CPU run with the
+    same ``torch.manual_seed`` (torch's ``with torch.device`` draws them on the device, and
+    a shuffling loader fails in a ``meta`` block: no values to read)."""
+    device = accelerator() if target == "accelerator" else torch.device("meta")
+    outside = _loaded(workers=1)
+    with on_device(device):
+        inside = _loaded(workers=1)
+        assert device == torch.empty(()).device  # a block's own 0-d tensors stay its
+        assert device == torch.empty((), dtype=torch.int64).device
+    assert outside == inside

@@ -192,6 +192,8 @@ def _fill_device(
     # Outside every scope (the task's tuple of blocks and the thread's list of decorated
     # calls empty), or in a block on the device torch gives anyway (such a block is entered
     # only with nothing else open, so it is the task's only one): torch's function at once.
+    seeds = original is _EMPTY  # torch.utils.data draws its seeds with torch.empty
+
     @functools.wraps(original)
     def constructor(*args: Any, **kwargs: Any) -> Any:
         if _is_dynamo_compiling():
@@ -204,6 +206,8 @@ def _fill_device(
         blocks = active()
         scoped = calls.scopes or (blocks and blocks[-1].previous is not torch_own)
         if scoped and kwargs.get("device") is None:
+            if seeds and args == _SEED_SHAPE and _draws_a_seed(kwargs):
+                return original(*args, **kwargs)
             generator = kwargs.get("generator")
             # A generator draws only on its own device (a CPU one refuses any other): the
             # numbers are made there, as DataLoader's shuffling sampler needs them.
@@ -220,6 +224,21 @@ def _fill_device(
         return original(*args, **kwargs)
 
     return constructor
+
+
+_EMPTY = torch._C._VariableFunctions.empty
+_SEED_SHAPE = ((),)
+
+
+def _draws_a_seed(kwargs: dict[str, Any]) -> bool:
+    """Whether a ``torch.empty((), dtype=torch.int64)`` is ``torch.utils.data`` drawing a
+    seed (its shuffling sampler's, its workers' base seed: ``.random_().item()``): made
+    on the host, as outside a block, so that a block draws the seeds a CPU run draws, and
+    a ``meta`` block (which has no values to read) lets a ``DataLoader`` run."""
+    if kwargs.get("dtype") is not torch.int64:
+        return False
+    caller = sys._getframe(2).f_globals.get("__name__", "")  # 1: the constructor
+    return isinstance(caller, str) and caller.startswith("torch.utils.data")
 
 
 _Refusal = Callable[
