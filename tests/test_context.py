@@ -6,10 +6,13 @@ import asyncio
 import contextvars
 import inspect
 import pickle
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from hypothesis import strategies as st
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
+import devicectx
 from devicectx import (
     DeviceUnavailableError,
     InvalidDeviceError,
@@ -29,7 +33,7 @@ from devicectx import (
     on_device,
 )
 from devicectx._torch.modes import clear_default_device
-from devicectx.scope._stack import active_device
+from devicectx.scope._stack import active_device, leave_opened_since
 from devicectx.testing.strategies import devices
 
 pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
@@ -70,6 +74,68 @@ def test_exit_by_exception_restores(error: type[BaseException]) -> None:
         raise error
     assert CPU == allocated()
     assert [] == _get_current_function_mode_stack()
+
+
+_PACKAGE = str(Path(devicectx.__file__).parent)
+_EXIT = on_device.__exit__.__code__
+
+
+def _exit_guarded_from() -> int:
+    """The first line of ``on_device.__exit__`` its guard covers (the one after ``try:``):
+    no ``__exit__`` written in Python can guard its own lines before that."""
+    lines, first = inspect.getsourcelines(on_device.__exit__)
+    index = next((i for i, line in enumerate(lines) if line.strip() == "try:"), None)
+    return first if index is None else first + index + 1
+
+
+def _interrupted_at(line_event: int, **options: bool) -> int:
+    """Run ``with on_device("meta", **options): pass`` with a KeyboardInterrupt raised at
+    the ``line_event``-th line devicectx runs (as Ctrl-C would land there); the number of
+    lines it ran. Python's own tracing hook delivers the interrupt, at every line in turn."""
+    guarded, seen = _exit_guarded_from(), [0]
+
+    def trace(frame: FrameType, event: str, arg: object) -> Any:
+        if not frame.f_code.co_filename.startswith(_PACKAGE):
+            return None
+        if event == "line" and (frame.f_code is not _EXIT or frame.f_lineno >= guarded):
+            seen[0] += 1
+            if seen[0] == line_event:
+                raise KeyboardInterrupt
+        return trace
+
+    sys.settrace(trace)
+    try:
+        with on_device("meta", **options):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return seen[0]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_an_interrupt_anywhere_in_entering_or_leaving_leaves_nothing_behind(exact: bool) -> None:
+    """Ctrl-C that lands while a block enters or leaves, not in its body (a notebook cell
+    of short blocks in a loop), leaves no block open: torch's default and its mode stack
+    are as before. It left the block's device the task's default for good (after the
+    scope opened, the ``with`` statement calls no ``__exit__`` for an ``__enter__`` that
+    raised; an exit cut short left the device set)."""
+    with on_device("meta", exact=exact):  # the first block of a process does more, once
+        pass
+    lines = _interrupted_at(0, exact=exact)
+    assert lines > 20
+    left = []
+    for line_event in range(1, lines + 1):
+        _interrupted_at(line_event, exact=exact)
+        state = (torch.get_default_device(), allocated(), len(_get_current_function_mode_stack()))
+        if state != (CPU, CPU, 0):
+            left.append(line_event)
+            leave_opened_since(())  # what was left, for the tests after this one
+            while _get_current_function_mode_stack():
+                torch._C._pop_torch_function_stack()
+            clear_default_device()
+    assert [] == left
 
 
 def test_nesting_to_any_depth() -> None:

@@ -30,7 +30,10 @@ from devicectx.scope._stack import (
     Block,
     Scope,
     current_device,
+    finish_leaving,
+    leave_opened_since,
     open_here,
+    open_scopes,
     pop_device,
     push_block,
     push_device,
@@ -91,6 +94,9 @@ def _prepare_eagerly() -> bool:
     if not _EAGERLY:
         _EAGERLY.update(enter=disable(_enter_eagerly), exit=disable(_exit_eagerly))
     return True
+
+
+_NOT_TAKEN = object()  # an exit interrupted before it took its entry
 
 
 class on_device:
@@ -262,11 +268,18 @@ class on_device:
             plain.__enter__()  # type: ignore[no-untyped-call]
             self._entered.append(plain)
             return device
-        if self._plain:  # the common block: no mode, no autocast, no audit
-            self._entered.append(push_block(device))
-        else:
-            self._entered.append(_enter_block(device, self.exact, self.precision, self._audit))
-        return device
+        # An interrupt (Ctrl-C) that lands after the scope is open but before this returns
+        # gets no __exit__ from the with statement: the entry is undone here.
+        before = open_scopes()
+        try:
+            if self._plain:  # the common block: no mode, no autocast, no audit
+                self._entered.append(push_block(device))
+            else:
+                self._entered.append(_enter_block(device, self.exact, self.precision, self._audit))
+            return device
+        except BaseException:
+            leave_opened_since(before)
+            raise
 
     def __exit__(
         self,
@@ -274,15 +287,27 @@ class on_device:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        entered = self._entered.pop() if len(self._entered) == 1 else self._own_entry()
-        if type(entered) is Block:
-            pop_device(entered)
-        elif type(entered) is tuple:
-            _leave_block(*entered)
-        elif entered is None:
-            _EAGERLY["exit"]()
-        else:
-            entered.__exit__(exc_type, exc, traceback)  # type: ignore[union-attr]
+        entered: Any = _NOT_TAKEN
+        try:
+            entered = self._entered.pop() if len(self._entered) == 1 else self._own_entry()
+            if type(entered) is Block:
+                pop_device(entered)
+            elif type(entered) is tuple:
+                _leave_block(*entered)
+            elif entered is None:
+                _EAGERLY["exit"]()
+            else:
+                entered.__exit__(exc_type, exc, traceback)
+        except ScopeExitError:
+            raise
+        except BaseException:
+            # An interrupt cut the exit short: the block's device must not outlive it.
+            if entered is _NOT_TAKEN and len(self._entered) == 1:
+                entered = self._entered.pop()
+            scope = entered[0] if type(entered) is tuple else entered
+            if isinstance(scope, Scope):
+                finish_leaving(scope)
+            raise
 
     def _own_entry(self) -> Block | tuple[Scope, _Amp | None] | DeviceContext | None:
         """The latest entry of this object made in this thread or task: one object shared

@@ -592,6 +592,35 @@ def pop_device(scope: Scope) -> None:
         _leave_extras(scope)
 
 
+open_scopes = _active
+"""The scopes open in this thread's or task's context, outermost first (the context
+variable's own ``get``: a block's entry reads it)."""
+
+
+def leave_opened_since(before: tuple[Scope, ...]) -> None:
+    """Leave every scope opened here since ``_active()`` was ``before``, innermost first:
+    an entry an interrupt (Ctrl-C) cut short after it opened its scope, where the ``with``
+    statement, whose ``__enter__`` raised, calls no ``__exit__``."""
+    for scope in reversed(_active()):
+        if not any(kept is scope for kept in before):
+            pop_device(scope)
+
+
+def finish_leaving(scope: Scope) -> None:
+    """Finish leaving ``scope`` where an interrupt cut :func:`pop_device` short: off the
+    open scopes, torch's default as before it, its mode off torch's stack. Each part is
+    done only where it is still to do, so that this is safe after a whole ``pop_device``."""
+    active = _active()
+    if any(open_scope is scope for open_scope in active):
+        _ACTIVE.set(tuple(open_scope for open_scope in active if open_scope is not scope))
+    previous = scope.previous
+    if previous is not _UNCHANGED and previous is not _TORCH_OWN:
+        _DEVICE_GLOBALS[_CURRENT] = previous
+    if type(scope) is Block and scope.mode is not None:
+        _torch_modes.remove_mode(scope.mode)
+        scope.mode = None
+
+
 def _leave_extras(scope: Block) -> None:
     """Undo what a block did beyond the scope: its mode, the accelerator's index, the audit."""
     if scope.mode is not None:
