@@ -7,9 +7,11 @@ bytes are checked against an oracle that reads only the input and the result.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import gc
 import inspect
+import pickle
 import threading
 import warnings
 import weakref
@@ -264,6 +266,18 @@ def test_the_table_and_the_dict() -> None:
     }  # fmt: skip
     assert str(log) == log.table()
     assert repr(log) == "<TransferLog: 2 tensors, 2.0 KiB>"
+
+
+def test_a_log_pickles_and_copies_as_its_sums() -> None:
+    """A log goes where a rank's results go (``all_gather_object``, a worker process's
+    return value) and deep-copies: its rows come back, and the copy records on its own.
+    It raised "cannot pickle '_thread.lock' object"."""
+    with track_transfers() as log:
+        to_device({"x": torch.zeros(4)}, META)
+    for copied in (pickle.loads(pickle.dumps(log)), copy.deepcopy(log)):
+        assert (copied.rows, copied.as_dict()) == (log.rows, log.as_dict())
+        copied.add("here", "y", CPU, META, 8)
+        assert (copied.total_tensors, log.total_tensors) == (2, 1)
 
 
 # The repeated-move warning.

@@ -92,6 +92,16 @@ class TransferLog:
         self._sums: dict[_Key, list[int]] = {}
         self._lock = threading.Lock()  # a log may be shared by threads run in its context
 
+    # Pickled and copied as its sums (a rank's log sent with all_gather_object, one returned
+    # from a worker process), with a lock of its own.
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:
+            return {"sums": {key: list(sums) for key, sums in self._sums.items()}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._sums = state["sums"]
+        self._lock = threading.Lock()
+
     def add(
         self, where: str, path: str, source: torch.device, target: torch.device, nbytes: int
     ) -> None:
