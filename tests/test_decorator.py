@@ -1075,6 +1075,14 @@ def test_bound_methods_pickle_as_methods_do() -> None:
     assert [META, CPU] == through_class(HOLDER, torch.ones(1), torch.ones(1))
 
 
+def test_a_bound_method_shows_as_a_bound_method() -> None:
+    """A decorated method reached through its instance (or its class, for a classmethod)
+    shows as Python shows a bound method, not as wrapt's proxy with two addresses."""
+    model = Net()
+    assert f"<bound method Net.forward of {model!r}>" == repr(model.forward)
+    assert f"<bound method Maker.make of {Maker!r}>" == repr(Maker.make)
+
+
 def test_bound_methods_copy_as_methods_do() -> None:
     """copy keeps a decorated method's instance; deepcopy binds it to a copy of the instance."""
     model = Net().to("meta")

@@ -174,6 +174,9 @@ class _BoundWrapper(_BoundFunctionWrapper):
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         return getattr, (self._bound_to(), self.__name__)
 
+    def __repr__(self) -> str:  # as a bound method shows (wrapt's names two addresses)
+        return f"<bound method {self.__qualname__} of {self._bound_to()!r}>"
+
     def __copy__(self) -> _BoundWrapper:
         return self
 
