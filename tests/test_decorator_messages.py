@@ -715,14 +715,14 @@ def test_tensors_in_accelerates_hook_are_not_named() -> None:
 
 
 def test_a_mismatch_with_nothing_unseen_names_what_the_body_reached() -> None:
-    """Where every argument's tensor was seen, the stray one came from the body (a global
-    here): the error says where such a tensor comes from and the fix, chained to torch's;
-    the fix followed (the global passed as an argument) runs."""
+    """Where every argument's tensor was seen, the stray one came from the body (made there
+    on a device by name, here): the error says where such a tensor comes from and the fix,
+    chained to torch's; the fix followed (the tensor passed as an argument) runs."""
     stray = torch.ones(2)
 
     @device_agnostic(device="meta")
     def adds(x: torch.Tensor, cfg: Config) -> torch.Tensor:
-        return x + stray
+        return x + torch.ones(2, device="cpu")
 
     @device_agnostic(device="meta")
     def adds_passed(x: torch.Tensor, cfg: Config, offset: torch.Tensor) -> torch.Tensor:
@@ -744,6 +744,47 @@ def test_a_mismatch_with_nothing_unseen_names_what_the_body_reached() -> None:
     assert type(error.value.__cause__) is RuntimeError
     assert {torch.device("cpu"): []} == error.value.devices
     assert adds_passed(torch.ones(2), Config(on_meta(2)), stray).device.type == "meta"
+
+
+SCALE = torch.ones(2)  # a module's constant, as a notebook's cell makes one
+HEAD = nn.Linear(2, 2)
+
+
+def test_a_stray_tensor_or_module_the_body_reads_by_name_is_named() -> None:
+    """A tensor (or a module) on another device that the body reads from its module's
+    globals or its closure, where the decorator does not look, is named with what holds it;
+    the fix followed (passed as an argument) runs. A notebook's constants are globals."""
+    offset = torch.ones(2)
+
+    @device_agnostic(device="meta")
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * SCALE + offset
+
+    @device_agnostic(device="meta")
+    def headed(x: torch.Tensor) -> torch.Tensor:
+        return HEAD(x)
+
+    with pytest.raises(DeviceMismatchError) as error:
+        scaled(torch.ones(2))
+    name = scaled.__qualname__
+    assert [
+        f"{name}() failed in torch on tensors on cpu that its body reads by name, where "
+        "@device_agnostic does not look:",
+        f"    cpu <- SCALE (a global of {name}), offset (a closure variable of {name})",
+        'target meta (from @device_agnostic(device="meta"))',
+        "torch said: Tensor on device cpu is not on the expected device meta!",
+        "fix: pass SCALE as an argument, which the call then moves (or checks); or move it "
+        "to meta once, where it is made",
+    ] == str(error.value).splitlines()
+    assert {CPU: ["SCALE", "offset"]} == error.value.devices
+    with pytest.raises(DeviceMismatchError, match=r"cpu <- HEAD \(a global of"):
+        headed(torch.ones(2))
+
+    @device_agnostic(device="meta")
+    def scaled_passed(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return x * scale + shift
+
+    assert META == scaled_passed(torch.ones(2), SCALE, offset).device
 
 
 def _act(model: nn.Module, obs: np.ndarray) -> torch.Tensor:

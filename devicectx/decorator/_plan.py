@@ -371,7 +371,7 @@ class Plan:
             checked.update(id(part) for part in unwrap(module).modules())
         follow = reason == _FROM_INPUTS
         return _unseen.explain(
-            error, self.name, named, target, reason, checked, follow, excluded, self.scope
+            error, self.name, named, target, reason, checked, follow, excluded, self.scope, wrapped
         )
 
     def _optimizers(

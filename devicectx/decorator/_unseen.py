@@ -11,7 +11,11 @@ a call that moves nothing. Only the failure path gets here.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Collection, Iterable, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -65,6 +69,7 @@ def explain(
     follow: bool = False,
     excluded: Sequence[tuple[str, Any]] = (),
     scoped: bool = True,
+    body: Callable[..., Any] | None = None,
 ) -> DeviceMismatchError | None:
     """The error to raise instead of torch's ``error``, or None to let it through.
 
@@ -85,6 +90,8 @@ def explain(
             off ``target`` are named as excluded, and the fix says to stop excluding it.
         scoped: whether the body ran in the target's scope (``scope=True``), which puts
             tensors made without ``device=`` there.
+        body: the decorated function, whose globals and closure are looked through for
+            the tensor no argument holds.
     """
     if isinstance(error, DeviceError) or not is_device_mismatch(error):
         return None
@@ -95,11 +102,11 @@ def explain(
         if target is None:
             return None
         if not follow:
-            return _made_elsewhere(error, function, named, target, reason, scoped)
+            return _made_elsewhere(error, function, named, target, reason, scoped, body)
         scalars = _scalars_left(named, target)
         if scalars:
             return _scalars_error(error, function, scalars, target, reason)
-        return _made_elsewhere(error, function, named, target, reason, scoped)
+        return _made_elsewhere(error, function, named, target, reason, scoped, body)
     names = {name for name, _ in excluded}
     found = _by_device(unseen)
     shown = _shown(found, names)
@@ -176,6 +183,7 @@ def _made_elsewhere(
     target: torch.device,
     reason: str,
     scoped: bool,
+    body: Callable[..., Any] | None = None,
 ) -> DeviceMismatchError | None:
     """For a tensor off ``target`` that no argument holds: one the body put on a device by
     name (a device its arguments stored, ``self.device``, named as such), made over numpy's
@@ -197,6 +205,24 @@ def _made_elsewhere(
         return DeviceMismatchError(
             "\n".join(lines), devices={stray: stored}, target=target, reason=reason
         )
+    read = [] if body is None else read_by_name(body, stray)
+    if read:
+        names = ", ".join(f"{name} (a {kind} of {function})" for name, kind in read)
+        lines = [
+            f"{function}() failed in torch on {'a tensor' if len(read) == 1 else 'tensors'} "
+            f"on {stray} that its body reads by name, where @device_agnostic does not look:",
+            f"    {stray} <- {names}",
+            f"target {target} (from {reason})",
+            f"torch said: {_first_line(error)}",
+            f"fix: pass {read[0][0]} as an argument, which the call then moves (or checks); "
+            f"or move it to {target} once, where it is made",
+        ]
+        return DeviceMismatchError(
+            "\n".join(lines),
+            devices={stray: [name for name, _ in read]},
+            target=target,
+            reason=reason,
+        )
     lines = [
         f"{function}() failed in torch on a tensor on {stray} that @device_agnostic found "
         f"in none of its arguments: made in the body on {stray} by name, from numpy, or "
@@ -206,6 +232,46 @@ def _made_elsewhere(
         f"fix: {_body_fix(named, stray, scoped)}",
     ]
     return DeviceMismatchError("\n".join(lines), devices={stray: []}, target=target, reason=reason)
+
+
+def read_by_name(body: Callable[..., Any], device: torch.device) -> list[tuple[str, str]]:
+    """``(name, "global" or "closure variable")`` for each tensor on ``device``, or module
+    with a parameter or buffer there, that ``body`` reads by name from its module's globals
+    or its closure (a notebook's constants and model are globals). On the error path only."""
+    function: Any = inspect.unwrap(getattr(body, "__func__", body))
+    while isinstance(function, functools.partial):
+        function = function.func
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return []
+    found: list[tuple[str, str]] = []
+    spaces = [
+        ("global", getattr(function, "__globals__", {}), code.co_names),
+        ("closure variable", _cells(function), code.co_freevars),
+    ]
+    for kind, space, names in spaces:
+        for name in names:
+            value = space.get(name)
+            if isinstance(value, torch.Tensor):
+                there = value.device == device
+            elif isinstance(value, torch.nn.Module):
+                tensors = chain(value.parameters(), value.buffers())
+                there = any(tensor.device == device for tensor in tensors)
+            else:
+                continue
+            if there and (name, kind) not in found:
+                found.append((name, kind))
+    return found
+
+
+def _cells(function: Any) -> dict[str, Any]:
+    """A function's closure, by name (an empty cell left out)."""
+    values: dict[str, Any] = {}
+    cells = function.__closure__ or ()
+    for name, cell in zip(function.__code__.co_freevars, cells, strict=False):
+        with contextlib.suppress(ValueError):  # a cell not yet filled
+            values[name] = cell.cell_contents
+    return values
 
 
 def _body_fix(named: Sequence[tuple[str, Any]], stray: torch.device, scoped: bool) -> str:
