@@ -113,7 +113,7 @@ def test_sections_cover_their_cases(run: dict[str, Any]) -> None:
     off = [f"flat3 {where} {device}" for device in _off_default() for where in ("on", "to")]
     policies = [f"{tree} dtypes=" for tree in trees]  # each tree with a dtype policy
     assert [*trees, *policies, "forward", *off] == decorator
-    assert [*trees, "aliased_10"] == list(report["move"]["cases"])
+    assert [*trees, "aliased_10", "batch_encoding"] == list(report["move"]["cases"])
     assert trees == list(report["find_devices"]["cases"])
     scope = ["a + b (8x8)", "torch.zeros(8, 8)", "nn.Linear(16, 16) forward", "BERT forward"]
     scope += [f"block entry ({device})" for device in _off_default()]
@@ -150,7 +150,9 @@ def test_peers_all_ran(run: dict[str, Any]) -> None:
             # and .to alone; the dtype policy, against the same decorated call without it
             if key == "forward" or key.startswith("flat3 ") or key.endswith(" dtypes="):
                 continue
-            for peer in PEERS:
+            # a BatchEncoding, which only send_to_device takes as users pass it
+            peers = ("to_device", "send_to_device") if key == "batch_encoding" else PEERS
+            for peer in peers:
                 assert "ok" == case["subjects"][peer]["status"], (section, peer)
 
 
