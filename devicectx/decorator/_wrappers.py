@@ -91,7 +91,8 @@ def _class_of(self: wrapt.ObjectProxy[Any]) -> type:
     if caller.f_code.co_name == "reducer_override" and caller.f_globals.get(
         "__name__", ""
     ).startswith("cloudpickle"):
-        _BY_VALUE.wrapper = self
+        if issubclass(type(self), DeviceAgnosticWrapper):  # a bound one pickles as its own
+            _BY_VALUE.wrapper = self  # read (and let go) by its __reduce_ex__, next
         return type(self)
     return cast(type, self.__wrapped__.__class__)
 
