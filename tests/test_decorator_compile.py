@@ -590,8 +590,8 @@ def test_objects_pytree_does_not_walk_under_fullgraph_name_the_path_and_the_fix(
             f"<locals>.step() got {path}, a {kind}, whose tensors only the eager call moves and "
             f"checks: torch.compile's trace of the call walks only the containers torch's "
             f"pytree knows, and a {kind} is none of them\n"
-            f"fix: {fix} (the call is then traced), or compile without fullgraph=True (this "
-            f"call then runs eagerly)"
+            f"fix: {fix} (the call is then traced), or compile without fullgraph=True / "
+            f"export with strict=False (this call then runs eagerly)"
         )
 
     with pytest.raises(Unsupported) as error:
@@ -609,7 +609,11 @@ def test_objects_pytree_does_not_walk_under_fullgraph_name_the_path_and_the_fix(
     # Where dynamo does not trace the walk of a registered dataclass (2.6), that fix is not given.
     registers = _compiled._TORCH >= _compiled._TRACES_REGISTERED_DATACLASSES
     register = "torch.export.register_dataclass(Batch)"
-    fix = f"{register} before compiling" if registers else "pass the tensors it holds as arguments"
+    fix = (
+        f"{register} before compiling or exporting"
+        if registers
+        else "pass the tensors it holds as arguments"
+    )
     assert not QUOTES or quoted(message("batch", "Batch", fix), error.value)
     if registers:
         exec(register, {"torch": torch, "Batch": Batch})
@@ -618,6 +622,33 @@ def test_objects_pytree_does_not_walk_under_fullgraph_name_the_path_and_the_fix(
             assert device == compiled(step)({"enc": dict(enc())}, Batch(torch.ones(3))).device
         finally:
             torch.utils._pytree._deregister_pytree_node(Batch)
+
+
+def test_a_strict_export_refused_for_a_dataclass_names_export_s_own_fix() -> None:
+    """Strict ``torch.export`` traces with dynamo and quotes the same refusal: its fix names
+    export's way out (``strict=False``), which runs as written and gives the eager result."""
+
+    @device_agnostic
+    def loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        return model(batch.x).sum()
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return loss(self.linear, Batch(x))
+
+    net, args = Net(), (torch.ones(2, 3),)
+    torch._dynamo.reset()
+    with pytest.raises(Unsupported) as error:
+        torch.export.export(net, args, strict=True)
+    assert not QUOTES or quoted(
+        "export with strict=False (this call then runs eagerly)", error.value
+    )
+    exported = torch.export.export(net, args, strict=False)
+    assert torch.equal(net(*args), exported.module()(*args))
 
 
 @needs_accelerator
@@ -842,7 +873,10 @@ def test_calls_that_run_eagerly_say_why_under_fullgraph() -> None:
         return x * 2
 
     prefix = "test_calls_that_run_eagerly_say_why_under_fullgraph.<locals>."
-    fix = "fix: compile without fullgraph=True (its calls then run eagerly), or "
+    fix = (
+        "fix: compile without fullgraph=True / export with strict=False (its calls then run "
+        "eagerly), or "
+    )
     cases = [
         (
             cast,

@@ -571,6 +571,11 @@ def _module_message(
     return MADE.keep(error)
 
 
+# The way out of a graph break's error: torch.compile's, and strict torch.export's (which
+# traces with dynamo too, and quotes the same message).
+_RUN_EAGERLY = "compile without fullgraph=True / export with strict=False"
+
+
 @_dynamo_hooks.constant
 def _meta_message(function: str, paths: list[str], target: torch.device) -> str:
     """Why a tensor on ``meta`` to move makes a graph break (quoted under ``fullgraph=True``):
@@ -594,8 +599,8 @@ def _spread_message(
         f"{function}() got {module} ({kind}) placed by accelerate's hooks or declare_spread, "
         f"its weights on {devices}: @device_agnostic serves such a model in eager code "
         "only, and torch.compile traces this call\n"
-        f"fix: compile without fullgraph=True (this call then runs eagerly), or call "
-        f"{function}() outside the compiled code"
+        f"fix: {_RUN_EAGERLY} (this call then runs eagerly), or call {function}() outside "
+        f"the compiled code"
     )
 
 
@@ -683,7 +688,7 @@ def _unwalked_message(function: str, path: str, tp: type) -> str:
     ``fullgraph=True``), and how to keep the call traced."""
     name = tp.__name__
     if isinstance(_entered(tp), tuple) and _TORCH >= _TRACES_REGISTERED_DATACLASSES:
-        instead = f"torch.export.register_dataclass({name}) before compiling"
+        instead = f"torch.export.register_dataclass({name}) before compiling or exporting"
     elif issubclass(tp, Mapping):
         instead = f"pass dict({path})"
     elif issubclass(tp, tuple):
@@ -696,8 +701,8 @@ def _unwalked_message(function: str, path: str, tp: type) -> str:
         f"{function}() got {path}, {_errors.with_article(name)}, whose tensors only the eager "
         f"call moves and checks: torch.compile's trace of the call walks only the containers "
         f"torch's pytree knows, and {_errors.with_article(name)} is none of them\n"
-        f"fix: {instead} (the call is then traced), or compile without fullgraph=True "
-        f"(this call then runs eagerly)"
+        f"fix: {instead} (the call is then traced), or {_RUN_EAGERLY} (this call then runs "
+        f"eagerly)"
     )
 
 
@@ -724,4 +729,4 @@ def _eager_message(function: str, kind: int, dtypes: bool) -> str:
             f"break): torch {torch.__version__} does not trace decorated calls as devicectx "
             f"expects (the warning on the devicectx logger says why)"
         )
-    return f"{why}\nfix: compile without fullgraph=True (its calls then run eagerly), or {outside}"
+    return f"{why}\nfix: {_RUN_EAGERLY} (its calls then run eagerly), or {outside}"
