@@ -302,6 +302,24 @@ def test_later_calls_start_at_the_size_that_worked() -> None:
     assert [64, 32, 16, 16] == body.sizes
 
 
+def test_a_function_pickled_by_value_keeps_the_size_that_worked_and_shrinks_on_its_own() -> None:
+    """cloudpickle (Ray, loky) pickles a function of ``__main__`` or a local one by value,
+    with its state: the copy starts at the size that worked, and its later shrinks are its
+    own."""
+    cloudpickle = pytest.importorskip("cloudpickle")
+    body = Recorder(fits=16)
+    run = shrink_batch_on_oom(body)
+    assert run(64) == 16
+
+    copied = cloudpickle.loads(cloudpickle.dumps(run))
+    assert copied(128) == 16
+    copied_body = copied.__wrapped__
+    copied_body.fits = 4
+    assert copied(16) == 4
+    assert [64, 32, 16, 16, 16, 8, 4] == copied_body.sizes  # the first three before the copy
+    assert run(128) == 16  # the original's memory is untouched
+
+
 def test_a_later_call_asking_for_less_gets_what_it_asked_for() -> None:
     """The remembered size is a ceiling: a smaller request is not raised to it."""
     body = Recorder(fits=16)

@@ -420,6 +420,17 @@ class _Shared:
         self._undone_logged = False
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # cloudpickle (Ray, loky, a notebook's function sent to workers) pickles a function of
+        # __main__ by value, with this state: the copy keeps what was learned, not the lock.
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def cap(self, size: int) -> int:
         ceiling = self.ceiling
         return size if ceiling is None else min(size, ceiling)
