@@ -191,6 +191,49 @@ def test_a_move_to_the_second_device_initialises_only_it(emu: torch.device) -> N
     assert expected == printed.splitlines()
 
 
+def test_a_child_forked_after_the_device_was_used_is_refused_the_device(
+    emu: torch.device,
+) -> None:
+    """As CUDA does: a child forked before the parent used the device may use it; one forked
+    after is refused it with the fix (the 'spawn' start method), and keeps its CPU."""
+    printed = python_output(
+        textwrap.dedent(
+            """
+        import os, torch
+        from devicectx.testing import emulated
+        emulated.enable()
+
+        def in_a_child(work):
+            read, write = os.pipe()
+            if os.fork() == 0:
+                try:
+                    text = str(work())
+                except RuntimeError as error:
+                    text = str(error).splitlines()[0]
+                os.write(write, text.encode())
+                os._exit(0)
+            os.close(write)
+            os.wait()
+            with os.fdopen(read) as pipe:
+                return pipe.read()
+
+        print(in_a_child(lambda: torch.ones(2, device="emu").sum().item()))
+        torch.ones(2, device="emu")
+        print(in_a_child(lambda: torch.ones(2, device="emu").sum().item()))
+        print(in_a_child(lambda: torch.ones(2).sum().item()))
+        """
+        )
+    )
+    assert [
+        "2.0",
+        "Cannot re-initialize emu in forked subprocess. To use emu with multiprocessing, you "
+        "must use the 'spawn' start method (the emulated accelerator refuses a device its "
+        "parent process used before the fork, as CUDA does: the child has none of the "
+        "parent's stream threads)",
+        "2.0",
+    ] == printed.splitlines()
+
+
 def test_current_device_is_per_thread(emu: torch.device) -> None:
     """set_device_index changes the current device of this thread only."""
     seen = []

@@ -17,6 +17,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 
 // torch >= 2.9 asks the device type's allocator for torch.accelerator's memory functions
@@ -48,6 +49,7 @@ std::atomic<int64_t> g_memory_limit{0};
 std::atomic<bool> g_generators{true};
 std::atomic<int> g_device_count{0};
 std::atomic<uint32_t> g_initialized{0};
+std::atomic<bool> g_forked_after_use{false};  // this process is a child forked after a use
 
 thread_local int tls_device = 0;
 thread_local c10::StreamId tls_stream[kMaxDevices] = {};
@@ -586,7 +588,24 @@ void set_current_device(int index) {
   tls_device = checked_index(index);
 }
 
+void refuse_in_forked_child() {
+  TORCH_CHECK(
+      !g_forked_after_use.load(),
+      "Cannot re-initialize emu in forked subprocess. To use emu with multiprocessing, you "
+      "must use the 'spawn' start method (the emulated accelerator refuses a device its "
+      "parent process used before the fork, as CUDA does: the child has none of the "
+      "parent's stream threads)");
+}
+
 void mark_initialized(int index) {
+  refuse_in_forked_child();
+  static std::once_flag watching;
+  std::call_once(watching, [] {
+    // A child forked from here on holds copies of the parent's streams without their
+    // threads, and locks another thread may have held: CUDA refuses such a child the
+    // device, and so does the emulator.
+    pthread_atfork(nullptr, nullptr, [] { g_forked_after_use.store(true); });
+  });
   g_initialized.fetch_or(uint32_t{1} << index);
 }
 
@@ -639,6 +658,7 @@ bool stream_exists(int index, c10::StreamId id) {
 }
 
 void submit(int index, c10::StreamId id, std::function<void()> task) {
+  refuse_in_forked_child();
   worker(index, id)->submit(std::move(task));
 }
 
@@ -651,6 +671,7 @@ void wait_stream(int index, c10::StreamId id) {
 }
 
 void wait_current_stream(int index) {
+  refuse_in_forked_child();
   index = checked_index(index);
   worker(index, tls_stream[index])->wait_idle();
 }

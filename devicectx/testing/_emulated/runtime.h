@@ -65,6 +65,8 @@ int checked_index(int index);  // -1 means the current device
 // Contexts: a device is initialised by its first allocation, stream or event, or by
 // pinned memory allocated while it is current (as a CUDA context is created).
 void mark_initialized(int index);
+// Raises in a child forked after this process used a device (as CUDA's lazy init does).
+void refuse_in_forked_child();
 bool is_initialized(int index);
 
 // Streams.
