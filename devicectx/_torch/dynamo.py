@@ -53,7 +53,10 @@ release CI covers:
   probe's), to make it in an ordinary context: ``torch.compiler._is_exporting_flag`` (set
   by a strict ``torch.export``, where ``torch.compile`` compiles nothing), the functorch
   layers of ``torch._C._functorch`` (``peek_interpreter_stack``,
-  ``pop_dynamic_layer_stack``, ``push_dynamic_layer_stack``: ``vmap``, ``grad``); and
+  ``pop_dynamic_layer_stack``, ``push_dynamic_layer_stack``: ``vmap``, ``grad``), the
+  dynamo settings a strict export sets (the fields of ``torch.export._trace.ExportDynamoConfig``,
+  each put back to the default kept in ``torch._dynamo.config._config``; checked on 2.13);
+  and
   what it puts back: ``torch_function_mode_stack_state_mgr.stack``, the modes of a
   ``with torch.device(...)`` around the outer compile (checked on 2.13 only).
 """
@@ -61,6 +64,7 @@ release CI covers:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import sys
 import types
@@ -279,7 +283,7 @@ def nested_compile() -> Iterator[None]:
     modes = _saved_modes()
     stack = None if modes is None else modes.stack
     try:
-        with _not_exporting(), _no_functorch_transforms():
+        with _not_exporting(), _export_settings_undone(), _no_functorch_transforms():
             yield
     finally:
         if modes is not None:
@@ -318,6 +322,29 @@ def _not_exporting() -> Iterator[None]:
         yield
     finally:
         compiler._is_exporting_flag = exporting
+
+
+@contextlib.contextmanager
+def _export_settings_undone() -> Iterator[None]:
+    """dynamo's settings as ``torch.compile`` has them, where a strict ``torch.export`` set
+    its own (``torch.export._trace.ExportDynamoConfig``): among them, a warning for each
+    Python side effect of the code traced, which the probe's code has (it enters and leaves
+    a device scope) and the exported model has not."""
+    try:
+        from torch.export._trace import ExportDynamoConfig
+    except ImportError:
+        yield
+        return
+    config = torch._dynamo.config
+    entries = getattr(config, "_config", {})
+    undone = {}
+    for field in dataclasses.fields(ExportDynamoConfig):
+        entry = entries.get(field.name)
+        default = getattr(entry, "default", None)
+        if entry is not None and getattr(config, field.name) != default:
+            undone[field.name] = default
+    with config.patch(**undone) if undone else contextlib.nullcontext():
+        yield
 
 
 @contextlib.contextmanager

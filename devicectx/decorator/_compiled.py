@@ -339,13 +339,17 @@ def _traced_body(
     or no target), inside the autocast of ``precision=``; the scope a plain
     ``DeviceContext``, which dynamo traces."""
     __tracebackhide__ = True
+    # As the eager call does, no scope where the target is the default already: entering
+    # one would change nothing made in the body, but a strict torch.export reports the
+    # mode pushed and popped as a side effect of the model's forward (a warning each).
+    scoped = plan.scope and target is not None and target != _default_while_tracing()
     if plan.precision is not None:
-        if plan.scope and target is not None:
+        if scoped:
             with DeviceContext(target), plan.autocast(target):
                 return wrapped(*args, **kwargs)
         with plan.autocast(target):
             return wrapped(*args, **kwargs)
-    if plan.scope and target is not None:
+    if scoped:
         with DeviceContext(target):
             return wrapped(*args, **kwargs)
     return wrapped(*args, **kwargs)
@@ -538,6 +542,11 @@ def _resolve_while_tracing(spec: DeviceLike) -> torch.device:
 @_dynamo_hooks.constant
 def _active_while_tracing() -> torch.device | None:
     return active_device()
+
+
+@_dynamo_hooks.constant
+def _default_while_tracing() -> torch.device:
+    return torch.get_default_device()
 
 
 @_dynamo_hooks.constant
