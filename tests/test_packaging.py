@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
+import typing
 from importlib.metadata import version
 from pathlib import Path
 
+import torch
+
 import devicectx
+import devicectx.testing
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -28,6 +33,26 @@ def test_all_is_sorted_and_importable() -> None:
     assert sorted(devicectx.__all__) == devicectx.__all__
     for name in devicectx.__all__:
         assert hasattr(devicectx, name), name
+
+
+def test_public_annotations_evaluate_at_run_time() -> None:
+    """What runtime-typing tools read (``typing.get_type_hints``: sphinx-autodoc-typehints,
+    beartype, pydantic, typer) resolves for every public function and class, and the public
+    aliases are types, which a user composes in an annotation Python evaluates."""
+    public = [getattr(devicectx, name) for name in devicectx.__all__]
+    public.append(devicectx.testing.assert_device_agnostic)
+    for item in public:
+        if inspect.isclass(item):
+            typing.get_type_hints(item.__init__)
+        elif inspect.isfunction(inspect.unwrap(item)):
+            typing.get_type_hints(item)
+    assert {torch.device, str, int, type(None)} == set(typing.get_args(devicectx.DeviceLike))
+    assert devicectx.DeviceLike == devicectx.DeviceLike | None  # a str alias raises TypeError
+
+    def helper(device: devicectx.DeviceLike = "auto") -> torch.device:
+        return devicectx.resolve_device(device)
+
+    assert devicectx.DeviceLike == typing.get_type_hints(helper)["device"]
 
 
 def test_py_typed_marker_ships() -> None:

@@ -35,7 +35,7 @@ from devicectx._torch.backends import privateuse1_name
 from devicectx._torch.dynamo import constant
 from devicectx.devices import _xla
 
-DeviceLike: TypeAlias = "torch.device | str | int | None"
+DeviceLike: TypeAlias = torch.device | str | int | None
 """Anything :func:`resolve_device` accepts."""
 
 ENV_VAR = "DEVICECTX_DEVICE"

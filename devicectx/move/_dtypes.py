@@ -75,7 +75,7 @@ _Tensor = torch.Tensor
 _Module = nn.Module
 _NO_DTYPES: frozenset[torch.dtype] = frozenset()
 
-DtypesLike: TypeAlias = "Literal['device'] | Mapping[torch.dtype, torch.dtype] | None"
+DtypesLike: TypeAlias = Literal["device"] | Mapping[torch.dtype, torch.dtype] | None
 """What ``dtypes=`` takes: ``None``, ``"device"``, or ``{from dtype: to dtype}``."""
 
 Suggest = Callable[[str], str]

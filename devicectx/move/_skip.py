@@ -33,11 +33,7 @@ from devicectx.move._containers import kind_for
 from devicectx.move._kinds import CONTAINER, OWN
 from devicectx.move._paths import MEMBER, is_path, join
 
-Predicate: TypeAlias = "Callable[[str, Any], bool]"
-SkipLike: TypeAlias = (
-    "type | tuple[type, ...] | str | Hashable | Predicate | Skip | list[Any] | set[Any] | None"
-)
-"""What ``skip=`` accepts."""
+Predicate: TypeAlias = Callable[[str, Any], bool]
 
 _FAST_TYPES = (torch.Tensor, list, tuple, dict)
 _TYPE_CACHE: dict[object, Skip] = {}
@@ -91,6 +87,14 @@ class Skip:
             except Exception as error:
                 raise PredicateFailed(predicate, path, error) from error
         return False
+
+
+# A value at run time (not a string) for annotations that are evaluated: typing.get_type_hints,
+# a user's `DeviceLike | None` without `from __future__ import annotations`.
+SkipLike: TypeAlias = (
+    type | tuple[type, ...] | str | Hashable | Predicate | Skip | list[Any] | set[Any] | None
+)
+"""What ``skip=`` accepts."""
 
 
 class PredicateFailed(Exception):

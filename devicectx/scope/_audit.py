@@ -52,7 +52,7 @@ from devicectx.scope._constructors import TorchPatch, inline_only, probing
 
 __all__ = ["AuditLevel", "AuditOption", "Auditor", "check_audit", "reset_reports"]
 
-AuditOption: TypeAlias = "bool | Literal['raise']"
+AuditOption: TypeAlias = bool | Literal["raise"]
 """What ``on_device(audit=...)`` takes."""
 
 AuditLevel: TypeAlias = Literal["warn", "raise"]
