@@ -30,6 +30,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_sequence
 
 from devicectx import (
     DeviceMismatchError,
+    DeviceWarning,
     MoveError,
     device_agnostic,
     find_devices,
@@ -37,6 +38,7 @@ from devicectx import (
     register_container,
     to_device,
 )
+from devicectx._errors import with_article
 from devicectx.move import _containers
 from devicectx.testing.strategies import nested, tensors
 
@@ -1084,6 +1086,27 @@ def test_non_tensors_come_back_by_identity_and_unconsumed() -> None:
     moved = to_device([*plain, torch.zeros(1)], "meta")
     assert all(a is b for a, b in zip(plain, moved, strict=False))
     assert (list(iterator), list(generator)) == ([1, 2], [0, 1])
+
+
+def test_an_iterator_given_whole_is_warned_of_with_a_fix_that_moves_its_items() -> None:
+    """``to_device(generator)`` cannot move what it yields without using it up: it comes
+    back unread, with a warning whose fixes move the items; nested ones (above) come back
+    quietly, beside the tensors that moved."""
+    batches = [torch.ones(2), torch.zeros(2)]
+    for iterator in ((b for b in batches), map(torch.clone, batches), iter(batches)):
+        with pytest.warns(DeviceWarning) as caught:
+            assert iterator is to_device(iterator, "meta")
+        (warning,) = caught
+        kind = with_article(type(iterator).__qualname__)
+        assert (
+            f"to_device() got obj, {kind}, an iterator: it is not read (its items would be "
+            f"used up), and comes back as it was, what it yields not moved to meta\n"
+            f"fix: to_device(list(obj), 'meta') to move its items now, or prefetch(obj, "
+            f"'meta') to move each as it is read"
+        ) == str(warning.message)
+        assert [b.shape for b in batches] == [b.shape for b in iterator]  # not used up
+    assert all(META == b.device for b in to_device(list(iter(batches)), "meta"))
+    assert all(META == b.device for b in prefetch(iter(batches), "meta"))
 
 
 # Registered containers.

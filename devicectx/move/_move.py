@@ -139,7 +139,7 @@ def to_device(
         ``device``. Containers with nothing to move come back as the same objects, and so
         do tensors already on ``device`` and every non-tensor (``str``, numbers, numpy
         arrays, ``range``, ``torch.Size``, iterators and generators, which are never
-        iterated).
+        iterated: one given whole is warned of, :class:`~devicectx.DeviceWarning`).
 
     Raises:
         InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here; raised
@@ -258,6 +258,8 @@ def to_device(
             _RESOLVED[device] = target  # type: ignore[index]
     if isinstance(obj, _Optimizer):
         warnings.warn(_optimizer_unmoved(obj, target), DeviceWarning, stacklevel=2)
+    elif hasattr(type(obj), "__next__"):
+        warnings.warn(_iterator_unmoved(obj, target), DeviceWarning, stacklevel=2)
     left: list[object] = []
     if skip is None and dtypes is None and holds_every_dtype(target):
         if _nothing_to_move(obj, target, ()):
@@ -321,6 +323,18 @@ def _optimizer_unmoved(optimizer: object, target: torch.device, beside: bool = F
         f"fix: move the model, then optimizer.load_state_dict(optimizer.state_dict()), which "
         f"puts the state beside each parameter (on {target}); or build the optimizer after "
         f"moving the model"
+    )
+
+
+def _iterator_unmoved(iterator: object, target: torch.device) -> str:
+    """The warning for ``to_device(iterator, ...)``: reading it would use up its items, so
+    it comes back as it was, whatever it yields left where it is made."""
+    kind = with_article(type(iterator).__qualname__)
+    return (
+        f"to_device() got obj, {kind}, an iterator: it is not read (its items would be used "
+        f"up), and comes back as it was, what it yields not moved to {target}\n"
+        f"fix: to_device(list(obj), {str(target)!r}) to move its items now, or "
+        f"prefetch(obj, {str(target)!r}) to move each as it is read"
     )
 
 
