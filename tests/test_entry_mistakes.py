@@ -107,6 +107,54 @@ def test_anything_else_that_cannot_be_called_is_refused_at_once(value: Any) -> N
     assert expected == str(error.value)
 
 
+def test_above_a_descriptor_decorator_the_fix_says_below_it_and_works() -> None:
+    """Written above ``@property``, ``@cached_property`` or ``@singledispatchmethod`` (where
+    ``@classmethod`` takes it), the refusal says where it goes; written there, it works."""
+
+    def refusal(make: Any) -> str:
+        with pytest.raises(TypeError) as error:
+            device_agnostic(device="meta")(make(lambda self, x=None: torch.ones(2)))
+        return fix_code(error)
+
+    assert "write @device_agnostic below @property, on the line above its `def`" == refusal(
+        property
+    )
+    assert "write @device_agnostic below @cached_property, on the line above its `def`" == refusal(
+        functools.cached_property
+    )
+    assert (
+        "write @device_agnostic on each implementation, below its @<lambda>.register (the "
+        "method dispatches, then the implementation moves)"
+    ) == refusal(functools.singledispatchmethod)
+
+    class Fixed:
+        @property
+        @device_agnostic(device="meta")
+        def weight(self) -> torch.Tensor:
+            return torch.ones(2)
+
+        @functools.cached_property
+        @device_agnostic(device="meta")
+        def cached(self) -> torch.Tensor:
+            return torch.ones(2)
+
+        @functools.singledispatchmethod
+        def scale(self, x: object) -> object:
+            return x
+
+        @scale.register
+        @device_agnostic(device="meta")
+        def _(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.ones(2)
+
+    fixed = Fixed()
+    assert [META] * 3 == [
+        fixed.weight.device,
+        fixed.cached.device,
+        fixed.scale(torch.ones(2)).device,
+    ]
+
+
 def test_a_classmethod_and_a_staticmethod_are_still_decorated() -> None:
     """``classmethod`` objects are not callable, yet the decorator takes them (written above
     ``@classmethod``): the check of what it got lets them through."""

@@ -202,6 +202,21 @@ def _binds_module(wrapped: functools.partial[Any]) -> bool:
     return any(isinstance(value, nn.Module) for value in bound)
 
 
+def _where_to_write(wrapped: object) -> str:
+    """Where ``@device_agnostic`` goes, written above ``wrapped``: below the decorators that
+    make descriptors (unlike ``@classmethod``, they take no wrapper above them)."""
+    if isinstance(wrapped, functools.singledispatchmethod):
+        name = getattr(wrapped.func, "__name__", "method")
+        return (
+            f"write @device_agnostic on each implementation, below its @{name}.register "
+            f"(the method dispatches, then the implementation moves)"
+        )
+    for kind in (property, functools.cached_property):
+        if isinstance(wrapped, kind):
+            return f"write @device_agnostic below @{kind.__name__}, on the line above its `def`"
+    return "write @device_agnostic on the line above the `def` of the function to decorate"
+
+
 def check_wrapped(wrapped: object) -> None:
     """Refuse, where it is written, what ``@device_agnostic`` cannot decorate: a device in
     the function's place, anything else not callable, a class, a module instance.
@@ -226,8 +241,7 @@ def check_wrapped(wrapped: object) -> None:
         msg = (
             f"@device_agnostic decorates functions and methods, and got a "
             f"{type(wrapped).__qualname__}, which cannot be called\n"
-            f"fix: write @device_agnostic on the line above the `def` of the function to "
-            f"decorate"
+            f"fix: {_where_to_write(wrapped)}"
         )
         raise TypeError(msg)
     if inspect.isclass(wrapped):
