@@ -107,6 +107,21 @@ def test_anything_else_that_cannot_be_called_is_refused_at_once(value: Any) -> N
     assert expected == str(error.value)
 
 
+def test_a_malformed_option_names_the_option_and_output_names_input() -> None:
+    """A malformed ``device=`` or ``output=`` is refused where it is written, naming the
+    option; for ``output=``, the one value that is no device too, guessed when mistyped."""
+    with pytest.raises(InvalidDeviceError) as error:
+        device_agnostic(output="inputs")
+    lines = str(error.value).splitlines()
+    assert lines[0].startswith("@device_agnostic(output=\"inputs\"): invalid device 'inputs'")
+    expected = 'did you mean output="input"? output= also takes "input": the device the inputs'
+    assert f"{expected} came from" == lines[-1]
+    with pytest.raises(InvalidDeviceError) as error:
+        device_agnostic(device="inputs")
+    assert str(error.value).startswith('@device_agnostic(device="inputs"): invalid device')
+    assert "input" not in str(error.value).splitlines()[-1]
+
+
 def test_above_a_descriptor_decorator_the_fix_says_below_it_and_works() -> None:
     """Written above ``@property``, ``@cached_property`` or ``@singledispatchmethod`` (where
     ``@classmethod`` takes it), the refusal says where it goes; written there, it works."""

@@ -13,7 +13,7 @@ The rules, the first that applies:
 
 from __future__ import annotations
 
-import contextlib
+import difflib
 import enum
 from collections.abc import Mapping
 from itertools import chain
@@ -22,7 +22,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-from devicectx._errors import DeviceUnavailableError
+from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
 from devicectx._torch.module_tree import buffers_of, children_of, parameters_of, tensors
 from devicectx.decorator._module_watch import Mark, ModuleCache, Sample
 from devicectx.decorator._spread import SpreadModel, Unmaterialised, analyse
@@ -62,8 +62,18 @@ class DeviceOption:
         if _is_fixed(spec):
             # A malformed spec is a bug in the decorating code: say so at import time. An
             # unavailable one may be fine on another machine, so that waits for a call.
-            with contextlib.suppress(DeviceUnavailableError):
+            try:
                 self.fixed = resolve_device(spec)
+            except DeviceUnavailableError:
+                pass
+            except InvalidDeviceError as error:
+                also = ""
+                if argument == "output":  # its one value that is no device, maybe mistyped
+                    close = isinstance(spec, str) and difflib.get_close_matches(spec, ["input"])
+                    guess = 'did you mean output="input"? ' if close else ""
+                    also = f'\n{guess}output= also takes "input": the device the inputs came from'
+
+                raise InvalidDeviceError(f"{self.label}: {error}{also}") from None
 
     def resolve(self) -> torch.device:
         """The device the spec names now."""
