@@ -226,9 +226,13 @@ def test_len_of_an_iterable_without_one_is_a_type_error() -> None:
 
 
 def test_missing_attribute_names_the_attribute() -> None:
-    """An attribute neither the prefetcher nor the loader has is an AttributeError."""
-    with pytest.raises(AttributeError, match="no_such_thing"):
-        prefetch([], "meta").no_such_thing  # noqa: B018
+    """An attribute neither the prefetcher nor the loader has is an AttributeError that
+    names both (not only the loader, whose type the user may not know was asked)."""
+    with pytest.raises(AttributeError) as error:
+        prefetch([], "meta").no_such_thing  # type: ignore[attr-defined]  # noqa: B018
+    assert "prefetch() object has no attribute 'no_such_thing', nor has the list it reads" == str(
+        error.value
+    )
 
 
 def test_set_epoch_reaches_a_distributed_sampler() -> None:

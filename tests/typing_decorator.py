@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from typing_extensions import assert_type
 
-from devicectx import device_agnostic
+from devicectx import device_agnostic, prefetch
 
 
 @device_agnostic
@@ -84,3 +84,5 @@ wrong: Callable[[torch.Tensor], str] = bare  # type: ignore[assignment]
 Net().forward("x")  # type: ignore[arg-type]
 Net.build("3")  # type: ignore[arg-type]
 device_agnostic(device="cpu", move="yes")  # type: ignore[call-overload]
+# prefetch()'s pass-through to the loader is for run time only: a misspelt name is an error.
+prefetch([t], "cpu").set_epcoh(1)  # type: ignore[attr-defined]

@@ -48,7 +48,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -255,11 +255,18 @@ class Prefetcher(Generic[T]):
         """``len()`` of the wrapped object: a ``TypeError`` where it has none."""
         return len(self.batches)  # type: ignore[arg-type]
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names this object lacks: the loader's sampler, dataset, ...
-        if name.startswith("__") or "batches" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.batches, name)
+    if not TYPE_CHECKING:  # passed through at run time; a type checker sees only our names
+
+        def __getattr__(self, name: str) -> Any:
+            # Only reached for names this object lacks: the loader's sampler, dataset, ...
+            if name.startswith("__") or "batches" not in self.__dict__:
+                raise AttributeError(name)
+            try:
+                return getattr(self.batches, name)
+            except AttributeError:
+                kind = type(self.batches).__qualname__
+                msg = f"prefetch() object has no attribute {name!r}, nor has the {kind} it reads"
+                raise AttributeError(msg) from None
 
     def set_epoch(self, epoch: int) -> None:
         """Tell the wrapped object (or its sampler) which epoch starts.
