@@ -348,3 +348,32 @@ def test_moving_an_uninitialized_lazy_module_makes_ordinary_parameters(emu: torc
         # torch 2.7 and later check the inferred shape; 2.6's matmul refuses the empty weight.
         with pytest.raises((AssertionError, RuntimeError)):
             layer(torch.zeros(5, 4, device=device))
+
+
+# Conjugate and negative views: a bit on the tensor, which copies resolve.
+
+
+def _conjugate_cases(z: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    """What complex code does with conjugate views: a power spectrum, a Hermitian product,
+    a view copied out, a negative view, the backward of a complex product (autograd
+    multiplies by the other input's conjugate)."""
+    w = w.clone().requires_grad_()
+    (w * z).abs().sum().backward()
+    assert w.grad is not None
+    return [
+        (z * z.conj()).real,
+        z.conj() @ w.detach(),
+        z.conj().cpu(),
+        z.real._neg_view().cpu(),
+        z.conj().clone().cpu(),
+        w.grad,
+    ]
+
+
+def test_conjugate_and_negative_views_give_the_cpus_values(emu: torch.device) -> None:
+    """As on the CPU and a GPU: conjugate and negative views copy and compute resolved (the
+    device's copy once recursed through torch's conjugate fallback until the stack ran out,
+    killing the process)."""
+    z = torch.tensor([1 + 2j, 3 - 4j, -0.5 + 0j])
+    w = torch.tensor([2 - 1j, 0.5j, 1 + 1j])
+    assert_same(on_cpu(_conjugate_cases(z, w)), on_cpu(_conjugate_cases(z.to(emu), w.to(emu))))

@@ -995,4 +995,20 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
+// A conjugate or negative view (z.conj(), autograd's backward of a complex product) reaches
+// copy_from with its bit set, which host_alias keeps for the CPU's copy to resolve. Without
+// these, torch's conj/neg fallback would resolve the bit first, by a clone, whose copy comes
+// back here through the same fallback, for ever (a stack overflow). The in-tree devices
+// copy without _copy_from; devices out of tree (XLA) get the bit too, in a process that
+// enabled the emulator.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
 }  // namespace devicectx_emu
