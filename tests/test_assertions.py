@@ -292,6 +292,30 @@ def test_nan_in_the_same_place_is_equal() -> None:
     ] == message_lines(raised)[2:5]
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass: a tag (units, a quantization scheme) the caller's code reads."""
+
+
+def test_catches_a_tensor_subclass_lost_on_one_device() -> None:
+    """An output that is a subclass on one device and a plain tensor on another (a mask, a
+    tag lost) is caught, as a container of another type is."""
+
+    def tagged_on_cpu(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = x * 2
+        return {"y": out.as_subclass(Tagged) if x.device.type == "cpu" else out, "x": x}
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(tagged_on_cpu, torch.ones(2), devices=CPU_META)
+    assert [
+        "tagged_on_cpu is not device-agnostic (ran on cpu, meta):",
+        "  on meta, compared with cpu:",
+        "    out['y']: a Tensor, expected a Tagged",
+        "fix: make tagged_on_cpu return the same containers and tensors, dtypes, shapes and "
+        "layouts on every device",
+    ] == message_lines(raised)
+    assert_device_agnostic(lambda x: (x * 2).as_subclass(Tagged), torch.ones(2), devices=CPU_META)
+
+
 def test_catches_a_dtype_shape_and_structure_that_differ() -> None:
     """On meta, a different dtype, shape, output type or set of tensors is caught."""
 

@@ -380,6 +380,10 @@ def _structure_problems(
         actual = leaves.get(path)
         if actual is None:
             continue
+        # A subclass lost (a mask, a scale, a tag); a nested tensor's is told by its shape.
+        if type(actual) is not type(expected) and not (actual.is_nested or expected.is_nested):
+            line = f"{path}: {_a(type(actual))}, expected {_a(type(expected))}"
+            problems.append(Problem("structure", path, line))
         if not same_dtype(actual.dtype, expected.dtype, run.holds, reference_run.holds):
             problems.append(
                 Problem(
