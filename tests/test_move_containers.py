@@ -1109,6 +1109,37 @@ def test_an_iterator_given_whole_is_warned_of_with_a_fix_that_moves_its_items() 
     assert all(META == b.device for b in prefetch(iter(batches), "meta"))
 
 
+def test_a_skip_entry_inside_an_object_with_its_own_to_is_warned_of() -> None:
+    """A ``BatchEncoding``'s own ``.to`` moves all it holds, so a ``skip=`` key or path inside
+    it cannot keep its entry: a warning says so, with a fix that works when followed."""
+    transformers = pytest.importorskip("transformers")
+
+    def encoded() -> Any:
+        return transformers.BatchEncoding({"input_ids": torch.ones(2, 3), "labels": torch.ones(2)})
+
+    for skip in ("labels", "obj['enc']['labels']"):
+        batch = {"enc": encoded(), "labels": torch.ones(1)}  # new tensors: not a repeated move
+        with pytest.warns(DeviceWarning) as caught:
+            moved = to_device(batch, "meta", skip=skip)
+        assert META == moved["enc"]["labels"].device
+        assert [
+            f"to_device() skip={skip!r} names obj['enc']['labels'], inside obj['enc'], a "
+            f"BatchEncoding, whose own .to() moves what it holds: skip= does not reach inside "
+            f"it, and obj['enc']['labels'] was moved to meta\n"
+            f"fix: move dict(obj['enc']) in its place, a plain dict, which skip= reaches into; "
+            f"or take 'labels' out of obj['enc'] before the move"
+        ] == [str(warning.message) for warning in caught]
+    batch = {"enc": encoded(), "labels": torch.ones(1)}
+    fixed = to_device({**batch, "enc": dict(batch["enc"])}, "meta", skip="labels")
+    assert (CPU, CPU, META) == (
+        fixed["enc"]["labels"].device,
+        fixed["labels"].device,
+        fixed["enc"]["input_ids"].device,
+    )
+    with pytest.warns(DeviceWarning, match=r"^prefetch\(\) skip='labels' names batch\['enc'\]"):
+        next(iter(prefetch([{"enc": encoded()}], "meta", skip="labels")))
+
+
 # Registered containers.
 
 

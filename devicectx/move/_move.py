@@ -52,7 +52,15 @@ from devicectx.move._dtypes import (
 from devicectx.move._kinds import CONTAINER, Kind
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Call, Fix, Rebuild
-from devicectx.move._skip import Skip, SkipLike, compile_skip, unmatched, unmatched_message
+from devicectx.move._skip import (
+    Skip,
+    SkipLike,
+    compile_skip,
+    inside_own_to,
+    inside_own_to_message,
+    unmatched,
+    unmatched_message,
+)
 from devicectx.move._staging._state import STATE
 from devicectx.move._traced import TracedMove
 from devicectx.move._walk import all_on as all_on
@@ -297,6 +305,10 @@ def to_device(
         missing = unmatched(compiled, obj, "obj")
         if missing:
             message = unmatched_message(skip, missing, "obj", "to_device()")
+            warnings.warn(message, DeviceWarning, stacklevel=2)
+        inside = inside_own_to(compiled, obj, "obj")
+        if inside:
+            message = inside_own_to_message(inside, target, "to_device()")
             warnings.warn(message, DeviceWarning, stacklevel=2)
     return moved
 

@@ -58,7 +58,15 @@ from devicectx.move import _repeats
 from devicectx.move._background import Ticket, Worker
 from devicectx.move._dtypes import DtypesLike, Suggest, call_suggest, cast_batch, check_dtypes
 from devicectx.move._move import _move, _nothing_to_move
-from devicectx.move._skip import Skip, SkipLike, compile_skip, unmatched, unmatched_message
+from devicectx.move._skip import (
+    Skip,
+    SkipLike,
+    compile_skip,
+    inside_own_to,
+    inside_own_to_message,
+    unmatched,
+    unmatched_message,
+)
 from devicectx.move._staging import HandedTo
 from devicectx.move._streams import copy_stream, queued_on
 from devicectx.move._unseen import fix_for, unseen_tensors
@@ -524,6 +532,9 @@ def _look_at_first(
         missing = unmatched(skip, batch, _NAME)
         if missing:
             messages.append(unmatched_message(spec, missing, _NAME, "prefetch()"))
+        inside = inside_own_to(skip, batch, _NAME)
+        if inside:
+            messages.append(inside_own_to_message(inside, device, "prefetch()"))
     types = () if skip is None else skip.types
     left = [
         unseen

@@ -25,10 +25,11 @@ import difflib
 import inspect
 import re
 from collections.abc import Callable, Hashable
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import torch
 
+from devicectx._errors import with_article
 from devicectx.move._containers import kind_for
 from devicectx.move._kinds import CONTAINER, OWN
 from devicectx.move._paths import MEMBER, is_path, join
@@ -276,6 +277,72 @@ def _near(entry: Any, root: str, keys: set[Any], paths: list[str]) -> Any:
 def _bare(path: str) -> str:
     """A path without its punctuation: ``obj rng`` for ``obj['rng']`` and ``obj.rng``."""
     return " ".join(re.findall(r"[A-Za-z_0-9]+", path))
+
+
+class InsideOwnTo(NamedTuple):
+    """A ``skip=`` entry met inside an object moved by its own ``.to``."""
+
+    entry: Any  # as given: a key or a path
+    path: str  # what it names
+    key: Any  # that child's key in its holder
+    owner: str  # the path of the object with its own .to
+    owner_type: type
+
+
+def inside_own_to(skip: Skip, obj: object, root: str) -> list[InsideOwnTo]:
+    """The keys and paths of ``skip`` met inside an object moved by its own ``.to`` (a
+    ``BatchEncoding``), which moves what it holds whole: ``skip=`` does not reach in.
+    Bounded as :func:`unmatched` is."""
+    keys: set[Any] = set(skip.keys)
+    paths = set(skip.paths)
+    found: list[InsideOwnTo] = []
+    stack: list[tuple[Any, str, tuple[str, type] | None]] = [(obj, root, None)]
+    seen: set[int] = set()
+    while stack and (keys or paths):
+        item, path, owner = stack.pop()
+        kind = kind_for(type(item))
+        if kind.split is None or kind.role not in (CONTAINER, OWN) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if len(seen) > _MAX_CONTAINERS:
+            break
+        if kind.role == OWN and owner is None:
+            owner = (path, type(item))
+        named, children = kind.split(item)
+        for index, child in enumerate(children):
+            key = index if named is None else named[index]
+            child_path = join(path, kind.style, key)
+            if owner is not None:
+                met = [entry for entry in (key, child_path) if _takes(keys, paths, entry)]
+                found += [InsideOwnTo(entry, child_path, key, *owner) for entry in met]
+            stack.append((child, child_path, owner))
+    return found
+
+
+def _takes(keys: set[Any], paths: set[str], entry: Any) -> bool:
+    """Whether ``entry`` is among ``keys`` or ``paths``, taking it out (once met, it is
+    not reported again)."""
+    for names in (keys, paths):
+        with contextlib.suppress(TypeError):  # an unhashable key: none can name it
+            if entry in names:
+                names.discard(entry)
+                return True
+    return False
+
+
+def inside_own_to_message(found: list[InsideOwnTo], target: torch.device, who: str) -> str:
+    """The warning for ``skip=`` entries inside objects moved by their own ``.to`` (from
+    :func:`inside_own_to`)."""
+    first = found[0]
+    more = f" (and {', '.join(repr(f.entry) for f in found[1:])})" if len(found) > 1 else ""
+    kind = with_article(first.owner_type.__qualname__)
+    return (
+        f"{who} skip={first.entry!r}{more} names {first.path}, inside {first.owner}, {kind}, "
+        f"whose own .to() moves what it holds: skip= does not reach inside it, and "
+        f"{first.path} was moved to {target}\n"
+        f"fix: move dict({first.owner}) in its place, a plain dict, which skip= reaches "
+        f"into; or take {first.key!r} out of {first.owner} before the move"
+    )
 
 
 def unmatched_message(spec: SkipLike, missing: list[tuple[Any, Any]], root: str, who: str) -> str:
