@@ -18,8 +18,10 @@ from torch import nn
 from devicectx._errors import DeviceMismatchError
 from devicectx.decorator._params import Exclusion
 from devicectx.move import _move
+from devicectx.move._containers import KIND_CACHE, kind_for
 from devicectx.move._distributed import is_dtensor, mixed_message, split_mixed
-from devicectx.move._walk import MIXED, NotPlain, plain_device
+from devicectx.move._kinds import OWN
+from devicectx.move._walk import MIXED, Mixed, NotPlain, plain_device
 
 _Tensor = torch.Tensor
 _Module = nn.Module
@@ -97,6 +99,42 @@ def optimizer_arguments(
         if isinstance(value, _Optimizer):
             found = (value,) if found is None else (*found, value)
     return found
+
+
+def sees_into(instance: object) -> bool:
+    """Whether the walk sees tensors in ``instance``, a decorated method's instance that is
+    no module: a dataclass, a NamedTuple, a registered container, an object with a ``.to``
+    of its own (whose attributes a check reads). Not a plain object, whose attributes are
+    read only where torch fails, as an argument's are; nor a class (a classmethod's).
+
+    Per type: the answer is the type's kind, cached (and forgotten at a registration).
+    """
+    tp = type(instance)
+    kind = KIND_CACHE.get(tp) or kind_for(tp)
+    return kind.split is not None or kind.role == OWN
+
+
+def instance_device(instance: object, expected: torch.device | None) -> torch.device | Mixed | None:
+    """The one device of the tensors ``instance`` holds (one :func:`sees_into` accepts):
+    ``expected`` where given and they are all on it (or there are none), :data:`MIXED`
+    where one is elsewhere or they are on several devices, None where there is none and
+    nothing was expected.
+
+    Modules inside it are stepped over: they are not the call's to check, and a large model
+    held by a dataclass is not walked at every call. 0-dim CPU tensors answer
+    :data:`MIXED` off the CPU: :func:`found_devices` then leaves them out.
+    """
+    kind = KIND_CACHE.get(type(instance)) or kind_for(type(instance))
+    if kind.split is not None:
+        return _move.shared_device(instance, expected, skip_types=(_Module,), dtensor_mixes=True)
+    device = expected  # an object with its own .to: its attributes, as a check reads them
+    for _, tensor in _move.iter_tensors(instance, attributes=True):
+        found = tensor.device
+        if found != device:
+            if device is not None or (type(tensor) is not _Tensor and is_dtensor(tensor)):
+                return MIXED
+            device = found
+    return device
 
 
 def found_devices(

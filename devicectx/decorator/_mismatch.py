@@ -67,6 +67,65 @@ def tensors_off_target(
     return _error(function, "tensors", _target_first(found, target), target, reason, fix)
 
 
+def instance_off_target(
+    function: str,
+    kind: str,
+    found: Mapping[torch.device, Sequence[str]],
+    target: torch.device,
+    reason: str,
+    own: bool,
+    moves: bool,
+    mend: str | None = None,
+    dtypes: Collection[torch.dtype] = (),
+) -> DeviceMismatchError:
+    """A decorated method's instance (no module: a dataclass, a NamedTuple, a registered
+    container, an object with a ``.to`` of its own) holds tensors off ``target``.
+
+    The instance is the caller's object, which the call never moves (a copy would be lost
+    to the caller, as a module's would): the fix moves it before the call, and keeps what
+    the move returns.
+
+    Args:
+        function: the qualname of the decorated method.
+        kind: the instance's class name.
+        found: each device with the paths of the instance's tensors (``self.w``).
+        target: the device the call needs.
+        reason: why ``target``, in words.
+        own: the instance moves with a ``.to`` of its own (else ``to_device`` moves it).
+        moves: the decorator moves arguments (``move=True``): an argument holding the
+            object would be moved, which the fix offers too.
+        mend: how to write an own ``.to`` that leaves the tensors behind, where it does.
+        dtypes: the dtypes of the instance's tensors, for a move that casts what
+            ``target`` cannot hold.
+    """
+    called = method_call(function)
+    move = f"obj.to({_quote(target)})" if own else move_code("obj", False, target, dtypes)
+    fix = (
+        f"obj = {move} before {called}, where obj is the {kind} you call it on "
+        f"(@device_agnostic checks self but never moves it: it is the caller's object)"
+    )
+    if moves:
+        fix += f", or take the {kind} as an argument of a decorated function, which moves it"
+    if mend is not None:
+        fix = f"{mend}; then {fix}"
+    what = f"self ({kind}) with tensors"
+    if len(found) == 1:
+        what = f"{what} on {next(iter(found))}, not on its target"
+        return _error(function, what, found, target, reason, fix, count=False)
+    return _error(function, what, _target_first(found, target), target, reason, fix)
+
+
+def method_call(function: str) -> str:
+    """How code calls the decorated method ``function`` (a qualname) on an object ``obj``.
+
+    Example:
+        >>> method_call("Loss.__call__"), method_call("Affine.apply")
+        ('obj(...)', 'obj.apply(...)')
+    """
+    method = function.rpartition(".")[2]
+    return "obj(...)" if method == "__call__" else f"obj.{method}(...)"
+
+
 def no_common_device(
     function: str,
     found: Mapping[torch.device, Sequence[str]],

@@ -25,7 +25,14 @@ from torch import nn
 
 from devicectx._errors import DeviceError, DeviceMismatchError
 from devicectx.decorator import _mismatch, _unseen
-from devicectx.decorator._inputs import Held, found_devices, optimizer_arguments, scan
+from devicectx.decorator._inputs import (
+    Held,
+    found_devices,
+    instance_device,
+    optimizer_arguments,
+    scan,
+    sees_into,
+)
 from devicectx.decorator._optimizers import (
     left_behind,
     off_target,
@@ -48,10 +55,12 @@ from devicectx.decorator._target import (
 from devicectx.devices._capabilities import CAPABILITIES
 from devicectx.devices._resolve import DeviceLike
 from devicectx.move import _move, _repeats
+from devicectx.move._containers import KIND_CACHE, kind_for
 from devicectx.move._distributed import fsdp_compute_device, wrapper_name
 from devicectx.move._dtypes import DtypesLike, arguments_code, check_dtypes, holds_any
+from devicectx.move._kinds import LEAF_KIND, OWN
 from devicectx.move._unseen import is_device_mismatch
-from devicectx.move._walk import NotPlain, plain_device_uncast
+from devicectx.move._walk import MIXED, NotPlain, plain_device_uncast
 from devicectx.scope._precision import (
     Precision,
     PrecisionName,
@@ -68,6 +77,7 @@ from devicectx.scope._stack import (
 )
 
 _Module = nn.Module
+_KINDS = KIND_CACHE  # each type's kind: a plain object's instance is a LEAF, looked at no more
 # What Plan.call's look at a call's arguments found, handed to Plan.prepare.
 _Scanned = tuple[
     torch.device | None, bool, nn.Module | None, tuple[Any, ...] | None, torch.device | None
@@ -270,15 +280,29 @@ class Plan:
                     break
             else:
                 first, uniform, module, optimizers = target, True, None, None
-        if instance is not None and isinstance(instance, _Module):
-            module = instance
-            if optimizers is None:  # a method of the model: an optimizer argument beside it
-                optimizers = optimizer_arguments(args, kwargs)
+        held = None  # an instance that is no module, holding tensors the walk sees
+        if instance is not None:
+            if isinstance(instance, _Module):
+                module = instance
+                if optimizers is None:  # a method of the model: an optimizer argument beside it
+                    optimizers = optimizer_arguments(args, kwargs)
+            elif _KINDS.get(type(instance)) is not LEAF_KIND and sees_into(instance):
+                held = instance  # a plain object (a LEAF) costs this call one look-up
         targeted = False
         if module is not None and uniform:
             targeted = True
             requested = target if option is not None else None
             target = self._target(module, requested, wrapped, instance, args, kwargs)
+        if held is not None:
+            # Checked, never moved: one off the target sends the call to prepare(), which
+            # names it. Where nothing chose a target, its tensors count among the inputs.
+            expected = target if target is not None else first
+            shared = instance_device(held, expected) if uniform else MIXED
+            if shared is MIXED:
+                uniform = False
+                held = None  # prepare() looks (again), by name
+            elif target is None and first is None:
+                target = shared
         if (
             uniform
             and (first is target or first is None or target is None or first == target)
@@ -297,7 +321,10 @@ class Plan:
             scanned = None
             if self.exclude is None and casts is None and (module is None or targeted):
                 scanned = (first, uniform, module, optimizers, target)
-            args, kwargs, target, back = self.prepare(wrapped, instance, args, kwargs, scanned)
+            checked = held is not None  # the instance agreed with the target: no second look
+            args, kwargs, target, back = self.prepare(
+                wrapped, instance, args, kwargs, scanned, checked
+            )
         if self.kind != FUNCTION:
             return self._start(wrapped, args, kwargs, target, back)
         try:  # costs nothing where the body returns (Python 3.11's zero-cost try)
@@ -370,8 +397,19 @@ class Plan:
             checked.add(id(module))
             checked.update(id(part) for part in unwrap(module).modules())
         follow = reason == _FROM_INPUTS
+        mine = instance is not None and not isinstance(instance, _Module)
         return _unseen.explain(
-            error, self.name, named, target, reason, checked, follow, excluded, self.scope, wrapped
+            error,
+            self.name,
+            named,
+            target,
+            reason,
+            checked,
+            follow,
+            excluded,
+            self.scope,
+            wrapped,
+            instance=mine,
         )
 
     def _optimizers(
@@ -438,12 +476,14 @@ class Plan:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         scanned: _Scanned | None = None,
+        checked: bool = False,
     ) -> tuple[tuple[Any, ...], dict[str, Any], torch.device | None, torch.device | None]:
         """Choose the target, then move or check the inputs.
 
         ``scanned``: what :meth:`call`'s look at the arguments found (their first device,
         whether they agree, the module, the optimizers, and the target its rules chose),
-        where it looked at them all; None: look here.
+        where it looked at them all; None: look here. ``checked``: :meth:`call` found the
+        instance's tensors on that target (an instance :meth:`_instance` checks).
 
         Returns:
             ``(args, kwargs, target, back)``: the arguments to call with; the target
@@ -479,6 +519,16 @@ class Plan:
         chosen = target is not None
         if target is None:
             target = home
+        if (
+            not checked
+            and instance is not None
+            and not isinstance(instance, _Module)
+            and sees_into(instance)
+            and not (self.exclude is not None and self.exclude.holds_position(0))
+        ):
+            target = self._instance(
+                instance, target, chosen, module, seen_args, seen_kwargs, offset
+            )
         if optimizers is not None and module is not None and target is not None:
             self._optimizers(optimizers, wrapped, instance, seen_args, seen_kwargs, module, target)
         if target is not None and (
@@ -517,6 +567,46 @@ class Plan:
         if self.output is not None:
             return args, kwargs, target, self.output.resolve()
         return args, kwargs, target, home if self.to_input else None
+
+    def _instance(
+        self,
+        instance: object,
+        target: torch.device | None,
+        chosen: bool,
+        module: nn.Module | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        offset: int,
+    ) -> torch.device | None:
+        """Check a method's instance that is no module and holds tensors the walk sees (a
+        dataclass, a NamedTuple, ...): the caller's object, never moved, so refused where
+        one is off the target (``chosen``: a rule chose it). Where the inputs chose it, or
+        none has a tensor, the instance's tensors count among them: they must agree.
+
+        Returns:
+            The target: ``target``, or where it is None, the instance's device.
+        """
+        __tracebackhide__ = True
+        shared = instance_device(instance, target)
+        if shared is not MIXED:
+            return target if target is not None else shared
+        mine = found_devices(self.name, [("self", instance, None)], attributes=True)
+        if not any(device != target for device in mine):
+            return target  # what sent it here is a 0-dim CPU tensor, which mixes
+        if not chosen:  # rule 4: the inputs, self first, must agree
+            found = {device: list(paths) for device, paths in mine.items()}
+            for device, paths in self._found(args, kwargs, offset).items():
+                found.setdefault(device, []).extend(paths)
+            raise _mismatch.no_common_device(self.name, found)
+        assert target is not None
+        own = kind_for(type(instance)).role == OWN
+        mend = _unseen.own_to_mend([("self", instance, None)], target) if own else None
+        dtypes = _unseen.argument_dtypes([("self", instance, None)]).get("self", set())
+        reason = self._reason(module, instance, args, kwargs, offset)
+        kind = type(instance).__qualname__
+        raise _mismatch.instance_off_target(
+            self.name, kind, mine, target, reason, own, self.move, mend, dtypes
+        )
 
     @staticmethod
     def _scan_casts(

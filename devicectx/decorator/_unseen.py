@@ -19,9 +19,10 @@ from itertools import chain
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
 from devicectx._errors import DeviceError, DeviceMismatchError
-from devicectx.decorator._mismatch import move_code
+from devicectx.decorator._mismatch import method_call, move_code
 from devicectx.move._unseen import (
     Unseen,
     attribute_of,
@@ -70,6 +71,7 @@ def explain(
     excluded: Sequence[tuple[str, Any]] = (),
     scoped: bool = True,
     body: Callable[..., Any] | None = None,
+    instance: bool = False,
 ) -> DeviceMismatchError | None:
     """The error to raise instead of torch's ``error``, or None to let it through.
 
@@ -92,6 +94,9 @@ def explain(
             tensors made without ``device=`` there.
         body: the decorated function, whose globals and closure are looked through for
             the tensor no argument holds.
+        instance: ``named`` starts with ``("self", instance)``, a decorated method's
+            instance that is no module: the caller's object, which the call never moves,
+            so the fix for the tensors in its attributes moves them before the call.
     """
     if isinstance(error, DeviceError) or not is_device_mismatch(error):
         return None
@@ -123,7 +128,10 @@ def explain(
         f"target {target} (from {reason})" if target is not None else f"no target: {reason}"
     )
     lines.append(f"torch said: {torch_said}")
-    lines.append(f"fix: {_excluded_fix(unseen, held, excluded, target, follow)}")
+    fix = _self_fix(unseen, named[0][1], function, target) if instance and not held else None
+    if fix is None:
+        fix = _excluded_fix(unseen, held, excluded, target, follow)
+    lines.append(f"fix: {fix}")
     devices = {device: [u.path for u in group] for device, group in found.items()}
     for device, paths in held.items():
         devices.setdefault(device, []).extend(paths)
@@ -315,6 +323,66 @@ def _held_out(
             if target is None or tensor.device != target:
                 held.setdefault(tensor.device, []).append(path)
     return held
+
+
+def _self_fix(
+    unseen: Sequence[Unseen], instance: object, function: str, target: torch.device | None
+) -> str | None:
+    """The fix for tensors in the attributes of a decorated method's instance (a plain
+    object, or a plain object inside a dataclass one), or in its class body: moved on the
+    caller's object before the call, as the call never moves its instance (registering its
+    type, or giving it a ``.to``, would only have it checked). None where the first tensor
+    is not below ``self``, or the fix is another's: a module's, an optimizer's state."""
+    first = unseen[0]
+    if target is None or first.module is not None or not _in_self(first):
+        return None
+    kind = type(instance).__qualname__
+    statements: list[str] = []
+    for item in unseen:
+        if item.module is not None or not _in_self(item) or "list(" in item.path:
+            continue  # a set's member cannot be assigned in place
+        if item.shared_by is not None:  # in the class body: one tensor for every instance
+            where = f"{item.shared_by.__qualname__}.{item.path.rpartition('.')[2]}"
+        else:
+            where = f"obj{item.path[len('self') :]}"
+        dtypes = _dtype_at(instance, item.path)
+        statement = f"{where} = {move_code(where, True, target, dtypes)}"
+        if statement not in statements:
+            statements.append(statement)
+    if not statements:
+        return None
+    shown = "; ".join(statements[:_MAX_STATEMENTS])
+    if len(statements) > _MAX_STATEMENTS:
+        shown += f" (and likewise {len(statements) - _MAX_STATEMENTS} more)"
+    return (
+        f"{shown} before {method_call(function)}, where obj is the {kind} you call it on "
+        f"(@device_agnostic never moves self: it is the caller's object), or where the "
+        f"{kind} is made"
+    )
+
+
+def _dtype_at(instance: object, path: str) -> tuple[torch.dtype, ...]:
+    """The dtype of the tensor at ``path`` (``self.cfg.w``) below ``instance``, for a move
+    that casts what the target cannot hold; none where the path is not attributes only."""
+    found: object = instance
+    for name in path.split(".")[1:]:
+        if not name.isidentifier():
+            return ()
+        found = getattr(found, name, None)
+    return (found.dtype,) if isinstance(found, torch.Tensor) else ()
+
+
+def _in_self(item: Unseen) -> bool:
+    """Whether ``item`` is in the attributes of the instance (``self.w``, ``self.cfg.w``),
+    through plain objects only: no module or optimizer on the way, whose fixes differ."""
+    holders = item.holders or ((item.holder, item.holder_path),)
+    return attribute_of(holders[0][1]) == "self" and not any(
+        issubclass(tp, (torch.nn.Module, Optimizer)) for tp, _ in holders
+    )
+
+
+# Statements written in a fix that moves an instance's tensors, before "and likewise N more".
+_MAX_STATEMENTS = 3
 
 
 def _excluded_fix(
