@@ -214,10 +214,13 @@ def to_device(
       small one does not reach its region (the caching allocator knows the region
       alone): to use it on another stream, keep it alive until that stream is done
       with it, or move with ``coalesce=False``.
-    - The sources have been copied when ``to_device`` returns, so they may be changed
-      at once, even with ``non_blocking=True``: safer than ``.to(non_blocking=True)``
-      from pinned memory, whose source must stay unchanged until the copy lands. Larger
-      tensors that are pinned already are sent directly, and follow that rule.
+    - The sources staged have been copied when ``to_device`` returns, so they may be
+      changed at once, even with ``non_blocking=True``: safer than
+      ``.to(non_blocking=True)`` from pinned memory, whose source must stay unchanged
+      until the copy lands. Tensors that are pinned already are sent directly, and
+      follow that rule, where they are larger, and (whatever their size) while the
+      target's current stream has work queued: a pinned tensor may still be the target
+      of an earlier copy from the device, which its move must come after.
     - With ``non_blocking=True``, while the current stream has work queued (steps not
       yet run), the staged copies run on a copy stream of the target (one per device),
       beside that work instead of after it; the current stream waits for them (the
