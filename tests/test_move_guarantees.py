@@ -129,6 +129,25 @@ def test_parameter_stays_a_parameter() -> None:
     assert moved[1].tag == "kept"
 
 
+def test_a_parameters_gradient_moves_with_it_as_module_to_moves_it() -> None:
+    """A parameter moved outside its module keeps its ``.grad``, moved (and cast) with it,
+    as ``module.to`` keeps it; a parameter without one gets none."""
+    model = nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    moved = to_device(dict(model.named_parameters()), "meta")
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None
+        grad = moved[name].grad
+        assert grad is not None
+        assert (META, parameter.grad.shape) == (grad.device, grad.shape)
+    double = nn.Parameter(torch.ones(2, dtype=torch.float64))
+    double.grad = torch.full((2,), 0.5, dtype=torch.float64)
+    cast = to_device(double, "cpu", dtypes={torch.float64: torch.float32})
+    assert cast.grad is not None
+    assert (torch.float32, [0.5, 0.5]) == (cast.grad.dtype, cast.grad.tolist())
+    assert to_device(nn.Parameter(torch.ones(2)), "meta").grad is None
+
+
 def test_one_tensor_twice_is_one_copy() -> None:
     """One tensor reachable at several places becomes one moved tensor at all of them."""
     tensor = torch.zeros(2)

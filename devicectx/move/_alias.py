@@ -189,9 +189,9 @@ class TensorMover:
         """A copy of ``tensor`` alone on the target, as ``.to`` makes it.
 
         An ``nn.Parameter`` comes back as a new parameter (a leaf, as ``module.to`` makes
-        them) where :attr:`parameters` is set; any other tensor through ``.to``, so the
-        copy is differentiable: a decorated call's parameter, copied so, passes its
-        gradient back to the caller's.
+        them, with its ``.grad`` moved too) where :attr:`parameters` is set; any other
+        tensor through ``.to``, so the copy is differentiable: a decorated call's
+        parameter, copied so, passes its gradient back to the caller's.
         """
         non_blocking = self.non_blocking and tensor.is_cpu
         dtype = None if self.dtypes is None else self.dtypes.get(tensor.dtype)
@@ -203,9 +203,13 @@ class TensorMover:
                 raise CannotCast(tensor.dtype, dtype)
             data = _to(tensor.detach(), self.device, dtype, non_blocking)
             try:
-                return _parameter(tensor, data)
+                param = _parameter(tensor, data)
             except Exception as error:
                 raise EngineBug(error) from error
+            grad = tensor.grad
+            if grad is not None:  # as module.to carries it: a step's gradient, not lost
+                param.grad = _to(grad, self.device, dtype, non_blocking)
+            return param
         return _to(tensor, self.device, dtype, non_blocking)
 
 

@@ -185,10 +185,10 @@ def to_device(
         - dtype (unless ``dtypes=`` casts it), shape, ``requires_grad``, and autograd
           history: the move is ``.to`` (or ``as_strided`` for views), so gradients flow
           back to the originals; a cast keeps all of it too, views of a cast tensor
-          included, as ``.to(dtype)`` does. An
-          ``nn.Parameter`` comes back as a new ``nn.Parameter`` on ``device`` (a leaf,
-          as ``module.to`` makes them: gradients reach it, not the original; the
-          decorator passes a parameter as a copy through autograd instead).
+          included, as ``.to(dtype)`` does. An ``nn.Parameter`` comes back as a new
+          ``nn.Parameter`` on ``device`` (a leaf, its ``.grad`` moved with it, as
+          ``module.to`` makes them: gradients reach it, not the original; the decorator
+          passes a parameter as a copy through autograd instead).
         - A cycle does not loop: the inner reference to an enclosing container is kept
           as the original object. Depth is not limited by Python's recursion limit.
 
