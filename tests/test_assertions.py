@@ -508,6 +508,43 @@ def masked_double(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.requires_device("accelerator")
+def test_masked_and_quantized_outputs_are_compared_by_what_they_hold() -> None:
+    """A ``MaskedTensor`` is compared by its mask, then its values under the mask; a
+    quantized tensor by the values it reads as. Each difference is named by its path
+    (torch's own errors escaped the comparison: masks that must match, no ``full_like``)."""
+    device = accelerator()
+    x = torch.linspace(-1, 1, 12).reshape(4, 3)  # x > 0 and x > 0.5 differ at 3 values
+
+    def masked(x: torch.Tensor) -> torch.Tensor:
+        return torch.masked.masked_tensor(x * 2, x > 0)
+
+    def mask_differs(x: torch.Tensor) -> torch.Tensor:
+        return torch.masked.masked_tensor(x, x > (0 if x.is_cpu else 0.5))
+
+    def values_differ(x: torch.Tensor) -> torch.Tensor:
+        return torch.masked.masked_tensor(x + (0 if x.is_cpu else 7), x > 0)
+
+    def quantized(x: torch.Tensor) -> torch.Tensor:
+        return torch.quantize_per_tensor(x.cpu(), 0.1, 0, torch.quint8)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch.masked is a prototype
+        assert_device_agnostic(masked, x, devices=["cpu", device])
+        found = {}
+        for fn in (mask_differs, values_differ, quantized):
+            with pytest.raises(AssertionError) as raised:
+                assert_device_agnostic(fn, x, devices=["cpu", device])
+            found[fn.__name__] = message_lines(raised)[2]
+    assert {
+        "mask_differs": "    out.get_mask(): 3 of 12 values differ (25.0%), torch.bool compared "
+        "exactly",
+        "values_differ": "    out.get_data(): 6 of 12 values differ (50.0%), rtol=1.3e-06, "
+        "atol=1e-05",
+        "quantized": f"    out: on cpu, expected {device}",
+    } == found
+
+
+@pytest.mark.requires_device("accelerator")
 def test_an_op_the_device_lacks_is_named_with_a_fix_that_works() -> None:
     """An op the device has no kernel for is named as the device's gap, not fn's: torch's
     list of dispatch keys is left out, and the fix (leave the device out) passes."""

@@ -12,6 +12,7 @@ from numbers import Complex, Integral
 from typing import Any, NamedTuple
 
 import torch
+from torch.masked import MaskedTensor as _MaskedTensor
 
 from devicectx._errors import with_article
 from devicectx._torch.tensors import base_of
@@ -618,7 +619,12 @@ def _tensor_value_problems(
     tolerances: tuple[float, float] | None,
 ) -> list[Problem]:
     """The problems of two tensors' values (of one shape); a nested tensor's component by
-    component, each named by its path."""
+    component, each named by its path; a quantized tensor's values as they read
+    (dequantized); a ``MaskedTensor``'s mask, then its values under the mask."""
+    if actual.is_quantized or expected.is_quantized:
+        return _values_differ(path, _dequantized(actual), _dequantized(expected), tolerances)
+    if isinstance(actual, _MaskedTensor) and isinstance(expected, _MaskedTensor):
+        return _masked_problems(path, actual, expected, tolerances)
     if not actual.is_nested:
         return _values_differ(path, actual, expected, tolerances)
     try:
@@ -629,6 +635,31 @@ def _tensor_value_problems(
     for index, (part, expected_part) in enumerate(pairs):  # as many: the shapes agree
         problems += _values_differ(_component(path, index), part, expected_part, tolerances)
     return problems
+
+
+def _masked_problems(
+    path: str,
+    actual: _MaskedTensor,
+    expected: _MaskedTensor,
+    tolerances: tuple[float, float] | None,
+) -> list[Problem]:
+    """A ``MaskedTensor``'s mask, compared exactly, then its values where the mask is set
+    (what lies under no mask is no output)."""
+    mask: torch.Tensor = actual.get_mask()  # type: ignore[no-untyped-call]
+    expected_mask: torch.Tensor = expected.get_mask()  # type: ignore[no-untyped-call]
+    differ = _values_differ(f"{path}.get_mask()", mask, expected_mask, tolerances)
+    if differ:
+        return differ
+    shown: torch.Tensor = actual.get_data()  # type: ignore[no-untyped-call]
+    expected_shown: torch.Tensor = expected.get_data()  # type: ignore[no-untyped-call]
+    zero = torch.zeros((), dtype=shown.dtype)
+    shown = torch.where(mask, shown, zero.to(shown.device))
+    expected_shown = torch.where(expected_mask, expected_shown, zero.to(expected_shown.device))
+    return _values_differ(f"{path}.get_data()", shown, expected_shown, tolerances)
+
+
+def _dequantized(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.dequantize() if tensor.is_quantized else tensor
 
 
 def _values_differ(
