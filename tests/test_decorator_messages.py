@@ -21,6 +21,7 @@ import devicectx
 from devicectx import (
     DeviceMismatchError,
     InvalidDeviceError,
+    MoveError,
     device_agnostic,
     explain_device,
     on_device,
@@ -1933,3 +1934,24 @@ def test_a_0_dim_cpu_tensor_the_inputs_left_on_the_host_is_named_when_torch_fail
     code = lines_of(error)[-1].removeprefix("fix: pass ").partition(", or")[0]
     moved = eval(code, {"last": last, "to_device": devicectx.to_device})
     assert META == bootstrap(values, moved).device
+
+
+def test_a_result_that_cannot_go_where_output_sends_it_names_the_call_and_its_option() -> None:
+    """A result ``output=`` cannot move (on meta, no values; a sparse tensor a device cannot
+    copy back) is the decorated call's failure, with a fix in its options: not
+    ``to_device()``'s, which the caller never called."""
+
+    @device_agnostic(device="meta", output="cpu")
+    def predict(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"y": x * 2}
+
+    with pytest.raises(MoveError) as raised:
+        predict(torch.ones(2))
+    text = str(raised.value)
+    name = predict.__qualname__
+    assert text.startswith(f"{name}() could not move result['y'] (a Tensor of shape (2,), ")
+    assert text.endswith(
+        "or leave the result where the body made it, @device_agnostic(output=None), and move "
+        "what can move in your code (to_device(result, ..., skip=[\"result['y']\"])); or "
+        "return result['y'] in a form that copies (a sparse tensor's .to_dense())"
+    )

@@ -771,6 +771,17 @@ class Plan:
             name="result",
             coalesce=self.coalesce,
             where=self.where_result,
+            fix=self._result_fix,
+            who=f"{self.name}()",
+        )
+
+    def _result_fix(self, path: str) -> str:
+        """The fix of a result that cannot go where ``output=`` sends it (a sparse tensor a
+        device cannot copy back): the decorated call's option, not a ``to_device`` one."""
+        return (
+            f"leave the result where the body made it, @device_agnostic(output=None), and "
+            f"move what can move in your code (to_device(result, ..., skip=[{path!r}])); or "
+            f"return {path} in a form that copies (a sparse tensor's .to_dense())"
         )
 
     def _start(

@@ -380,6 +380,7 @@ def move_to(
     suggest: Suggest | None = None,
     fix: Fix | None = None,
     left: list[object] | None = None,
+    who: str = "to_device()",
 ) -> T:
     """:func:`to_device` for a device already resolved: no resolution cost per call.
 
@@ -399,6 +400,7 @@ def move_to(
         fix: the fix of a failed move, given the path that failed; None:
             ``to_device(name, device, skip=[path])``.
         left: gets an optimizer the move left where it was, beside a module it moved.
+        who: what an error says failed (a decorated function moving its result back).
 
     Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
     passed twice becomes one moved tensor.
@@ -410,18 +412,18 @@ def move_to(
         if _nothing_to_move(obj, device, ()):
             return obj
         return _move(
-            obj, device, non_blocking, None, name, fix, "to_device()", coalesce, where, left=left
+            obj, device, non_blocking, None, name, fix, who, coalesce, where, left=left
         )
     compiled = compile_skip(skip, name)
     policy = policy_for(dtypes, device)
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
         if suggest is None:
             suggest = _to_device_suggest(device, name, non_blocking, skip, coalesce)
-        obj = policy.apply(obj, compiled, name, "to_device()", fix, suggest)
+        obj = policy.apply(obj, compiled, name, who, fix, suggest)
     if (compiled is None or not compiled.slow) and _nothing_to_move(obj, device, _types(compiled)):
         return obj
     return _move(
-        obj, device, non_blocking, compiled, name, fix, "to_device()", coalesce, where, left=left
+        obj, device, non_blocking, compiled, name, fix, who, coalesce, where, left=left
     )
 
 
