@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -98,6 +99,33 @@ def test_every_constructor_is_replaced_from_the_first_block_on() -> None:
         assert original is replacement.__wrapped__, name
     assert CPU == torch.zeros(1).device
     assert 0 == stack_length()
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
+def test_a_nested_tensor_goes_where_torch_device_puts_it(layout: torch.layout) -> None:
+    """``torch.nested.nested_tensor`` of tensors stays with the leftmost one (its documented
+    default, as under ``torch.device``); of lists, it lands in the block."""
+    parts = [torch.ones(2, 3), torch.ones(1, 3)]
+    for make in (
+        lambda: torch.nested.nested_tensor(parts, layout=layout),
+        lambda: torch.nested.nested_tensor(tensor_list=parts, layout=layout),
+        lambda: torch.nested.nested_tensor([[1.0, 2.0], [3.0, 4.0]], layout=layout),
+    ):
+        assert _outcome(make, torch.device("meta")) == _outcome(make, on_device("meta"))
+    with on_device("meta"):
+        assert CPU == torch.nested.nested_tensor(parts, layout=layout).device
+    if layout == torch.jagged:  # a strided one on meta: torch's own error, in both
+        with on_device("meta"):
+            assert META == torch.nested.nested_tensor([[1.0], [2.0]], layout=layout).device
+
+
+def _outcome(make: Callable[[], torch.Tensor], block: Any) -> object:
+    """Where ``make`` puts its tensor in ``block``, or the type of its error."""
+    with block:
+        try:
+            return make().device
+        except RuntimeError as error:
+            return type(error)
 
 
 def test_fft_constructors() -> None:

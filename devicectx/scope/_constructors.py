@@ -193,6 +193,10 @@ def _fill_device(
     # calls empty), or in a block on the device torch gives anyway (such a block is entered
     # only with nothing else open, so it is the task's only one): torch's function at once.
     seeds = getattr(original, "__name__", None) == "empty"  # torch.utils.data's seeds' maker
+    # torch.nested.nested_tensor, a Python function torch's DeviceContext never sees (it
+    # sees the calls inside): left to those calls, as in torch.device. Of tensors, it
+    # stays where the leftmost is, its documented default.
+    nested = getattr(original, "__name__", None) == "nested_tensor"
 
     @functools.wraps(original)
     def constructor(*args: Any, **kwargs: Any) -> Any:
@@ -207,6 +211,8 @@ def _fill_device(
         scoped = calls.scopes or (blocks and blocks[-1].previous is not torch_own)
         if scoped and kwargs.get("device") is None:
             if seeds and args == _SEED_SHAPE and _draws_a_seed(kwargs):
+                return original(*args, **kwargs)
+            if nested:
                 return original(*args, **kwargs)
             generator = kwargs.get("generator")
             # A generator draws only on its own device (a CPU one refuses any other): the
