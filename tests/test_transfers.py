@@ -37,6 +37,7 @@ from devicectx import (
 )
 from devicectx.move import _repeats as repeats_module
 from devicectx.move import _staging
+from devicectx.move._transfers import account
 from devicectx.move._walk import iter_tensors
 from devicectx.testing import assert_device_agnostic
 from devicectx.testing.strategies import nested, tensors
@@ -278,6 +279,129 @@ def test_a_log_pickles_and_copies_as_its_sums() -> None:
         assert (copied.rows, copied.as_dict()) == (log.rows, log.as_dict())
         copied.add("here", "y", CPU, META, 8)
         assert (copied.total_tensors, log.total_tensors) == (2, 1)
+
+
+# The bytes of a tensor that is not a plain strided one: what its copy carries.
+
+
+def _by_hand(*parts: torch.Tensor) -> int:
+    """The bytes of a copy's components, each a plain tensor: elements times their size."""
+    return sum(part.numel() * part.element_size() for part in parts)
+
+
+def _coo() -> torch.Tensor:
+    indices = torch.tensor([[0, 1, 1, 999], [2, 0, 2, 999]])
+    return torch.sparse_coo_tensor(indices, torch.tensor([3.0, 4.0, 5.0, 6.0]), (1000, 1000))
+
+
+def _jagged_with_lengths() -> torch.Tensor:
+    padded = torch.randn(2, 5, 3)
+    starts, lengths = torch.tensor([0, 1]), torch.tensor([2, 3])
+    return torch.nested.narrow(padded, 1, starts, lengths, layout=torch.jagged)
+
+
+def _masked() -> torch.Tensor:
+    return torch.masked.masked_tensor(torch.randn(10), torch.rand(10) > 0.5)
+
+
+def _two_tensor() -> torch.Tensor:
+    # torch's own test subclass: a traceable wrapper (``__tensor_flatten__``) of two tensors.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.randn(4, 2), torch.randn(4, 2))
+
+
+_DENSE = torch.arange(16.0).reshape(4, 4)
+
+_KINDS: dict[str, tuple[Callable[[], torch.Tensor], Callable[[Any], list[torch.Tensor]]]] = {
+    "strided": (lambda: torch.zeros(3, 5, dtype=torch.float64), lambda t: [t]),
+    "sparse_coo": (_coo, lambda t: [t._indices(), t._values()]),
+    "sparse_coo_coalesced": (lambda: _coo().coalesce(), lambda t: [t.indices(), t.values()]),
+    "sparse_csr": (
+        lambda: _coo().to_sparse_csr(),
+        lambda t: [t.crow_indices(), t.col_indices(), t.values()],
+    ),
+    "sparse_csc": (
+        lambda: _coo().to_sparse_csc(),
+        lambda t: [t.ccol_indices(), t.row_indices(), t.values()],
+    ),
+    "sparse_bsr": (
+        lambda: _DENSE.to_sparse_bsr((2, 2)),
+        lambda t: [t.crow_indices(), t.col_indices(), t.values()],
+    ),
+    "sparse_bsc": (
+        lambda: _DENSE.to_sparse_bsc((2, 2)),
+        lambda t: [t.ccol_indices(), t.row_indices(), t.values()],
+    ),
+    "jagged": (
+        lambda: torch.nested.nested_tensor(
+            [torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged
+        ),
+        lambda t: [t.values(), t.offsets()],
+    ),
+    "jagged_with_lengths": (_jagged_with_lengths, lambda t: [t.values(), t.offsets(), t.lengths()]),
+    "masked": (_masked, lambda t: [t.get_data(), t.get_mask()]),
+    "traceable_wrapper": (_two_tensor, lambda t: [t.a, t.b]),
+}
+
+
+# torch's "in prototype" and "in beta" warnings for these layouts
+_PROTOTYPES = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@_PROTOTYPES
+@pytest.mark.parametrize("kind", list(_KINDS))
+def test_a_tensors_bytes_are_what_its_copy_carries(kind: str) -> None:
+    """A sparse, nested, masked or wrapper tensor counts the tensors it holds (indices and
+    values, values and offsets, data and mask, inner tensors), not the dense size it stands
+    for: a 1000 x 1000 sparse matrix of 4 nonzeros counted 4,000,000 bytes, a COO one
+    failed the move, a jagged tensor left its offsets out, a masked one its mask."""
+    make, parts = _KINDS[kind]
+    tensor = make()
+    with track_transfers() as log:
+        moved = to_device({"t": tensor}, META)["t"]
+    assert moved.device == META
+    assert [("obj['t']", 1, _by_hand(*parts(tensor)))] == [
+        (row.path, row.tensors, row.bytes) for row in log.rows
+    ]
+
+
+@_PROTOTYPES
+def test_a_strided_nested_tensor_counts_its_buffer_and_sizes() -> None:
+    """A nested tensor of the strided layout counts its buffer and the sizes of its
+    tensors. It cannot move to ``meta``, so the move's accounting is given it directly."""
+    tensor = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+    expected = _by_hand(tensor.values(), tensor._nested_tensor_size())
+    with track_transfers() as log:
+        account([tensor], META, {"t": tensor}, "obj", None, check=False)
+    assert (1, expected) == (log.total_tensors, log.total_bytes)
+    assert 72 + 32 == expected  # 18 float32 elements; 2 tensors x 2 sizes of int64
+
+
+@_PROTOTYPES
+def test_the_repeated_move_warning_counts_a_sparse_tensors_bytes(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """A sparse constant moved on every call is named with the bytes its copy carries
+    (compressed and plain indices, values: 7.9 KiB), not its dense size (3.8 MiB)."""
+
+    @device_agnostic(device="meta")
+    def step(x: torch.Tensor, adjacency: torch.Tensor) -> None:
+        return None
+
+    adjacency = _coo().to_sparse_csr()
+    size = repeats_module.size_text(
+        _by_hand(adjacency.crow_indices(), adjacency.col_indices(), adjacency.values())
+    )
+    assert "7.9 KiB" == size
+    for _ in range(3):
+        step(torch.zeros(3), adjacency)
+    (warning,) = _repeats(recorded)
+    assert str(warning.message).splitlines()[0] == (
+        "test_the_repeated_move_warning_counts_a_sparse_tensors_bytes.<locals>.step() copied "
+        f"the same unchanged tensor adjacency (shape (1000, 1000), torch.float32, {size}) "
+        f"from cpu to meta again: {size} crosses on every call"
+    )
 
 
 # The repeated-move warning.
@@ -1035,3 +1159,13 @@ def test_several_constants_read_as_a_global_and_an_argument(
         "_CONSTANT_TABLE.to('meta') at the top level of its file, table (an argument of "
         "train_step()) where it is called from"
     )
+
+
+def test_the_repeated_move_warning_describes_a_strided_nested_tensor() -> None:
+    """A strided nested tensor's shape is ragged (``.shape`` raises): the warning's line
+    for it gives its number of components instead of failing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # strided nested tensors: a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    assert "nested, 2 components" == repeats_module._shape_text(nested)
+    assert "shape (2, 3)" == repeats_module._shape_text(torch.ones(2, 3))

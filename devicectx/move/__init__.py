@@ -32,6 +32,7 @@
 - ``_streams``: the copy stream of each accelerator device (non-blocking moves, ``prefetch``);
 - ``_transfers``: ``track_transfers``, and what reads every move's copies;
 - ``_repeats``: the repeated-move warning (a constant copied to the device every step);
+- ``_nbytes``: the bytes a tensor's copy carries (a sparse tensor's indices and values);
 - ``_prefetch``: ``prefetch``, batches moved ahead of the step on a copy stream;
 - ``_background``: the thread of its own a prefetcher moves its batches on;
 - ``_distributed``: DTensor and FSDP2 parameters (``Layout``).

@@ -411,9 +411,7 @@ def move_to(
     if skip is None and dtypes is None and holds_every_dtype(device):
         if _nothing_to_move(obj, device, ()):
             return obj
-        return _move(
-            obj, device, non_blocking, None, name, fix, who, coalesce, where, left=left
-        )
+        return _move(obj, device, non_blocking, None, name, fix, who, coalesce, where, left=left)
     compiled = compile_skip(skip, name)
     policy = policy_for(dtypes, device)
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
@@ -422,9 +420,7 @@ def move_to(
         obj = policy.apply(obj, compiled, name, who, fix, suggest)
     if (compiled is None or not compiled.slow) and _nothing_to_move(obj, device, _types(compiled)):
         return obj
-    return _move(
-        obj, device, non_blocking, compiled, name, fix, who, coalesce, where, left=left
-    )
+    return _move(obj, device, non_blocking, compiled, name, fix, who, coalesce, where, left=left)
 
 
 def move_call(

@@ -35,6 +35,7 @@ import torch
 
 from devicectx._errors import RepeatedMoveWarning, warn_at, warn_explicit_at
 from devicectx._torch.tensors import version_of
+from devicectx.move._nbytes import bytes_of
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -305,6 +306,15 @@ def _first_report(where: Where, target: torch.device, path: str) -> bool:
 _NAMED = 3  # the tensors a warning about several names; the rest are counted
 
 
+def _shape_text(tensor: torch.Tensor) -> str:
+    """``shape (2, 3)``; a strided nested tensor, whose ragged shape ``.shape`` refuses,
+    by its number of components."""
+    try:
+        return f"shape {tuple(tensor.shape)}"
+    except RuntimeError:
+        return f"nested, {tensor.size(0)} components"
+
+
 def _message(
     fresh: list[tuple[str, torch.Tensor]],
     where: Where,
@@ -314,11 +324,11 @@ def _message(
     device = str(target)
     named = fresh[:_NAMED]
     what = ", ".join(
-        f"{path} (shape {tuple(tensor.shape)}, {tensor.dtype}, {size_text(tensor.nbytes)})"
+        f"{path} ({_shape_text(tensor)}, {tensor.dtype}, {size_text(bytes_of(tensor))})"
         for path, tensor in named
     )
     sources = " and ".join(sorted({str(tensor.device) for _, tensor in fresh}))
-    size = size_text(sum(tensor.nbytes for _, tensor in fresh))
+    size = size_text(sum(bytes_of(tensor) for _, tensor in fresh))
     if len(fresh) == 1:
         copied = f"the same unchanged tensor {what}"
     else:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from devicectx.move import _repeats
+from devicectx.move._nbytes import bytes_of
 from devicectx.move._repeats import Place, Where, caller_line, checking, label, size_text
 from devicectx.move._walk import iter_tensors
 
@@ -49,7 +50,9 @@ class Transfer:
         source: the device the tensors came from.
         target: the device they went to.
         tensors: how many tensors were copied.
-        bytes: their bytes (elements times element size, without any padding).
+        bytes: the bytes their copies carried: elements times element size (no
+            padding) for a plain tensor; for a sparse, nested, masked or wrapper tensor,
+            those of the tensors it holds (indices and values, not its dense size).
     """
 
     where: str
@@ -225,7 +228,10 @@ def track_transfers() -> Iterator[TransferLog]:
     or ``@device_agnostic`` (arguments and results), once however many places hold it; a
     view that arrives as a view of another tensor moved with it is no copy, and is not
     counted. Tensors inside a module or an object with its own ``.to`` count as they are
-    found in it. Copies made elsewhere (a ``.to`` in your code, torch's own) are not seen.
+    found in it. A sparse tensor counts its indices and values, not the dense size it
+    stands for; a nested tensor its values and offsets (a strided one: its buffer and
+    sizes); a ``MaskedTensor`` its data and mask; a wrapper subclass its inner tensors.
+    Copies made elsewhere (a ``.to`` in your code, torch's own) are not seen.
 
     Caveats:
         - Like ``on_device``, the block sees its own thread and asyncio task (and tasks
@@ -285,7 +291,7 @@ def account(
         # An object's own .to may leave tensors to the walk, which lists them again.
         for tensor in {id(tensor): tensor for tensor in sent}.values():
             path = paths.get(id(tensor), name or "?")
-            nbytes = tensor.nbytes
+            nbytes = bytes_of(tensor)
             for log in logs:
                 log.add(text, path, tensor.device, target, nbytes)
 
