@@ -142,9 +142,27 @@ def _decorate(function: Callable[..., Any], **options: Any) -> Any:
 
 class _BoundWrapper(_BoundFunctionWrapper):
     """A decorated method bound to its instance (or class): pickled and copied as a bound
-    method is, by looking the name up again on the instance (deep-copied, for deepcopy)."""
+    method is, by looking the name up again on the instance (deep-copied, for deepcopy).
+
+    Its ``__func__`` is the decorated function, as for a method of any decorated function:
+    ``types.MethodType(m.__func__, m.__self__)`` makes a method that moves and checks, and
+    ``inspect`` reads the signature and the kind (a coroutine function) from it.
+    ``weakref.WeakMethod`` calls ``type(m)(m.__func__, m.__self__)``, which wrapt's C
+    constructor refuses: taking two arguments would cost every binding a Python call.
+    """
 
     __class__ = property(_class_of)
+
+    @property
+    def __func__(self) -> Any:
+        # wrapt's would be the raw function (or, for wrapt 2 and a classmethod, the
+        # entry, which inspect reads as ``(*args, **kwargs)`` and not as a coroutine).
+        if self._self_binding == "classmethod":
+            return self._self_parent._self_function
+        if self._self_binding == "function" and self._self_instance is not None:
+            return self._self_parent  # the wrapper in the class's __dict__
+        wrapped: Any = self.__wrapped__
+        return wrapped.__func__  # raises for a function reached through its class, as it would
 
     @property
     def _torchdynamo_inline(self) -> Callable[..., Any]:
@@ -312,9 +330,10 @@ class _ClassMethodWrapper(DeviceAgnosticWrapper):
 
     dynamo sees one (it passes for a ``classmethod``) and calls its ``__func__``, which
     wrapt would pass on to the raw function, dropping the wrapper: here ``__func__`` is the
-    entry, which takes ``cls`` as the raw function does. Eager code does not read it: wrapt
-    binds through ``__wrapped__``, and ``inspect`` unwraps to the real ``classmethod``
-    before it reads ``__func__``.
+    entry, which takes ``cls`` as the raw function does, and whose ``__wrapped__`` is the
+    raw function (``mock``'s autospec reads its signature). Eager code does not call it:
+    wrapt binds through ``__wrapped__``, and the bound method answers ``__func__`` with the
+    function decorated (:class:`_BoundWrapper`).
     """
 
     @property
@@ -341,6 +360,13 @@ def wrap(wrapped: Callable[..., Any], plan: Plan) -> Any:
         namespace["__get__"] = _binding(_method_get, entry)
     cls = type(base.__name__, (base,), namespace)
     wrapper = cls(wrapped, plan, entry)
+    if base is _ClassMethodWrapper:
+        # Its bound method's ``__func__``: the function decorated, as ``@classmethod``
+        # written above the decorator holds it. The classmethod's own is the entry (for
+        # dynamo), whose signature, for mock's autospec, is the function's.
+        function = cast(Any, wrapped).__func__
+        wrapper._self_function = wrap(function, plan)
+        entry.__wrapped__ = function  # type: ignore[attr-defined]
     _dynamo_hooks.install(cls, wrapper, entry)
     # A class is freed by the cycle collector only; what it holds (the entry, and through
     # it the plan and the function) is let go with the wrapper, as a function's would be.
