@@ -69,6 +69,16 @@ def test_import_pulls_in_neither_hypothesis_nor_pytest() -> None:
     assert "[]" == result.stdout.strip()
 
 
+def test_the_testing_kit_s_modules_are_attributes_of_its_package() -> None:
+    """After ``import devicectx.testing``, ``devicectx.testing.emulated`` is there, as the
+    package docstring lists it, without importing it by its own name first."""
+    code = "import devicectx.testing as t; print(t.emulated.__name__, t.emulated.enabled())"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert "devicectx.testing.emulated False" == result.stdout.strip()
+
+
 def test_import_does_not_load_dynamo() -> None:
     """``import devicectx`` adds milliseconds to ``import torch``: dynamo loads only when used."""
     code = "import sys, devicectx; print(sorted({'torch._dynamo', 'sympy'} & set(sys.modules)))"

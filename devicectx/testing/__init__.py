@@ -10,8 +10,9 @@
   ``--devices=cpu,meta`` and ``--devicectx-accelerator=emulated`` options and the
   ``@pytest.mark.requires_device("cuda")`` marker.
 
-Both names are imported on first use: the pytest plugin lives in this package, so it is
-imported into every test session, and must cost nothing there and work without hypothesis.
+These names (and ``emulated``) are imported on first use: the pytest plugin lives in this
+package, so it is imported into every test session, and must cost nothing there and work
+without hypothesis.
 
 The modules: ``_assertions`` (``assert_device_agnostic``), with ``_inputs`` (each device's
 copies of the call's inputs), ``_compare`` (the comparison of the outputs and its message)
@@ -36,6 +37,8 @@ __all__ = ["assert_device_agnostic", "strategies"]
 def __getattr__(name: str) -> object:
     if name == "assert_device_agnostic":
         return import_module("devicectx.testing._assertions").assert_device_agnostic
+    if name == "emulated":  # as after `from devicectx.testing import emulated`
+        return import_module("devicectx.testing.emulated")
     if name != "strategies":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
