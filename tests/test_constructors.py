@@ -541,6 +541,20 @@ def test_a_default_dtype_the_block_device_cannot_hold_is_named_with_its_fix() ->
 
 
 @pytest.mark.requires_device("accelerator")
+def test_a_constructor_outside_torch_s_namespace_is_named_as_the_user_wrote_it() -> None:
+    """``torch.fft.fftfreq`` (``fft_fftfreq`` to torch) refused on a device without float64
+    is named as written, and its fix, pasted, runs."""
+    with mps_like() as device:
+        with on_device(device), pytest.raises(DtypeUnsupportedError) as raised:
+            torch.fft.fftfreq(4, dtype=torch.float64)
+        fix = str(raised.value).splitlines()[-1]
+        assert str(raised.value).startswith("torch.fft.fftfreq() inside a block on ")
+        assert fix.startswith("fix: torch.fft.fftfreq(..., dtype=torch.float32)")
+        with on_device(device):
+            assert torch.float32 == torch.fft.fftfreq(4, dtype=torch.float32).dtype
+
+
+@pytest.mark.requires_device("accelerator")
 @pytest.mark.usefixtures("default_float64")
 def test_a_dtype_of_the_data_or_given_keeps_the_dtype_fix_under_a_float64_default() -> None:
     """With torch's default dtype float64, a float64 that the constructor takes from its

@@ -342,9 +342,14 @@ def _carries_dtype(value: object) -> bool:
 
 
 def _torch_name(function: Callable[..., Any]) -> str:
-    """``torch.tensor``: how the user wrote the constructor (torch's own are in ``torch``)."""
+    """``torch.tensor``: how the user wrote the constructor (torch's own are in ``torch``;
+    ``torch.fft.fftfreq`` is ``fft_fftfreq`` to torch)."""
     name = getattr(function, "__name__", "constructor")
-    return f"torch.{name}" if hasattr(torch, name) else name
+    if hasattr(torch, name):
+        return f"torch.{name}"
+    if name.startswith("fft_") and hasattr(torch.fft, name[4:]):
+        return f"torch.fft.{name[4:]}"
+    return name
 
 
 _REPLACEMENTS: set[CodeType] = set()  # the code of every replacement a patch made
