@@ -5,14 +5,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
+import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 from torch import nn
 
 
@@ -74,6 +77,26 @@ def python_output(source: str) -> str:
     )
     assert 0 == done.returncode, done.stderr[-3000:]
     return done.stdout.strip()
+
+
+def once_per_session(factory: pytest.TempPathFactory, name: str, compute: Callable[[], Any]) -> Any:
+    """``compute()``'s result (JSON), computed once in a test session however many xdist
+    workers ask for it: the first computes it, under a lock, and the others read it.
+
+    For a module's fixture that runs a costly child (a torchrun job, a sweep in a fresh
+    interpreter): xdist hands a module's tests to both workers, and each ran the child
+    again. A failing ``compute`` leaves nothing behind: the next worker to ask runs it.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compute()
+    shared = factory.getbasetemp().parent  # the session's folder, above each worker's
+    path = shared / f"{name}.json"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return json.loads(path.read_text())
+        value = compute()
+        path.write_text(json.dumps(value))
+        return value
 
 
 def placed(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import python_command
+from helpers import once_per_session, python_command
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS_WITH_CASES = ("decorator", "move", "find_devices", "scope", "diagnostics")
@@ -24,7 +24,15 @@ PEERS = ("send_to_device", "apply_to_collection", "optree.tree_map", "TensorDict
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One quick run of the script in a fresh interpreter: its output, JSON and markdown."""
+    """One quick run of the script in a fresh interpreter: its output, JSON and markdown
+    (one in a session)."""
+    result: dict[str, Any] = once_per_session(
+        tmp_path_factory, "benchmark-quick-run", lambda: _quick_run(tmp_path_factory)
+    )
+    return result
+
+
+def _quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
     env = {k: v for k, v in os.environ.items() if k not in ("DEVICECTX_DEVICE", "LOCAL_RANK")}
     done = subprocess.run(

@@ -34,7 +34,7 @@ import os
 from typing import Any
 
 import pytest
-from helpers import python_output
+from helpers import once_per_session, python_output
 
 pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
 
@@ -203,10 +203,14 @@ print(json.dumps(report))
 
 
 @pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
-    """The sweep's failures in each mode, from a fresh interpreter."""
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The sweep's failures in each mode, from a fresh interpreter (one in a session)."""
     given = f"LISTED = {set(SELECTED)!r}\nRECOMPUTE = {RECOMPUTE!r}\n"
-    result: dict[str, Any] = json.loads(python_output(given + _SWEEP).splitlines()[-1])
+    result: dict[str, Any] = once_per_session(
+        tmp_path_factory,
+        "device-mode-sweep",
+        lambda: json.loads(python_output(given + _SWEEP).splitlines()[-1]),
+    )
     return result
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import once_per_session
 from torch import nn
 
 from devicectx import (
@@ -48,7 +49,14 @@ JOB_TIMEOUT = 240  # seconds: the job takes about 7 s alone, longer on a loaded 
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
-    """Each rank's verdicts, from one torchrun job of two processes."""
+    """Each rank's verdicts, from one torchrun job of two processes (one in a session)."""
+    result: list[dict[str, str]] = once_per_session(
+        tmp_path_factory, "torchrun-verdicts", lambda: _run_job(tmp_path_factory)
+    )
+    return result
+
+
+def _run_job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     out = tmp_path_factory.mktemp("torchrun")
     # The checkout first, before what the path held (an installed devicectx's metadata, say).
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

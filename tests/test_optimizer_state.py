@@ -4,6 +4,7 @@ optimizer left holding the parameters a move replaced is stopped before the body
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -212,7 +213,7 @@ def test_to_device_of_an_optimizer_warns_that_it_moves_nothing() -> None:
     container): the same object comes back, with a DeviceWarning that says so."""
     model = nn.Linear(2, 2)
     optimizer = torch.optim.Adam(model.parameters())
-    with pytest.warns(DeviceWarning) as caught:
+    with pytest.warns(DeviceWarning) as caught, swapped(True):
         assert optimizer is to_device(optimizer, "meta")
     assert str(caught[0].message).splitlines() == [
         "to_device() moves no optimizer (an Adam): it came back as it was, its state where it was",
@@ -221,6 +222,59 @@ def test_to_device_of_an_optimizer_warns_that_it_moves_nothing() -> None:
         "the model",
     ]
     assert caught[0].filename == __file__
+
+
+@contextlib.contextmanager
+def swapped(on: bool) -> Iterator[None]:
+    """module.to keeps each parameter object (swapping its memory), or, off, does so only
+    between the dense backends: to meta it makes new parameters."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(on)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+NEW_OPTIMIZER_FIX = (
+    "a move from cpu to meta makes new parameters, and reloading the optimizer's state does "
+    "not change which parameters it steps: as it is, it would train nothing",
+    "fix: build the optimizer after moving the model, from the moved model's parameters; to "
+    "keep its state, take state = optimizer.state_dict() before the move and load it into "
+    "the new optimizer",
+)
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_where_the_move_makes_new_parameters_the_optimizer_fix_is_a_new_optimizer(
+    beside: bool,
+) -> None:
+    """To meta (or a device out of torch's tree), a module's move makes new parameters: a
+    reloaded optimizer would still step the old ones, training nothing. The warning says so
+    and gives the fix that works: a new optimizer, the old state loaded into it."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    step(model, optimizer, torch.ones(2))
+    training = {"model": model, "optimizer": optimizer} if beside else optimizer
+    with pytest.warns(DeviceWarning) as caught, swapped(False):
+        to_device(training, "meta")
+    lines = str(caught[0].message).splitlines()
+    if beside:
+        assert lines[0] == (
+            "to_device() moved a module in obj, and no optimizer (an Adam, in obj too): it "
+            "steps the module's old parameters, left on cpu"
+        )
+    else:
+        assert lines[0].startswith("to_device() moves no optimizer (an Adam)")
+    assert tuple(lines[1:]) == NEW_OPTIMIZER_FIX
+    # The fix, followed: the new optimizer steps the moved model, with the old state.
+    state = optimizer.state_dict()
+    with swapped(False):
+        moved = to_device(model, "meta")
+    renewed = torch.optim.Adam(moved.parameters())
+    renewed.load_state_dict(state)
+    assert renewed.param_groups[0]["params"][0] is moved.weight
+    assert torch.device("meta") == renewed.state[moved.weight]["exp_avg"].device
 
 
 @pytest.mark.requires_device("accelerator")

@@ -29,7 +29,15 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["buffers_of", "children_of", "move", "parameters_of", "submodules", "tensors"]
+__all__ = [
+    "buffers_of",
+    "children_of",
+    "makes_new_parameters",
+    "move",
+    "parameters_of",
+    "submodules",
+    "tensors",
+]
 
 #: ``module._parameters``: the module's own parameters by name (``None`` for a registered
 #: empty slot). Attrgetters, so the decorator's per-call checks pay no Python call frame.
@@ -40,6 +48,38 @@ parameters_of: Callable[[nn.Module], dict[str, nn.Parameter | None]] = operator.
 buffers_of: Callable[[nn.Module], dict[str, torch.Tensor | None]] = operator.attrgetter("_buffers")
 #: ``module._modules``: the module's direct children by name.
 children_of: Callable[[nn.Module], dict[str, nn.Module | None]] = operator.attrgetter("_modules")
+
+
+# The device types between which torch's ``Module.to`` changes a parameter's data in place,
+# keeping the Parameter object (and so a tied weight, one object at several places, and an
+# optimizer's hold on it): the backends c10's ``TensorImpl::has_compatible_shallow_copy_type``
+# counts as dense (torch 2.6 to 2.15). Between any others (meta, a backend registered out of
+# tree, XLA) it makes a new Parameter at each place.
+_CHANGED_IN_PLACE = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia")
+
+
+def makes_new_parameters(source: torch.device, destination: torch.device) -> bool:
+    """Whether ``module.to(destination)`` replaces a parameter on ``source`` with a new
+    Parameter object (at each place a tied weight is held), rather than keeping it.
+
+    torch keeps the object where it can change its data in place (between the dense
+    backends), or swaps its contents under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``; it makes a new one
+    under ``set_overwrite_module_params_on_conversion(True)``.
+
+    Example:
+        >>> makes_new_parameters(torch.device("cpu"), torch.device("meta"))
+        True
+        >>> makes_new_parameters(torch.device("cpu"), torch.device("cpu"))
+        False
+    """
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return False
+    if torch.__future__.get_overwrite_module_params_on_conversion():
+        return True
+    if source.type == destination.type:
+        return False
+    return source.type not in _CHANGED_IN_PLACE or destination.type not in _CHANGED_IN_PLACE
 
 
 def submodules(module: nn.Module, *, each_place: bool = False) -> Iterator[tuple[str, nn.Module]]:

@@ -19,6 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from devicectx._errors import DeviceMismatchError
+from devicectx._torch.module_tree import makes_new_parameters
 from devicectx.decorator._spread import Part, path_of
 from devicectx.devices._capabilities import missing_dtypes, nearest_dtype
 from devicectx.move._dtypes import code_of, module_casts
@@ -28,12 +29,6 @@ from devicectx.move._paths import within
 _MAX_PATHS = 6
 # Arguments named in a "pass x.to(...)" fix before "...".
 _MAX_FIXES = 3
-# The device types between which torch's ``Module.to`` changes a parameter's data in place,
-# keeping the Parameter object, and so a tied weight (one object at several places): the
-# backends c10's ``TensorImpl::has_compatible_shallow_copy_type`` counts as dense (torch
-# 2.6 to 2.13). Between any others (meta, a backend registered out of tree, XLA) it makes a
-# new Parameter at each place.
-_SWAPPED_IN_PLACE = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia")
 
 
 def tensors_off_target(
@@ -171,7 +166,7 @@ def module_off_target(
             ``to_device``, which keeps them one tensor.
     """
     destination = target if target is not None else next(iter(found))
-    keep = any(_unties(device, destination) for device in shared)
+    keep = any(makes_new_parameters(device, destination) for device in shared)
     # Wholly on meta (made under init_empty_weights, not loaded): no data for .to to copy.
     from_meta = destination.type != "meta" and all(device.type == "meta" for device in found)
     move, unheld = _cast_and_move(module, destination, dtypes, keep, from_meta)
@@ -235,7 +230,9 @@ def spread_strays(
     movable = [part for part in strays if not part.tied]
     # Parts holding a tied weight that module.to() would untie on the way.
     untied = [
-        p for p in movable if p.shared and p.expected is not None and _unties(p.device, p.expected)
+        p
+        for p in movable
+        if p.shared and p.expected is not None and makes_new_parameters(p.device, p.expected)
     ]
     # Where every part is off, or a tied weight's modules, moved one by one, would each get a
     # copy of their own, the module is moved whole (its parts in place stay as they are).
@@ -243,7 +240,9 @@ def spread_strays(
     destinations: dict[tuple[str, torch.device], bool] = {}  # (path, to): keep its ties
     empty: set[tuple[str, torch.device]] = set()  # those with tensors on meta: no data to copy
     if not on_purpose and whole:
-        destinations[module, target] = any(p.shared and _unties(p.device, target) for p in parts)
+        destinations[module, target] = any(
+            p.shared and makes_new_parameters(p.device, target) for p in parts
+        )
         if target.type != "meta" and all(p.device.type == "meta" for p in parts):
             empty.add((module, target))
     else:
@@ -390,24 +389,6 @@ def _cast_and_move(
     if unheld:
         move = f"{'; '.join(module_casts(destination, under, path))}; {move}"
     return move, "; ".join(reasons)
-
-
-def _unties(source: torch.device, destination: torch.device) -> bool:
-    """Whether ``module.to(destination)`` gives each place of a tensor on ``source`` that
-    the module holds at several places (a tied weight) a copy of its own.
-
-    torch keeps the Parameter object where it can change its data in place
-    (:data:`_SWAPPED_IN_PLACE`), or swaps it under
-    ``torch.__future__.set_swap_module_params_on_conversion(True)``; it makes a new one
-    at each place under ``set_overwrite_module_params_on_conversion(True)``.
-    """
-    if torch.__future__.get_swap_module_params_on_conversion():
-        return False
-    if torch.__future__.get_overwrite_module_params_on_conversion():
-        return True
-    if source.type == destination.type:
-        return False
-    return source.type not in _SWAPPED_IN_PLACE or destination.type not in _SWAPPED_IN_PLACE
 
 
 def _held(parts: Sequence[Part]) -> str:

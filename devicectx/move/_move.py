@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from devicectx._errors import DeviceWarning, with_article
+from devicectx._torch.module_tree import makes_new_parameters
 from devicectx.devices._capabilities import holds_every_dtype
 from devicectx.devices._resolve import DeviceLike, resolve_device
 from devicectx.move import _repeats, _staging, _transfers
@@ -55,10 +56,9 @@ from devicectx.move._rebuild import Call, Fix, Rebuild
 from devicectx.move._skip import (
     Skip,
     SkipLike,
+    check_names,
     compile_skip,
-    inside_own_to,
     inside_own_to_message,
-    unmatched,
     unmatched_message,
 )
 from devicectx.move._staging._state import STATE
@@ -305,11 +305,10 @@ def to_device(
     if left:
         warnings.warn(_optimizer_unmoved(left[0], target, beside=True), DeviceWarning, 2)
     if compiled is not None and (compiled.keys or compiled.paths):
-        missing = unmatched(compiled, obj, "obj")
+        missing, inside = check_names(compiled, obj, "obj")
         if missing:
             message = unmatched_message(skip, missing, "obj", "to_device()")
             warnings.warn(message, DeviceWarning, stacklevel=2)
-        inside = inside_own_to(compiled, obj, "obj")
         if inside:
             message = inside_own_to_message(inside, target, "to_device()")
             warnings.warn(message, DeviceWarning, stacklevel=2)
@@ -322,22 +321,42 @@ _Optimizer = torch.optim.Optimizer
 def _optimizer_unmoved(optimizer: object, target: torch.device, beside: bool = False) -> str:
     """The warning for ``to_device(optimizer, ...)``, which moves nothing: an optimizer is
     no container (its state is moved by torch as it is loaded, beside each parameter);
-    ``beside``: one in a structure whose module moved (a training state)."""
+    ``beside``: one in a structure whose module moved (a training state).
+
+    Where a module's move to ``target`` makes new parameters (to ``meta``, to a device out
+    of torch's tree), the optimizer steps the old ones whatever state it reloads: the fix is
+    then a new optimizer."""
     kind = with_article(type(optimizer).__qualname__)
     if beside:
         what = f"moved a module in obj, and no optimizer ({kind}, in obj too): its state"
-        return (
-            f"to_device() {what} stays where it was, off the parameters it steps\n"
-            f"fix: optimizer.load_state_dict(optimizer.state_dict()) after the move, which "
-            f"puts the state beside each parameter (on {target}); or build the optimizer "
-            f"after moving the model"
+        told = f"to_device() {what} stays where it was, off the parameters it steps\n"
+    else:
+        told = (
+            f"to_device() moves no optimizer ({kind}): it came back as it was, its state "
+            f"where it was\n"
         )
+    params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+    renewed = sorted({str(p.device) for p in params if makes_new_parameters(p.device, target)})
+    if renewed:
+        if beside:
+            told = (
+                f"to_device() moved a module in obj, and no optimizer ({kind}, in obj too): "
+                f"it steps the module's old parameters, left on {', '.join(renewed)}\n"
+            )
+        return (
+            f"{told}a move from {' or '.join(renewed)} to {target} makes new parameters, and "
+            f"reloading the optimizer's state does not change which parameters it steps: "
+            f"as it is, it would train nothing\n"
+            f"fix: build the optimizer after moving the model, from the moved model's "
+            f"parameters; to keep its state, take state = optimizer.state_dict() before the "
+            f"move and load it into the new optimizer"
+        )
+    first = "" if beside else "move the model, then "
     return (
-        f"to_device() moves no optimizer ({kind}): it came back as it was, its state where "
-        f"it was\n"
-        f"fix: move the model, then optimizer.load_state_dict(optimizer.state_dict()), which "
-        f"puts the state beside each parameter (on {target}); or build the optimizer after "
-        f"moving the model"
+        f"{told}"
+        f"fix: {first}optimizer.load_state_dict(optimizer.state_dict())"
+        f"{' after the move' if beside else ''}, which puts the state beside each parameter "
+        f"(on {target}); or build the optimizer after moving the model"
     )
 
 

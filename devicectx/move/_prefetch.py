@@ -61,10 +61,9 @@ from devicectx.move._move import _move, _nothing_to_move
 from devicectx.move._skip import (
     Skip,
     SkipLike,
+    check_names,
     compile_skip,
-    inside_own_to,
     inside_own_to_message,
-    unmatched,
     unmatched_message,
 )
 from devicectx.move._staging import HandedTo
@@ -529,10 +528,9 @@ def _look_at_first(
     objects of a type it cannot look into), left where the loader made them."""
     messages = []
     if skip is not None and (skip.keys or skip.paths):
-        missing = unmatched(skip, batch, _NAME)
+        missing, inside = check_names(skip, batch, _NAME)
         if missing:
             messages.append(unmatched_message(spec, missing, _NAME, "prefetch()"))
-        inside = inside_own_to(skip, batch, _NAME)
         if inside:
             messages.append(inside_own_to_message(inside, device, "prefetch()"))
     types = () if skip is None else skip.types

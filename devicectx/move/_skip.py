@@ -197,61 +197,106 @@ _MAX_CONTAINERS = 10_000
 _OTHER_ROOT = re.compile(r"^(list\()?([A-Za-z_][A-Za-z_0-9]*)[\[.]")
 
 
-def unmatched(skip: Skip, obj: object, root: str) -> list[tuple[Any, Any]]:
-    """The keys and paths of ``skip`` that name no child in ``obj`` (whose paths start at
-    ``root``), each with a replacement that does where one is near (else None).
+class InsideOwnTo(NamedTuple):
+    """A ``skip=`` entry met inside an object moved by its own ``.to``."""
 
-    Looks into containers (and objects with their own ``.to`` whose children a rule reads),
-    as the moving walk does; stops as soon as every key and path has been met, and builds
-    paths only while a path is still to meet. Bounded: past a few thousand containers, what
-    was not met counts as met.
+    entry: Any  # as given: a key or a path
+    path: str  # what it names
+    key: Any  # that child's key in its holder
+    owner: str  # the path of the object with its own .to
+    owner_type: type
+
+
+class NameCheck(NamedTuple):
+    """What :func:`check_names` found of the keys and paths a skip names."""
+
+    missing: list[tuple[Any, Any]]  # naming nothing: (entry, what it likely meant or None)
+    inside: list[InsideOwnTo]  # met only where skip= does not reach
+
+
+def check_names(skip: Skip, obj: object, root: str) -> NameCheck:
+    """The keys and paths of ``skip`` that name nothing in ``obj`` (whose paths start at
+    ``root``), each with a replacement that does where one is near; and those met inside an
+    object moved by its own ``.to`` (a ``BatchEncoding``), which moves what it holds whole:
+    ``skip=`` does not reach in.
+
+    One walk into containers (and objects with their own ``.to`` whose children a rule
+    reads), as the moving walk does. Bounded: past a few thousand containers, what was not
+    met counts as met. A second walk, for suggestions, only when an entry names nothing.
     """
-    keys: set[Any] = set(skip.keys)
-    paths = set(skip.paths)
-    if not (keys or paths) or not _walk_names(obj, root, keys, paths, None):
-        return []
-    names: tuple[set[Any], list[str]] = (set(), [])  # every key and path, to suggest from
-    _walk_names(obj, root, set(), set(), names)
-    missing = [entry for entry in (*skip.keys, *skip.paths) if entry in keys or entry in paths]
-    return [(entry, _near(entry, root, *names)) for entry in missing]
+    if not (skip.keys or skip.paths):
+        return NameCheck([], [])
+    names = _Names(set(skip.keys), set(skip.paths))
+    _walk_names(obj, root, names, None)
+    missing = [e for e in (*skip.keys, *skip.paths) if e in names.keys or e in names.paths]
+    if not missing:
+        return NameCheck([], names.inside)
+    every: tuple[set[Any], list[str]] = (set(), [])  # every key and path, to suggest from
+    _walk_names(obj, root, _Names(set(), set()), every)
+    return NameCheck([(entry, _near(entry, root, *every)) for entry in missing], names.inside)
+
+
+class _Names:
+    """The walk's state: the entries not met yet, and those met inside an own ``.to``."""
+
+    __slots__ = ("inside", "keys", "paths", "unreported")
+
+    def __init__(self, keys: set[Any], paths: set[str]) -> None:
+        self.keys = keys
+        self.paths = paths
+        self.unreported: tuple[set[Any], set[str]] = (set(keys), set(paths))
+        self.inside: list[InsideOwnTo] = []
+
+    def meet(self, key: Any, keyed: bool, path: str, owner: tuple[str, type] | None) -> None:
+        """Take a child's ``key`` (where it has one: a set's members have none) and
+        ``path`` out of what is still to meet; inside an owner, report each entry the first
+        time it is met there."""
+        for entry, names in ((key, self.keys), (path, self.paths)):
+            if names is self.keys and not keyed:
+                continue
+            with contextlib.suppress(TypeError):  # an unhashable key: none can name it
+                names.discard(entry)
+                if owner is not None and any(entry in left for left in self.unreported):
+                    for left in self.unreported:
+                        left.discard(entry)
+                    self.inside.append(InsideOwnTo(entry, path, key, *owner))
+
+    def done(self) -> bool:
+        """Whether every entry was met, and each was also met inside an own ``.to``."""
+        return not (self.keys or self.paths or any(self.unreported))
 
 
 def _walk_names(
-    obj: object,
-    root: str,
-    keys: set[Any],
-    paths: set[str],
-    every: tuple[set[Any], list[str]] | None,
-) -> bool:
-    """Take the keys and paths met in ``obj`` out of ``keys`` and ``paths``; whether some
-    are left (never, past the bound). With ``every``, walk it all and gather each key and
-    path met there."""
-    stack: list[tuple[Any, str]] = [(obj, root)]
+    obj: object, root: str, names: _Names, every: tuple[set[Any], list[str]] | None
+) -> None:
+    """Meet the keys and paths of ``obj``'s children (see :class:`_Names`); with ``every``,
+    walk it all and gather each key and path met there."""
+    stack: list[tuple[Any, str, tuple[str, type] | None]] = [(obj, root, None)]
     seen: set[int] = set()
-    while stack and (keys or paths or every is not None):
-        item, path = stack.pop()
+    while stack and (every is not None or not names.done()):
+        item, path, owner = stack.pop()
         kind = kind_for(type(item))
         if kind.split is None or kind.role not in (CONTAINER, OWN) or id(item) in seen:
             continue
         seen.add(id(item))
         if len(seen) > _MAX_CONTAINERS:
-            return False
+            names.keys.clear()
+            names.paths.clear()
+            return
+        if kind.role == OWN and owner is None:
+            owner = (path, type(item))
         named, children = kind.split(item)
         style = kind.style
         for index, child in enumerate(children):
             key = index if named is None else named[index]
-            if style != MEMBER:
-                with contextlib.suppress(TypeError):  # an unhashable key: none can name it
-                    keys.discard(key)
-                    if every is not None:
-                        every[0].add(key)
-            child_path = join(path, style, key) if paths or every is not None else ""
-            if paths:
-                paths.discard(child_path)
+            child_path = join(path, style, key)
+            names.meet(key, style != MEMBER, child_path, owner)
             if every is not None:
+                if style != MEMBER:
+                    with contextlib.suppress(TypeError):  # unhashable
+                        every[0].add(key)
                 every[1].append(child_path)
-            stack.append((child, child_path))
-    return bool(keys or paths)
+            stack.append((child, child_path, owner))
 
 
 def _near(entry: Any, root: str, keys: set[Any], paths: list[str]) -> Any:
@@ -277,57 +322,6 @@ def _near(entry: Any, root: str, keys: set[Any], paths: list[str]) -> Any:
 def _bare(path: str) -> str:
     """A path without its punctuation: ``obj rng`` for ``obj['rng']`` and ``obj.rng``."""
     return " ".join(re.findall(r"[A-Za-z_0-9]+", path))
-
-
-class InsideOwnTo(NamedTuple):
-    """A ``skip=`` entry met inside an object moved by its own ``.to``."""
-
-    entry: Any  # as given: a key or a path
-    path: str  # what it names
-    key: Any  # that child's key in its holder
-    owner: str  # the path of the object with its own .to
-    owner_type: type
-
-
-def inside_own_to(skip: Skip, obj: object, root: str) -> list[InsideOwnTo]:
-    """The keys and paths of ``skip`` met inside an object moved by its own ``.to`` (a
-    ``BatchEncoding``), which moves what it holds whole: ``skip=`` does not reach in.
-    Bounded as :func:`unmatched` is."""
-    keys: set[Any] = set(skip.keys)
-    paths = set(skip.paths)
-    found: list[InsideOwnTo] = []
-    stack: list[tuple[Any, str, tuple[str, type] | None]] = [(obj, root, None)]
-    seen: set[int] = set()
-    while stack and (keys or paths):
-        item, path, owner = stack.pop()
-        kind = kind_for(type(item))
-        if kind.split is None or kind.role not in (CONTAINER, OWN) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if len(seen) > _MAX_CONTAINERS:
-            break
-        if kind.role == OWN and owner is None:
-            owner = (path, type(item))
-        named, children = kind.split(item)
-        for index, child in enumerate(children):
-            key = index if named is None else named[index]
-            child_path = join(path, kind.style, key)
-            if owner is not None:
-                met = [entry for entry in (key, child_path) if _takes(keys, paths, entry)]
-                found += [InsideOwnTo(entry, child_path, key, *owner) for entry in met]
-            stack.append((child, child_path, owner))
-    return found
-
-
-def _takes(keys: set[Any], paths: set[str], entry: Any) -> bool:
-    """Whether ``entry`` is among ``keys`` or ``paths``, taking it out (once met, it is
-    not reported again)."""
-    for names in (keys, paths):
-        with contextlib.suppress(TypeError):  # an unhashable key: none can name it
-            if entry in names:
-                names.discard(entry)
-                return True
-    return False
 
 
 def inside_own_to_message(found: list[InsideOwnTo], target: torch.device, who: str) -> str:
