@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import re
 import traceback
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -481,6 +482,51 @@ def test_a_tensor_in_a_plain_object_is_named_when_torch_fails() -> None:
         config = Config(torch.ones(2))
         assert META == scaled(torch.ones(2), config).device
         assert CPU == config.scale.device  # the call's copy moved, the caller's stays
+
+
+@device_agnostic(device="meta")
+def scaled_each(x: torch.Tensor, cfg: Any) -> Iterator[torch.Tensor]:
+    """A generator: multiplies by what ``cfg`` holds, at its first resume."""
+    yield x * cfg.scale
+
+
+@device_agnostic(device="meta")
+async def scaled_later(x: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """A coroutine: multiplies by what ``cfg`` holds, when awaited."""
+    return x * cfg.scale
+
+
+@device_agnostic(device="meta")
+async def scaled_each_later(x: torch.Tensor, cfg: Any) -> AsyncIterator[torch.Tensor]:
+    """An async generator: multiplies by what ``cfg`` holds, at its first resume."""
+    yield x * cfg.scale
+
+
+async def _first(items: AsyncIterator[torch.Tensor]) -> torch.Tensor:
+    return await anext(items)
+
+
+RUNS: dict[str, Callable[[torch.Tensor, Any], Any]] = {
+    "generator": lambda x, cfg: next(scaled_each(x, cfg)),
+    "coroutine": lambda x, cfg: asyncio.run(scaled_later(x, cfg)),
+    "async generator": lambda x, cfg: asyncio.run(_first(scaled_each_later(x, cfg))),
+}
+
+
+@pytest.mark.parametrize("kind", list(RUNS))
+def test_a_tensor_in_a_plain_object_is_named_when_torch_fails_in_a_resumed_body(
+    kind: str,
+) -> None:
+    """A generator's or coroutine's body runs at a resume, after the call returned: torch's
+    device mismatch there is told as a plain call's is (the object's tensor named, chained
+    to torch's error), not torch's bare error."""
+    with pytest.raises(DeviceMismatchError) as error:
+        RUNS[kind](torch.ones(2), Config(torch.ones(2)))
+    assert "    cpu <- cfg.scale (in Config)" == lines_of(error)[1]
+    assert type(error.value.__cause__) is RuntimeError
+    with pytest.raises(RuntimeError, match="broadcast") as other:  # as it is
+        RUNS[kind](torch.ones(2), Config(on_meta(3)))
+    assert type(other.value) is RuntimeError
 
 
 DEFAULT_CONFIG = Config(torch.ones(2))

@@ -326,7 +326,7 @@ class Plan:
                 wrapped, instance, args, kwargs, scanned, checked
             )
         if self.kind != FUNCTION:
-            return self._start(wrapped, args, kwargs, target, back)
+            return self._start(wrapped, instance, args, kwargs, target, back, module)
         try:  # costs nothing where the body returns (Python 3.11's zero-cost try)
             if self.precision is not None:
                 result = self._autocast_call(wrapped, args, kwargs, target)
@@ -787,12 +787,15 @@ class Plan:
     def _start(
         self,
         wrapped: Callable[..., Any],
+        instance: object,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         target: torch.device | None,
         back: torch.device | None,
+        module: nn.Module | None,
     ) -> Any:
-        """Call a generator or async function: its body runs later, scoped at each resume."""
+        """Call a generator or async function: its body runs later, scoped at each resume;
+        torch's device mismatch at a resume is told as a plain call's is."""
         scoped = target if self.scope else None
         enter: Callable[[], Any] = (
             _no_scope if scoped is None else functools.partial(push_nested, scoped)
@@ -801,12 +804,16 @@ class Plan:
         if self.precision is not None:
             enter, leave = _with_autocast(enter, functools.partial(self.autocast, target))
         place = None if back is None else functools.partial(self.place, back=back)
+
+        def explain(error: RuntimeError) -> DeviceMismatchError | None:
+            return self.unseen(error, module, instance, args, kwargs, target, wrapped)
+
         inner = wrapped(*args, **kwargs)  # runs none of the body yet
         if self.kind == GENERATOR:
-            return resumed(inner, enter, leave, place)
+            return resumed(inner, enter, leave, place, explain)
         if self.kind == COROUTINE:
-            return awaited(inner, enter, leave, place)
-        return async_resumed(inner, enter, leave, place)
+            return awaited(inner, enter, leave, place, explain)
+        return async_resumed(inner, enter, leave, place, explain)
 
 
 def _with_autocast(

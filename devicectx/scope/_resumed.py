@@ -4,7 +4,8 @@ Their body does not run at the call but at each ``next``, ``send`` or ``await``,
 scope is entered at every resume and left at every yield: a suspended generator must not
 leak its device to its caller. ``on_device`` and ``@device_agnostic`` both drive theirs
 here; each passes how to enter and leave its scope, and the decorator how to place items
-(``output=``).
+(``output=``) and how to explain torch's device mismatch in the body (``explain``: the
+error to raise in its place, or None to let torch's through).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import wrapt
 Enter = Callable[[], Any]
 """Enters the scope; what it returns is handed to the matching ``Leave``."""
 Leave = Callable[[Any], None]
+Explain = Callable[[RuntimeError], BaseException | None]
+"""Given torch's error from the body, the error to raise from it instead (None: torch's)."""
 
 
 def resumed(
@@ -26,12 +29,19 @@ def resumed(
     enter: Enter,
     leave: Leave,
     place: Callable[[Any], Any] | None = None,
+    explain: Explain | None = None,
 ) -> Generator[Any, Any, Any]:
     """Drive ``inner``: in the scope at every resume (and at close), out of it at yields."""
     step: Callable[[], Any] = functools.partial(inner.send, None)
     try:
         while True:
-            item = _resume(step, enter, leave)
+            try:
+                item = _resume(step, enter, leave)
+            except RuntimeError as error:
+                told = None if explain is None else explain(error)
+                if told is None:
+                    raise
+                raise told from error
             try:
                 sent = yield (item if place is None else place(item))
             except GeneratorExit:
@@ -75,12 +85,18 @@ async def awaited(
     enter: Enter,
     leave: Leave,
     place: Callable[[Any], Any] | None = None,
+    explain: Explain | None = None,
 ) -> Any:
     """Await ``inner`` in the scope: the context keeps each task's scopes apart, so one
     entry around the whole await suffices."""
     scope = enter()
     try:
         result = await inner
+    except RuntimeError as error:
+        told = None if explain is None else explain(error)
+        if told is None:
+            raise
+        raise told from error
     finally:
         leave(scope)
     return result if place is None else place(result)
@@ -91,6 +107,7 @@ async def async_resumed(
     enter: Enter,
     leave: Leave,
     place: Callable[[Any], Any] | None = None,
+    explain: Explain | None = None,
 ) -> AsyncGenerator[Any, Any]:
     """:func:`resumed` for an async generator (the twin of its loop: change them together)."""
     step: Callable[[], Any] = functools.partial(inner.asend, None)
@@ -100,6 +117,11 @@ async def async_resumed(
             item = await step()
         except StopAsyncIteration:
             return
+        except RuntimeError as error:
+            told = None if explain is None else explain(error)
+            if told is None:
+                raise
+            raise told from error
         finally:
             leave(scope)
         try:
