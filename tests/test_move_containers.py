@@ -15,7 +15,7 @@ import functools
 import keyword
 import re
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -255,6 +255,56 @@ def test_mapping_that_cannot_be_rebuilt_is_refused_not_half_moved() -> None:
         "new) giving a new KeywordMap of the moved children; or leave it where it is: "
         "to_device(obj, 'meta', skip=[\"obj['m']\"])",
     ] == str(raised.value).splitlines()
+    assert isinstance(raised.value.__cause__, _containers.CannotRebuild)
+
+
+class LazyCheckpoint(Mapping[str, torch.Tensor]):
+    """A Mapping that reads each tensor from its source when asked (a lazy checkpoint
+    loader): its constructor takes the source, not its items."""
+
+    def __init__(self, source: Any, names: tuple[str, ...] = ("w", "b")) -> None:
+        self.source, self.names = source, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return torch.full((2,), float(len(name)))  # stands in for a read of self.source
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class LazyRows(Sequence[torch.Tensor]):
+    """A Sequence that makes each row when asked, from a count its constructor takes."""
+
+    def __init__(self, count: Any) -> None:
+        self.count = 2 if not isinstance(count, int) else count
+
+    def __getitem__(self, index: Any) -> Any:
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        return torch.zeros(1)
+
+    def __len__(self) -> int:
+        return self.count
+
+
+@pytest.mark.parametrize("lazy", [LazyCheckpoint("model.safetensors"), LazyRows(2)])
+def test_a_container_whose_constructor_takes_no_items_is_refused_not_rebuilt_wrong(
+    lazy: Any,
+) -> None:
+    """A read-only container whose constructor takes something else first (a lazy loader's
+    source) accepts the moved items as that, of the right length, and keeps reading its
+    tensors where they were: refused with MoveError, not returned as a broken object."""
+    with pytest.raises(MoveError) as raised:
+        to_device({"ckpt": lazy}, "meta")
+    kind = type(lazy).__qualname__
+    key = "'w'" if isinstance(lazy, LazyCheckpoint) else "0"
+    assert (
+        f"gave one whose [{key}] is a Tensor on cpu, not the tensor moved to meta: "
+        f"{kind}(...) does not take its items first"
+    ) in str(raised.value).splitlines()[1]
     assert isinstance(raised.value.__cause__, _containers.CannotRebuild)
 
 

@@ -19,6 +19,7 @@ import collections
 import copy
 from collections.abc import (
     Callable,
+    Iterable,
     Mapping,
     MutableMapping,
     MutableSequence,
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
+from devicectx._errors import with_article
 from devicectx.move._attributes import (
     MISSING_ATTRIBUTE,
     add_attributes,
@@ -326,7 +328,9 @@ def rebuild_mapping(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> 
     clone, failed = _updated_copy(obj, MutableMapping, update, own_attributes)
     if clone is not None:
         return clone
-    return _construct(obj, dict(zip(keys, new, strict=True)), len(new), "dict(new_items)", failed)
+    moved = _moved_tensors(keys, old, new)
+    contents = dict(zip(keys, new, strict=True))
+    return _construct(obj, contents, len(new), "dict(new_items)", failed, moved)
 
 
 def rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
@@ -338,7 +342,8 @@ def rebuild_sequence(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) ->
     clone, failed = _updated_copy(obj, MutableSequence, update)
     if clone is not None:
         return clone
-    return _construct(obj, new, len(new), "new_items", failed)
+    moved = _moved_tensors(range(len(new)), old, new)
+    return _construct(obj, new, len(new), "new_items", failed, moved)
 
 
 def rebuild_set(obj: Any, keys: Any, old: Sequence[Any], new: list[Any]) -> Any:
@@ -379,10 +384,29 @@ def _updated_copy(
     return clone, None
 
 
+def _moved_tensors(
+    keys: Iterable[Any], old: Sequence[Any], new: list[Any]
+) -> list[tuple[Any, torch.Tensor]]:
+    """The tensors a rebuilt container must hold at each key: those that moved."""
+    return [
+        (key, after)
+        for key, before, after in zip(keys, old, new, strict=True)
+        if after is not before and isinstance(after, torch.Tensor)
+    ]
+
+
 def _construct(
-    obj: Any, contents: Any, size: int, argument: str, failed: Exception | None = None
+    obj: Any,
+    contents: Any,
+    size: int,
+    argument: str,
+    failed: Exception | None = None,
+    moved: Sequence[tuple[Any, torch.Tensor]] = (),
 ) -> Any:
-    """``type(obj)(contents)``, checked; ``failed``: why a copy could not be updated."""
+    """``type(obj)(contents)``, checked: of its type, its length, and holding each ``moved``
+    tensor at its key (a constructor may take something else first, a lazy mapping its
+    source: it would give an object that still reads its tensors where they were);
+    ``failed``: why a copy could not be updated."""
     tp = type(obj)
     call = f"{tp.__qualname__}({argument})"
     if failed is not None:
@@ -407,4 +431,20 @@ def _construct(
     if type(made) is not tp or len(made) != size:
         got = f"a {type(made).__qualname__} of length {len(made)}, not {size}"
         raise CannotRebuild(tp, f"{how} {call} gave {got}")
+    for key, tensor in moved:
+        try:
+            held = made[key]
+        except Exception as error:
+            got = f"one whose [{key!r}] raised {type(error).__name__}: {error}"
+            raise CannotRebuild(tp, f"{how} {call} gave {got}") from error
+        if held is not tensor and not (
+            isinstance(held, torch.Tensor) and held.device == tensor.device
+        ):
+            where = f" on {held.device}" if isinstance(held, torch.Tensor) else ""
+            got = (
+                f"one whose [{key!r}] is {with_article(type(held).__qualname__)}{where}, not "
+                f"the tensor moved to {tensor.device}: {tp.__qualname__}(...) does not take "
+                f"its items first"
+            )
+            raise CannotRebuild(tp, f"{how} {call} gave {got}")
     return made
