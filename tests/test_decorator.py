@@ -23,7 +23,13 @@ import torch
 from helpers import accelerator as accelerator_at
 from torch import nn
 
-from devicectx import DeviceMismatchError, InvalidDeviceError, device_agnostic, on_device
+from devicectx import (
+    DeviceMismatchError,
+    InvalidDeviceError,
+    device_agnostic,
+    find_devices,
+    on_device,
+)
 from devicectx.scope._stack import active_device
 
 pytestmark = pytest.mark.torch_internals  # CI runs it on every minor torch release
@@ -744,6 +750,37 @@ def test_output_input_returns_to_where_inputs_came_from() -> None:
     result = body(x)
     assert META == result["made"].device
     assert x is result["same"]
+
+
+@dataclass
+class Transition:
+    """An RL transition: a reward, a 0-dim CPU tensor as an environment gives it."""
+
+    reward: torch.Tensor
+
+
+Reward = namedtuple("Reward", "value")
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize(
+    "wrap",
+    [lambda r: r, lambda r: [r], lambda r: {"r": r}, Reward, Transition],
+    ids=["bare", "list", "dict", "namedtuple", "dataclass"],
+)
+def test_output_input_returns_0_dim_inputs_to_where_they_came_from(
+    wrap: Callable[[torch.Tensor], Any],
+) -> None:
+    """0-dim CPU tensors alone (a reward): the result goes back to the CPU, whatever holds
+    them; in a dataclass or a namedtuple it stayed on the target."""
+
+    @device_agnostic(device=accelerator_at(), output="input")
+    def passed_through(obj: Any) -> Any:
+        assert {accelerator_at()} == set(find_devices(obj))
+        return obj
+
+    result = passed_through(wrap(torch.tensor(1.5)))
+    assert {CPU} == set(find_devices(result))
 
 
 def test_output_device_moves_the_result() -> None:

@@ -514,6 +514,8 @@ class Plan:
         if not uniform:  # the slow path: which tensors are where, by name
             found = self._found(seen_args, seen_kwargs, offset)
             home = next(iter(found), first)
+            if home is None and self.to_input:  # 0-dim CPU tensors alone: they came from there
+                home = next((t.device for _, t in _move.iter_tensors((args, kwargs))), None)
             if target is None and len(found) > 1:  # rule 4: the inputs must agree
                 raise _mismatch.no_common_device(self.name, found)
         chosen = target is not None
