@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -463,6 +464,33 @@ def test_a_tensor_changed_in_place_between_moves_does_not_warn(
         state.add_(step)
         to_device(state, META)
     assert [] == _repeats(recorded)
+
+
+@pytest.mark.parametrize(
+    "share",
+    [
+        lambda a: torch.from_numpy(a),
+        lambda a: torch.utils.dlpack.from_dlpack(a),
+        lambda a: torch.frombuffer(a.data, dtype=torch.float32),
+    ],
+    ids=["from_numpy", "dlpack", "frombuffer"],
+)
+def test_memory_written_outside_torch_is_no_repeat(
+    recorded: list[warnings.WarningMessage], share: Callable[[np.ndarray], torch.Tensor]
+) -> None:
+    """A tensor on memory torch does not own (a numpy array refilled in place at every
+    step, a replay buffer's): its version counter never sees those writes, and moving it
+    once before the loop (the warning's fix) would freeze the data. No warning; a tensor
+    of torch's own, the same way, is warned of."""
+    array = np.zeros(4, dtype=np.float32)
+    shared, own = share(array), torch.zeros(4)
+    for step in range(12):
+        array[:] = step  # a new observation, written through numpy
+        to_device({"obs": shared}, META)
+    assert [] == _repeats(recorded)
+    for _ in range(3):
+        to_device({"own": own}, META)
+    assert 1 == len(_repeats(recorded))
 
 
 def test_to_device_warns_per_calling_line(recorded: list[warnings.WarningMessage]) -> None:

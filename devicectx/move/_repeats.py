@@ -8,7 +8,9 @@ version, is a tensor that never changes but crosses to the device on every call.
 per move however many tensors it names. A place's first 9 moves are all checked, then two
 in a row in every 8 (see ``_EVERY``): a few batches cycled, each moved every few steps, are
 no constant. Parameters are left out: a weak reference would make them refuse
-``torch.utils.swap_tensors``, which torch uses to move and load them in place.
+``torch.utils.swap_tensors``, which torch uses to move and load them in place. So is memory
+torch does not own (a numpy array's, written in place without the version counter's
+knowledge).
 
 A *place* is a decorated function (a :class:`Place`, printed ``"train.step()"``, or
 ``"train.step() -> result"`` for the move of its result), the line that made a prefetcher,
@@ -219,7 +221,7 @@ def repeated(where: Where, target: torch.device, sent: list[torch.Tensor]) -> li
             seen = get(id(tensor))
             if seen is not None and seen[1] == version and seen[0]() is tensor:
                 now[id(tensor)] = seen
-                if compare and not seen[2]:
+                if compare and not seen[2] and _written_by_torch(tensor):
                     repeated.append(tensor)
                 continue
         now[id(tensor)] = (ref(tensor), version, False)
@@ -230,6 +232,17 @@ def repeated(where: Where, target: torch.device, sent: list[torch.Tensor]) -> li
         weak, version, _ = now[id(tensor)]
         now[id(tensor)] = (weak, version, True)
     return repeated
+
+
+def _written_by_torch(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s version counter sees every write of its memory: not where torch
+    does not own the memory (``torch.from_numpy``, DLPack, ``torch.frombuffer``), which its
+    owner writes in place unseen (a replay buffer refilled through numpy at every step).
+    torch never resizes memory it does not own."""
+    try:
+        return tensor.untyped_storage().resizable()
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, a wrapper): as before
+        return True
 
 
 def forget(where: Where, target: torch.device | None) -> None:
