@@ -10,6 +10,7 @@ import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -527,6 +528,37 @@ def test_a_tensor_in_a_plain_object_is_named_when_torch_fails_in_a_resumed_body(
     with pytest.raises(RuntimeError, match="broadcast") as other:  # as it is
         RUNS[kind](torch.ones(2), Config(on_meta(3)))
     assert type(other.value) is RuntimeError
+
+
+@attrs.frozen
+class FrozenAttrs:
+    """A frozen attrs class holding a tensor: its __setattr__ refuses any assignment."""
+
+    scale: torch.Tensor
+
+
+class FrozenPlain:
+    """A plain class that refuses assignment after __init__, as frozen classes do."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        object.__setattr__(self, "scale", scale)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"FrozenPlain is frozen: cannot set {name}")
+
+
+@pytest.mark.parametrize("frozen", [FrozenAttrs, FrozenPlain])
+def test_the_register_fix_for_a_frozen_class_works_as_printed(frozen: type) -> None:
+    """A frozen class (its own __setattr__ refuses assignment): the printed rebuild sets
+    the moved tensors on its copy past that __setattr__, as such classes set their own
+    fields; with setattr, following the fix failed in the move."""
+    with pytest.raises(DeviceMismatchError) as error:
+        scaled(torch.ones(2), frozen(torch.ones(2)))
+    assert "object.__setattr__(clone, " in lines_of(error)[-1]
+    with printed_fix_run(lines_of(error)[-1], {frozen.__name__: frozen}):
+        config = frozen(torch.ones(2))
+        assert META == scaled(torch.ones(2), config).device
+        assert CPU == config.scale.device
 
 
 DEFAULT_CONFIG = Config(torch.ones(2))

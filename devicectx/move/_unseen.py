@@ -512,7 +512,11 @@ def register_call(tp: type, names: Sequence[str]) -> str:
     torch's types): its rebuild sets the moved children on a shallow copy, which keeps
     every other attribute, as a plain object's copy needs."""
     listed = ", ".join(f'("{name}", obj.{name})' for name in names)
-    sets = "".join(f', setattr(clone, "{name}", new[{i}])' for i, name in enumerate(names))
+    # A type with a __setattr__ of its own (a frozen attrs class or pydantic model refuses
+    # any) is set past it, as such classes set their own fields.
+    own = vars(object)["__setattr__"]  # as the type holds it, unbound
+    setter = "setattr" if getattr(tp, "__setattr__", own) is own else "object.__setattr__"
+    sets = "".join(f', {setter}(clone, "{name}", new[{i}])' for i, name in enumerate(names))
     return (
         f"register_container({class_path(importable_class(tp))}, "
         f"children=lambda obj: [{listed}], "
