@@ -561,6 +561,41 @@ def test_the_register_fix_for_a_frozen_class_works_as_printed(frozen: type) -> N
         assert CPU == config.scale.device
 
 
+class Batch(dict[str, Any]):
+    """A collate_fn's batch: a dict with a tensor attached as an attribute too."""
+
+
+class Rows(list[Any]):
+    """A list of rows with a tensor attached as an attribute."""
+
+
+@pytest.mark.parametrize("holder", [Batch, Rows])
+def test_a_tensor_attribute_of_a_dict_or_list_subclass_is_named_when_torch_fails(
+    holder: type,
+) -> None:
+    """The move takes a dict or list subclass's entries, not its attributes: a tensor kept
+    as one is named (it was "found in none of its arguments"), with a fix that keeps it
+    where the move takes it (a container taught to the walk would drop the entries)."""
+
+    @device_agnostic(device="meta")
+    def masked(batch: Any) -> torch.Tensor:
+        return torch.ones(2) * batch.scale  # made on meta, in the call's scope
+
+    batch = holder()
+    batch.scale = torch.ones(2)
+    with pytest.raises(DeviceMismatchError) as error:
+        masked(batch)
+    lines = lines_of(error)
+    assert f"    cpu <- batch.scale (in {holder.__name__})" == lines[1]
+    if holder is Batch:
+        assert (
+            "fix: keep it as an entry, batch['scale'] (the move takes a Batch's entries, not "
+            "its attributes), or pass batch.scale as an argument"
+        ) == lines[-1]
+    else:
+        assert lines[-1].startswith("fix: keep batch.scale out of the Rows")
+
+
 DEFAULT_CONFIG = Config(torch.ones(2))
 
 

@@ -31,13 +31,14 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from devicectx._errors import with_article
 from devicectx._torch.module_tree import submodules
 from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx.move._attributes import slot_names
 from devicectx.move._containers import is_plain_leaf, kind_for
 from devicectx.move._kinds import CONTAINER, LEAF, MODULE, OWN, TENSOR
 from devicectx.move._own_to import shallow_copy
-from devicectx.move._paths import ATTR, join, keyed_modules, module_path
+from devicectx.move._paths import ATTR, ITEM, join, keyed_modules, module_path
 
 # The two devices named by torch's mismatch errors: the dispatcher's, a kernel's check, and
 # the argument check of newer releases.
@@ -255,6 +256,15 @@ def unseen_tensors(
                 _Step(child, join(path, kind.style, key), depth, holders, None, own)
                 for key, child in zip(keys, values, strict=True)
             ]
+            state = getattr(value, "__dict__", None)
+            if kind.style == ITEM and state and depth < _MAX_DEPTH:
+                # A dict or list subclass's attributes (a collate_fn's batch.mask): the
+                # move takes its entries only, and leaves these where they are.
+                here = (*holders, (type(value), path))
+                children += [
+                    _Step(child, join(path, ATTR, name), depth + 1, here, None, own)
+                    for name, child in state.items()
+                ]
         elif (role == LEAF or (role == OWN and kind.split is None)) and depth < _MAX_DEPTH:
             here = (*holders, (type(value), path))
             if own is None and role == OWN:
@@ -437,6 +447,21 @@ def fix_for(
         return optimizer_state_fix(held[1], held[0].__qualname__, counters)
     if _moves_itself(root):
         return _own_fix(first, root, root_path, unseen, target)
+    # Held by a dict or list subclass's attribute, which the move does not take (nor would a
+    # container taught to the walk in its place keep its entries): keep it as an entry.
+    entries = next(((tp, at) for tp, at in holders if _holds_entries(tp)), None)
+    if entries is not None:
+        tp, at = entries
+        name = attribute_of(first.path[len(at) + 1 :])
+        kind = with_article(tp.__qualname__)
+        entry = (
+            f"keep it as an entry, {at}[{name!r}] (the move takes {kind}'s entries, not its "
+            f"attributes)"
+            if issubclass(tp, dict)
+            else f"keep {at}.{name} out of the {tp.__qualname__} (the move takes its items, "
+            f"not its attributes)"
+        )
+        return f"{entry}, or pass {first.path} as an argument" if argument else entry
     group = [
         u
         for u in unseen
@@ -459,6 +484,13 @@ def fix_for(
     imports = "import copy, torch" if any(_in_torch(tp) for tp in children) else "import copy"
     taught = f"{imports}; from devicectx import register_container; {calls}{passed}"
     return f"{taught}, or give {root.__qualname__} a .to(device) method" if own_to else taught
+
+
+def _holds_entries(tp: type) -> bool:
+    """Whether the move takes ``tp``'s entries or items and none of its attributes (a
+    dict or list subclass)."""
+    kind = kind_for(tp)
+    return kind.role == CONTAINER and kind.style == ITEM
 
 
 def _in_torch(tp: type) -> bool:
