@@ -371,6 +371,18 @@ def test_dtypes_takes_only_a_policy() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "given",
+    [{torch.float32: "float64"}, {"float32": torch.float64}, {"torch.float32": "float64"}],
+)
+def test_a_mapping_of_dtype_names_gets_its_own_mapping_as_the_fix(given: Any) -> None:
+    """A mapping whose dtypes are written as names: the fix is the same mapping with dtypes
+    (float32 to float64, as asked), not a fixed example that maps the other way."""
+    with pytest.raises(TypeError) as raised:
+        to_device(torch.ones(1), "cpu", dtypes=given)
+    assert str(raised.value).splitlines()[-1] == "fix: dtypes={torch.float32: torch.float64}"
+
+
 @needs_accelerator
 def test_staged_moves_send_the_cast_tensors() -> None:
     """Many small float64 tensors to the device: staged (packed through pinned memory) as

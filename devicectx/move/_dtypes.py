@@ -441,6 +441,13 @@ def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
         if not wrong:
             return {k: v for k, v in dtypes.items() if k != v}
         shown = ", ".join(f"{k!r}: {v!r}" for k, v in wrong)
+        fixed = [(_as_dtype(k), _as_dtype(v)) for k, v in dtypes.items()]
+        if all(k is not None and v is not None for k, v in fixed):  # names: spelt as dtypes
+            written = ", ".join(f"torch.{_name(k)}: torch.{_name(v)}" for k, v in fixed)
+            raise TypeError(
+                f'dtypes= takes None, "device" or a mapping of torch.dtype to torch.dtype, '
+                f"got {shown}\nfix: dtypes={{{written}}}"
+            )
     else:
         shown = repr(dtypes)
     msg = (
@@ -449,6 +456,21 @@ def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
         f"fix: dtypes={{torch.float64: torch.float32}}"
     )
     raise TypeError(msg)
+
+
+def _as_dtype(value: object) -> torch.dtype | None:
+    """``value`` as a dtype: itself, or the dtype a name spells (``"float64"``,
+    ``"torch.float64"``); None where it is neither."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        found = getattr(torch, value.removeprefix("torch."), None)
+        return found if isinstance(found, torch.dtype) else None
+    return None
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class _Refused(NamedTuple):
