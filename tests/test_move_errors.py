@@ -484,3 +484,18 @@ def test_a_whole_object_the_device_refuses_gets_a_fix_that_is_no_skip() -> None:
     assert lines[2].endswith(" more lines: in the error above)")
     assert len(lines) == 4
     assert accelerator() == to_device(sparse.to_dense(), accelerator()).device
+
+
+def test_an_uninitialised_parameter_is_refused_with_its_path() -> None:
+    """A lazy module's parameter before its first forward (no shape yet) in a structure:
+    MoveError naming its path and torch's reason (run a forward first), not torch's error
+    from describing it."""
+    lazy = nn.LazyLinear(2)
+    with pytest.raises(MoveError) as raised:
+        to_device({"w": lazy.weight}, "meta")
+    lines = str(raised.value).splitlines()
+    assert lines[0] == (
+        "to_device() could not move obj['w'] (an UninitializedParameter (not initialised: no "
+        "shape yet)) to meta:"
+    )
+    assert "Call `forward` with a dummy batch" in lines[1]

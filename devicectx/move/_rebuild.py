@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from devicectx._errors import (
     SMALLER_BATCHES,
@@ -824,6 +825,8 @@ def _cast_fix(obj: object, path: str, device: torch.device) -> str | None:
 
 def _describe(obj: Any) -> str:
     if isinstance(obj, torch.Tensor):
+        if is_lazy(obj):  # a lazy module's, before its first forward: no shape yet
+            return f"an {type(obj).__name__} (not initialised: no shape yet)"
         if obj.is_nested:  # no shape of its own: torch raises at .shape
             count = obj.size(0)
             return f"a nested {type(obj).__name__} of {count} tensors, {obj.dtype}, on {obj.device}"
