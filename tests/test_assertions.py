@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -2160,6 +2161,37 @@ def collate(rows: list[list[int]], device: torch.device | None = None) -> dict[s
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row, device=device)
     return {"ids": ids, "lengths": torch.tensor([len(row) for row in rows], device=device)}
+
+
+@attrs.define
+class AttrsBatch:
+    """An attrs class holding a tensor: the move does not look into it."""
+
+    x: torch.Tensor
+
+
+def batch_doubled(batch: AttrsBatch) -> torch.Tensor:
+    return batch.x * 2
+
+
+def test_tensors_only_where_the_move_cannot_see_are_named_not_called_no_tensor_argument() -> None:
+    """fn's tensors are all in an object the move cannot see into (an attrs class): the
+    failure names them with the fix that teaches the walk the type (it said fn "got no
+    tensor argument"), and that fix, followed, passes."""
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(batch_doubled, AttrsBatch(torch.ones(3)), devices=CPU_META)
+    fix = message_lines(raised)[-1]
+    assert fix.startswith(
+        "fix: batch_doubled got its tensors only where the move to each device cannot see them, "
+        "batch.x (in AttrsBatch), so that none reached the device: import copy; from "
+        "devicectx import register_container; register_container(AttrsBatch, "
+    )
+    calls = fix.removeprefix("fix: ").partition("device: ")[2].partition(", pass ")[0]
+    exec(calls, {"AttrsBatch": AttrsBatch})
+    try:
+        assert_device_agnostic(batch_doubled, AttrsBatch(torch.ones(3)), devices=CPU_META)
+    finally:
+        devicectx.unregister_container(AttrsBatch)
 
 
 def test_a_function_without_tensor_arguments_gets_a_fix_that_works() -> None:

@@ -239,7 +239,8 @@ def assert_device_agnostic(
     call = "model" if isinstance(fn, nn.Module) else "fn"
     if inspect.isfunction(fn) and inputs.name.isidentifier():
         call = inputs.name
-    hints = Hints(_decorated(fn, inputs.name), functools.partial(_training, inputs), call)
+    hidden = functools.partial(_hidden, inputs)
+    hints = Hints(_decorated(fn, inputs.name), functools.partial(_training, inputs), call, hidden)
     message = compare(inputs.name, outputs, tolerances, runs, hints)
     if message is not None:
         raise AssertionError(message)
@@ -704,6 +705,23 @@ def is_decorated(obj: object) -> bool:
     while isinstance(obj, functools.partial):
         obj = obj.func
     return isinstance(obj, (DeviceAgnosticWrapper, _BoundWrapper))
+
+
+def _hidden(inputs: Inputs) -> str | None:
+    """The fix where ``fn`` got tensors only where the move cannot see them (an attrs
+    class's, a plain object's), so that no run's arguments reached its device."""
+    unseen = [
+        u
+        for u in unseen_tensors(named_arguments(inputs.fn, inputs.args, inputs.kwargs))
+        if u.module is None
+    ]
+    if not unseen:
+        return None
+    shown = ", ".join(f"{u.path} (in {u.holder.__qualname__})" for u in unseen[:3])
+    return (
+        f"fix: {inputs.name} got its tensors only where the move to each device cannot see "
+        f"them, {shown}, so that none reached the device: {fix_for(unseen)}"
+    )
 
 
 def _training(inputs: Inputs) -> str | None:

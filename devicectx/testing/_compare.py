@@ -90,6 +90,9 @@ class Hints(NamedTuple):
     call: str = "fn"
     """How a fix's code calls ``fn``: its name where that is a function's, else a
     placeholder (a lambda or a module has no name to call it by)."""
+    hidden: Callable[[], str | None] = lambda: None
+    """The fix where the arguments' tensors are all where the move cannot see them (an
+    attrs class's), which is why no tensor argument reached a device; None: none is."""
 
 
 def compare(
@@ -182,6 +185,9 @@ def compare(
         inputs = any(run.inputs for run in runs)
         if kind == "device":
             fix = _device_fix(inputs, hints.decorate, away or torch.get_default_device())
+            hidden = None if inputs else hints.hidden()
+            if hidden is not None:
+                fix = hidden.replace("{", "{{").replace("}", "}}")
         elif kind == "numpy":
             fix = _numpy_fix(inputs, over_numpy, [device for device, _ in outputs])
         lines.append(fix.format(name=name, path=found[kind]))
