@@ -107,14 +107,14 @@ def test_the_rule_for_when_module_to_unties_is_torchs(
         model = Lm()  # tied where it is made: a move to the source could untie it
     with module_flags(**flags):
         model.to(destination)
-        assert _mismatch._unties(source, destination) == (not tied(model))
+        assert _mismatch.makes_new_parameters(source, destination) == (not tied(model))
 
 
 def moved_by(path: str, source: torch.device, device: torch.device) -> str:
     """The fix's move of the tied model at ``path`` from ``source`` to ``device``: with
     ``to_device`` where torch's module.to unties it (the emulated accelerator, meta), with
     ``.to`` where torch keeps the tie itself (CUDA, MPS, or under the swap switch)."""
-    if _mismatch._unties(source, device):
+    if _mismatch.makes_new_parameters(source, device):
         return f'to_device({path}, "{device}")'
     return f'{path}.to("{device}")'
 
@@ -133,7 +133,7 @@ def test_a_tied_model_off_an_accelerator_is_moved_by_to_device_and_stays_tied() 
     model = Lm()
     with pytest.raises(DeviceMismatchError) as error:
         step(model, torch.arange(3))
-    why = " (model.to() would untie its tied weights)" if _mismatch._unties(CPU, device) else ""
+    why = " (model.to() would untie its tied weights)" if _mismatch.makes_new_parameters(CPU, device) else ""
     assert (
         f"fix: {moved_by('model', CPU, device)} before calling {step.__qualname__}(): modules "
         f"are never moved implicitly{why}"
@@ -227,7 +227,7 @@ def test_a_tied_pair_left_behind_is_moved_with_the_whole_model_by_to_device(home
     model = spread_lm(device, CPU)
     with pytest.raises(DeviceMismatchError) as error:
         loss(model, torch.arange(3))
-    if _mismatch._unties(CPU, device):
+    if _mismatch.makes_new_parameters(CPU, device):
         assert (
             f'fix: to_device(model, "{device}") before calling {loss.__qualname__}() (modules '
             "are never moved implicitly; model.to() would untie its tied weights), or "
@@ -287,7 +287,7 @@ def test_a_tied_stray_of_a_split_on_purpose_is_moved_by_to_device() -> None:
         placed(model, torch.ones(2))
     code = fix_of(error, " before calling")
     assert moved_by("model[1]", accelerator(), CPU) == code
-    if _mismatch._unties(accelerator(), CPU):  # not from CUDA, where .to keeps the tie
+    if _mismatch.makes_new_parameters(accelerator(), CPU):  # not from CUDA, where .to keeps the tie
         assert str(error.value).endswith(
             "each part where it runs (model[1].to() would untie its tied weights)"
         )
