@@ -133,7 +133,11 @@ def test_a_tied_model_off_an_accelerator_is_moved_by_to_device_and_stays_tied() 
     model = Lm()
     with pytest.raises(DeviceMismatchError) as error:
         step(model, torch.arange(3))
-    why = " (model.to() would untie its tied weights)" if _mismatch.makes_new_parameters(CPU, device) else ""
+    why = (
+        " (model.to() would untie its tied weights)"
+        if _mismatch.makes_new_parameters(CPU, device)
+        else ""
+    )
     assert (
         f"fix: {moved_by('model', CPU, device)} before calling {step.__qualname__}(): modules "
         f"are never moved implicitly{why}"
