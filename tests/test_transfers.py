@@ -493,6 +493,18 @@ def test_memory_written_outside_torch_is_no_repeat(
     assert 1 == len(_repeats(recorded))
 
 
+@pytest.mark.requires_device("accelerator")
+def test_a_pinned_tensor_moved_again_unchanged_is_a_repeat(
+    recorded: list[warnings.WarningMessage],
+) -> None:
+    """Pinned memory is torch's own (written by its ops, which the version counter sees),
+    though torch never resizes it, as it never resizes memory it does not own."""
+    pinned = torch.ones(4).pin_memory()
+    for _ in range(3):
+        to_device({"pinned": pinned}, torch.accelerator.current_accelerator())
+    assert 1 == len(_repeats(recorded))
+
+
 def test_to_device_warns_per_calling_line(recorded: list[warnings.WarningMessage]) -> None:
     """The same tensor moved from two lines is no repeat; moved twice from one line it is."""
     mask = torch.ones(2, dtype=torch.bool)

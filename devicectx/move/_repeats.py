@@ -238,9 +238,9 @@ def _written_by_torch(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s version counter sees every write of its memory: not where torch
     does not own the memory (``torch.from_numpy``, DLPack, ``torch.frombuffer``), which its
     owner writes in place unseen (a replay buffer refilled through numpy at every step).
-    torch never resizes memory it does not own."""
+    torch never resizes memory it does not own, nor pinned memory, which it owns."""
     try:
-        return tensor.untyped_storage().resizable()
+        return tensor.untyped_storage().resizable() or tensor.is_pinned()
     except (RuntimeError, NotImplementedError):  # no storage (sparse, a wrapper): as before
         return True
 
