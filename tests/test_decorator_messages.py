@@ -596,6 +596,31 @@ def test_a_tensor_attribute_of_a_dict_or_list_subclass_is_named_when_torch_fails
         assert lines[-1].startswith("fix: keep batch.scale out of the Rows")
 
 
+def test_a_tensor_reached_through_a_structure_that_holds_itself_is_named() -> None:
+    """A tree with a link back to its root: the move copies each container once, and the
+    copy's link leads to the original, left on the CPU. The error names the path through
+    the link (it said the tensor was in none of the arguments, made in the body)."""
+    root: dict[str, Any] = {"x": torch.ones(2)}
+    root["child"] = {"parent": root, "y": torch.ones(2)}
+
+    @device_agnostic(device="meta")
+    def summed(tree: dict[str, Any]) -> torch.Tensor:
+        return tree["child"]["y"] + tree["child"]["parent"]["x"]
+
+    with pytest.raises(DeviceMismatchError) as error:
+        summed(root)
+    lines = lines_of(error)
+    assert lines[0].endswith(
+        "summed() failed in torch on tensors its move left where they were, reached through "
+        "a structure that holds itself:"
+    )
+    assert lines[1].startswith("    cpu <- tree['child']['parent']['x']")
+    assert lines[-1].startswith(
+        "fix: tree['child']['parent']['x'] is reached through a link back to a container above it"
+    )
+    assert CPU in error.value.devices
+
+
 DEFAULT_CONFIG = Config(torch.ones(2))
 
 

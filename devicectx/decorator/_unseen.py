@@ -106,6 +106,9 @@ def explain(
     if not unseen and not held:
         if target is None:
             return None
+        cycled = _left_by_cycles(named, target, {name for name, _ in excluded})
+        if cycled:
+            return _cycles_error(error, function, cycled, target, reason)
         if not follow:
             return _made_elsewhere(error, function, named, target, reason, scoped, body)
         scalars = _scalars_left(named, target)
@@ -150,6 +153,52 @@ def _scalars_left(named: Sequence[tuple[str, Any]], target: torch.device) -> lis
         for path, tensor in iter_tensors(value, name)
         if tensor.dim() == 0 and tensor.device.type == "cpu"
     ]
+
+
+def _left_by_cycles(
+    named: Sequence[tuple[str, Any]], target: torch.device, excluded: Collection[str]
+) -> list[tuple[str, torch.device]]:
+    """``(path, device)`` of each tensor off ``target`` that the moved arguments still
+    reach through their containers (0-dim CPU tensors aside): where a structure holds
+    itself, its copy's link back leads to the original, which the move left."""
+    return [
+        (path, tensor.device)
+        for name, value in named
+        if name not in excluded and name != "self"
+        for path, tensor in iter_tensors(value, name)
+        if tensor.device != target and not (tensor.dim() == 0 and tensor.device.type == "cpu")
+    ]
+
+
+def _cycles_error(
+    error: BaseException,
+    function: str,
+    cycled: list[tuple[str, torch.device]],
+    target: torch.device,
+    reason: str,
+) -> DeviceMismatchError:
+    found: dict[torch.device, list[str]] = {}
+    for path, device in cycled:
+        found.setdefault(device, []).append(path)
+    width = max(len(str(device)) for device in found)
+    first_path, first_device = cycled[0]
+    root = attribute_of(first_path)
+    lines = [
+        f"{function}() failed in torch on tensors its move left where they were, reached "
+        f"through a structure that holds itself:",
+        *(
+            f"    {device!s:<{width}} <- {', '.join(paths[:_MAX_PATHS])}"
+            + (f" and {len(paths) - _MAX_PATHS} more" if len(paths) > _MAX_PATHS else "")
+            for device, paths in found.items()
+        ),
+        f"target {target} (from {reason})",
+        f"torch said: {_first_line(error)}",
+        f"fix: {first_path} is reached through a link back to a container above it, and "
+        f"the move copies each container once: the copy's link still leads to the original, "
+        f"on {first_device}; read the tensor where {root} holds it first (not through the "
+        f"link back), or pass it as an argument of its own",
+    ]
+    return DeviceMismatchError("\n".join(lines), devices=found, target=target, reason=reason)
 
 
 def _scalars_error(
