@@ -515,7 +515,8 @@ class Plan:
             found = self._found(seen_args, seen_kwargs, offset)
             home = next(iter(found), first)
             if home is None and self.to_input:  # 0-dim CPU tensors alone: they came from there
-                home = next((t.device for _, t in _move.iter_tensors((args, kwargs))), None)
+                seen = (seen_args, seen_kwargs)
+                home = next((t.device for _, t in _move.iter_tensors(seen)), None)
             if target is None and len(found) > 1:  # rule 4: the inputs must agree
                 raise _mismatch.no_common_device(self.name, found)
         chosen = target is not None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
@@ -147,12 +147,7 @@ def _scalars_left(named: Sequence[tuple[str, Any]], target: torch.device) -> lis
     such a tensor with any device, it fails an op that needs it on the target."""
     if target.type == "cpu":
         return []
-    return [
-        (path, value)
-        for name, value in named
-        for path, tensor in iter_tensors(value, name)
-        if tensor.dim() == 0 and tensor.device.type == "cpu"
-    ]
+    return [(path, value) for path, value, tensor in _reached(named) if _cpu_scalar(tensor)]
 
 
 def _left_by_cycles(
@@ -161,13 +156,25 @@ def _left_by_cycles(
     """``(path, device)`` of each tensor off ``target`` that the moved arguments still
     reach through their containers (0-dim CPU tensors aside): where a structure holds
     itself, its copy's link back leads to the original, which the move left."""
+    kept = [(name, value) for name, value in named if name not in excluded and name != "self"]
     return [
         (path, tensor.device)
-        for name, value in named
-        if name not in excluded and name != "self"
-        for path, tensor in iter_tensors(value, name)
-        if tensor.device != target and not (tensor.dim() == 0 and tensor.device.type == "cpu")
+        for path, _, tensor in _reached(kept)
+        if tensor.device != target and not _cpu_scalar(tensor)
     ]
+
+
+def _reached(named: Sequence[tuple[str, Any]]) -> Iterator[tuple[str, Any, torch.Tensor]]:
+    """``(path, argument value, tensor)`` for each tensor the arguments reach through their
+    containers."""
+    for name, value in named:
+        for path, tensor in iter_tensors(value, name):
+            yield path, value, tensor
+
+
+def _cpu_scalar(tensor: torch.Tensor) -> bool:
+    """A 0-dim CPU tensor, which torch mixes with any device."""
+    return tensor.dim() == 0 and tensor.device.type == "cpu"
 
 
 def _cycles_error(

@@ -441,9 +441,10 @@ def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
         if not wrong:
             return {k: v for k, v in dtypes.items() if k != v}
         shown = ", ".join(f"{k!r}: {v!r}" for k, v in wrong)
-        fixed = [(_as_dtype(k), _as_dtype(v)) for k, v in dtypes.items()]
-        if all(k is not None and v is not None for k, v in fixed):  # names: spelt as dtypes
-            written = ", ".join(f"torch.{_name(k)}: torch.{_name(v)}" for k, v in fixed)
+        named = [(dtype_named(k), dtype_named(v)) for k, v in dtypes.items()]
+        fixed = [(k, v) for k, v in named if k is not None and v is not None]
+        if len(fixed) == len(named):  # names: spelt as dtypes
+            written = ", ".join(f"{_code(k)}: {_code(v)}" for k, v in fixed)
             raise TypeError(
                 f'dtypes= takes None, "device" or a mapping of torch.dtype to torch.dtype, '
                 f"got {shown}\nfix: dtypes={{{written}}}"
@@ -458,19 +459,20 @@ def check_dtypes(dtypes: object) -> dict[torch.dtype, torch.dtype]:
     raise TypeError(msg)
 
 
-def _as_dtype(value: object) -> torch.dtype | None:
+def dtype_named(value: object) -> torch.dtype | None:
     """``value`` as a dtype: itself, or the dtype a name spells (``"float64"``,
-    ``"torch.float64"``); None where it is neither."""
+    ``"torch.float64"``); None where it is neither.
+
+    Example:
+        >>> dtype_named("float64"), dtype_named("torch.int8"), dtype_named("f64")
+        (torch.float64, torch.int8, None)
+    """
     if isinstance(value, torch.dtype):
         return value
     if isinstance(value, str):
         found = getattr(torch, value.removeprefix("torch."), None)
         return found if isinstance(found, torch.dtype) else None
     return None
-
-
-def _name(dtype: torch.dtype | None) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class _Refused(NamedTuple):

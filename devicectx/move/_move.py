@@ -327,36 +327,34 @@ def _optimizer_unmoved(optimizer: object, target: torch.device, beside: bool = F
     of torch's tree), the optimizer steps the old ones whatever state it reloads: the fix is
     then a new optimizer."""
     kind = with_article(type(optimizer).__qualname__)
+    params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+    renewed = sorted({str(p.device) for p in params if makes_new_parameters(p.device, target)})
     if beside:
-        what = f"moved a module in obj, and no optimizer ({kind}, in obj too): its state"
-        told = f"to_device() {what} stays where it was, off the parameters it steps\n"
+        told = f"to_device() moved a module in obj, and no optimizer ({kind}, in obj too): "
+        told += (
+            f"it steps the module's old parameters, left on {', '.join(renewed)}"
+            if renewed
+            else "its state stays where it was, off the parameters it steps"
+        )
     else:
         told = (
             f"to_device() moves no optimizer ({kind}): it came back as it was, its state "
-            f"where it was\n"
+            f"where it was"
         )
-    params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
-    renewed = sorted({str(p.device) for p in params if makes_new_parameters(p.device, target)})
     if renewed:
-        if beside:
-            told = (
-                f"to_device() moved a module in obj, and no optimizer ({kind}, in obj too): "
-                f"it steps the module's old parameters, left on {', '.join(renewed)}\n"
-            )
         return (
-            f"{told}a move from {' or '.join(renewed)} to {target} makes new parameters, and "
-            f"reloading the optimizer's state does not change which parameters it steps: "
+            f"{told}\na move from {' or '.join(renewed)} to {target} makes new parameters, "
+            f"and reloading the optimizer's state does not change which parameters it steps: "
             f"as it is, it would train nothing\n"
             f"fix: build the optimizer after moving the model, from the moved model's "
             f"parameters; to keep its state, take state = optimizer.state_dict() before the "
             f"move and load it into the new optimizer"
         )
-    first = "" if beside else "move the model, then "
+    reload = "optimizer.load_state_dict(optimizer.state_dict())"
+    fix = f"{reload} after the move" if beside else f"move the model, then {reload}"
     return (
-        f"{told}"
-        f"fix: {first}optimizer.load_state_dict(optimizer.state_dict())"
-        f"{' after the move' if beside else ''}, which puts the state beside each parameter "
-        f"(on {target}); or build the optimizer after moving the model"
+        f"{told}\nfix: {fix}, which puts the state beside each parameter (on {target}); or "
+        f"build the optimizer after moving the model"
     )
 
 

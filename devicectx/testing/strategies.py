@@ -36,6 +36,7 @@ from torch.nn.utils.rnn import PackedSequence
 from devicectx._errors import DeviceUnavailableError, InvalidDeviceError, with_article
 from devicectx.devices._capabilities import nearest_dtype, supports_dtype
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
+from devicectx.move._dtypes import dtype_named
 
 __all__ = [
     "KINDS",
@@ -369,12 +370,8 @@ def _checked_dtype(dtype: Any, *, drawn: bool) -> torch.dtype:
     dtype is none); else a TypeError that says so, with the fix."""
     how = "drew" if drawn else "got"
     if isinstance(dtype, str):
-        named = getattr(torch, dtype.removeprefix("torch."), None)
-        spelled = (
-            f"torch.{dtype.removeprefix('torch.')}"
-            if isinstance(named, torch.dtype)
-            else "torch.float32"
-        )
+        named = dtype_named(dtype)
+        spelled = str(named) if named is not None else "torch.float32"
         msg = (
             f"tensors(dtypes=...): {how} {dtype!r}, a str: dtypes are torch's objects\n"
             f"fix: tensors(dtypes=[{spelled}])"
