@@ -204,6 +204,35 @@ _READ_WITH_A = ("one", "uni", "usa", "use", "usu", "uti", "eu")
 """Beginnings read with a consonant sound: a OneCycleLR, a UserDict, a Unique..."""
 
 
+def check_switches(call: str, *, lead: str = "", **switches: object) -> None:
+    """Refuse an on/off option given anything but ``True`` or ``False``, as torch's own
+    ``.to(non_blocking=...)`` does.
+
+    ``"no"`` (or ``"False"``, or a numpy bool) is truthy: taken for a switch, it would do
+    what its truth says, not what it reads. ``call`` names the call in the message
+    (``"to_device"``, ``"@device_agnostic"``); ``lead``, the arguments its fix writes
+    before the option (``"obj, device, "``).
+
+    Example:
+        >>> check_switches("to_device", lead="obj, device, ", non_blocking=True)
+        >>> check_switches("to_device", lead="obj, device, ", non_blocking="no")
+        Traceback (most recent call last):
+        TypeError: to_device(non_blocking='no'): non_blocking takes True or False, not a str
+        fix: to_device(obj, device, non_blocking=True) or to_device(obj, device, non_blocking=False)
+
+    Raises:
+        TypeError: the first such option, with the fix.
+    """
+    for name, value in switches.items():
+        if type(value) is not bool:
+            msg = (
+                f"{call}({name}={value!r}): {name} takes True or False, not "
+                f"{with_article(type(value).__qualname__)}\n"
+                f"fix: {call}({lead}{name}=True) or {call}({lead}{name}=False)"
+            )
+            raise TypeError(msg)
+
+
 def warn_at(frame: FrameType, message: str, category: type[DeviceWarning]) -> None:
     """Warn as from ``frame`` (the user's line), through its module's warning registry,
     so that warnings filters and Python's own once-per-line rule apply there."""

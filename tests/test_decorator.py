@@ -238,10 +238,17 @@ def test_decorating_a_class_is_refused() -> None:
         device_agnostic(Net)
 
 
-def test_malformed_device_fails_at_decoration() -> None:
-    """A malformed ``device=`` is a bug in the decorating code: it fails at once."""
-    with pytest.raises(InvalidDeviceError):
-        device_agnostic(device="gpu")
+@pytest.mark.parametrize("spec", ["gpu", "cuda:x", -1, 1.5, True, [0]])
+def test_malformed_device_fails_at_decoration(spec: object) -> None:
+    """A malformed ``device=`` is a bug in the decorating code: it fails at once, named."""
+    with pytest.raises(InvalidDeviceError, match=r"^@device_agnostic\(device="):
+        device_agnostic(device=spec)  # type: ignore[arg-type]
+
+
+def test_an_index_is_kept_for_the_call() -> None:
+    """A whole index names the accelerator of the call's time: not resolved at decoration."""
+    step = device_agnostic(device=0)(lambda x: x)
+    assert callable(step)  # no error here, whether or not this machine has an accelerator
 
 
 # --- which device ------------------------------------------------------------------------

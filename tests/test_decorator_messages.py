@@ -1146,8 +1146,8 @@ def test_a_switch_that_is_not_a_bool_is_refused_at_decoration(option: str, value
     with pytest.raises(TypeError) as error:
         device_agnostic(**{option: value})  # type: ignore[arg-type]
     assert [
-        f"@device_agnostic({option}={value!r}): {option} takes True or False, not a "
-        f"{type(value).__qualname__}",
+        f"@device_agnostic({option}={value!r}): {option} takes True or False, not "
+        f"{'an int' if isinstance(value, int) else 'a ' + type(value).__qualname__}",
         f"fix: @device_agnostic({option}=True) or @device_agnostic({option}=False)",
     ] == lines_of(error)
 

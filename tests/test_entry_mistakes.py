@@ -7,6 +7,7 @@ import functools
 import inspect
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from devicectx import (
     device_agnostic,
     on_device,
     resolve_device,
+    set_repeated_move_warning,
+    shrink_batch_on_oom,
+    to_device,
 )
 
 META = torch.device("meta")
@@ -363,3 +367,40 @@ def test_a_device_this_machine_lacks_names_the_option_and_function_at_the_call(
         f'@device_agnostic({option}="mtia:0") of '
         f"{helper.__qualname__}(): device 'mtia:0' is not available: "
     )
+
+
+# --- an on/off option given a value that only reads as one --------------------------------
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, np.bool_(False), None])
+@pytest.mark.parametrize(
+    ("call", "option"),
+    [
+        ("to_device(torch.ones(1), 'meta', {})", "non_blocking"),
+        ("to_device(torch.ones(1), 'meta', {})", "coalesce"),
+        ("on_device('meta', {})", "exact"),
+        ("set_repeated_move_warning({})", "enabled"),
+        ("shrink_batch_on_oom({})", "remember"),
+        ("device_agnostic({})", "scope"),
+    ],
+)
+def test_a_switch_given_no_bool_is_refused_with_a_fix_that_works(
+    call: str, option: str, value: object
+) -> None:
+    """``non_blocking="no"`` is truthy: refused, as torch's ``.to`` refuses it, not taken for
+    True; the fix's False, pasted, is taken."""
+    names = {
+        "to_device": to_device,
+        "set_repeated_move_warning": set_repeated_move_warning,
+        "shrink_batch_on_oom": shrink_batch_on_oom,
+        "value": value,
+    }
+    previous = set_repeated_move_warning(True)
+    try:
+        with pytest.raises(TypeError, match=rf"\({option}=.*{option} takes True or False") as error:
+            pasted(call.format(f"{option}=value"), **names)
+        fixes = fix_code(error).split(" or ")
+        assert fixes[1].endswith(f"{option}=False)")
+        pasted(call.format(f"{option}=False"), **names)  # the same call, with the fix's value
+    finally:
+        set_repeated_move_warning(previous)

@@ -20,9 +20,9 @@ from typing import Any, ParamSpec, TypeVar, overload
 import torch
 from torch import nn
 
+from devicectx._errors import check_switches
 from devicectx._torch import dynamo as _dynamo_hooks
 from devicectx._torch.module_tree import children_of
-from devicectx.decorator._params import check_switches
 from devicectx.decorator._plan import Plan
 from devicectx.decorator._target import DeviceOption
 from devicectx.decorator._wrappers import wrap
@@ -164,7 +164,9 @@ def device_agnostic(
           not trace decorated calls as devicectx expects (checked once per process, at
           first use), they run eagerly instead: graph breaks.
     """
-    check_switches(move=move, non_blocking=non_blocking, scope=scope, coalesce=coalesce)
+    check_switches(
+        "@device_agnostic", move=move, non_blocking=non_blocking, scope=scope, coalesce=coalesce
+    )
     options: dict[str, Any] = {
         "device": device,
         "move": move,

@@ -202,22 +202,3 @@ class Exclusion:
         """Whether an argument passed as ``key=...`` is excluded."""
         named = self.named
         return key in self.keywords or (named is not None and key not in named)
-
-
-def check_switches(**switches: object) -> None:
-    """Refuse, at decoration, an on/off option given anything but ``True`` or ``False``.
-
-    ``move="yes"`` (or ``"no"``, which is truthy too) would otherwise be taken for a switch
-    and do what its truth says, not what it reads.
-
-    Raises:
-        TypeError: the first such option, with the fix.
-    """
-    for name, value in switches.items():
-        if type(value) is not bool:
-            msg = (
-                f"@device_agnostic({name}={value!r}): {name} takes True or False, not a "
-                f"{type(value).__qualname__}\n"
-                f"fix: @device_agnostic({name}=True) or @device_agnostic({name}=False)"
-            )
-            raise TypeError(msg)

@@ -99,7 +99,11 @@ class DeviceOption:
 def _is_fixed(spec: DeviceLike) -> bool:
     if isinstance(spec, torch.device):
         return spec.index is not None or spec.type in _INDEXLESS
-    if not isinstance(spec, str) or spec.strip() == "auto":
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        return spec < 0  # a negative index is malformed: refused at decoration
+    if spec is not None and not isinstance(spec, str):
+        return True  # no device at all (a float, a bool): refused at decoration
+    if spec is None or spec.strip() == "auto":
         return False  # None and "auto" follow the environment; an int, the accelerator
     try:
         parsed = torch.device(spec.strip())

@@ -30,7 +30,7 @@ from typing import Any, ParamSpec, SupportsIndex, TypeVar, cast, overload
 
 import torch
 
-from devicectx._errors import SMALLER_BATCHES, BatchTooLargeError, MoveError
+from devicectx._errors import SMALLER_BATCHES, BatchTooLargeError, MoveError, check_switches
 from devicectx.devices._resolve import accelerator_type
 from devicectx.move._prefetch import Prefetcher
 
@@ -152,6 +152,7 @@ def shrink_batch_on_oom(
         return _decorate(function, param=param, minimum=minimum, remember=remember)
 
     _check_minimum(minimum)
+    check_switches("@shrink_batch_on_oom", remember=remember)
     if wrapped is None:
         return decorate
     return decorate(wrapped)

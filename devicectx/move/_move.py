@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from devicectx._errors import DeviceWarning, with_article
+from devicectx._errors import DeviceWarning, check_switches, with_article
 from devicectx._torch.module_tree import makes_new_parameters
 from devicectx.devices._capabilities import holds_every_dtype
 from devicectx.devices._resolve import DeviceLike, resolve_device
@@ -167,7 +167,8 @@ def to_device(
             materialised: ``module.to`` has nothing to copy), to another device: refused
             before any module moves, naming each such module and its tensors, with
             ``to_empty`` as the fix.
-        TypeError: ``skip`` holds something that is no type, path, key or predicate.
+        TypeError: ``skip`` holds something that is no type, path, key or predicate;
+            ``non_blocking`` or ``coalesce`` is not a bool (``"no"`` would read as True).
 
     What is kept:
         - The input is never changed (but see modules below). Each tensor is copied once
@@ -261,6 +262,10 @@ def to_device(
     """
     # Our frames, hidden from pytest's report: it shows the caller's line and our message.
     __tracebackhide__ = True
+    if type(non_blocking) is not bool or type(coalesce) is not bool:
+        check_switches(
+            "to_device", lead="obj, device, ", non_blocking=non_blocking, coalesce=coalesce
+        )
     cacheable = isinstance(device, (str, torch.device))
     target = _RESOLVED.get(device) if cacheable else None  # type: ignore[arg-type]
     if target is None:

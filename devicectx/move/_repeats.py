@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from devicectx._errors import RepeatedMoveWarning, warn_at, warn_explicit_at
+from devicectx._errors import RepeatedMoveWarning, check_switches, warn_at, warn_explicit_at
 from devicectx._torch.tensors import version_of
 from devicectx.move._nbytes import bytes_of
 
@@ -165,8 +165,9 @@ def set_repeated_move_warning(enabled: bool) -> bool:
     (``warnings.filterwarnings("ignore", category=devicectx.RepeatedMoveWarning)``) only
     silences it. Returns the previous setting.
     """
+    check_switches("set_repeated_move_warning", enabled=enabled)
     previous = _CHECK[0]
-    _CHECK[0] = bool(enabled)
+    _CHECK[0] = enabled
     if not enabled:
         _LAST.clear()
         for place in list(_REMEMBERING):

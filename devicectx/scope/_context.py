@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from devicectx._errors import InvalidDeviceError, ScopeExitError
+from devicectx._errors import InvalidDeviceError, ScopeExitError, check_switches
 from devicectx._torch.dynamo import constant, disable, graph_break
 from devicectx._torch.modes import DeviceContext
 from devicectx.devices._resolve import DeviceLike, resolve_device
@@ -173,7 +173,7 @@ class on_device:
         PrecisionUnsupportedError: ``device`` cannot run ``precision`` (a
             ``RuntimeError``), raised where the block is entered.
         ValueError: ``audit`` is not ``False``, ``True`` or ``"raise"``.
-        TypeError: decorating a class.
+        TypeError: decorating a class; ``exact`` is not a bool (``"no"`` reads as True).
 
     Caveats:
         - Each thread and each asyncio task sees only its own blocks; a task created inside
@@ -216,6 +216,7 @@ class on_device:
     ) -> None:
         if callable(device):
             _refuse_callable(device)
+        check_switches("on_device", lead="device, ", exact=exact)
         self.spec = device
         self.exact = exact
         # A misspelt name fails here, where the block is written, not at its first entry.
