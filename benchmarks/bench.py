@@ -415,7 +415,37 @@ def section_move(
     if case is not None:
         cases["batch_encoding"] = case
     rows.append(encoding_row)
+    cases["token_ids"], ids_row = _token_ids(config, trees[3].leaves * 10)
+    rows.append(ids_row)
     return {"device": str(META), "cases": cases, "per_leaf_growth": per_leaf}, rows
+
+
+def _token_ids(config: Config, n: int) -> tuple[Section, Row]:
+    """A batch that also holds a long Python list (the samples' token ids, or their file
+    names), cpu->meta: ``to_device`` beside the peers that pass non-tensors by (optree and
+    TensorDict take no such tree: optree maps every int too)."""
+    batch = {"input_ids": torch.randint(0, 30_000, (8, 128)), "ids": list(range(n))}
+    subjects = {
+        name: Subject(make)
+        for name, make in movers(batch, META).items()
+        if name in ("to_device", "send_to_device", "apply_to_collection")
+    }
+    measured = measure_group(subjects, config)
+    peers = [measured[name] for name in ("send_to_device", "apply_to_collection")]
+    peer_text = "; ".join(
+        f"{name} {fmt_ns(m.median_ns)}" if m.ok else f"{name} {m.status}"
+        for name, m in zip(("send_to_device", "apply_to_collection"), peers, strict=True)
+    )
+    return {"ints": n, "subjects": as_json(measured)}, judge(
+        "2 move",
+        f"1 tensor and a list of {n:,} ints, cpu->meta: to_device",
+        measured["to_device"].median_ns,
+        peer_text,
+        peers[0].median_ns,
+        "send_to_device",
+        0.25,
+        missing=_missing(measured["to_device"]),
+    )
 
 
 def _batch_encoding(config: Config) -> tuple[Section | None, Row]:

@@ -10,6 +10,7 @@ fails here.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 import pytest
@@ -17,8 +18,8 @@ import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from devicectx import find_devices, to_device
-from devicectx.move import _containers, _walk
+from devicectx import device_agnostic, find_devices, to_device
+from devicectx.move import _containers, _kinds, _walk
 from devicectx.testing.strategies import nested, tensors
 
 CPU = torch.device("cpu")
@@ -208,3 +209,57 @@ def test_tensors_within_lists_each_tensor_of_the_full_walk_once(
     listed = [id(tensor) for tensor in _walk.tensors_within(obj)]
     assert len(listed) == len(set(listed))
     assert set(listed) == {id(t) for _, t in _walk.iter_tensors(obj, modules=True)}
+
+
+atoms = st.lists(
+    st.integers()
+    | st.floats()
+    | st.booleans()
+    | st.none()
+    | st.text(max_size=2)
+    | st.binary(max_size=2),
+    min_size=64,
+    max_size=70,
+)
+"""Long lists of what never holds a tensor (token ids, file names): passed over whole."""
+
+
+@given(batch=mixed_batches, ids=atoms, at=st.integers(0, 70), as_tuple=st.booleans())
+def test_a_long_list_of_numbers_and_text_is_passed_over_and_anything_else_in_it_found(
+    batch: Any, ids: list[Any], at: int, as_tuple: bool
+) -> None:
+    """A long list of numbers, strings and None is taken whole by every walk (the move gives
+    it back as it is); one that also holds a tensor or a container, anywhere, is walked."""
+    at = min(at, len(ids))
+    long: list[Any] | tuple[Any, ...] = [*ids[:at], batch, *ids[at:]]
+    long = tuple(long) if as_tuple else long
+    holder = {"ids": ids, "long": long}
+    inner = full_paths(batch, f"batch['long'][{at}]")
+    assert inner == find_devices(holder, name="batch") == full_paths(holder)  # plain walk too
+    assert _walk.shared_device(holder) == _walk.shared_device(batch)
+    found, _, _ = _walk.collect(holder)
+    assert {id(t) for _, t in _walk.iter_tensors(batch)} == found.keys()
+    moved = to_device(holder, "meta")
+    assert moved["ids"] is ids
+    assert _walk.all_on(moved, META)
+    passed = device_agnostic(device="meta")(lambda given: given)(holder)  # the decorator's walks
+    assert passed["ids"] is ids
+    assert _walk.all_on(passed, META)
+    assert type(moved["long"]) is type(long)
+    # the same objects (NaN included: a list compares its items by identity first)
+    assert [*moved["long"][:at], *moved["long"][at + 1 :]] == [*ids[:at], *ids[at:]]
+    event("tensors in it" if inner else "no tensor in it")
+
+
+def test_a_long_list_holding_an_int_subclass_or_a_tensor_at_its_end_is_walked() -> None:
+    """Only the exact types pass: an IntEnum or a numpy number may be registered or hold
+    more, and a tensor after a thousand ints is still moved."""
+    ints = list(range(1000))
+    moved = to_device({"ids": [*ints, torch.ones(1)]}, "meta")
+    assert META == moved["ids"][-1].device
+    assert moved["ids"][:-1] == ints
+    assert ["obj['ids'][1000]"] == find_devices({"ids": [*ints, torch.ones(1)]})[CPU]
+    assert not _kinds.only_atoms([*ints, enum.IntEnum("Small", "A").A])
+    assert not _kinds.only_atoms(ints[:63])  # short: walked as it always was
+    assert _kinds.only_atoms(ints)
+    assert _kinds.only_atoms(tuple(ints))

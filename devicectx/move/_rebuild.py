@@ -62,6 +62,7 @@ from devicectx.move._kinds import (
     TUPLE_KIND,
     CannotRebuild,
     Kind,
+    only_atoms,
 )
 from devicectx.move._own_to import left_behind, lost_lock, off, own_to
 from devicectx.move._paths import ITEM, MEMBER, NAME, build, join
@@ -373,6 +374,8 @@ class Rebuild:
         done = memo.get(id(obj))
         if done is not None:
             return obj if done is _BUSY else done
+        if only_atoms(obj):
+            return obj
         if depth > _DEPTH:
             return self._iterate(obj, "")
         memo[id(obj)] = _BUSY
@@ -509,6 +512,8 @@ class Rebuild:
         if done is not memo:
             return obj if done is _BUSY else done
         if role == CONTAINER:
+            if (tp is self.fast[1] or tp is self.fast[2]) and only_atoms(obj):
+                return obj
             keys, old = kind.split(obj)  # type: ignore[misc]
             if not old:
                 return obj

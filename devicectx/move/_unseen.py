@@ -36,7 +36,7 @@ from devicectx._torch.module_tree import submodules
 from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx.move._attributes import slot_names
 from devicectx.move._containers import is_plain_leaf, kind_for
-from devicectx.move._kinds import CONTAINER, LEAF, MODULE, OWN, TENSOR
+from devicectx.move._kinds import CONTAINER, LEAF, MODULE, OWN, TENSOR, only_atoms
 from devicectx.move._own_to import shallow_copy
 from devicectx.move._paths import ATTR, ITEM, join, keyed_modules, module_path
 
@@ -251,7 +251,9 @@ def unseen_tensors(
             children = _module_children(value, path, depth, held)
         elif role == CONTAINER and kind.split is not None:
             keys, values = kind.split(value)
-            keys = range(len(values)) if keys is None else keys
+            if (type(values) is list or type(values) is tuple) and only_atoms(values):
+                values = ()  # a million token ids: nothing to look at, and no path to write
+            keys = range(len(values)) if keys is None or not values else keys
             children = [
                 _Step(child, join(path, kind.style, key), depth, holders, None, own)
                 for key, child in zip(keys, values, strict=True)

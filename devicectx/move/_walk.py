@@ -40,6 +40,7 @@ from devicectx.move._kinds import (
     OWN,
     TENSOR,
     Kind,
+    only_atoms,
 )
 from devicectx.move._paths import ATTR, ITEM, build, join, keyed_modules, module_path
 
@@ -103,6 +104,8 @@ def shared_device(
         if tp is fast_dict:
             children = item.values()
         elif tp is fast_list or tp is fast_tuple:
+            if only_atoms(item):
+                continue
             children = item
         elif tp is _Tensor:
             found = item.device
@@ -205,7 +208,8 @@ def _plain(items: Iterable[Any], device: torch.device | None, depth: int) -> tor
         elif tp is list or tp is tuple:
             if not depth:
                 raise NotPlain
-            device = _plain(item, device, depth - 1)
+            if not only_atoms(item):
+                device = _plain(item, device, depth - 1)
         elif _CACHE.get(tp) is not LEAF_KIND:
             raise NotPlain
     return device
@@ -243,7 +247,8 @@ def _plain_uncast(
         elif tp is list or tp is tuple:
             if not depth:
                 raise NotPlain
-            device = _plain_uncast(item, device, depth - 1, casts)
+            if not only_atoms(item):
+                device = _plain_uncast(item, device, depth - 1, casts)
         elif _CACHE.get(tp) is not LEAF_KIND:
             raise NotPlain
     return device
@@ -296,7 +301,11 @@ def iter_tensors(
             elif role == MODULE:
                 if modules:
                     yield from _module_tensors(child, join(path or _top_path(stack), style, key))
-            elif (kind.split is not None or (attributes and role == OWN)) and id(child) not in seen:
+            elif (
+                (kind.split is not None or (attributes and role == OWN))
+                and id(child) not in seen
+                and not ((tp is list or tp is tuple) and only_atoms(child))
+            ):
                 seen.add(id(child))
                 stack.append(_listed(child, kind, key, _eager(stack, path, key)))
                 break
@@ -386,7 +395,7 @@ def find_devices(obj: object, *, name: str = "obj") -> dict[torch.device, list[s
                 )
                 continue
             if tp is fast_dict or tp is fast_list or tp is fast_tuple:
-                if id(child) not in seen:
+                if id(child) not in seen and (tp is fast_dict or not only_atoms(child)):
                     seen.add(id(child))
                     items = iter(child.items()) if tp is fast_dict else enumerate(child)
                     child_path = (
@@ -496,6 +505,8 @@ def _plain_devices(
             else:
                 paths.append(place)
         elif tp is dict or tp is list or tp is tuple:
+            if tp is not dict and only_atoms(child):
+                continue
             if seen is None:
                 seen = {id(obj)}
             if id(child) in seen:  # shared, or a cycle: looked into at the first place only
@@ -531,6 +542,8 @@ def _plain_sequence_devices(
             else:
                 paths.append(place)
         elif tp is dict or tp is list or tp is tuple:
+            if tp is not dict and only_atoms(child):
+                continue
             if seen is None:
                 seen = {id(obj)}
             if id(child) in seen:  # shared, or a cycle: looked into at the first place only
@@ -705,6 +718,8 @@ def _gather(
         if tp is fast_dict:
             children = item.values()
         elif tp is fast_list or tp is fast_tuple:
+            if only_atoms(item):
+                continue
             children = item
         elif tp is _Tensor:
             found[id(item)] = item
