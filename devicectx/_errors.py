@@ -83,18 +83,22 @@ class DtypeUnsupportedError(DeviceError, TypeError):
     Attributes:
         device: the device that cannot hold them.
         paths: each dtype it cannot hold, with the paths of the tensors of that dtype.
+
+    Every argument but the message has a default, so that the class can be made from the
+    message alone, as torch's DataLoader does to raise a worker's error again in the
+    parent (``device`` None and ``paths`` empty there; the message still says all).
     """
 
     def __init__(
         self,
         message: str,
         *,
-        device: torch.device,
-        paths: Mapping[torch.dtype, Sequence[str]],
+        device: torch.device | None = None,
+        paths: Mapping[torch.dtype, Sequence[str]] | None = None,
     ) -> None:
         super().__init__(message)
         self.device = device
-        self.paths: dict[torch.dtype, list[str]] = {d: list(p) for d, p in paths.items()}
+        self.paths: dict[torch.dtype, list[str]] = {d: list(p) for d, p in (paths or {}).items()}
 
 
 class DeviceMismatchError(DeviceError, RuntimeError):
@@ -104,18 +108,23 @@ class DeviceMismatchError(DeviceError, RuntimeError):
         devices: each device found, with the argument paths of the tensors on it.
         target: the device the call needed, or ``None`` when none could be chosen.
         reason: why that target was chosen, in words.
+
+    Made from the message alone (as torch's DataLoader raises a worker's error again in the
+    parent), ``devices`` is empty, ``target`` None and ``reason`` empty.
     """
 
     def __init__(
         self,
         message: str,
         *,
-        devices: Mapping[torch.device, Sequence[str]],
-        target: torch.device | None,
-        reason: str,
+        devices: Mapping[torch.device, Sequence[str]] | None = None,
+        target: torch.device | None = None,
+        reason: str = "",
     ) -> None:
         super().__init__(message)
-        self.devices: dict[torch.device, list[str]] = {d: list(p) for d, p in devices.items()}
+        self.devices: dict[torch.device, list[str]] = {
+            d: list(p) for d, p in (devices or {}).items()
+        }
         self.target = target
         self.reason = reason
 
@@ -126,10 +135,11 @@ class BatchTooLargeError(DeviceError, torch.OutOfMemoryError):
     It is a ``torch.OutOfMemoryError``, so code that already catches that keeps working.
 
     Attributes:
-        tried: every batch size that was tried, in order.
+        tried: every batch size that was tried, in order (empty where the error was made
+            from its message alone, as torch's DataLoader raises a worker's error again).
     """
 
-    def __init__(self, message: str, *, tried: Sequence[int]) -> None:
+    def __init__(self, message: str, *, tried: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.tried: list[int] = list(tried)
 

@@ -1165,6 +1165,46 @@ def test_deepcopy_of_a_model_with_a_decorated_forward() -> None:
     assert [META, META] == devices_of(*copied(torch.ones(2)))
 
 
+class Student(nn.Module):
+    """A model keeping its forward decorated as an attribute, as the fix for decorating a
+    module instance writes it (``forward = device_agnostic(model.forward)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.step = device_agnostic(self.forward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def test_a_deep_copied_model_holding_its_decorated_forward_runs_the_copy() -> None:
+    """An EMA teacher deep-copied from its student computes with the teacher's weights: the
+    wrapper of a bound method is copied with the method (as Python copies one undecorated)
+    and keeps its options; pickle agrees."""
+    student = Student()
+    for teacher in (copy.deepcopy(student), pickle.loads(pickle.dumps(student))):
+        with torch.no_grad():
+            teacher.scale.fill_(10.0)
+        assert 10.0 == teacher.step(torch.ones(1)).item()
+        assert teacher.step.__wrapped__.__self__ is teacher
+        assert 1.0 == student.step(torch.ones(1)).item()
+    options = device_agnostic(student.forward, output="input")
+    assert "input" == copy.deepcopy(options)._self_plan.options["output"]
+
+
+def test_a_deep_copied_decorated_partial_copies_its_tensors() -> None:
+    """A decorated ``partial`` holding a tensor deep-copies it, as the partial alone does;
+    a decorated function stays itself (above)."""
+    weight = torch.ones(1)
+    scaled = device_agnostic(functools.partial(torch.mul, weight))
+    copied = copy.deepcopy(scaled)
+    assert copied is not scaled
+    assert copied.__wrapped__.args[0] is not weight
+    weight.fill_(3.0)
+    assert 1.0 == copied(torch.ones(1)).item()
+
+
 # --- a real accelerator (skipped without one) ------------------------------------------
 
 

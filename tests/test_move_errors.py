@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from helpers import accelerator, mps_like
 from move_subjects import CountingTo, Frozen, Holder, Pair
 from torch import nn
+from torch._utils import ExceptionWrapper
 
 import devicectx
 from devicectx import (
@@ -462,6 +464,33 @@ def test_errors_survive_pickling(error: Exception) -> None:
     assert type(again) is type(error)
     assert str(again) == str(error)
     assert vars(again) == vars(error)
+
+
+PUBLIC_ERRORS = sorted(
+    (
+        value
+        for value in vars(devicectx).values()
+        if isinstance(value, type) and issubclass(value, devicectx.DeviceError)
+    ),
+    key=lambda cls: cls.__name__,
+)
+
+
+@pytest.mark.parametrize("cls", PUBLIC_ERRORS, ids=lambda cls: cls.__name__)
+def test_an_error_raised_in_a_dataloader_worker_keeps_its_class(cls: type[Exception]) -> None:
+    """torch's DataLoader raises a worker's error again in the parent by calling its class
+    with the message alone (``ExceptionWrapper.reraise``, run here as the loader runs it), and
+    raises a bare RuntimeError where that fails: every error of ours can be made so, and
+    ``except devicectx.DeviceError`` still catches it."""
+    attributes = dict(ERRORS_WITH_ATTRIBUTES).get(cls, {})
+    try:
+        raise cls("what\nfix: how", **attributes)
+    except cls:
+        wrapped = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 0")
+    with pytest.raises(devicectx.DeviceError) as again:
+        wrapped.reraise()
+    assert type(again.value) is cls
+    assert "fix: how" in str(again.value)
 
 
 @pytest.mark.requires_device("accelerator")

@@ -42,7 +42,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from types import FunctionType
+from types import BuiltinFunctionType, FunctionType
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import torch
@@ -246,7 +246,20 @@ class DeviceAgnosticWrapper(_FunctionWrapper):
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DeviceAgnosticWrapper:
-        return self
+        wrapped = self.__wrapped__
+        if isinstance(wrapped, _SHARED_CALLABLES):
+            return self  # a function is never copied, decorated or not
+        # A bound method (``device_agnostic(model.forward)`` kept on the model), a partial
+        # holding tensors, a callable object: copied as Python copies it undecorated, so
+        # that a copied model's wrapper calls the copy, and decorated again.
+        return cast(
+            DeviceAgnosticWrapper,
+            _decorated_again(copy.deepcopy(wrapped, memo), self._self_plan.options),
+        )
+
+
+_SHARED_CALLABLES = (FunctionType, BuiltinFunctionType, type)
+"""What ``copy.deepcopy`` gives back as it is: a wrapper of one is not copied either."""
 
 
 def _named_so(wrapper: DeviceAgnosticWrapper) -> bool:
