@@ -22,6 +22,7 @@ The public ``on_device`` (:mod:`devicectx.scope._context`) and ``@device_agnosti
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -218,6 +219,37 @@ _active = _ACTIVE.get
 
 
 _THREAD = _ThreadScopes()
+
+
+def _start_outside_every_scope() -> None:
+    """In a child forked inside scopes (a ``DataLoader``'s workers forked in a decorated
+    call's body or a block, a fork-started pool's workers): no scope of the parent's is open
+    there, as in a spawned child. The child runs the worker's loop, not the body: a scope
+    kept would put the dataset's tensors on the device, where CUDA refuses a forked child.
+
+    What each scope did to this thread's state is undone for the child (its mode off
+    torch's stack, its audit released, dynamo's current device torch's own again); the
+    accelerator's index is left as it is (setting it would start the device in a child
+    that may not use it), as is ``precision=``'s autocast. Code that goes on in the
+    child's copy of the body (a bare ``os.fork()``) leaves its scopes without error.
+    """
+    active = _active()
+    if not active and not _THREAD.scopes:
+        return
+    _ACTIVE.set(())
+    _THREAD.scopes = []  # a new list: a call's exit pops its own, the parent's copy
+    _THREAD.index = ThreadIndex()
+    for scope in active:
+        if type(scope) is Block:
+            if scope.mode is not None:
+                _torch_modes.remove_mode(scope.mode)
+                scope.mode = None
+            if scope.audit is not None:
+                _AUDITOR.release()
+                scope.audit = None
+            scope.previous_index = None
+    mode = innermost_device_mode()
+    _DEVICE_GLOBALS[_CURRENT] = None if mode is None else mode.device
 
 
 def _open_scope() -> Scope | None:
@@ -433,6 +465,7 @@ def audit_state() -> tuple[AuditLevel, torch.device] | None:
 
 
 _AUDITOR = Auditor(audit_state)
+os.register_at_fork(after_in_child=_start_outside_every_scope)
 
 
 def active_device() -> torch.device | None:
