@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from helpers import emulated_tests_in_a_child, skip_unless_emulated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
 
+from devicectx import device_agnostic
 from devicectx.testing import emulated
 
 pytestmark = pytest.mark.torch_internals  # the device's C++ meets torch's generator API
@@ -328,6 +330,52 @@ def test_fork_rng_restores_the_devices_generators(emu: torch.device) -> None:
         torch.rand(64, device=EMU1)
     assert same(expected[1], torch.rand(64, device=EMU1))
     assert same(expected[0], torch.rand(64, device=emu))
+
+
+def dropout_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.dropout(x @ w, p=0.5, training=True)
+
+
+def mask_gradient_holds(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``w.grad`` is the gradient of ``y.sum()`` with the dropout mask ``y`` shows:
+    a recompute that drew another mask gives another gradient."""
+    assert w.grad is not None
+    expected = x.detach().T @ ((y.detach() != 0).float() * 2.0).to(x.device)
+    return torch.allclose(w.grad.to(x.device), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_recomputes_dropout_with_the_same_mask(
+    emu: torch.device, reentrant: bool
+) -> None:
+    """torch.utils.checkpoint saves and restores the device's random state for the
+    recompute where ``torch.emu._initialized`` says the device has started, as
+    ``torch.cuda._initialized`` does: without it, the recompute drew another mask."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, device=emu, requires_grad=True)
+    w = torch.randn(8, 8, device=emu, requires_grad=True)
+    y = checkpoint(dropout_block, x, w, use_reentrant=reentrant)
+    y.sum().backward()
+    assert mask_gradient_holds(x, w, y)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpoint_inside_a_decorated_call_recomputes_the_same_mask(
+    emu: torch.device, reentrant: bool
+) -> None:
+    """The decorator outside the checkpoint (as decorator.md shows): checkpoint then sees
+    the moved inputs, and saves the target's random state with them."""
+
+    @device_agnostic(device=emu, output="input")
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return checkpoint(dropout_block, x, w, use_reentrant=reentrant)  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    y = block(x, w)
+    y.sum().backward()
+    assert mask_gradient_holds(x, w, y)
 
 
 # Another device's generator.

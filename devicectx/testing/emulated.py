@@ -517,6 +517,7 @@ def _register(devices: int) -> None:
     rename_privateuse1_backend(DEVICE_TYPE)
     extension.register_backend(devices)
     _device_module._extension = extension
+    _device_module._initialized = True
     _device_module.default_generators = tuple(map(extension.default_generator, range(devices)))
     register_device_module(DEVICE_TYPE, _device_module)
     generate_methods_for_privateuse1_backend(for_storage=True)

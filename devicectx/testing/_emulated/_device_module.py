@@ -17,6 +17,10 @@ from typing import Any, NamedTuple
 import torch
 
 _extension: Any = None  # the built extension, set by devicectx.testing.emulated.enable
+_initialized = False
+"""True once enabled, as ``torch.cuda._initialized`` after CUDA's lazy start: torch's generic
+device code reads it (``torch.utils.checkpoint`` saves and restores a device's random state
+for the recompute only where it is True; without it, dropout drew another mask there)."""
 
 
 def _index(device: torch.device | str | int | None) -> int:
