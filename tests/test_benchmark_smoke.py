@@ -108,7 +108,8 @@ def _off_default() -> list[str]:
 
 
 def test_sections_cover_their_cases(run: dict[str, Any]) -> None:
-    """Decorator, move and find sections cover the flat, nested and two many-leaf trees;
+    """Decorator, move and find sections cover the flat, nested and two many-leaf trees
+    (the move section also a BatchEncoding and a batch holding a long list of ints);
     the decorator section also each tree under a dtype policy, a decorated module forward
     and three tensors on each device that is not the default, there already and moved
     there at each call; the scope section each op,
@@ -121,7 +122,7 @@ def test_sections_cover_their_cases(run: dict[str, Any]) -> None:
     off = [f"flat3 {where} {device}" for device in _off_default() for where in ("on", "to")]
     policies = [f"{tree} dtypes=" for tree in trees]  # each tree with a dtype policy
     assert [*trees, *policies, "forward", *off] == decorator
-    assert [*trees, "aliased_10", "batch_encoding"] == list(report["move"]["cases"])
+    assert [*trees, "aliased_10", "batch_encoding", "token_ids"] == list(report["move"]["cases"])
     assert trees == list(report["find_devices"]["cases"])
     scope = ["a + b (8x8)", "torch.zeros(8, 8)", "nn.Linear(16, 16) forward", "BERT forward"]
     scope += [f"block entry ({device})" for device in _off_default()]
@@ -158,8 +159,15 @@ def test_peers_all_ran(run: dict[str, Any]) -> None:
             # and .to alone; the dtype policy, against the same decorated call without it
             if key == "forward" or key.startswith("flat3 ") or key.endswith(" dtypes="):
                 continue
-            # a BatchEncoding, which only send_to_device takes as users pass it
-            peers = ("to_device", "send_to_device") if key == "batch_encoding" else PEERS
+            # a BatchEncoding, which only send_to_device takes as users pass it; a list of
+            # ints, which optree (it maps every int) and TensorDict do not take
+            peers = (
+                ("to_device", "send_to_device")
+                if key == "batch_encoding"
+                else ("to_device", "send_to_device", "apply_to_collection")
+                if key == "token_ids"
+                else PEERS
+            )
             for peer in peers:
                 assert "ok" == case["subjects"][peer]["status"], (section, peer)
 
