@@ -516,6 +516,30 @@ def test_cpu_scalars_do_not_disagree() -> None:
     assert CPU == scale.device
 
 
+def test_under_vmap_a_per_sample_scalar_counts_as_its_batch() -> None:
+    """Under ``torch.func.vmap`` a (B,) CPU tensor is 0-dim per sample, but torch does not
+    mix it with another device: it counts as the tensor it is, and the call is refused
+    before the body, as the same call without vmap is."""
+    ran: list[bool] = []
+
+    @device_agnostic(move=False)
+    def scale(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        ran.append(True)
+        return x * s
+
+    x, s = torch.ones(3, 4, device="meta"), torch.ones(3)
+    with pytest.raises(DeviceMismatchError) as error:
+        torch.func.vmap(scale)(x, s)
+    assert [] == ran
+    assert {CPU, META} == set(error.value.devices)
+    inner = torch.func.vmap(lambda y, t: torch.func.grad(lambda u: scale(u, t).sum())(y))
+    with pytest.raises(DeviceMismatchError):  # through grad's wrapper too
+        inner(x, s)
+    assert [] == ran
+    assert META == torch.func.vmap(scale, in_dims=(0, None))(x, torch.tensor(2.0)).device
+    assert [True] == ran  # a real scalar mixes with any device: it ran
+
+
 def test_no_tensors_no_scope() -> None:
     """A call without tensors and with no rule naming a device runs where it is."""
 

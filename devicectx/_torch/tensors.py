@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["base_of", "below_autograd", "storage_slice", "version_of"]
+__all__ = ["base_of", "below_autograd", "is_cpu_scalar", "storage_slice", "version_of"]
 
 #: ``tensor._base``: the tensor a view was made from, or ``None``. Bound as an attrgetter so
 #: the per-call move path pays no Python call frame for it.
@@ -48,3 +48,34 @@ def storage_slice(storage: Any, start: int, stop: int) -> Any:
     """Bytes ``start`` to ``stop`` of an ``UntypedStorage`` not on ``meta``, as a storage of
     their own that keeps ``storage``'s memory alive and cannot be resized."""
     return _GETITEM(storage, slice(start, stop))
+
+
+_functorch = torch._C._functorch
+_is_wrapped: Callable[[torch.Tensor], bool] = _functorch.is_functorch_wrapped_tensor
+_is_batched: Callable[[torch.Tensor], bool] = _functorch.is_batchedtensor
+_unwrapped: Callable[[torch.Tensor], torch.Tensor] = _functorch.get_unwrapped
+
+
+def is_cpu_scalar(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a 0-dim CPU tensor, which torch's ops mix with any device.
+
+    Under ``torch.func.vmap``, a tensor that is 0-dim per sample is not one: its data holds
+    the batch dimension, and torch refuses to mix it (``is_batchedtensor``, looked for
+    through the wrappers of ``grad`` and nested transforms). Checked on torch 2.6.0 to
+    2.15.0.
+
+    Example:
+        >>> import torch
+        >>> from torch.func import vmap
+        >>> is_cpu_scalar(torch.tensor(1.0)), is_cpu_scalar(torch.ones(2))
+        (True, False)
+        >>> vmap(lambda s: torch.tensor(is_cpu_scalar(s)))(torch.ones(3)).tolist()
+        [False, False, False]
+    """
+    if tensor.dim() != 0 or tensor.device.type != "cpu":
+        return False
+    while _is_wrapped(tensor):
+        if _is_batched(tensor):
+            return False
+        tensor = _unwrapped(tensor)
+    return True

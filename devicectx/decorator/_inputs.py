@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from devicectx._errors import DeviceMismatchError
+from devicectx._torch.tensors import is_cpu_scalar
 from devicectx.decorator._params import Exclusion
 from devicectx.move import _move
 from devicectx.move._containers import KIND_CACHE, kind_for
@@ -160,7 +161,7 @@ def found_devices(
             device = tensor.device
             if type(tensor) is not _Tensor and not dtensor:
                 dtensor = is_dtensor(tensor)
-            if device.type == "cpu" and tensor.dim() == 0:
+            if device.type == "cpu" and is_cpu_scalar(tensor):
                 continue
             found.setdefault(device, []).append(path)
     if dtensor:  # rare: a second walk, to tell DTensors and plain tensors apart

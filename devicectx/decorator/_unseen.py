@@ -22,6 +22,7 @@ import torch
 from torch.optim import Optimizer
 
 from devicectx._errors import DeviceError, DeviceMismatchError
+from devicectx._torch.tensors import is_cpu_scalar
 from devicectx.decorator._mismatch import method_call, move_code
 from devicectx.move._unseen import (
     Unseen,
@@ -147,7 +148,7 @@ def _scalars_left(named: Sequence[tuple[str, Any]], target: torch.device) -> lis
     such a tensor with any device, it fails an op that needs it on the target."""
     if target.type == "cpu":
         return []
-    return [(path, value) for path, value, tensor in _reached(named) if _cpu_scalar(tensor)]
+    return [(path, value) for path, value, tensor in _reached(named) if is_cpu_scalar(tensor)]
 
 
 def _left_by_cycles(
@@ -160,7 +161,7 @@ def _left_by_cycles(
     return [
         (path, tensor.device)
         for path, _, tensor in _reached(kept)
-        if tensor.device != target and not _cpu_scalar(tensor)
+        if tensor.device != target and not is_cpu_scalar(tensor)
     ]
 
 
@@ -170,11 +171,6 @@ def _reached(named: Sequence[tuple[str, Any]]) -> Iterator[tuple[str, Any, torch
     for name, value in named:
         for path, tensor in iter_tensors(value, name):
             yield path, value, tensor
-
-
-def _cpu_scalar(tensor: torch.Tensor) -> bool:
-    """A 0-dim CPU tensor, which torch mixes with any device."""
-    return tensor.dim() == 0 and tensor.device.type == "cpu"
 
 
 def _cycles_error(
