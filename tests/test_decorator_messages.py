@@ -926,6 +926,37 @@ def test_a_stray_tensor_or_module_the_body_reads_by_name_is_named() -> None:
     assert META == scaled_passed(torch.ones(2), SCALE, offset).device
 
 
+def test_a_stray_tensor_a_modules_hook_reads_by_name_is_named_with_a_fix_that_works() -> None:
+    """A forward hook of a submodule adding a constant made on the CPU: named with the hook
+    and the module holding it (not "made in the body"); the fix followed (a buffer, read
+    from the hook's module) runs on the target."""
+    offset = torch.ones(2)
+    model = nn.Sequential(nn.Linear(2, 2)).to("meta")
+    model[0].register_forward_hook(lambda module, args, out: out + offset)
+
+    @device_agnostic
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)  # type: ignore[no-any-return]
+
+    with pytest.raises(DeviceMismatchError) as error:
+        forward(model, torch.ones(2))
+    lines = str(error.value).splitlines()
+    assert [
+        f"{forward.__qualname__}() failed in torch on a tensor on cpu that a hook of its "
+        "module reads by name, where @device_agnostic does not look:",
+        "    cpu <- offset (a closure variable of a forward hook of model[0])",
+    ] == lines[:2]
+    assert lines[-1] == (
+        'fix: model[0].register_buffer("offset", offset) and read it in the hook as '
+        "module.offset (its first argument), so that model[0].to() moves it with the model; "
+        "or move offset to meta once, where it is made"
+    )
+    fixed = nn.Sequential(nn.Linear(2, 2))
+    fixed[0].register_buffer("offset", offset)
+    fixed[0].register_forward_hook(lambda module, args, out: out + module.offset)
+    assert META == forward(fixed.to("meta"), torch.ones(2)).device
+
+
 def _act(model: nn.Module, obs: np.ndarray) -> torch.Tensor:
     return model(torch.from_numpy(obs))  # type: ignore[no-any-return]
 

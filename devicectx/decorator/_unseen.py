@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from devicectx._errors import DeviceError, DeviceMismatchError
 from devicectx._torch.tensors import is_cpu_scalar
 from devicectx.decorator._mismatch import method_call, move_code
+from devicectx.move._paths import keyed_modules, module_path
 from devicectx.move._unseen import (
     Unseen,
     attribute_of,
@@ -266,6 +267,27 @@ def _made_elsewhere(
             "\n".join(lines), devices={stray: stored}, target=target, reason=reason
         )
     read = [] if body is None else read_by_name(body, stray)
+    hooked = [] if read else read_by_hooks(named, stray)
+    if hooked:
+        name, _, _, module = hooked[0]
+        names = ", ".join(f"{n} (a {k} of a {h} of {m})" for n, k, h, m in hooked)
+        lines = [
+            f"{function}() failed in torch on {'a tensor' if len(hooked) == 1 else 'tensors'} "
+            f"on {stray} that a hook of its module reads by name, where @device_agnostic "
+            f"does not look:",
+            f"    {stray} <- {names}",
+            f"target {target} (from {reason})",
+            f"torch said: {_first_line(error)}",
+            f'fix: {module}.register_buffer("{name}", {name}) and read it in the hook as '
+            f"module.{name} (its first argument), so that {module}.to() moves it with the "
+            f"model; or move {name} to {target} once, where it is made",
+        ]
+        return DeviceMismatchError(
+            "\n".join(lines),
+            devices={stray: [n for n, _, _, _ in hooked]},
+            target=target,
+            reason=reason,
+        )
     if read:
         names = ", ".join(f"{name} (a {kind} of {function})" for name, kind in read)
         lines = [
@@ -321,6 +343,35 @@ def read_by_name(body: Callable[..., Any], device: torch.device) -> list[tuple[s
                 continue
             if there and (name, kind) not in found:
                 found.append((name, kind))
+    return found
+
+
+_HOOKS = (
+    ("_forward_pre_hooks", "forward pre-hook"),
+    ("_forward_hooks", "forward hook"),
+    ("_backward_pre_hooks", "backward pre-hook"),
+    ("_backward_hooks", "backward hook"),
+)
+
+
+def read_by_hooks(
+    named: Iterable[tuple[str, Any]], device: torch.device
+) -> list[tuple[str, str, str, str]]:
+    """``(name, "global" or "closure variable", which hook, module path)`` for each tensor on
+    ``device`` that a hook of a module among the arguments (or inside one) reads by name:
+    a forward hook adding a constant made on the CPU. On the error path only."""
+    found: list[tuple[str, str, str, str]] = []
+    for argument, value in named:
+        if not isinstance(value, torch.nn.Module):
+            continue
+        modules = list(value.named_modules())
+        keyed = keyed_modules(modules)
+        for qualified, module in modules:
+            path = module_path(argument, qualified, keyed) if qualified else argument
+            for attribute, which in _HOOKS:
+                for hook in getattr(module, attribute, {}).values():
+                    for name, kind in read_by_name(hook, device):
+                        found.append((name, kind, which, path))
     return found
 
 
