@@ -104,7 +104,7 @@ def _is_fixed(spec: DeviceLike) -> bool:
     if spec is not None and not isinstance(spec, str):
         return True  # no device at all (a float, a bool): refused at decoration
     if spec is None or spec.strip() == "auto":
-        return False  # None and "auto" follow the environment; an int, the accelerator
+        return False  # None and "auto" follow the environment
     try:
         parsed = torch.device(spec.strip())
     except RuntimeError:
