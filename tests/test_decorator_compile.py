@@ -239,6 +239,31 @@ def test_other_module_method_inside_a_compiled_function(branch: str) -> None:
     assert [META] == agree(branch, Outer().to("meta"), torch.ones(2))
 
 
+class Nested(nn.Module):
+    """A decorated ``forward`` that calls another decorated method of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    @device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+    @device_agnostic
+    def act(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h.relu(), torch.zeros(1)  # type: ignore[return-value]
+
+
+def test_nested_decorated_methods_compiled_after_eager_calls(branch: str) -> None:
+    """The inner call reads the default device its caller's traced scope set: a mode dynamo
+    made without running its ``__init__``, whose device is among dynamo's pending writes
+    (it was read off the object: dynamo's internal AttributeError, once an eager scope had
+    run in the process)."""
+    scaled(torch.ones(1), {"y": torch.ones(1)})  # an eager call in a scope, before
+    assert [META, META] == agree(branch, Nested().to("meta"), torch.ones(2))
+
+
 class Maker:
     """Class, static and plain methods, decorated outside ``@classmethod``/``@staticmethod``."""
 

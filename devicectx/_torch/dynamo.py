@@ -69,7 +69,7 @@ import inspect
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch._guards import TracingContext
@@ -211,6 +211,32 @@ def traced_mode_stack() -> list[object]:
         modes = sys.modules.get("torch._dynamo.variables.torch_function")
         manager = getattr(modes, "torch_function_mode_stack_state_mgr", None)
         return list(getattr(manager, "stack", []))
+
+
+def traced_mode_device(mode: Any) -> torch.device | None:
+    """The device of a ``DeviceContext`` on the stack of the code dynamo traces; None where
+    it cannot be read.
+
+    One entered in the traced code itself (a decorated call's body, in a compiled caller's
+    graph) is an object dynamo made without running its ``__init__``: its ``device`` is
+    among dynamo's pending attribute writes, not on the object. Checked on torch 2.6.0 to
+    2.15.0.
+    """
+    device = getattr(mode, "device", None)
+    if device is not None:
+        return cast(torch.device, device)
+    convert = sys.modules.get("torch._dynamo.symbolic_convert")
+    translator = getattr(convert, "InstructionTranslator", None)
+    try:
+        tx = translator.current_tx()  # type: ignore[union-attr]
+        for variable in tx.symbolic_torch_function_state.mode_stack:
+            if variable.value is mode:
+                writes = tx.output.side_effects.store_attr_mutations.get(variable, {})
+                written = writes.get("device")
+                return None if written is None else cast(torch.device, written.as_python_constant())
+    except (AttributeError, IndexError, RuntimeError, NotImplementedError):
+        pass
+    return None
 
 
 def faking() -> bool:

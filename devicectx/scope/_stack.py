@@ -38,6 +38,7 @@ from devicectx._torch.constructors import device_constructors
 from devicectx._torch.dynamo import (
     constant,
     faking,
+    traced_mode_device,
     traced_mode_stack,
     tracing,
 )
@@ -426,7 +427,8 @@ def current_device() -> torch.device:
         device = traced_scope_device()
         if device is None:
             mode = innermost_of(modes)
-            device = _CPU if mode is None else with_index(mode.device)
+            found = None if mode is None else traced_mode_device(mode)
+            device = _CPU if found is None else with_index(found)
         return device
     device = scope_device()
     return _torch_default() if device is None else device
