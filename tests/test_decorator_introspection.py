@@ -206,3 +206,20 @@ def test_a_classmethod_rebuilt_from_func_and_self_moves(name: str) -> None:
 
     assert META == rebuilt(torch.ones(1)).device
     assert Sampler is rebuilt.__self__
+
+
+def documented_step(model: torch.nn.Module, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+    """One step."""
+    return model(x) * scale  # type: ignore[no-any-return]
+
+
+def test_torch_compile_of_a_decorated_function_keeps_what_it_says_of_itself() -> None:
+    """``torch.compile(device_agnostic(f))`` reads as ``torch.compile(f)`` does: the
+    signature, docstring and qualified name of ``f`` (help(), IDEs, ``create_autospec``);
+    they were the internal entry's, ``(*args, **kwargs)``."""
+    plain = torch.compile(documented_step, backend="eager")
+    stacked = torch.compile(device_agnostic(documented_step), backend="eager")
+    assert inspect.signature(plain) == inspect.signature(stacked)
+    assert ("One step.", "documented_step") == (stacked.__doc__, stacked.__qualname__)
+    model = torch.nn.Linear(2, 2).to("meta")
+    assert torch.device("meta") == stacked(model, torch.ones(2), scale=2.0).device

@@ -3,8 +3,11 @@ once, with a fix that works when pasted as written."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -172,6 +175,53 @@ def test_above_a_descriptor_decorator_the_fix_says_below_it_and_works() -> None:
         fixed.cached.device,
         fixed.scale(torch.ones(2)).device,
     ]
+
+
+@pytest.mark.parametrize(
+    ("below", "name"),
+    [
+        (contextlib.contextmanager, "contextmanager"),
+        (contextlib.asynccontextmanager, "asynccontextmanager"),
+        (functools.lru_cache, "lru_cache (or @cache)"),
+        (functools.cache, "lru_cache (or @cache)"),
+    ],
+)
+def test_above_a_context_manager_or_a_cache_the_fix_says_below_it(
+    below: Callable[..., Any], name: str
+) -> None:
+    """Above ``@contextmanager`` the body would run at the ``with``, after the call; above
+    ``@lru_cache`` each moved copy would be a new key: refused where written."""
+
+    def body(x: torch.Tensor) -> Any:
+        yield x
+
+    with pytest.raises(
+        TypeError, match=rf"^@device_agnostic written above @{re.escape(name)}"
+    ) as error:
+        device_agnostic(below(body))
+    assert f"write @device_agnostic below @{name}, on the line above the `def`" == fix_code(error)
+
+
+def test_below_a_context_manager_or_a_cache_the_body_is_the_calls() -> None:
+    """Written below, the generator's body runs in the call's scope, on the target, and the
+    cache keys are the caller's own tensors: the second call is a hit."""
+
+    @contextlib.contextmanager
+    @device_agnostic(device="meta")
+    def opened(x: torch.Tensor) -> Iterator[torch.Tensor]:
+        yield x + torch.zeros(1)
+
+    with opened(torch.ones(1)) as made:
+        assert META == made.device
+
+    @functools.lru_cache
+    @device_agnostic(device="meta")
+    def embedded(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    x = torch.ones(1)
+    assert embedded(x) is embedded(x)
+    assert 1 == embedded.cache_info().hits
 
 
 def test_a_classmethod_and_a_staticmethod_are_still_decorated() -> None:

@@ -52,8 +52,10 @@ tensors and on torch's default device, so a change there recompiles):
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FunctionType, MethodType
 from typing import TYPE_CHECKING, Any
@@ -153,7 +155,12 @@ def entry_function(plan: Plan, function: Callable[..., Any]) -> Callable[..., An
         "_run_disabled": _run_disabled,
     }
     entry = copy_with_globals(_entry, names, getattr(function, "__name__", "function"))
-    entry.__qualname__ = f"{plan.name}.<traced>"
+    # What torch.compile(decorated) copies onto the function it returns: the decorated
+    # function's own qualified name, docstring and signature (help(), IDEs, autospec).
+    entry.__qualname__ = getattr(function, "__qualname__", plan.name)
+    entry.__doc__ = getattr(function, "__doc__", None)
+    with contextlib.suppress(TypeError, ValueError):  # a callable Python cannot read
+        entry.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
     return entry
 
 

@@ -9,6 +9,7 @@ methods, classmethods, staticmethods and ``nn.Module.forward`` all arrive as
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -255,6 +256,46 @@ def check_wrapped(wrapped: object) -> None:
         raise TypeError(msg)
     if isinstance(wrapped, nn.Module):
         raise TypeError(_module_refusal(wrapped, _name_in_caller(wrapped)))
+    below = _belongs_below(wrapped)
+    if below is not None:
+        name, why = below
+        msg = (
+            f"@device_agnostic written above @{name} would {why}\n"
+            f"fix: write @device_agnostic below @{name}, on the line above the `def`"
+        )
+        raise TypeError(msg)
+
+
+def _made_by(decorator: Callable[..., Any]) -> object:
+    """The code of the functions ``decorator`` returns (one code object for all of them)."""
+    return getattr(decorator(lambda: None), "__code__", None)
+
+
+# Decorators whose result @device_agnostic cannot sit on: what they wrap must be decorated.
+_CONTEXT_MANAGER_CODES = {
+    _made_by(contextlib.contextmanager): "contextmanager",
+    _made_by(contextlib.asynccontextmanager): "asynccontextmanager",
+}
+_CACHE_TYPE = type(functools.lru_cache(maxsize=None)(lambda: None))
+
+
+def _belongs_below(wrapped: object) -> tuple[str, str] | None:
+    """``(decorator, what goes wrong)`` where ``wrapped`` is the result of a decorator that
+    ``@device_agnostic`` must go below: a context manager's factory (its body runs at the
+    ``with``, after the decorated call returned) or a cache (each call's moved copies are
+    new keys). None for anything else."""
+    name = _CONTEXT_MANAGER_CODES.get(getattr(wrapped, "__code__", None))
+    if name is not None:
+        return name, (
+            "move the inputs and return, leaving the body to run at the `with` statement, "
+            "outside the call's scope and checks"
+        )
+    if isinstance(wrapped, _CACHE_TYPE):
+        return "lru_cache (or @cache)", (
+            "make each call's moved copies new keys: the cache would never hit, and would "
+            "keep every copy on the device"
+        )
+    return None
 
 
 def _module_refusal(module: nn.Module, name: str | None) -> str:
