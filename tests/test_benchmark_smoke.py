@@ -305,6 +305,30 @@ def test_prefetch_loop_ran_on_the_host_and_the_accelerator_there_is(run: dict[st
 
 
 @pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+def test_long_lists_times_each_walk() -> None:
+    """benchmarks/long_lists.py prints one time for each walk of its batch."""
+    done = subprocess.run(
+        [*python_command(str(ROOT / "benchmarks" / "long_lists.py")), "--items", "100"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert 0 == done.returncode, done.stderr
+    labels = [line.partition(": ")[0] for line in done.stdout.splitlines()]
+    accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None
+    index = torch.accelerator.current_device_index()
+    assert [
+        "to_device to meta",
+        f"decorated call to {accelerator.type}:{index}",
+        "find_devices",
+        "prefetch, first batch",
+    ] == labels
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
 def test_staged_breakdown_times_every_subject() -> None:
     """benchmarks/staged_breakdown.py --quick prints a time for every subject, with every
     core and with a quarter of them (one table where that is the same count)."""
