@@ -9,6 +9,7 @@ import gc
 import inspect
 import multiprocessing
 import pickle
+import re
 import threading
 import weakref
 from collections import namedtuple
@@ -1149,6 +1150,21 @@ def test_a_bound_method_shows_as_a_bound_method() -> None:
     model = Net()
     assert f"<bound method Net.forward of {model!r}>" == repr(model.forward)
     assert f"<bound method Maker.make of {Maker!r}>" == repr(Maker.make)
+    assert f"<bound method Maker.make of {Maker!r}>" == repr(Maker().make)  # its class
+
+
+def test_a_function_shows_as_a_function() -> None:
+    """A decorated function, a method reached through its class and a static method show as
+    Python shows a function (a method through its class was shown bound to the class, as a
+    classmethod is); a decorated bound method, as the bound method."""
+    assert re.fullmatch(r"<function allocates_on_meta at 0x[0-9a-f]+>", repr(allocates_on_meta))
+    assert re.fullmatch(r"<function Net\.forward at 0x[0-9a-f]+>", repr(Net.forward))
+    for static in (Maker.make_static, Maker().make_static):
+        assert re.fullmatch(r"<function Maker\.make_static at 0x[0-9a-f]+>", repr(static))
+    model = Net()
+    assert f"<bound method Net.forward of {model!r}>" == repr(
+        device_agnostic(Net.forward.__wrapped__.__get__(model))
+    )
 
 
 def test_bound_methods_copy_as_methods_do() -> None:

@@ -42,7 +42,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from types import BuiltinFunctionType, FunctionType
+from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import torch
@@ -193,8 +193,11 @@ class _BoundWrapper(_BoundFunctionWrapper):
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         return getattr, (self._bound_to(), self.__name__)
 
-    def __repr__(self) -> str:  # as a bound method shows (wrapt's names two addresses)
-        return f"<bound method {self.__qualname__} of {self._bound_to()!r}>"
+    def __repr__(self) -> str:  # as Python shows the method (wrapt's names two addresses)
+        if self._self_binding == "function" and self._self_instance is None:
+            return f"<function {self.__qualname__} at {id(self._self_parent):#x}>"
+        owner = self._owner() if self._self_binding == "classmethod" else self._bound_to()
+        return f"<bound method {self.__qualname__} of {owner!r}>"
 
     def __copy__(self) -> _BoundWrapper:
         return self
@@ -241,6 +244,14 @@ class DeviceAgnosticWrapper(_FunctionWrapper):
         if by_value or not _named_so(self):
             return _decorated_again, (self.__wrapped__, self._self_plan.options)
         return self.__qualname__
+
+    def __repr__(self) -> str:  # as Python shows what it wraps (wrapt's names two addresses)
+        wrapped = self.__wrapped__
+        if isinstance(wrapped, MethodType):
+            return f"<bound method {self.__qualname__} of {wrapped.__self__!r}>"
+        if isinstance(wrapped, (FunctionType, staticmethod)):
+            return f"<function {self.__qualname__} at {id(self):#x}>"
+        return f"<device_agnostic of {wrapped!r}>"
 
     def __copy__(self) -> DeviceAgnosticWrapper:
         return self
