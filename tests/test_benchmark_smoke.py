@@ -32,24 +32,33 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
-def _quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("bench")
-    env = {k: v for k, v in os.environ.items() if k not in ("DEVICECTX_DEVICE", "LOCAL_RANK")}
-    done = subprocess.run(
-        [
-            *python_command(str(ROOT / "benchmarks" / "bench.py")),
-            "--quick",
-            "--json",
-            str(out / "figures.json"),
-            "--markdown",
-            str(out / "report.md"),
-        ],
+def run_script(
+    name: str, *argv: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """benchmarks/``name`` run in a fresh interpreter that sees this test's devices, from the
+    repository's root; its output captured (the timeout a safety net: seconds, not minutes)."""
+    return subprocess.run(
+        [*python_command(str(ROOT / "benchmarks" / name)), *argv],
         capture_output=True,
         text=True,
         cwd=ROOT,
         env=env,
         timeout=300,
         check=False,
+    )
+
+
+def _quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items() if k not in ("DEVICECTX_DEVICE", "LOCAL_RANK")}
+    done = run_script(
+        "bench.py",
+        "--quick",
+        "--json",
+        str(out / "figures.json"),
+        "--markdown",
+        str(out / "report.md"),
+        env=env,
     )
     assert 0 == done.returncode, done.stderr
     return {
@@ -307,14 +316,7 @@ def test_prefetch_loop_ran_on_the_host_and_the_accelerator_there_is(run: dict[st
 @pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
 def test_long_lists_times_each_walk() -> None:
     """benchmarks/long_lists.py prints one time for each walk of its batch."""
-    done = subprocess.run(
-        [*python_command(str(ROOT / "benchmarks" / "long_lists.py")), "--items", "100"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        check=False,
-    )
+    done = run_script("long_lists.py", "--items", "100")
     assert 0 == done.returncode, done.stderr
     labels = [line.partition(": ")[0] for line in done.stdout.splitlines()]
     accelerator = torch.accelerator.current_accelerator()
@@ -332,14 +334,7 @@ def test_long_lists_times_each_walk() -> None:
 def test_staged_breakdown_times_every_subject() -> None:
     """benchmarks/staged_breakdown.py --quick prints a time for every subject, with every
     core and with a quarter of them (one table where that is the same count)."""
-    done = subprocess.run(
-        [*python_command(str(ROOT / "benchmarks" / "staged_breakdown.py")), "--quick"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-        check=False,
-    )
+    done = run_script("staged_breakdown.py", "--quick")
     assert 0 == done.returncode, done.stderr
     rows = [
         line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line

@@ -246,12 +246,6 @@ def test_malformed_device_fails_at_decoration(spec: object) -> None:
         device_agnostic(device=spec)  # type: ignore[arg-type]
 
 
-def test_an_index_is_kept_for_the_call() -> None:
-    """A whole index names the accelerator of the call's time: not resolved at decoration."""
-    step = device_agnostic(device=0)(lambda x: x)
-    assert callable(step)  # no error here, whether or not this machine has an accelerator
-
-
 # --- which device ------------------------------------------------------------------------
 
 

@@ -110,10 +110,10 @@ def only_atoms(items: list[Any] | tuple[Any, ...]) -> bool:
     """Whether a long list or tuple holds only numbers, strings and ``None`` (no tensor, and
     nothing to walk into), found at C speed.
 
-    Walked item by item, a batch's list of a million token ids cost every walk of the move
-    about 0.7 s; this look costs 20 ms, and stops at the first item of another type (a
-    tensor), so a list of tensors pays almost nothing. A short list is not looked at: the
-    walk is as quick there.
+    Walked item by item, a batch's list of token ids costs every walk of the move a Python
+    step per id (docs/performance.md has the figures); this look runs in C, and stops at
+    the first item of another type (a tensor), so a list of tensors pays almost nothing. A
+    short list is not looked at: the walk is as quick there.
 
     Example:
         >>> only_atoms(list(range(1000))), only_atoms([0.5] * 999 + [None])
