@@ -192,29 +192,34 @@ def skip_unless_emulated(request: pytest.FixtureRequest) -> None:
     if request.config.getoption("devicectx_accelerator") is not None:
         pytest.skip("the emulated accelerator is unavailable (see the report header)")
     pytest.skip(
-        "needs --devicectx-accelerator=emulated; "
-        "test_this_file_on_the_emulated_accelerator runs it so, in a fresh process"
+        "needs --devicectx-accelerator=emulated; tests/test_emulated.py::"
+        "test_the_device_s_own_tests_on_the_emulated_accelerator runs it so, in a fresh process"
     )
 
 
-def emulated_tests_in_a_child(request: pytest.FixtureRequest, file: str) -> list[str]:
-    """In a session without the emulated accelerator, the tests of ``file`` that need it
-    (its ``emu`` fixture), run in a fresh pytest that enables it; they must pass, none
-    skipped for want of the device. The child's output lines (``-rsp``: each passed test
-    and each skip with its reason)."""
+# The files of the emulated device's own tests: without the option, their tests that need
+# the device run in one child process (test_emulated.py's test_the_device_s_own_tests...).
+EMULATED_FILES = ("test_emulated.py", "test_emulated_generators.py", "test_emulated_ops.py")
+
+
+def emulated_tests_in_a_child(request: pytest.FixtureRequest) -> list[str]:
+    """In a session without the emulated accelerator, the tests of :data:`EMULATED_FILES`
+    that need it (their ``emu`` fixture), run in one fresh pytest that enables it (one:
+    each child is a torch import, a pytest start and the device's load); they must pass,
+    none skipped for want of the device. The child's output lines (``-rsp``: each passed
+    test and each skip with its reason)."""
     from devicectx.testing import emulated
 
     if emulated.enabled():
         pytest.skip("the emulated accelerator is enabled here: the tests ran in this process")
     needing = [
-        item.nodeid.partition("::")[2]
+        item.nodeid
         for item in request.session.items
-        if item.path == Path(file) and "emu" in getattr(item, "fixturenames", ())
+        if item.path.name in EMULATED_FILES and "emu" in getattr(item, "fixturenames", ())
     ]
     if not needing:  # deselected (-k): a child given no ids would run the whole suite
-        pytest.skip(f"none of the tests of {Path(file).name} that need the device was collected")
-    selected = [f"{file}::{name}" for name in needing]
-    lines = passing_run(*selected, "--devicectx-accelerator=emulated", "-rsp").stdout.splitlines()
+        pytest.skip("none of the tests that need the device was collected")
+    lines = passing_run(*needing, "--devicectx-accelerator=emulated", "-rsp").stdout.splitlines()
     # What matters: the tests that need the device ran there (other skips are the child's
     # business: a torch release may lack what one test checks).
     skipped = [line for line in lines if line.startswith("SKIPPED")]

@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ no_accelerator = pytest.mark.skipif(
     torch.accelerator.is_available(),
     reason="checks what 'auto' says on a machine without an accelerator",
 )
+Ran = Callable[..., subprocess.CompletedProcess[str]]  # a run of the command, by its arguments
 
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -46,6 +48,26 @@ def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
     )
+
+
+@pytest.fixture
+def report_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Ran:
+    """``main(ARGS)`` in this process with ``env`` set, as a finished run of the command.
+
+    The report reads the environment and torch at call time, so a fresh process adds
+    nothing to what it says but an interpreter's start (torch's import: seconds); the
+    command line itself (``python -m``, the script, its exit status) has tests of its own.
+    """
+
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        status = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["devicectx", *args], status, out, err)
+
+    return run
 
 
 def error_text(variable_value: str, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -111,9 +133,9 @@ def test_the_console_script_prints_the_same_json_as_python_m() -> None:
 
 
 @no_accelerator
-def test_json_holds_every_fact_of_the_report() -> None:
+def test_json_holds_every_fact_of_the_report(report_here: Ran) -> None:
     """--json prints one JSON object with the build, the devices, "auto" and the default."""
-    result = run_cli("--json", LOCAL_RANK="1")
+    result = report_here("--json", LOCAL_RANK="1")
 
     report = json.loads(result.stdout)
     assert EXIT_OK == result.returncode
@@ -171,14 +193,14 @@ def test_devicectx_device_picks_the_device(
 
 @pytest.mark.parametrize("value", ["cuda:7", "gpu"])
 def test_a_broken_setup_says_what_is_wrong_and_exits_1(
-    value: str, monkeypatch: pytest.MonkeyPatch
+    value: str, monkeypatch: pytest.MonkeyPatch, report_here: Ran
 ) -> None:
     """A DEVICECTX_DEVICE that is unusable here prints our error on stderr and exits 1."""
     if value == "cuda:7" and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
     expected_error = error_text(value, monkeypatch)
 
-    result = run_cli(DEVICECTX_DEVICE=value)
+    result = report_here(DEVICECTX_DEVICE=value)
 
     assert EXIT_BROKEN == result.returncode
     assert expected_error == result.stderr.rstrip("\n")
@@ -278,10 +300,10 @@ def test_each_gpu_is_listed_with_its_name_memory_and_capability() -> None:
 TORCHRUN_RANK_1 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
 
 
-def test_report_under_torchrun_names_the_rank_on_every_line() -> None:
+def test_report_under_torchrun_names_the_rank_on_every_line(report_here: Ran) -> None:
     """Under torchrun (world of 2) each line starts with the rank, and a job line gives
     the ranks and sizes, so that two ranks' interleaved reports can be told apart."""
-    result = run_cli(**TORCHRUN_RANK_1)
+    result = report_here(**TORCHRUN_RANK_1)
 
     lines = result.stdout.splitlines()
     assert EXIT_OK == result.returncode
@@ -290,9 +312,9 @@ def test_report_under_torchrun_names_the_rank_on_every_line() -> None:
     assert expected == lines[-1]
 
 
-def test_report_json_under_torchrun_carries_the_job() -> None:
+def test_report_json_under_torchrun_carries_the_job(report_here: Ran) -> None:
     """--json carries the same job facts as the text, and the prefix the text uses."""
-    result = run_cli("--json", **TORCHRUN_RANK_1)
+    result = report_here("--json", **TORCHRUN_RANK_1)
 
     expected = {
         "rank": 1,
@@ -306,9 +328,9 @@ def test_report_json_under_torchrun_carries_the_job() -> None:
     assert expected == json.loads(result.stdout)["job"]
 
 
-def test_report_of_a_one_process_world_has_no_prefix() -> None:
+def test_report_of_a_one_process_world_has_no_prefix(report_here: Ran) -> None:
     """A world of one needs no rank on its lines; the job line is still there."""
-    result = run_cli(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    result = report_here(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
 
     lines = result.stdout.splitlines()
     assert lines[0].startswith("devicectx ")
@@ -337,19 +359,19 @@ def test_report_of_a_one_process_world_has_no_prefix() -> None:
     ids=["world-size", "local-world-size", "rank"],
 )
 def test_a_malformed_job_variable_is_shown_on_the_job_line(
-    env: dict[str, str], expected: str
+    env: dict[str, str], expected: str, report_here: Ran
 ) -> None:
     """A torchrun variable that is not a whole number still gives the job line, which says
     so in the words of a malformed LOCAL_RANK's error; "auto" is not affected (exit 0)."""
-    result = run_cli(**env)
+    result = report_here(**env)
 
     assert EXIT_OK == result.returncode
     assert expected == result.stdout.splitlines()[-1]
 
 
-def test_report_json_lists_malformed_job_variables() -> None:
+def test_report_json_lists_malformed_job_variables(report_here: Ran) -> None:
     """--json carries the malformed variables by name, with their values as set."""
-    result = run_cli("--json", WORLD_SIZE="abc")
+    result = report_here("--json", WORLD_SIZE="abc")
 
     expected = {
         "rank": None,
@@ -363,10 +385,10 @@ def test_report_json_lists_malformed_job_variables() -> None:
     assert expected == json.loads(result.stdout)["job"]
 
 
-def test_report_outside_a_job_has_no_job_line() -> None:
+def test_report_outside_a_job_has_no_job_line(report_here: Ran) -> None:
     """Without torchrun's variables and with no process group the report is as before."""
     env = {name: "" for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    result = run_cli(**env)
+    result = report_here(**env)
 
     assert [] == [line for line in result.stdout.splitlines() if line.startswith("job")]
 

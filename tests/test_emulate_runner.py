@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from devicectx.testing import emulate, emulated
+
 RUNNER = [sys.executable, "-m", "devicectx.testing.emulate"]
 
 
@@ -20,6 +22,20 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
     if done.returncode == 2 and "EmulatedUnavailable" in done.stderr:
         pytest.skip(f"the emulated accelerator: {done.stderr.splitlines()[0]}")
     return done
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The exit status, output and error output of the runner given ``args``, run in this
+    process: a usage error stops it before it enables the device, so a fresh process would
+    add only torch's import."""
+    enabled_before = emulated.enabled()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        emulate.main(list(args))
+    out, err = capsys.readouterr()
+    assert enabled_before == emulated.enabled(), "the runner enabled the device first"
+    assert isinstance(stopped.value.code, int)
+    return stopped.value.code, out, err
 
 
 def test_a_script_runs_as_main_with_its_own_arguments(tmp_path: Path) -> None:
@@ -48,7 +64,8 @@ def test_a_module_runs_as_python_m_runs_it() -> None:
 
 
 def test_without_a_script_it_says_what_to_give() -> None:
-    """No script and no module: a usage error (exit 2) saying what to give."""
+    """No script and no module: a usage error (exit 2) saying what to give, from the
+    command line."""
     done = subprocess.run([*RUNNER, "--devices", "1"], capture_output=True, text=True, check=False)
     assert 2 == done.returncode
     assert done.stderr.splitlines()[-1].endswith("error: give a script to run, or -m MODULE")
@@ -66,14 +83,14 @@ def test_without_a_script_it_says_what_to_give() -> None:
     ],
     ids=["no-devices", "not-a-number", "negative-delay"],
 )
-def test_a_bad_option_value_is_a_usage_error(option: list[str], problem: str) -> None:
+def test_a_bad_option_value_is_a_usage_error(
+    option: list[str], problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A device count or delay enable() would refuse is a usage error (exit 2) that says
     what to write, before the build, not a traceback."""
-    done = subprocess.run(
-        [*RUNNER, *option, "-m", "devicectx"], capture_output=True, text=True, check=False
-    )
-    assert (2, "") == (done.returncode, done.stdout)
-    assert f"python -m devicectx.testing.emulate: error: {problem}" == done.stderr.splitlines()[-1]
+    status, out, err = usage_error(capsys, *option, "-m", "devicectx")
+    assert (2, "") == (status, out)
+    assert f"python -m devicectx.testing.emulate: error: {problem}" == err.splitlines()[-1]
 
 
 @pytest.mark.parametrize(
@@ -133,27 +150,23 @@ def test_a_thread_pool_alive_at_the_end_lets_the_process_end(tmp_path: Path) -> 
     assert (0, ["42"]) == (done.returncode, done.stdout.splitlines()), done.stderr
 
 
-def test_a_missing_script_is_a_usage_error(tmp_path: Path) -> None:
+def test_a_missing_script_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A script that does not exist: exit 2 and one line saying so, in python's words
     (`python missing.py`), before the build, not runpy's traceback."""
     missing = tmp_path / "missing.py"
-    done = subprocess.run(
-        [*RUNNER, "--devices", "1", str(missing), "--epochs", "1"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=tmp_path,
-    )
+    status, out, err = usage_error(capsys, "--devices", "1", str(missing), "--epochs", "1")
     python = subprocess.run(
         [sys.executable, str(missing)], capture_output=True, text=True, check=False
     )
-    assert (2, "") == (done.returncode, done.stdout)
+    assert (2, "") == (status, out)
     assert [
         f"python -m devicectx.testing.emulate: can't open file '{missing}': [Errno 2] No such "
         "file or directory"
-    ] == done.stderr.splitlines()
-    assert python.stderr.partition(": ")[2] == done.stderr.partition(": ")[2]
-    assert python.returncode == done.returncode
+    ] == err.splitlines()
+    assert python.stderr.partition(": ")[2] == err.partition(": ")[2]
+    assert python.returncode == status
 
 
 @pytest.mark.parametrize("module", ["no_such_module_here", "json.no_such_module"])

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import emulated_tests_in_a_child, skip_unless_emulated
+from helpers import skip_unless_emulated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
@@ -77,14 +77,6 @@ def emu(request: pytest.FixtureRequest) -> Iterator[torch.device]:
     now = emulated.settings()
     switches = {name: now[name] for name in emulated.PROFILES["cuda"]}
     assert dict(emulated.PROFILES["cuda"]) == switches, "the test left configure() changed"
-
-
-def test_this_file_on_the_emulated_accelerator(request: pytest.FixtureRequest) -> None:
-    """Without the option, this file's tests that need the device pass in a fresh process
-    that enables it."""
-    lines = emulated_tests_in_a_child(request, __file__)
-    passed = [line for line in lines if line.startswith("PASSED")]
-    assert any("test_a_generator_on_the_device" in line for line in passed)
 
 
 # torch.Generator(device="emu").

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import emulated_tests_in_a_child, skip_unless_emulated
+from helpers import skip_unless_emulated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -32,14 +32,6 @@ def emu(request: pytest.FixtureRequest) -> Iterator[torch.device]:
     skip_unless_emulated(request)
     yield torch.device("emu", 0)
     torch.accelerator.synchronize(0)
-
-
-def test_this_file_on_the_emulated_accelerator(request: pytest.FixtureRequest) -> None:
-    """Without the option, this file's tests that need the device pass in a fresh process
-    that enables it."""
-    lines = emulated_tests_in_a_child(request, __file__)
-    passed = [line for line in lines if line.startswith("PASSED")]
-    assert any("test_batch_norm_updates_the_running_statistics" in line for line in passed)
 
 
 def on_cpu(tensors: object) -> list[torch.Tensor]:
