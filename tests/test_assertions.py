@@ -2816,3 +2816,38 @@ def test_a_model_accelerate_placed_is_refused_and_left_as_it_was() -> None:
         "(assert_device_agnostic(fn, model, ...) before dispatch_model(model, ...))"
     )
     assert before == devicectx.find_devices(model, name="model")
+
+
+def test_an_inference_tensor_on_the_runs_device_fails_the_check_there_with_the_fix() -> None:
+    """A batch made under ``torch.inference_mode()`` reaches a training step as made where
+    it is on the run's device already (torch then refuses to save it for backward), and as
+    a normal tensor where the move copies it: the check's copy on that device stays an
+    inference tensor, as the caller's does, so the check fails there (not only the caller's
+    CPU run), naming the tensor and the fix, which then passes."""
+    with torch.inference_mode():
+        features = torch.randn(3, 4)
+
+    @devicectx.device_agnostic
+    def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = model(batch["features"]).pow(2).sum()
+        loss.backward()
+        return loss.detach()
+
+    with pytest.raises(AssertionError) as caught:
+        devicectx.testing.assert_device_agnostic(
+            step, nn.Linear(4, 2), {"features": features}, devices=["meta", "cpu"]
+        )
+    lines = str(caught.value).splitlines()
+    assert "step is not device-agnostic: it raised on cpu, not on meta:" == lines[0]
+    assert "Inference tensors cannot be saved for backward" in lines[1]
+    assert lines[2].startswith(
+        "  batch['features']: made under torch.inference_mode() and on cpu already"
+    )
+    assert (
+        "fix: make batch['features'] under torch.no_grad() instead of torch.inference_mode(), "
+        "or pass batch['features'].clone() (outside inference mode, a normal tensor)"
+    ) == lines[-1]
+    assert features.is_inference()  # the caller's tensor as it was
+    devicectx.testing.assert_device_agnostic(
+        step, nn.Linear(4, 2), {"features": features.clone()}, devices=["meta", "cpu"]
+    )

@@ -465,10 +465,35 @@ def _raised(
             else f"fix: {leave}"
         )
         return "\n".join(lines)
+    inference = _inference_inputs(inputs, device) if "nference tensor" in str(error) else []
+    if inference:
+        shown = ", ".join(inference[:3])
+        lines.append(
+            f"  {shown}: made under torch.inference_mode() and on {device} already, so "
+            f"{name} gets {'it' if len(inference) == 1 else 'them'} as made, which torch "
+            f"refuses here; a move to another device makes a normal tensor, so a run "
+            f"there passes"
+        )
+        lines.append(
+            f"fix: make {shown} under torch.no_grad() instead of torch.inference_mode(), "
+            f"or pass {inference[0]}.clone() (outside inference mode, a normal tensor)"
+        )
+        return "\n".join(lines)
     if reference is None:
         return None
     lines.append(f"fix: {_host_fix(name, error, device, inputs.devices)}")
     return "\n".join(lines)
+
+
+def _inference_inputs(inputs: Inputs, device: torch.device) -> list[str]:
+    """The paths of the call's inference tensors on ``device``: the ones that reach ``fn``
+    as made, where a move elsewhere would have made normal tensors of them."""
+    named = named_arguments(inputs.fn, inputs.args, inputs.kwargs)
+    return [
+        path
+        for path, value in walk_arguments(named)
+        if isinstance(value, torch.Tensor) and value.is_inference() and value.device == device
+    ]
 
 
 class _MissingOp(NamedTuple):

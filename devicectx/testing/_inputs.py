@@ -295,6 +295,12 @@ class _Copies:
                 view = view_of(anchor, self.tensor(anchor), tensor)
                 if view is not None:
                     return view
+        if tensor.is_inference():
+            # An inference tensor as the caller's: outside inference mode clone() makes a
+            # normal one, and a run on the tensor's own device would pass where the
+            # caller's call fails (torch saves no inference tensor for backward).
+            with torch.inference_mode():
+                return tensor.clone()
         return tensor.clone()
 
     def module(self, module: nn.Module) -> nn.Module:
