@@ -2124,3 +2124,43 @@ def test_a_result_that_cannot_go_where_output_sends_it_names_the_call_and_its_op
         "what can move in your code (to_device(result, ..., skip=[\"result['y']\"])); or "
         "return result['y'] in a form that copies (a sparse tensor's .to_dense())"
     )
+
+
+class _Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 2)
+
+    @devicectx.device_agnostic
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.l(x)
+        return out
+
+
+def test_functional_call_s_stand_ins_off_the_model_s_device_are_to_pass_there() -> None:
+    """``functional_call`` with some parameters replaced by tensors on another device: the
+    fix passes those tensors where the model's own parameters are, and does not move the
+    model (its parameters would leave their device for good), whichever device holds more
+    of the elements; where every parameter is a stand-in, nothing says where the model
+    belongs, and the fix is the usual one."""
+    from torch.func import functional_call
+
+    net = _Wrapped()
+    with pytest.raises(DeviceMismatchError) as caught:
+        functional_call(net, {"l.weight": torch.ones(2, 4, device="meta")}, (torch.ones(3, 4),))
+    assert (
+        "fix: pass l.weight on cpu, where _Wrapped's own parameters are: self.l.weight is a "
+        "tensor put in place of _Wrapped's for this call (the dict given to "
+        'torch.func.functional_call, say): {"l.weight": tensor.to("cpu")}'
+    ) == str(caught.value).splitlines()[-1]
+    assert {"cpu"} == {p.device.type for p in net.parameters()}
+
+    fixed = {"l.weight": torch.ones(2, 4)}
+    assert (3, 2) == functional_call(net, fixed, (torch.ones(3, 4),)).shape
+
+    stand_ins = {"l.weight": torch.ones(2, 4, device="meta"), "l.bias": torch.ones(2)}
+    both = {"l.weight": torch.ones(2, 4), "l.bias": torch.ones(2, device="meta")}
+    for swapped in (stand_ins, both):  # all of them stand-ins: no device of the model's own
+        with pytest.raises(DeviceMismatchError) as caught:
+            functional_call(net, swapped, (torch.ones(3, 4),))
+        assert "declare_spread(self)" in str(caught.value).splitlines()[-1]

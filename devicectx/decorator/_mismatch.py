@@ -198,6 +198,7 @@ def spread_strays(
     on_purpose: bool,
     keyed: Collection[str] = (),
     dtypes: Sequence[tuple[str, torch.dtype]] = (),
+    stand_ins: Mapping[str, torch.device] | None = None,
 ) -> DeviceMismatchError:
     """A module on several devices with parts off where they should be: a split nothing
     declares (``on_purpose`` False), or a part moved off the device its hook runs it on.
@@ -214,6 +215,10 @@ def spread_strays(
             name (:attr:`SpreadModel.keyed`), for the paths.
         dtypes: the module's tensors by path, with their dtypes: where a part's destination
             cannot hold some (float64 on MPS), the fix casts them before moving the part.
+        stand_ins: plain tensors in the module's parameters' places, by qualified name
+            (:func:`~devicectx.decorator._spread.stand_ins`): where they alone are off the
+            device of the module's own parameters, the fix is to pass them there, not to
+            move the module.
     """
     found: dict[torch.device, list[str]] = {}
     for part in parts:
@@ -281,12 +286,43 @@ def spread_strays(
     else:
         what = f"{module} ({kind}) with {_held(parts)} on {n} devices"
         held = f"; {unheld}" if unheld else ""
-        fix = (
+        fix = _stand_ins_fix(module, kind, parts, stand_ins or {}, keyed) or (
             f"{moves} before calling {function}() (modules are never moved implicitly{held}), "
             f"or declare_spread({module}) if the split is on purpose"
         )
     shown = _target_first(found, target)
     return _error(function, what, shown, target, reason, fix, count=False)
+
+
+def _stand_ins_fix(
+    module: str,
+    kind: str,
+    parts: Sequence[Part],
+    stand_ins: Mapping[str, torch.device],
+    keyed: Collection[str],
+) -> str | None:
+    """The fix where the tensors off the device of the module's own parameters are all
+    stand-ins put in their places for the call (``functional_call``'s dict): moving the
+    module, the usual fix, would move the model itself for good."""
+    own = {
+        part.device
+        for part in parts
+        if not any(within(name, part.path) or within(part.path, name) for name in stand_ins)
+    }
+    if len(own) != 1:
+        return None
+    (home,) = own
+    off = [name for name, device in stand_ins.items() if device != home]
+    if not off:
+        return None
+    paths = ", ".join(path_of(module, name, keyed) for name in off)
+    these = "a tensor" if len(off) == 1 else "tensors"
+    return (
+        f"pass {', '.join(off)} on {home}, where {kind}'s own parameters are: {paths} "
+        f"{'is' if len(off) == 1 else 'are'} {these} put in place of {kind}'s for this "
+        f"call (the dict given to torch.func.functional_call, say): "
+        f'{{"{off[0]}": tensor.to("{home}")}}'
+    )
 
 
 def optimizer_stopped(

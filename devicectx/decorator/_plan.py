@@ -40,7 +40,7 @@ from devicectx.decorator._optimizers import (
     state_off,
 )
 from devicectx.decorator._params import Params, self_offset
-from devicectx.decorator._spread import SpreadModel, Unmaterialised
+from devicectx.decorator._spread import SpreadModel, Unmaterialised, stand_ins
 from devicectx.decorator._target import (
     DeviceOption,
     Placed,
@@ -697,7 +697,16 @@ class Plan:
             on_purpose = device.entry is not None
             dtypes = module_dtypes(unwrap(module), called)
             raise _mismatch.spread_strays(
-                self.name, called, kind, parts, target, reason, on_purpose, device.keyed, dtypes
+                self.name,
+                called,
+                kind,
+                parts,
+                target,
+                reason,
+                on_purpose,
+                device.keyed,
+                dtypes,
+                stand_ins(unwrap(module)),
             )
         if isinstance(device, Unmaterialised):
             target = requested if requested is not None else device.compute

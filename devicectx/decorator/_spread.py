@@ -371,6 +371,30 @@ def path_of(name: str, qualified: str, keyed: Collection[str] = ()) -> str:
 # Reading the module.
 
 
+def stand_ins(module: nn.Module) -> dict[str, torch.device]:
+    """Plain tensors where ``module`` keeps its parameters, by qualified name, with their
+    devices: put there for one call in place of the module's own (``torch.func.
+    functional_call`` swaps a dict's tensors in so), not parameters a ``.to()`` would
+    move. For messages only: it reads every parameter.
+
+    Example:
+        >>> from torch.func import functional_call
+        >>> class Probe(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = nn.Linear(2, 2)
+        ...     def forward(self, x):
+        ...         return stand_ins(self)
+        >>> functional_call(Probe(), {"lin.weight": torch.ones(2, 2, device="meta")}, (1,))
+        {'lin.weight': device(type='meta')}
+    """
+    return {
+        name: tensor.device
+        for name, tensor in module.named_parameters(remove_duplicate=False)
+        if not isinstance(tensor, nn.Parameter)
+    }
+
+
 def _hook_cover(path: str, module: nn.Module) -> Cover | None:
     """The cover of accelerate's hook on ``module``; None without one that places it."""
     placed = runs_on(module)
