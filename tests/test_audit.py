@@ -75,6 +75,14 @@ def _frombuffer() -> object:
     return torch.frombuffer(bytearray(8), dtype=torch.float32)
 
 
+def _nested_tensor() -> object:
+    return torch.nested.nested_tensor([X, X[:2]], layout=torch.jagged, device="cpu")
+
+
+def _as_nested_tensor() -> object:
+    return torch.nested.as_nested_tensor([X, X[:2]], layout=torch.jagged, device="cpu")
+
+
 def _as_tensor() -> object:
     return torch.as_tensor(A, device="cpu")
 
@@ -172,6 +180,10 @@ OPS: list[tuple[str, Callable[[], object], str]] = [
      'torch.as_tensor(array, device="meta")'),
     ("torch.frombuffer", _frombuffer,
      'torch.frombuffer(buffer, dtype=...) before the block, then .to("meta") inside it'),
+    ("torch.nested.nested_tensor", _nested_tensor,
+     'torch.nested.nested_tensor(tensors, layout=torch.jagged, device="meta")'),
+    ("torch.nested.as_nested_tensor", _as_nested_tensor,
+     'torch.nested.as_nested_tensor(tensors, layout=torch.jagged, device="meta")'),
     ("torch.as_tensor", _as_tensor, 'torch.as_tensor(..., device="meta")' + _GIVEN),
     ("torch.as_tensor", _as_tensor_held, 'torch.as_tensor(..., device="meta")' + _UNFILLED),
     ("torch.asarray", _asarray, 'torch.asarray(..., device="meta")' + _GIVEN),
@@ -227,15 +239,18 @@ def test_raise_says_the_same_every_time(op: str, make: Callable[[], object], fix
     assert made is None
 
 
-def test_the_fixes_for_from_numpy_and_frombuffer_pass_the_audit() -> None:
-    """Applied as written, the fixes for an array and a buffer make no stray tensor: the
-    audit stays silent (a fix that still made a CPU tensor in the block was reported again)."""
+def test_the_fixes_for_from_numpy_frombuffer_and_nested_tensors_pass_the_audit() -> None:
+    """Applied as written, the fixes for an array, a buffer and nested tensors make no
+    stray tensor: the audit stays silent (a fix that still made a CPU tensor in the block
+    was reported again)."""
     buffer = bytearray(8)
     held = torch.frombuffer(buffer, dtype=torch.float32)  # before the block
     with on_device("meta", audit="raise"):
         from_array = torch.as_tensor(A, device="meta")
         from_buffer = held.to("meta")
-    assert {"meta"} == {from_array.device.type, from_buffer.device.type}
+        nested = torch.nested.nested_tensor([X, X[:2]], layout=torch.jagged, device="meta")
+        as_nested = torch.nested.as_nested_tensor([X, X[:2]], layout=torch.jagged, device="meta")
+    assert {"meta"} == {t.device.type for t in (from_array, from_buffer, nested, as_nested)}
 
 
 def test_once_per_line_and_op() -> None:

@@ -3,19 +3,21 @@
 ``on_device(d, audit=True)`` warns (:class:`~devicectx.StrayTensorWarning`), and
 ``audit="raise"`` raises (:class:`~devicectx.StrayTensorError`), where code in the block
 makes a tensor somewhere else: ``torch.from_numpy``, ``torch.zeros_like`` of a CPU tensor,
-``x.new_zeros``, an explicit ``device="cpu"``, a CPU ``torch.Generator``, a module's buffer
-or parameter registered on another device. These are the tensors that later fail far from
-where they were made, in a mixed-device error.
+``x.new_zeros``, an explicit ``device="cpu"`` (``torch.nested.nested_tensor``'s too), a
+CPU ``torch.Generator``, a module's buffer or parameter registered on another device.
+These are the tensors that later fail far from where they were made, in a mixed-device
+error.
 
 How it works. While a thread has an audited block open, one ``TorchFunctionMode`` sits on
 its mode stack. For every torch call it does one set lookup; only for a call that makes
 tensors (torch's constructors, the ``*_like`` family, ``Tensor.new_*``) or takes a
 ``generator=``, it asks the running task's audit state (a context variable, so an asyncio
 task or thread without an audited block is never reported), runs the call and looks at
-the device of what came back. ``torch.from_numpy`` and ``torch.frombuffer`` never reach a
-mode: while any block of the process audits they are replaced in torch's modules, with the
-:class:`~devicectx.scope._constructors.TorchPatch` that replaces the constructors. Buffers and
-parameters are seen through torch's global module registration hooks, installed only
+the device of what came back. ``torch.from_numpy``, ``torch.frombuffer`` and torch.nested's
+constructors never reach a mode with their device: while any block of the process audits
+they are replaced in torch's modules, with the
+:class:`~devicectx.scope._constructors.TorchPatch` that replaces the constructors. Buffers
+and parameters are seen through torch's global module registration hooks, installed only
 meanwhile.
 
 What is reported: a call made by the user's code (a tensor torch's own code makes as it
@@ -74,8 +76,10 @@ _NEW = frozenset(
     for name in ("empty", "empty_strided", "full", "ones", "tensor", "zeros")
 )
 _MADE = frozenset(device_constructors()) | _LIKE | _NEW
-# Replaced in the torch module while any block audits: no mode sees them.
+# Replaced in the torch module while any block audits: no mode sees them (torch.nested's
+# are Python functions that hand the device to private ops, which a mode sees without it).
 _UNSEEN = ("from_numpy", "frombuffer")
+_UNSEEN_NESTED = ("nested_tensor", "as_nested_tensor")
 
 
 def _directory(path: str | None) -> str:
@@ -160,8 +164,11 @@ class Auditor:
                 self._uninstall()
 
     def _watchers(self) -> dict[object, Callable[..., Any]]:
-        originals = [(name, getattr(torch, name)) for name in _UNSEEN]
-        return {fn: _watched(fn, f"torch.{name}", self) for name, fn in originals}
+        originals = [(f"torch.{name}", getattr(torch, name)) for name in _UNSEEN]
+        originals += [
+            (f"torch.nested.{name}", getattr(torch.nested, name)) for name in _UNSEEN_NESTED
+        ]
+        return {fn: _watched(fn, op, self) for op, fn in originals}
 
     def _install(self) -> None:
         self._patch.install()
@@ -206,7 +213,8 @@ class Auditor:
         return result
 
     def check_unseen(self, op: str, result: object) -> None:
-        """After ``torch.from_numpy`` or ``torch.frombuffer``: report a stray result."""
+        """After ``torch.from_numpy``, ``torch.frombuffer`` or torch.nested's constructors:
+        report a stray result."""
         state = self._state()
         if state is None:
             return
@@ -222,8 +230,12 @@ class Auditor:
                     nearest = nearest_dtype(block, dtype)  # float64 on MPS: the cast in the fix
                 if nearest is not None:
                     fix = f'torch.as_tensor(array, dtype={nearest}, device="{block}")'
-            else:  # frombuffer takes no device=
+            elif op == "torch.frombuffer":  # it takes no device=
                 fix = f'{op}(buffer, dtype=...) before the block, then .to("{block}") inside it'
+            elif block.type == "meta":  # torch keeps strided nested tensors off meta
+                fix = f'{op}(tensors, layout=torch.jagged, device="meta")'
+            else:
+                fix = f'{op}(tensors, device="{block}")'
             _report(level, op, f"made a tensor on {landed}", block, fix, user_calls=True)
 
     def _report_generator(
@@ -305,7 +317,7 @@ class _AuditMode(TorchFunctionMode):
 
 
 def _watched(original: Any, op: str, auditor: Auditor) -> Callable[..., Any]:
-    """``torch.from_numpy`` (or ``frombuffer``), reporting a stray result."""
+    """``torch.from_numpy`` (or another function no mode sees), reporting a stray result."""
 
     @functools.wraps(original)
     def made(*args: Any, **kwargs: Any) -> Any:
