@@ -528,3 +528,39 @@ def test_an_uninitialised_parameter_is_refused_with_its_path() -> None:
         "shape yet)) to meta:"
     )
     assert "Call `forward` with a dummy batch" in lines[1]
+
+
+def test_a_tuple_subclass_made_at_run_time_is_registered_itself_not_tuple() -> None:
+    """A ``tuple`` subclass made in a function, which cannot be rebuilt, gets the fix that
+    registers that class, not ``tuple`` (its nearest class code can name), whose
+    registration would change how every tuple is walked; followed, the class moves and a
+    plain tuple still does."""
+
+    def make_pair_type() -> type[tuple[Any, ...]]:
+        class Pair(tuple[Any, ...]):
+            def __new__(cls, a: object, b: object) -> Pair:
+                return super().__new__(cls, (a, b))
+
+        return Pair
+
+    pair_type = make_pair_type()
+    with pytest.raises(MoveError) as caught:
+        devicectx.to_device(pair_type(torch.ones(1), torch.ones(1)), "meta")
+    fix = str(caught.value).splitlines()[-1]
+    assert fix.startswith(
+        "fix: teach it with devicectx.register_container(Pair, children=pair_children, "
+        "rebuild=pair_rebuild) (Pair the class your code made at run time, each class it "
+        "makes; not tuple, whose registration would change how every tuple is walked)"
+    )
+    devicectx.register_container(
+        pair_type,
+        children=lambda obj: list(enumerate(obj)),
+        rebuild=lambda obj, new: pair_type(*new),
+    )
+    try:
+        moved = devicectx.to_device(pair_type(torch.ones(1), torch.ones(1)), "meta")
+        plain = devicectx.to_device((torch.ones(1), torch.ones(1), torch.ones(1)), "meta")
+    finally:
+        devicectx.unregister_container(pair_type)
+    assert (pair_type, META) == (type(moved), moved[1].device)
+    assert (tuple, META) == (type(plain), plain[2].device)

@@ -68,7 +68,7 @@ from devicectx.move._own_to import left_behind, lost_lock, off, own_to
 from devicectx.move._paths import ITEM, MEMBER, NAME, build, join
 from devicectx.move._skip import PredicateFailed, Skip
 from devicectx.move._unmaterialised import unmaterialised
-from devicectx.move._unseen import importable_class
+from devicectx.move._unseen import importable_class, registrable_class
 from devicectx.move._walk import all_on, iter_tensors, module_on, tensors_within
 from devicectx.move._wrapped import wrapped
 
@@ -784,11 +784,23 @@ def _registration(tp: type) -> str:
     """The ``register_container`` call for a type the move knows nothing of, with the two
     functions the user writes named: only its author knows its children and how it is
     built from them."""
-    named = importable_class(tp)
+    named = registrable_class(tp)
     stem = named.__name__.lower()
-    made = "" if named is tp else f" (a {tp.__name__}, made at run time, is a {named.__name__})"
+    base = importable_class(tp)
+    shown = named.__qualname__
+    if named is not tp:
+        made = f" (a {tp.__name__}, made at run time, is a {named.__name__})"
+    elif base is not tp:  # made at run time over one of Python's own containers
+        shown = tp.__name__  # what the code that made it holds it as, most likely
+        made = (
+            f" ({shown} the class your code made at run time, each class it makes; not "
+            f"{base.__name__}, whose registration would change how every {base.__name__} "
+            f"is walked)"
+        )
+    else:
+        made = ""
     return (
-        f"devicectx.register_container({named.__qualname__}, children={stem}_children, "
+        f"devicectx.register_container({shown}, children={stem}_children, "
         f"rebuild={stem}_rebuild){made}, where you write def {stem}_children(obj) giving "
         f"its (key, child) pairs and def {stem}_rebuild(obj, new) giving a new "
         f"{tp.__name__} of the moved children"

@@ -518,6 +518,25 @@ def importable_class(tp: type) -> type:
     return tp
 
 
+# Python's own containers, which the walk takes apart by itself: a fix never registers one
+# for a subclass's sake, since the registration would change how every one is walked.
+_PYTHONS_OWN = ("builtins", "collections")
+
+
+def registrable_class(tp: type) -> type:
+    """The class a ``register_container`` fix names for ``tp``: :func:`importable_class`,
+    or ``tp`` itself where that is one of Python's own containers (a ``tuple`` subclass
+    made at run time): registering ``tuple`` would change how every tuple is walked.
+
+    Example:
+        >>> Made = type("Made", (dict,), {"__module__": "abc"})
+        >>> registrable_class(Made) is Made
+        True
+    """
+    named = importable_class(tp)
+    return tp if named is not tp and named.__module__ in _PYTHONS_OWN else named
+
+
 def class_path(tp: type) -> str:
     """How code names ``tp``: its name, or for one of torch's types, the shortest public
     path to it (``torch.distributions.Categorical``), which needs only ``import torch``.
@@ -552,7 +571,7 @@ def register_call(tp: type, names: Sequence[str]) -> str:
     setter = "setattr" if getattr(tp, "__setattr__", own) is own else "object.__setattr__"
     sets = "".join(f', {setter}(clone, "{name}", new[{i}])' for i, name in enumerate(names))
     return (
-        f"register_container({class_path(importable_class(tp))}, "
+        f"register_container({class_path(registrable_class(tp))}, "
         f"children=lambda obj: [{listed}], "
         f"rebuild=lambda obj, new: (clone := copy.copy(obj){sets})[0])"
     )
