@@ -336,6 +336,26 @@ def test_mismatch_raises_our_error_when_compiled(branch: str) -> None:
         assert {META: ["pred"], CPU: ["target"]} == error.value.devices
 
 
+@device_agnostic(move=False)
+def untargeted(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A helper that refuses to move anything, with no target."""
+    return pred + target
+
+
+def test_mismatch_without_a_target_under_move_false_says_the_eager_fix_when_compiled(
+    branch: str,
+) -> None:
+    """move=False, no target, mixed devices: compiled, the error's fix is the eager one
+    (pass the tensors on one device), not a target that would move nothing."""
+    with pytest.raises(DeviceMismatchError) as eager:
+        untargeted(torch.ones(2, device="meta"), torch.ones(2))
+    with pytest.raises(DeviceMismatchError) as error:
+        compiled(untargeted, fullgraph=False)(torch.ones(2, device="meta"), torch.ones(2))
+    fix = str(eager.value).splitlines()[-1]
+    assert fix.startswith('fix: pass target.to("meta"), or use @device_agnostic(device="meta")')
+    assert fix == str(error.value).splitlines()[-1]
+
+
 def test_mismatch_under_fullgraph_quotes_our_message() -> None:
     """fullgraph=True: the mismatch is torch's Unsupported error, and it quotes ours."""
     with pytest.raises(DeviceMismatchError) as eager:

@@ -210,6 +210,25 @@ def test_inputs_disagree_with_nothing_to_choose() -> None:
     assert error.value.target is None
 
 
+def test_inputs_disagree_under_move_false_the_fix_passes_them_on_one_device() -> None:
+    """``move=False`` and nothing to choose a target: naming one would move nothing, so
+    the fix passes the tensors off the first device there, or names the device without
+    ``move=False``; either, followed, runs."""
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.device:
+        return (x - y).device
+
+    checked = device_agnostic(move=False)(loss)
+    with pytest.raises(DeviceMismatchError) as error:
+        checked(on_meta(2), torch.ones(2))
+    assert (
+        'fix: pass y.to("meta"), or use @device_agnostic(device="meta") (without move=False) '
+        "to move the arguments there"
+    ) == lines_of(error)[-1]
+    assert META == checked(on_meta(2), torch.ones(2).to("meta"))
+    assert META == device_agnostic(device="meta")(loss)(on_meta(2), torch.ones(2))
+
+
 def test_module_not_on_the_target() -> None:
     """A module elsewhere than ``device=``: named, with the call that fixes it."""
 

@@ -272,7 +272,7 @@ def traced_call(
     chosen = target
     if target is None:
         if len(found) > 1:
-            message = _message("common", plan.name, _frozen(found), None, "")
+            message = _message("common", plan.name, _frozen(found), None, "", plan.move)
             return _refuse(TracedMismatchError, message, plan, wrapped, instance, args, kwargs)
         target = _first(found, None)
     elif not plan.move and any(device != target for device in found):
@@ -563,10 +563,11 @@ def _message(
     found: tuple[tuple[torch.device, tuple[str, ...]], ...],
     target: torch.device | None,
     reason: str,
+    move: bool = True,
 ) -> str:
     mapping = dict(found)
     if kind == "common" or target is None:
-        return MADE.keep(_mismatch.no_common_device(function, mapping))
+        return MADE.keep(_mismatch.no_common_device(function, mapping, move))
     return MADE.keep(_mismatch.tensors_off_target(function, mapping, target, reason))
 
 

@@ -124,14 +124,25 @@ def method_call(function: str) -> str:
 def no_common_device(
     function: str,
     found: Mapping[torch.device, Sequence[str]],
+    move: bool = True,
 ) -> DeviceMismatchError:
-    """Nothing chose a target, and the argument tensors do not agree on one."""
+    """Nothing chose a target, and the argument tensors do not agree on one; ``move``: the
+    decorator's option, without which a target moves nothing (the fix then passes the
+    tensors on one device)."""
     reason = "no device= argument, no nn.Module involved and no on_device block to choose one"
-    first = _quote(next(iter(found)))
-    fix = (
-        f"name the device with @device_agnostic(device={first}), "
-        f"or call {function}() inside `with on_device({first}):`"
-    )
+    home = next(iter(found))
+    first = _quote(home)
+    if move:
+        fix = (
+            f"name the device with @device_agnostic(device={first}), "
+            f"or call {function}() inside `with on_device({first}):`"
+        )
+    else:
+        off = [path for device, paths in found.items() if device != home for path in paths]
+        fix = (
+            f"pass {_to_calls(off, home)}, or use @device_agnostic(device={first}) (without "
+            f"move=False) to move the arguments there"
+        )
     return _error(function, "tensors", found, None, reason, fix)
 
 

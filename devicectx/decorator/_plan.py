@@ -518,7 +518,7 @@ class Plan:
                 seen = (seen_args, seen_kwargs)
                 home = next((t.device for _, t in _move.iter_tensors(seen)), None)
             if target is None and len(found) > 1:  # rule 4: the inputs must agree
-                raise _mismatch.no_common_device(self.name, found)
+                raise _mismatch.no_common_device(self.name, found, self.move)
         chosen = target is not None
         if target is None:
             target = home
@@ -600,7 +600,7 @@ class Plan:
             found = {device: list(paths) for device, paths in mine.items()}
             for device, paths in self._found(args, kwargs, offset).items():
                 found.setdefault(device, []).extend(paths)
-            raise _mismatch.no_common_device(self.name, found)
+            raise _mismatch.no_common_device(self.name, found, self.move)
         assert target is not None
         own = kind_for(type(instance)).role == OWN
         mend = _unseen.own_to_mend([("self", instance, None)], target) if own else None
