@@ -1699,7 +1699,7 @@ def test_an_object_with_its_own_to_counts_among_the_inputs_devices() -> None:
     with pytest.raises(DeviceMismatchError) as error:
         infer(on_meta(2), OwnScale(torch.ones(2)))
     assert ["    meta <- x", "    cpu  <- cfg.scale"] == lines_of(error)[1:3]
-    fix = 'fix: name the device with @device_agnostic(device="meta")'
+    fix = 'fix: pass to_device(cfg, "meta"), or use @device_agnostic(device="meta")'
     assert lines_of(error)[-1].startswith(fix)
 
 
