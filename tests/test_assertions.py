@@ -2851,3 +2851,41 @@ def test_an_inference_tensor_on_the_runs_device_fails_the_check_there_with_the_f
     devicectx.testing.assert_device_agnostic(
         step, nn.Linear(4, 2), {"features": features.clone()}, devices=["meta", "cpu"]
     )
+
+
+TABLE = np.ones(3, dtype=np.float32)
+
+
+def test_a_tensor_made_over_numpy_inside_fn_gets_the_fix_that_works() -> None:
+    """A tensor ``fn`` makes with ``torch.from_numpy`` stays on the CPU whatever the scope,
+    so decorating ``fn`` is no fix: the check says to make it with ``torch.as_tensor(array,
+    device=x.device)``, which then passes; a stray made on another line of a function that
+    also uses numpy keeps the usual fix."""
+
+    def shift(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.from_numpy(TABLE)
+
+    with pytest.raises(AssertionError) as caught:
+        devicectx.testing.assert_device_agnostic(shift, torch.ones(3), devices=["cpu", "meta"])
+    assert (
+        "fix: shift makes a tensor over a numpy array's memory (torch.from_numpy), which "
+        "stays on the CPU, decorated or not: torch.as_tensor(array, device=x.device) makes "
+        "it on its inputs' device"
+    ) == str(caught.value).splitlines()[-1]
+
+    def fixed(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.as_tensor(TABLE, device=x.device)
+
+    devicectx.testing.assert_device_agnostic(fixed, torch.ones(3), devices=["cpu", "meta"])
+
+    def elsewhere(x: torch.Tensor) -> torch.Tensor:
+        table = torch.from_numpy(TABLE).to(x.device)
+        return x + table + torch.zeros(3)
+
+    with pytest.raises(AssertionError) as caught:
+        devicectx.testing.assert_device_agnostic(elsewhere, torch.ones(3), devices=["cpu", "meta"])
+    assert (
+        str(caught.value)
+        .splitlines()[-1]
+        .startswith("fix: make the tensors elsewhere creates on its inputs' device")
+    )

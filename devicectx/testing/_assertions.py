@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import linecache
 import math
 import numbers
 import re
@@ -417,7 +418,13 @@ def _raised(
             )
             return "\n".join(lines)
         inner = _failed_in(error)
-        if inner is not None and inner != _decorated(inputs.fn, name):
+        if _over_numpy(error):
+            lines.append(
+                f"fix: {inner or name} makes a tensor over a numpy array's memory "
+                f"(torch.from_numpy), which stays on the CPU, decorated or not: "
+                f"torch.as_tensor(array, device=x.device) makes it on its inputs' device"
+            )
+        elif inner is not None and inner != _decorated(inputs.fn, name):
             # The op that met the stray tensor is in code fn calls (a submodule of a
             # wrapper, say): the tensor was made there, or passed there.
             lines.append(_made_without_device(inner, inner, device))
@@ -691,6 +698,22 @@ def _failed_in(error: Exception) -> str | None:
     if owner is None or getattr(type(owner), code.co_name, None) is None:
         return code.co_name
     return f"{type(owner).__qualname__}.{code.co_name}"
+
+
+def _over_numpy(error: Exception) -> bool:
+    """Whether the line that raised ``error`` (in its innermost frame outside torch and
+    devicectx) calls ``torch.from_numpy``: the tensor it makes shares the array's memory on
+    the CPU, where no scope and no decorator puts it elsewhere."""
+    found = None
+    entry = error.__traceback__
+    while entry is not None:
+        if not entry.tb_frame.f_code.co_filename.startswith(NOT_CALLERS):
+            found = entry
+        entry = entry.tb_next
+    if found is None or "from_numpy" not in found.tb_frame.f_code.co_names:
+        return False
+    line = linecache.getline(found.tb_frame.f_code.co_filename, found.tb_lineno)
+    return not line or "from_numpy" in line  # no source to read: the code's names decide
 
 
 def _made_without_device(name: str, decorate: str | None, device: torch.device) -> str:
