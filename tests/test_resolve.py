@@ -289,6 +289,11 @@ def test_resolve_never_sets_environment_variables(monkeypatch: pytest.MonkeyPatc
             "unknown device type 'npu' (the Huawei Ascend package torch_npu adds it to "
             "torch: `import torch_npu` before naming the device)",
         ),
+        ("cdua", "unknown device type 'cdua', did you mean 'cuda'?"),
+        ("cdua:1", "unknown device type 'cdua', did you mean 'cuda:1'?"),
+        ("mpss", "unknown device type 'mpss', did you mean 'mps'?"),
+        ("meat", "unknown device type 'meat', did you mean 'meta'?"),
+        ("auot", "unknown device type 'auot', did you mean 'auto'?"),
         ("foo", "unknown device type 'foo'"),
         ("cuda:-1", "the index after ':' must be a whole number >= 0"),
         ("cuda:x", "the index after ':' must be a whole number >= 0"),

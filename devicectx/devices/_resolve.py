@@ -24,6 +24,7 @@ answer is read at trace time, with no guard.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from typing import TypeAlias
@@ -316,6 +317,7 @@ _PACKAGED = {
 _OTHER_NAMES = {
     "tpu": "'xla' (TPUs are XLA devices, with torch_xla installed)",
 }
+_COMMON_TYPES = ("cpu", "cuda", "mps", "xpu", "meta", "xla", "hpu", "mtia")
 _GLUED = re.compile(r"^([A-Za-z_]+)\s*(\d+)$")  # cuda0, emu 1: an index without its colon
 
 
@@ -340,6 +342,12 @@ def _hint(text: str, kind: str) -> str:
         )
     if named in _OTHER_NAMES:
         return f", did you mean {_OTHER_NAMES[named]}?"
+    # A misspelt type ('cdua', 'mpss'): the nearest of the types people name, the index kept.
+    types = [*_COMMON_TYPES, privateuse1_name(), "auto"]
+    close = difflib.get_close_matches(named, types, n=1, cutoff=0.6)
+    if close:
+        index = text.partition(":")[2]
+        return f", did you mean {close[0] + (':' + index if index else '')!r}?"
     return ""
 
 
