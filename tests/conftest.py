@@ -17,9 +17,9 @@ from devicectx.move import _repeats
 
 # Tensor work is slow next to plain Python, so no per-example deadline; "ci" runs the
 # default number of examples, "dev" fewer for a quick loop, "thorough" many more, and
-# "range" a quarter of the default: CI's whole suites on the other torch releases, where
-# the 2.13 run has drawn the full number (a release that breaks a property breaks it on
-# most inputs, not on the hundredth).
+# "range" a quarter of the default: CI's runs on the other torch releases, where the 2.13
+# run has drawn the full number (a release that breaks a property breaks it on most
+# inputs, not on the hundredth).
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
