@@ -19,6 +19,7 @@ that asks the driver (a trace-time constant under ``torch.compile``).
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, TypeAlias
@@ -315,6 +316,11 @@ def check_precision_name(precision: object) -> str:
             hint = _HINTS.get(precision)
         except TypeError:  # unhashable
             hint = None
+        if hint is None and isinstance(precision, str):  # a misspelt name: "bf16_mixed"
+            typed = precision.strip().lower().replace("_", "-")
+            names = [*_DTYPES, *_ALIASES, "auto"]
+            close = difflib.get_close_matches(typed, names, n=1, cutoff=0.6)
+            hint = f'precision="{close[0]}"' if close else None
     fix = hint or 'one of those, such as precision="auto" (it picks what each device supports)'
     msg = f"invalid precision {precision!r}: {problem}\nvalid names: {_VALID_NAMES}\nfix: {fix}"
     _raise(InvalidPrecisionError, msg)
