@@ -549,8 +549,8 @@ def test_a_tuple_subclass_made_at_run_time_is_registered_itself_not_tuple() -> N
     fix = str(caught.value).splitlines()[-1]
     assert fix.startswith(
         "fix: teach it with devicectx.register_container(Pair, children=pair_children, "
-        "rebuild=pair_rebuild) (Pair the class your code made at run time, each class it "
-        "makes; not tuple, whose registration would change how every tuple is walked)"
+        "rebuild=pair_rebuild) (Pair itself, the class your code made at run time, each one "
+        "it makes; not tuple, whose registration would change how every tuple is walked)"
     )
     devicectx.register_container(
         pair_type,

@@ -785,20 +785,19 @@ def _registration(tp: type) -> str:
     functions the user writes named: only its author knows its children and how it is
     built from them."""
     named = registrable_class(tp)
-    stem = named.__name__.lower()
     base = importable_class(tp)
     shown = named.__qualname__
+    made = ""
     if named is not tp:
         made = f" (a {tp.__name__}, made at run time, is a {named.__name__})"
     elif base is not tp:  # made at run time over one of Python's own containers
-        shown = tp.__name__  # what the code that made it holds it as, most likely
+        shown = tp.__name__  # as the code that made it most likely holds it
         made = (
-            f" ({shown} the class your code made at run time, each class it makes; not "
+            f" ({shown} itself, the class your code made at run time, each one it makes; not "
             f"{base.__name__}, whose registration would change how every {base.__name__} "
             f"is walked)"
         )
-    else:
-        made = ""
+    stem = named.__name__.lower()
     return (
         f"devicectx.register_container({shown}, children={stem}_children, "
         f"rebuild={stem}_rebuild){made}, where you write def {stem}_children(obj) giving "

@@ -11,6 +11,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable
+from types import TracebackType
 from typing import NamedTuple
 
 import torch
@@ -680,18 +681,25 @@ def _unseen(
     return [u for u in after if u.path in before], [u for u in after if u.path not in before]
 
 
-def _failed_in(error: Exception) -> str | None:
-    """The function (``Scale.forward``) whose line raised ``error``: the innermost frame of
-    its traceback outside torch and devicectx (``torch_geometric``'s is not torch's); None
-    where there is none."""
+def _raising_entry(error: Exception) -> TracebackType | None:
+    """The entry of ``error``'s traceback whose line raised it: the innermost outside torch
+    and devicectx (``torch_geometric``'s is not torch's); None where there is none."""
     found = None
-    frame = error.__traceback__
-    while frame is not None:
-        if not frame.tb_frame.f_code.co_filename.startswith(NOT_CALLERS):
-            found = frame.tb_frame
-        frame = frame.tb_next
-    if found is None or found.f_code.co_name.startswith("<"):  # a lambda, a comprehension
+    entry = error.__traceback__
+    while entry is not None:
+        if not entry.tb_frame.f_code.co_filename.startswith(NOT_CALLERS):
+            found = entry
+        entry = entry.tb_next
+    return found
+
+
+def _failed_in(error: Exception) -> str | None:
+    """The function (``Scale.forward``) whose line raised ``error``
+    (:func:`_raising_entry`'s); None where there is none."""
+    entry = _raising_entry(error)
+    if entry is None or entry.tb_frame.f_code.co_name.startswith("<"):  # a lambda, a genexpr
         return None
+    found = entry.tb_frame
     code = found.f_code
     # A method's first parameter, whatever its name: an instance whose class has it.
     owner = found.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
@@ -701,18 +709,13 @@ def _failed_in(error: Exception) -> str | None:
 
 
 def _over_numpy(error: Exception) -> bool:
-    """Whether the line that raised ``error`` (in its innermost frame outside torch and
-    devicectx) calls ``torch.from_numpy``: the tensor it makes shares the array's memory on
-    the CPU, where no scope and no decorator puts it elsewhere."""
-    found = None
-    entry = error.__traceback__
-    while entry is not None:
-        if not entry.tb_frame.f_code.co_filename.startswith(NOT_CALLERS):
-            found = entry
-        entry = entry.tb_next
-    if found is None or "from_numpy" not in found.tb_frame.f_code.co_names:
+    """Whether the line that raised ``error`` (:func:`_raising_entry`'s) calls
+    ``torch.from_numpy``: the tensor it makes shares the array's memory on the CPU, where
+    no scope and no decorator puts it elsewhere."""
+    entry = _raising_entry(error)
+    if entry is None or "from_numpy" not in entry.tb_frame.f_code.co_names:
         return False
-    line = linecache.getline(found.tb_frame.f_code.co_filename, found.tb_lineno)
+    line = linecache.getline(entry.tb_frame.f_code.co_filename, entry.tb_lineno)
     return not line or "from_numpy" in line  # no source to read: the code's names decide
 
 
