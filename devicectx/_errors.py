@@ -191,6 +191,16 @@ for _public in [
 del _public
 
 
+def without_fix(error: BaseException) -> str:
+    """``error``'s message less its ``fix:`` lines, for a caller that says its own fix.
+
+    Example:
+        >>> without_fix(ValueError("invalid device 'gpu'\\nfix: pass 'cuda'"))
+        "invalid device 'gpu'"
+    """
+    return "\n".join(line for line in str(error).splitlines() if not line.startswith("fix:"))
+
+
 def with_article(name: str) -> str:
     """A type's name as messages write it, with the article it is read with.
 

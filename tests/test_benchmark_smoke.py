@@ -21,6 +21,8 @@ STATUSES = {"ok", "not available", "error"}
 AUDIT_SUBJECTS = ["no block", "on_device(cpu)", "on_device(cpu, audit=True)", "torch.device(cpu)"]
 PEERS = ("send_to_device", "apply_to_collection", "optree.tree_map", "TensorDict.to")
 
+pytestmark = pytest.mark.tooling  # the scripts' own health: CI's main run, not the range's
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

@@ -30,6 +30,10 @@ from devicectx.devices._resolve import accelerator_type
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).with_name("devicectx")
 AUTO_ON_CPU = "no accelerator found, so the CPU (set DEVICECTX_DEVICE to choose)"
+# The command line itself (`python -m devicectx`, the console script, argparse's exit
+# status), a process each: CI's main run has these; the torch range leaves them out, the
+# report's content being tested in process there.
+tooling = pytest.mark.tooling
 no_accelerator = pytest.mark.skipif(
     torch.accelerator.is_available(),
     reason="checks what 'auto' says on a machine without an accelerator",
@@ -78,6 +82,7 @@ def error_text(variable_value: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return f"devicectx: {type(caught.value).__name__}: {caught.value}"
 
 
+@tooling
 def test_python_m_devicectx_prints_the_report() -> None:
     """`python -m devicectx` exits 0 and prints every line of the report, on any build.
 
@@ -117,6 +122,7 @@ def test_python_m_devicectx_prints_the_report() -> None:
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason=f"the console script is not installed at {SCRIPT}")
+@tooling
 def test_the_console_script_prints_the_same_json_as_python_m() -> None:
     """The installed `devicectx` script and `python -m devicectx` give one report."""
     from devicectx.testing import emulated
@@ -253,6 +259,7 @@ def test_an_unknown_option_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     assert (EXIT_USAGE, "", expected) == (status, captured.out, captured.err.splitlines())
 
 
+@tooling
 def test_an_unknown_option_exits_2_from_the_command_line() -> None:
     """`python -m devicectx --bogus` exits with status 2."""
     assert EXIT_USAGE == run_cli("--bogus").returncode

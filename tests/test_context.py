@@ -31,6 +31,7 @@ from devicectx import (
     current_device,
     device_agnostic,
     on_device,
+    resolve_device,
 )
 from devicectx._torch.modes import clear_default_device
 from devicectx.scope._stack import active_device, leave_opened_since
@@ -1042,6 +1043,45 @@ def test_an_on_device_object_pickles_as_what_it_is_made_of() -> None:
     with copy:
         assert torch.zeros(1).device == torch.device("meta")
     assert torch.zeros(1).device == torch.device("cpu")
+
+
+_SPEC_TEXTS = st.sampled_from(
+    ["cpu", "meta", "cuda", "cuda:7", "mps", "xpu:1", "npu", "cdua", "meat", "gpu", "CPU",
+     "cuda:x", "cuda:-1", "1", "", " auto ", "auto"]
+)  # fmt: skip
+
+
+@given(st.one_of(_SPEC_TEXTS, st.integers(-2, 9), st.floats(), st.booleans(), st.none()))
+def test_a_malformed_device_is_refused_where_the_block_is_made(spec: Any) -> None:
+    """on_device refuses at construction exactly the specs resolve_device calls malformed,
+    in its words; a well-formed device this machine lacks is refused when entered, since
+    the block may be made on a machine other than the one that runs it."""
+    try:
+        resolve_device(spec)
+    except InvalidDeviceError as error:
+        refused: BaseException = error
+    except DeviceUnavailableError:
+        block = on_device(spec)
+        with pytest.raises(DeviceUnavailableError), block:
+            pass
+        return
+    else:
+        with on_device(spec):
+            pass
+        return
+    with pytest.raises(InvalidDeviceError) as raised:
+        on_device(spec)
+    assert str(refused) == str(raised.value)
+    assert str(raised.value).splitlines()[-1].startswith("fix: pass a device this machine has")
+
+
+def test_a_misspelt_device_of_a_decorated_function_fails_at_its_def() -> None:
+    """``@on_device("cdua")`` fails where the function is defined, with the device meant."""
+    with pytest.raises(InvalidDeviceError, match="did you mean 'cuda'"):
+
+        @on_device("cdua")
+        def step() -> None:
+            pass
 
 
 # ---- the accelerator's current index, in threads that run a copy of the context ----

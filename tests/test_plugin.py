@@ -19,6 +19,10 @@ from devicectx.testing import emulated
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
+# The plugin run as users run it, in a pytest of its own (a torch import and the plugin's
+# start each, ~5-10 s): CI's main run has these; the torch range's whole suites leave them
+# out, the plugin itself serving their own run there.
+tooling = pytest.mark.tooling
 
 # A device no machine has: no torch build has 100 CUDA devices.
 ABSENT = "cuda:99"
@@ -188,6 +192,7 @@ RECORD_DEVICES = """
 """
 
 
+@tooling
 def test_report_says_when_the_fixture_gives_the_cpu_only(pytester: pytest.Pytester) -> None:
     """Without options, the report names the devices the `device` fixture gives; where that
     is the CPU alone (no accelerator), it says that checks against the CPU compare it with
@@ -565,6 +570,7 @@ def test_plugin_works_without_hypothesis(tmp_path: Path) -> None:
     assert expected == [line.partition(" in ")[0] for line in result.stdout.splitlines()[-3:]]
 
 
+@tooling
 def test_example_passes_under_the_plugin() -> None:
     """examples/property_test_forward.py passes as a user would run it, on cpu and meta."""
     example = ROOT / "examples" / "property_test_forward.py"
@@ -697,6 +703,7 @@ emulated.enable(devices=3, profile="mps")
     ids=["cuda-over-mps", "count"],
 )
 @pytest.mark.usefixtures("build_cache")
+@tooling
 def test_options_that_conflict_with_a_conftests_enable_are_usage_errors(
     pytester: pytest.Pytester, options: list[str], expected: list[str]
 ) -> None:
@@ -713,6 +720,7 @@ def test_options_that_conflict_with_a_conftests_enable_are_usage_errors(
 
 @pytest.mark.parametrize("option", ["emulated:mps", "emulated:cuda"])
 @pytest.mark.usefixtures("build_cache")
+@tooling
 def test_an_option_that_names_the_profile_agrees_with_a_conftests_enable(
     pytester: pytest.Pytester, option: str
 ) -> None:
@@ -740,6 +748,7 @@ def emulated_header(result: pytest.RunResult) -> list[str]:
 # One xdist worker is enough to check what workers do, and starts one torch less than two.
 @pytest.mark.parametrize("workers", [[], ["-n", "1"]], ids=["in-process", "xdist"])
 @pytest.mark.usefixtures("build_cache")
+@tooling
 def test_emulated_accelerator_option(pytester: pytest.Pytester, workers: list[str]) -> None:
     """--devicectx-accelerator=emulated enables emu before collection: the device fixture
     runs on emu:0 and emu:1, the accelerator marker passes, with xdist workers too."""
@@ -756,6 +765,7 @@ def test_emulated_accelerator_option(pytester: pytest.Pytester, workers: list[st
         assert any(test_id in line and "PASSED" in line for line in result.outlines), test_id
 
 
+@tooling
 def test_emulated_build_failure_skips_with_the_reason(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -811,6 +821,7 @@ EMULATED_MARKED = """
 """
 
 
+@tooling
 def test_emulated_device_marker_skips_without_the_option(pytester: pytest.Pytester) -> None:
     """requires_device('emu:1') in a run without the emulated accelerator skips, saying
     how to turn it on, with or without the `device` fixture (in a process of its own:
@@ -825,6 +836,7 @@ def test_emulated_device_marker_skips_without_the_option(pytester: pytest.Pytest
     ] == [line for line in result.outlines if line.startswith("SKIPPED")]
 
 
+@tooling
 def test_emulated_device_marker_skips_when_the_build_fails(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -911,6 +923,7 @@ def test_bad_emulated_options_are_usage_errors(
     assert expected == [line for line in result.errlines if line]
 
 
+@tooling
 def test_an_emulated_device_in_devices_without_the_option_says_how(
     pytester: pytest.Pytester,
 ) -> None:
@@ -927,6 +940,7 @@ def test_an_emulated_device_in_devices_without_the_option_says_how(
 
 
 @pytest.mark.usefixtures("build_cache")
+@tooling
 def test_the_emulated_devices_option_fix_works(pytester: pytest.Pytester) -> None:
     """The fix that error prints runs the test on the CPU and emu:0."""
     pytester.makepyfile(test_it=TEST_DEVICE)
@@ -940,6 +954,7 @@ def test_the_emulated_devices_option_fix_works(pytester: pytest.Pytester) -> Non
         assert any(f"{test_id} PASSED" in line for line in result.outlines), test_id
 
 
+@tooling
 def test_an_emulated_device_in_devices_is_skipped_when_the_build_fails(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -185,6 +185,38 @@ def test_no_thread_is_started_without_streams() -> None:
         assert before == threading.active_count()
 
 
+@pytest.mark.parametrize(("batches", "kind"), [(3, "an int"), (None, "a NoneType")])
+def test_batches_that_cannot_be_iterated_are_refused_at_the_call(batches: Any, kind: str) -> None:
+    """``prefetch(3)`` is a TypeError of ours where it is called, not Python's at the first
+    ``next()``."""
+    with pytest.raises(TypeError) as raised:
+        prefetch(batches, "meta")
+
+    assert [
+        f"prefetch({batches!r}, ...): batches is what the training loop iterates over, and "
+        f"{kind} is not iterable",
+        "fix: prefetch(loader, ...) with the DataLoader (or list, or generator) of batches; to "
+        "move one batch, to_device(batch, ...)",
+    ] == str(raised.value).splitlines()
+
+
+def test_a_dataset_iterated_by_its_indices_is_taken_and_not_started_at_the_call() -> None:
+    """What Python iterates is taken: a class with ``__getitem__`` alone (the old sequence
+    protocol); nothing is read from it until the loop asks."""
+    read: list[int] = []
+
+    class Indexed:
+        def __getitem__(self, index: int) -> torch.Tensor:
+            if index == 2:
+                raise IndexError(index)
+            read.append(index)
+            return torch.ones(1)
+
+    batches = prefetch(Indexed(), "meta")
+    assert [] == read
+    assert ["meta", "meta"] == [batch.device.type for batch in batches]
+
+
 @pytest.mark.parametrize("depth", [0, -1, 1.5, True, "2"])
 def test_depth_must_be_a_positive_int(depth: Any) -> None:
     """A depth that is no int of at least 1 is refused when the prefetcher is made."""

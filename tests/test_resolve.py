@@ -32,6 +32,10 @@ VALID_FORMS = (
     "a torch.device, or None (same as 'auto')"
 )
 HERE = ", ".join(str(d) for d in [*available_devices(), META])
+FIX_INVALID = (
+    f'fix: pass a device this machine has ({HERE}), or "auto", which picks its accelerator, '
+    "else the CPU"
+)
 ACCELERATOR = _resolve.accelerator_type()
 # What "gpu" gets on this machine: its own accelerator, else the CPU, which both work.
 GPU_HINT = (
@@ -308,7 +312,7 @@ def test_malformed_specs(spec: object, problem: str) -> None:
     """A malformed spec raises InvalidDeviceError (a ValueError) listing the valid forms."""
     with pytest.raises(InvalidDeviceError) as info:
         resolve_device(spec)  # type: ignore[arg-type]
-    assert f"invalid device {spec!r}: {problem}\n{VALID_FORMS}" == str(info.value)
+    assert f"invalid device {spec!r}: {problem}\n{VALID_FORMS}\n{FIX_INVALID}" == str(info.value)
     assert isinstance(info.value, ValueError)
     assert isinstance(info.value, DeviceError)
 

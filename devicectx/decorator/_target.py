@@ -22,7 +22,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
+from devicectx._errors import DeviceUnavailableError, InvalidDeviceError, without_fix
 from devicectx._torch.module_tree import buffers_of, children_of, parameters_of, tensors
 from devicectx.decorator._module_watch import Mark, ModuleCache, Sample
 from devicectx.decorator._spread import SpreadModel, Unmaterialised, analyse
@@ -67,13 +67,13 @@ class DeviceOption:
             except DeviceUnavailableError:
                 pass
             except InvalidDeviceError as error:
-                also = ""
+                facts = without_fix(error)
+                fix = str(error).removeprefix(facts)  # resolve_device's, its last line
                 if argument == "output":  # its one value that is no device, maybe mistyped
-                    close = isinstance(spec, str) and difflib.get_close_matches(spec, ["input"])
-                    guess = 'did you mean output="input"? ' if close else ""
-                    also = f'\n{guess}output= also takes "input": the device the inputs came from'
-
-                raise InvalidDeviceError(f"{self.label}: {error}{also}") from None
+                    facts += '\noutput= also takes "input": the device the inputs came from'
+                    if isinstance(spec, str) and difflib.get_close_matches(spec, ["input"]):
+                        fix = '\nfix: output="input"'
+                raise InvalidDeviceError(f"{self.label}: {facts}{fix}") from None
 
     def resolve(self) -> torch.device:
         """The device the spec names now."""

@@ -24,6 +24,7 @@ answer is read at trace time, with no guard.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import re
@@ -147,6 +148,37 @@ def _known(spec: object) -> torch.device | None:
             device = None  # "cuda", "cpu:0": the index (or its absence) is worked out
     _FIXED[spec] = device
     return device
+
+
+_WELL_FORMED: set[object] = set()
+"""Specs :func:`check_form` passed, so that a block made in a loop parses its spec once."""
+
+
+def check_form(spec: object) -> None:
+    """Raise :class:`InvalidDeviceError` where ``spec`` is malformed: a typo refused where
+    the code names the device, not where it first runs. Whether the device is on this
+    machine is left to :func:`resolve_device` at use (it may be on another machine).
+
+    Example:
+        >>> check_form("cuda:7")  # well formed, wherever it exists
+        >>> check_form("cdua")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        devicectx.InvalidDeviceError: invalid device 'cdua': ..., did you mean 'cuda'?
+        ...
+    """
+    __tracebackhide__ = True  # errors point at the caller's line
+    if spec is None or type(spec) is torch.device:
+        return
+    hashable = type(spec) in (str, int)
+    if hashable and spec in _WELL_FORMED:
+        return
+    if not (isinstance(spec, str) and spec.strip() == "auto"):
+        # An index with no accelerator here is left to resolve_device, at use.
+        with contextlib.suppress(DeviceUnavailableError):
+            _parse(spec)
+    if hashable and len(_WELL_FORMED) < _FIXED_MAX:
+        _WELL_FORMED.add(spec)
 
 
 def _resolve(spec: object) -> tuple[torch.device, str]:
@@ -279,14 +311,10 @@ def _parse(spec: object) -> torch.device:
         return spec
     if isinstance(spec, bool) or not isinstance(spec, (str, int)):
         kind = type(spec).__name__
-        raise InvalidDeviceError(
-            f"invalid device {spec!r}: a {kind} is not a device\n{_VALID_FORMS}"
-        )
+        raise _invalid(spec, f"a {kind} is not a device")
     if isinstance(spec, int):
         if spec < 0:
-            raise InvalidDeviceError(
-                f"invalid device {spec!r}: an index cannot be negative\n{_VALID_FORMS}"
-            )
+            raise _invalid(spec, "an index cannot be negative")
         accelerator = accelerator_type()
         if accelerator is None:
             raise _unavailable(spec, f"index {spec} names an accelerator, and none was found")
@@ -303,7 +331,7 @@ def _parse(spec: object) -> torch.device:
             problem = f"an index as text{_index_hint(int(text))}"
         elif text:
             problem += _hint(text, kind)
-        raise InvalidDeviceError(f"invalid device {spec!r}: {problem}\n{_VALID_FORMS}") from None
+        raise _invalid(spec, problem) from None
 
 
 # Device types that exist only once their package is imported (each renames torch's
@@ -520,6 +548,17 @@ _FIX_UNAVAILABLE = (
 def _here() -> str:
     """The devices of this machine, ``meta`` included, as a message lists them."""
     return ", ".join(str(d) for d in [*available_devices(), _META])
+
+
+def _invalid(spec: object, problem: str) -> InvalidDeviceError:
+    """A malformed spec's error: what is wrong, the forms a spec takes, and the devices of
+    this machine to name instead (the problem says which one was most likely meant)."""
+    msg = (
+        f"invalid device {spec!r}: {problem}\n{_VALID_FORMS}\n"
+        f'fix: pass a device this machine has ({_here()}), or "auto", which picks its '
+        "accelerator, else the CPU"
+    )
+    return InvalidDeviceError(msg)
 
 
 def _unavailable(spec: object, problem: str, fix: str | None = None) -> DeviceUnavailableError:

@@ -45,6 +45,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import reprlib
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -132,7 +133,8 @@ def prefetch(
     Raises:
         InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here.
         ValueError: ``depth`` is not an int of at least 1.
-        TypeError: ``skip`` holds something that is no type, path, key or predicate.
+        TypeError: ``batches`` is not iterable; ``skip`` holds something that is no type,
+            path, key or predicate.
         ValueError, TypeError: ``dtypes`` is no dtype policy.
 
     While iterating:
@@ -189,6 +191,15 @@ def prefetch(
           device and shares with ``to_device(..., non_blocking=True)``. Inside a CUDA
           graph capture, do not prefetch.
     """
+    # Asked of the type, not by iter(): a DataLoader's iter() would start its workers.
+    if not (hasattr(type(batches), "__iter__") or hasattr(type(batches), "__getitem__")):
+        msg = (
+            f"prefetch({reprlib.repr(batches)}, ...): batches is what the training loop "
+            f"iterates over, and {with_article(type(batches).__name__)} is not iterable\n"
+            f"fix: prefetch(loader, ...) with the DataLoader (or list, or generator) of "
+            f"batches; to move one batch, to_device(batch, ...)"
+        )
+        raise TypeError(msg)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         msg = (
             f"prefetch(depth={depth!r}): depth is how many batches move ahead of the one "

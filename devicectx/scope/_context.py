@@ -22,7 +22,7 @@ import torch
 from devicectx._errors import InvalidDeviceError, ScopeExitError, check_switches
 from devicectx._torch.dynamo import constant, disable, graph_break
 from devicectx._torch.modes import DeviceContext
-from devicectx.devices._resolve import DeviceLike, resolve_device
+from devicectx.devices._resolve import DeviceLike, check_form, resolve_device
 from devicectx.scope._audit import AuditLevel, AuditOption, check_audit
 from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
 from devicectx.scope._resumed import resumed, resumed_async_generator_function
@@ -164,10 +164,11 @@ class on_device:
     ``audit=False`` costs nothing.
 
     Raises:
-        InvalidDeviceError: ``device`` is malformed; a function given as the device
-            (``@on_device`` written without its parentheses) is refused where the block
-            is made, at the ``def``.
-        DeviceUnavailableError: this machine lacks ``device``.
+        InvalidDeviceError: ``device`` is malformed (``"cdua"``, ``3.5``), raised where the
+            block is made (at the ``def`` for ``@on_device(...)``); so is a function given
+            as the device (``@on_device`` written without its parentheses).
+        DeviceUnavailableError: this machine lacks ``device``, raised where the block is
+            entered.
         InvalidPrecisionError: ``precision`` is not one of those names (a ``ValueError``),
             raised where the block is made.
         PrecisionUnsupportedError: ``device`` cannot run ``precision`` (a
@@ -217,6 +218,7 @@ class on_device:
         if callable(device):
             _refuse_callable(device)
         check_switches("on_device", lead="device, ", exact=exact)
+        check_form(device)  # a misspelt device fails where the block is written
         self.spec = device
         self.exact = exact
         # A misspelt name fails here, where the block is written, not at its first entry.

@@ -415,7 +415,7 @@ def _parse_devices_option(text: str, emulated_failure: str | None) -> list[_Choi
 def _listed_choice(item: str, text: str, emulated_failure: str | None) -> _Choice:
     """The device one item of ``--devices=text`` names, or why it is skipped; raises
     ``pytest.UsageError`` for an item that names no device."""
-    from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
+    from devicectx._errors import DeviceUnavailableError, InvalidDeviceError, without_fix
     from devicectx.devices._resolve import resolve_device
 
     if _names_emulated_off(item):
@@ -432,7 +432,10 @@ def _listed_choice(item: str, text: str, emulated_failure: str | None) -> _Choic
     try:
         device = resolve_device(item)
     except InvalidDeviceError as error:
-        msg = f"--devices={text}: {error}\nfix: --devices=cpu,meta (devices separated by commas)"
+        msg = (
+            f"--devices={text}: {without_fix(error)}\n"
+            "fix: --devices=cpu,meta (devices separated by commas)"
+        )
         raise pytest.UsageError(msg) from None
     except DeviceUnavailableError as error:
         return _Choice(item, None, f"{_first_line(error)} (--devices={text})")
@@ -475,7 +478,7 @@ def _marker_device(marker: pytest.Mark) -> Any:
 
 def _marker_problem(marker: pytest.Mark) -> str | None:
     """What is wrong with how the marker is written; None when nothing is."""
-    from devicectx._errors import DeviceUnavailableError, InvalidDeviceError
+    from devicectx._errors import DeviceUnavailableError, InvalidDeviceError, without_fix
     from devicectx.devices._resolve import resolve_device
 
     spec = _marker_device(marker)
@@ -494,7 +497,8 @@ def _marker_problem(marker: pytest.Mark) -> str | None:
     try:
         resolve_device(spec)
     except InvalidDeviceError as error:
-        return f"@pytest.mark.{_MARKER}({spec!r}): {error}\nfix: @pytest.mark.{_MARKER}('cuda')"
+        facts = without_fix(error)
+        return f"@pytest.mark.{_MARKER}({spec!r}): {facts}\nfix: @pytest.mark.{_MARKER}('cuda')"
     except DeviceUnavailableError:
         pass
     return None
