@@ -10,10 +10,12 @@ the emulated one of the testing kit, or a GPU.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import inspect
 import re
+import reprlib
 import threading
 import traceback
 import warnings
@@ -195,6 +197,22 @@ def test_batches_that_cannot_be_iterated_are_refused_at_the_call(batches: Any, k
     assert [
         f"prefetch({batches!r}, ...): batches is what the training loop iterates over, and "
         f"{kind} is not iterable",
+        "fix: prefetch(loader, ...) with the DataLoader (or list, or generator) of batches; to "
+        "move one batch, to_device(batch, ...)",
+    ] == str(raised.value).splitlines()
+
+
+@pytest.mark.parametrize("batch", [{"x": torch.ones(2)}, collections.UserDict(x=torch.ones(2))])
+def test_one_batch_given_as_the_batches_is_refused_at_the_call(batch: Any) -> None:
+    """``prefetch(batch)`` with a dict (or a UserDict, as transformers' BatchEncoding is)
+    would hand over its keys: refused with the fix, to_device for one batch."""
+    with pytest.raises(TypeError) as raised:
+        prefetch(batch, "meta")
+
+    kind = type(batch).__name__
+    assert [
+        f"prefetch({reprlib.repr(batch)}, ...): a {kind} is one batch: iterating it gives its "
+        "keys, not batches",
         "fix: prefetch(loader, ...) with the DataLoader (or list, or generator) of batches; to "
         "move one batch, to_device(batch, ...)",
     ] == str(raised.value).splitlines()

@@ -48,7 +48,7 @@ import functools
 import reprlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
@@ -133,8 +133,8 @@ def prefetch(
     Raises:
         InvalidDeviceError, DeviceUnavailableError: ``device`` is no device here.
         ValueError: ``depth`` is not an int of at least 1.
-        TypeError: ``batches`` is not iterable; ``skip`` holds something that is no type,
-            path, key or predicate.
+        TypeError: ``batches`` is not iterable, or is one batch (a dict); ``skip`` holds
+            something that is no type, path, key or predicate.
         ValueError, TypeError: ``dtypes`` is no dtype policy.
 
     While iterating:
@@ -191,15 +191,7 @@ def prefetch(
           device and shares with ``to_device(..., non_blocking=True)``. Inside a CUDA
           graph capture, do not prefetch.
     """
-    # Asked of the type, not by iter(): a DataLoader's iter() would start its workers.
-    if not (hasattr(type(batches), "__iter__") or hasattr(type(batches), "__getitem__")):
-        msg = (
-            f"prefetch({reprlib.repr(batches)}, ...): batches is what the training loop "
-            f"iterates over, and {with_article(type(batches).__name__)} is not iterable\n"
-            f"fix: prefetch(loader, ...) with the DataLoader (or list, or generator) of "
-            f"batches; to move one batch, to_device(batch, ...)"
-        )
-        raise TypeError(msg)
+    _check_batches(batches)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         msg = (
             f"prefetch(depth={depth!r}): depth is how many batches move ahead of the one "
@@ -220,6 +212,25 @@ def prefetch(
     kept = [("depth", depth, 2), ("skip", skip, None)]
     prefetcher._suggest = call_suggest("prefetch", ("batches", repr(str(target))), kept)
     return prefetcher
+
+
+def _check_batches(batches: object) -> None:
+    """Refuse what cannot be the loop's batches: no iterable, or one batch (a mapping, whose
+    iteration gives its keys)."""
+    # Asked of the type, not by iter(): a DataLoader's iter() would start its workers.
+    kind = with_article(type(batches).__name__)
+    if not (hasattr(type(batches), "__iter__") or hasattr(type(batches), "__getitem__")):
+        problem = f"batches is what the training loop iterates over, and {kind} is not iterable"
+    elif isinstance(batches, Mapping):
+        problem = f"{kind} is one batch: iterating it gives its keys, not batches"
+    else:
+        return
+    msg = (
+        f"prefetch({reprlib.repr(batches)}, ...): {problem}\n"
+        f"fix: prefetch(loader, ...) with the DataLoader (or list, or generator) of batches; "
+        f"to move one batch, to_device(batch, ...)"
+    )
+    raise TypeError(msg)
 
 
 class Prefetcher(Generic[T]):
