@@ -6,6 +6,7 @@ moves where it can, messages asserted line by line.
 
 from __future__ import annotations
 
+import gc
 import pickle
 import re
 import sys
@@ -15,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 from helpers import accelerator, mps_like
+from hypothesis import given
+from hypothesis import strategies as st
 from move_subjects import CountingTo, Frozen, Holder, Pair
 from torch import nn
 from torch._utils import ExceptionWrapper
@@ -378,6 +381,94 @@ def test_a_model_offloaded_by_accelerate_is_refused_with_accelerates_way_out() -
     assert str(raised.value).startswith(
         "to_device() cannot move obj (a Linear) to cpu, and moved nothing: accelerate offloaded it"
     )
+
+
+# A move that fails after a module moved in place: the module is put back as it was.
+
+
+class StaysPut(torch.Tensor):
+    """A tensor whose ``.to`` raises: a leaf that cannot be moved."""
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this tensor stays")
+
+
+class HoldsAStayer(nn.Module):
+    """A module whose buffer cannot move: its ``module.to`` fails midway, after the layers
+    before it moved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stat", torch.ones(2).as_subclass(StaysPut))
+
+
+def trained_state(model: nn.Module) -> list[tuple[str, int, torch.device, torch.Tensor, Any]]:
+    """Each parameter and buffer: name, object, device, values, and its grad object."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [
+        (name, id(t), t.device, t.detach().clone(), getattr(t, "grad", None)) for name, t in named
+    ]
+
+
+def assert_as_before(model: nn.Module, before: list[Any]) -> None:
+    after = trained_state(model)
+    assert [(n, i, d, g) for n, i, d, _, g in before] == [(n, i, d, g) for n, i, d, _, g in after]
+    assert all(torch.equal(b[3], a[3]) for b, a in zip(before, after, strict=True))
+
+
+@given(model_first=st.booleans(), with_grads=st.booleans(), swap=st.booleans())
+def test_a_move_failing_after_a_module_moved_puts_the_module_back(
+    model_first: bool, with_grads: bool, swap: bool
+) -> None:
+    """to_device moves modules in place: a leaf that fails after the model moved (or before)
+    leaves the model as it was, the same parameter objects on their device with their
+    values and grads, so an optimizer made before still trains it; an RNN's list of its
+    weights too. Also where torch swaps a parameter's contents (torch.__future__)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.LSTM(2, 2))
+    if with_grads:
+        model(torch.ones(3, 2))[0].sum().backward()
+    before = trained_state(model)
+    stays = torch.ones(2).as_subclass(StaysPut)
+    batch = {"model": model, "stays": stays} if model_first else {"stays": stays, "model": model}
+    swapped = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        with pytest.raises(MoveError, match=r"could not move obj\['stays'\]"):
+            to_device(batch, "meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapped)
+    assert_as_before(model, before)
+    output, _ = model(torch.ones(3, 2))
+    assert CPU == output.device
+
+
+def test_a_module_whose_move_fails_midway_is_put_back() -> None:
+    """module.to stopping at a buffer it cannot move, the layers before it moved: every
+    tensor is back where it was, the same objects."""
+    model = nn.Sequential(nn.Linear(2, 2), HoldsAStayer())
+    before = trained_state(model)
+    with pytest.raises(MoveError, match="this tensor stays"):
+        to_device({"model": model}, "meta")
+    assert_as_before(model, before)
+
+
+@needs_emulated_memory_limit
+def test_a_model_out_of_memory_midway_is_put_back_and_frees_the_device() -> None:
+    """Out of memory at a model's second layer: the first layer is back on the CPU (not
+    left on the device, the model split), the same objects, and no device memory is held."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, MIB // 64))  # 4 MiB
+    model[0].weight.grad = torch.ones(64, 64)
+    before = trained_state(model)
+    gc.collect()
+    held = emulated.memory_allocated("emu:0")
+    with (
+        emulated.configure(memory_limit=held + MIB),
+        pytest.raises(torch.OutOfMemoryError, match=r"obj\['model'\]"),
+    ):
+        to_device({"model": model}, "emu:0")
+    assert_as_before(model, before)
+    gc.collect()
+    assert held == emulated.memory_allocated("emu:0")
 
 
 # Tracebacks: pytest shows the line that called and the message, not the engine's frames.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ __all__ = [
     "makes_new_parameters",
     "move",
     "parameters_of",
+    "restorer",
     "submodules",
     "tensors",
 ]
@@ -151,6 +153,75 @@ def move(
             if slots.get(name) is not kept:
                 slots[name] = kept
     return module
+
+
+def restorer(module: nn.Module) -> Callable[[], None]:
+    """What puts ``module``'s tensors back as they are now, called after a ``module.to``
+    that failed midway (out of memory at its fifth layer) or a move that failed after it.
+
+    Each place holds its tensor object again (``module.to`` gives a place a new object
+    between most devices); a parameter that ``module.to`` kept, moving its data in place
+    (CPU and CUDA: ``set_data``; ``torch.__future__``'s swap: ``swap_tensors``), gets
+    its memory back, and its gradient with it. RNNs list their weights apart from their
+    tables (``_flat_weights``): listed again, as their own ``_apply`` does.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> weight = model[0].weight
+        >>> put_back = restorer(model)
+        >>> _ = model.to("meta")
+        >>> put_back()
+        >>> model[0].weight is weight, weight.device.type
+        (True, 'cpu')
+    """
+    owners = [current for _, current in submodules(module)]
+    tables: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        (table, dict(table)) for owner in owners for table in (owner._parameters, owner._buffers)
+    ]
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    kept = {}
+    for owner in owners:
+        for tensor in owner._parameters.values():
+            if tensor is not None and id(tensor) not in kept:
+                grad = tensor.grad
+                data = tensor.data
+                kept[id(tensor)] = (tensor, data, grad, None if grad is None else grad.data)
+
+    rnns = [owner for owner in owners if hasattr(owner, "_flat_weights_names")]
+
+    def restore() -> None:
+        for table, saved in tables:
+            table.update(saved)
+        for rnn in rnns:  # its weak references to its weights: swap_tensors refuses those
+            rnn.__dict__["_flat_weight_refs"] = []
+        for tensor, data, grad, grad_data in kept.values():
+            _give_back(tensor, data)
+            if grad is not None and grad_data is not None:
+                _give_back(grad, grad_data)
+                if tensor.grad is not grad:
+                    tensor.grad = grad
+        for rnn in rnns:  # an RNN lists its weights apart, as its own _apply does again
+            getattr(rnn, "_init_flat_weights")()  # noqa: B009  (typed as a tensor)
+
+    return restore
+
+
+def _give_back(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    """``tensor`` made to hold ``data``'s memory again, where ``module.to`` moved it in place."""
+    if tensor.device == data.device and tensor.data_ptr() == data.data_ptr():
+        return
+    with torch.no_grad():
+        try:
+            tensor.data = data  # between devices whose tensors take each other's data
+        except RuntimeError:  # swapped (torch.__future__), or a subclass's own .data
+            torch.utils.swap_tensors(tensor, _alike(tensor, data))  # type: ignore[no-untyped-call]
+
+
+def _alike(tensor: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``tensor``'s kind holding ``data``, for ``swap_tensors``."""
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(data, requires_grad=tensor.requires_grad)
+    return data
 
 
 _Place = tuple[nn.Module, str, str]

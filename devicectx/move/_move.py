@@ -243,7 +243,9 @@ def to_device(
         - ``nn.Module`` objects are moved with ``module.to``, which moves them in place;
           pass ``skip=torch.nn.Module`` to leave them alone. A module is never left
           half-moved by a dtype the device cannot hold, nor by tensors on ``meta``:
-          those are refused before any module moves.
+          those are refused before any module moves. A move that fails after a module
+          moved (out of memory midway, a leaf that cannot move) puts the module back
+          as it was, the same tensor objects, before it raises.
         - Objects with their own ``.to`` are moved with it (on a shallow copy, so that a
           ``.to`` that works in place leaves the input alone): they keep their own
           rules, so a tensor they share with the rest of ``obj`` is copied twice. What
@@ -558,10 +560,15 @@ def _move(
         if staged is not None:
             mover.moved.update(staged.results)
             mover.sent.extend(staged.sources)
-    result = Rebuild.moving(device, mover, skip, name, fix, who).run(obj)
-    replace = mover.finish()
-    if replace:  # views met before the tensor they belong to: made views of it now
-        result = Rebuild.replacing(replace, name, fix, who).run(result)
+    walk = Rebuild.moving(device, mover, skip, name, fix, who)
+    try:
+        result = walk.run(obj)
+        replace = mover.finish()
+        if replace:  # views met before the tensor they belong to: made views of it now
+            result = Rebuild.replacing(replace, name, fix, who).run(result)
+    except BaseException:
+        walk.put_modules_back()  # modules move in place: none is left moved, or half
+        raise
     if handed is not None and not handed.reads_later:
         handed.reads_later = _copied_pinned(mover.sent, staged)
     if left is not None and mover.optimizer is not None and mover.adopted is not None:

@@ -44,6 +44,7 @@ from devicectx._errors import (
     with_article,
 )
 from devicectx._torch.module_tree import move as move_module
+from devicectx._torch.module_tree import restorer
 from devicectx._torch.module_tree import tensors as module_tensors
 from devicectx._torch.tensors import base_of
 from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
@@ -176,6 +177,7 @@ class Rebuild:
         "skip",
         "skip_types",
         "top",
+        "undo",
         "who",
     )
 
@@ -216,6 +218,8 @@ class Rebuild:
         # The root, for good: a module that is the whole structure shares its tensors with
         # nothing else in it.
         self.top: Any = None
+        # What puts each module moved in place back as it was, should the move fail after.
+        self.undo: list[Callable[[], None]] = []
 
     @classmethod
     def moving(
@@ -677,6 +681,7 @@ class Rebuild:
                 # never keeps a view (a buffer can be one).
                 was = tensor if base_of(tensor) is not None else tensor.detach()
                 before.append((name, tensor, was))
+        self.undo.append(restorer(module))
         move_module(module, device, non_blocking=mover.non_blocking, earlier=mover.adopted_result)
         if not before:
             return
@@ -686,6 +691,13 @@ class Rebuild:
             result = after.get(name)
             if result is not None and result.device == device:
                 mover.adopt(tensor, was if result is tensor else tensor, result)
+
+    def put_modules_back(self) -> None:
+        """Every module this walk moved in place, as it was before: for a move that fails
+        after (out of memory, a leaf that cannot move), which leaves nothing half-moved."""
+        undo, self.undo = self.undo, []
+        for restore in reversed(undo):
+            restore()
 
     def _sending(self, obj: Any) -> int:
         """List the tensors an object's own ``.to`` is about to copy (a module's are listed
