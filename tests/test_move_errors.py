@@ -442,14 +442,20 @@ def test_a_move_failing_after_a_module_moved_puts_the_module_back(
     assert CPU == output.device
 
 
-def test_a_module_whose_move_fails_midway_is_put_back() -> None:
+def test_a_module_whose_move_fails_midway_is_put_back_and_the_tensor_named() -> None:
     """module.to stopping at a buffer it cannot move, the layers before it moved: every
-    tensor is back where it was, the same objects."""
+    tensor is back where it was, the same objects; the error names the buffer (torch's
+    names none)."""
     model = nn.Sequential(nn.Linear(2, 2), HoldsAStayer())
     before = trained_state(model)
-    with pytest.raises(MoveError, match="this tensor stays"):
+    with pytest.raises(MoveError) as raised:
         to_device({"model": model}, "meta")
     assert_as_before(model, before)
+    assert [
+        "to_device() could not move obj['model'] (a Sequential) to meta:",
+        "    its buffer '1.stat' (a StaysPut of shape (2,), torch.float32, on cpu): "
+        "RuntimeError: this tensor stays",
+    ] == str(raised.value).splitlines()[:2]
 
 
 @needs_emulated_memory_limit

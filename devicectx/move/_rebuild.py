@@ -95,6 +95,26 @@ class _Failed(Exception):
         self.parts: list[tuple[int, Any]] = []
 
 
+class _TensorOfModule(Exception):
+    """``module.to`` failed on one of the module's tensors: which, and torch's error."""
+
+    def __init__(self, name: str, tensor: torch.Tensor, error: Exception) -> None:
+        super().__init__()
+        self.name, self.tensor, self.error = name, tensor, error
+
+
+def _unmovable(module: nn.Module, device: torch.device) -> tuple[str, torch.Tensor] | None:
+    """The first tensor of ``module`` whose ``.to(device)`` raises, with its name; None if
+    none does (the failure was the module's own code). Called only where ``module.to`` has
+    failed, on an error other than out of memory."""
+    for name, tensor in module_tensors(module):
+        try:
+            tensor.to(device)
+        except Exception:
+            return name, tensor
+    return None
+
+
 class _Refused(_Failed):
     """A move refused before anything moved: :meth:`Rebuild.run` raises its ``error``
     as it is, each level's key unused (the error names its own paths)."""
@@ -682,7 +702,18 @@ class Rebuild:
                 was = tensor if base_of(tensor) is not None else tensor.detach()
                 before.append((name, tensor, was))
         self.undo.append(restorer(module))
-        move_module(module, device, non_blocking=mover.non_blocking, earlier=mover.adopted_result)
+        try:
+            move_module(
+                module, device, non_blocking=mover.non_blocking, earlier=mover.adopted_result
+            )
+        except Exception as error:
+            # torch's error names no tensor: the one that cannot move, found by trying each.
+            culprit = (
+                None if isinstance(error, torch.OutOfMemoryError) else _unmovable(module, device)
+            )
+            if culprit is None:
+                raise
+            raise _TensorOfModule(*culprit, error) from error
         if not before:
             return
         self.keep.append(before)  # no id adopted is reused by a new object during the walk
@@ -726,6 +757,11 @@ class Rebuild:
             fix = f"teach it with {_registration(error.tp)}; or {fix}"
         elif isinstance(error, (RegistrationError, CannotCast)):  # their own fix, not a skip
             detail, _, fix = str(error).partition("\nfix: ")
+        elif isinstance(error, _TensorOfModule):
+            kind = "parameter" if isinstance(error.tensor, nn.Parameter) else "buffer"
+            inner = f"{type(error.error).__name__}: {_shortened(str(error.error))}"
+            detail = f"its {kind} {error.name!r} ({_describe(error.tensor)}): {inner}"
+            detail = detail.replace("\n", "\n    ")
         else:
             detail = f"{type(error).__name__}: {_shortened(str(error))}".replace("\n", "\n    ")
             other = _whole_fix(failed.obj, path) if whole else None
