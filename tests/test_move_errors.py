@@ -442,6 +442,19 @@ def test_a_move_failing_after_a_module_moved_puts_the_module_back(
     assert CPU == output.device
 
 
+def test_a_sparse_gradient_is_put_back_with_its_parameter() -> None:
+    """An embedding trained with sparse gradients (no data pointer to compare) is put back
+    too, its gradient the same sparse tensor."""
+    model = nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Linear(2, 2))
+    model(torch.tensor([1, 2])).sum().backward()
+    before = trained_state(model)
+    with pytest.raises(MoveError, match=r"obj\['stays'\]"):
+        to_device({"model": model, "stays": torch.ones(2).as_subclass(StaysPut)}, "meta")
+    assert_as_before(model, before)
+    assert model[0].weight.grad is not None
+    assert model[0].weight.grad.is_sparse
+
+
 def test_a_module_whose_move_fails_midway_is_put_back_and_the_tensor_named() -> None:
     """module.to stopping at a buffer it cannot move, the layers before it moved: every
     tensor is back where it was, the same objects; the error names the buffer (torch's

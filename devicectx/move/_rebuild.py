@@ -728,7 +728,10 @@ class Rebuild:
         after (out of memory, a leaf that cannot move), which leaves nothing half-moved."""
         undo, self.undo = self.undo, []
         for restore in reversed(undo):
-            restore()
+            # What the user sees is the move's own error: a module that cannot be put back
+            # (its own code raising) must not hide it.
+            with contextlib.suppress(Exception):
+                restore()
 
     def _sending(self, obj: Any) -> int:
         """List the tensors an object's own ``.to`` is about to copy (a module's are listed
