@@ -1313,6 +1313,51 @@ def test_accelerator_decorated_call_makes_its_index_current() -> None:
 
 
 @pytest.mark.requires_device("accelerator")
+def test_a_returned_parameter_moved_back_keeps_its_gradient_path() -> None:
+    """output="input" copies a returned parameter as ``.to`` does: a loss on the copy
+    reaches the model's parameter (a tied weight, a codebook returned for a regulariser)."""
+    model = nn.Linear(3, 1).to(accelerator_at())
+
+    @device_agnostic(output="input")
+    def forward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return model(x), model.weight
+
+    _, weight = forward(model, torch.ones(2, 3))
+    assert (torch.device("cpu"), False) == (weight.device, weight.is_leaf)
+    weight.sum().backward()
+    assert model.weight.grad is not None
+    assert torch.equal(torch.ones(1, 3), model.weight.grad.cpu())
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_body_that_turns_grad_on_under_the_callers_no_grad_differentiates_its_inputs() -> None:
+    """Under the caller's no_grad, a body that turns autograd on (a saliency map, an inner
+    step) sees its moved inputs as it sees the caller's: requiring grad, their gradients
+    reaching the caller's tensors, as undecorated; the result moved back keeps its path."""
+    model = nn.Linear(3, 1).to(accelerator_at())
+    x = torch.ones(2, 3, requires_grad=True)
+    temperature = nn.Parameter(torch.tensor(2.0))
+
+    def inner(model: nn.Module, x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            loss = (model(x) / temperature).sum()
+            (saliency,) = torch.autograd.grad(loss, x, retain_graph=True)
+            loss.backward()
+        return saliency
+
+    with torch.no_grad():
+        saliency = device_agnostic(output="input")(inner)(model, x, temperature)
+    assert temperature.grad is not None
+    decorated = (saliency, temperature.grad.clone())
+    temperature.grad = None
+    with torch.no_grad():
+        undecorated = inner(model.cpu(), x, temperature)
+    assert torch.allclose(decorated[0], undecorated)
+    assert temperature.grad is not None
+    assert torch.allclose(decorated[1], temperature.grad)
+
+
+@pytest.mark.requires_device("accelerator")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_loose_parameter_trains_through_a_decorated_call(compiled: bool) -> None:
     """A learnable parameter passed beside a model (a temperature, a prompt) reaches the

@@ -100,6 +100,12 @@ def _untraced(*args: Any) -> Any:
     raise RuntimeError(msg)
 
 
+def grad_kept() -> bool:
+    """Whether a copy made now keeps its source's autograd: not under the caller's
+    ``torch.no_grad()``, where ``.to`` gives a tensor that requires no grad."""
+    return torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+
+
 class Plan:
     """What a decorated function does at each call, settled at decoration."""
 
@@ -539,22 +545,31 @@ class Plan:
             or (chosen and not (uniform and (first is None or first == target)))
         ):
             if self.move:
-                moved = _move.move_call(
-                    seen_args,
-                    seen_kwargs,
-                    target,
-                    names=self.params.positional[offset:],
-                    rest=self.params.varargs or "args",
-                    non_blocking=self.non_blocking,
-                    skip=_Module,
-                    coalesce=self.coalesce,
-                    where=self.where,
-                    dtypes=self.dtypes,
-                    parameters=False,  # a loose parameter's gradient reaches the caller's
-                    written=self.written,
-                    who=f"{self.name}()",
-                    fix=self.move_fix,
-                )
+                # The copies are the decorator's own: under the caller's no_grad they keep
+                # autograd, so that a body turning it on sees them as the caller's tensors.
+                lend_grad = not grad_kept()
+                if lend_grad:
+                    torch.set_grad_enabled(True)
+                try:
+                    moved = _move.move_call(
+                        seen_args,
+                        seen_kwargs,
+                        target,
+                        names=self.params.positional[offset:],
+                        rest=self.params.varargs or "args",
+                        non_blocking=self.non_blocking,
+                        skip=_Module,
+                        coalesce=self.coalesce,
+                        where=self.where,
+                        dtypes=self.dtypes,
+                        parameters=False,  # a loose parameter's gradient reaches the caller's
+                        written=self.written,
+                        who=f"{self.name}()",
+                        fix=self.move_fix,
+                    )
+                finally:
+                    if lend_grad:
+                        torch.set_grad_enabled(False)
                 args, kwargs = moved if held is None else held.merge(*moved)
             else:
                 if uniform:
@@ -774,18 +789,27 @@ class Plan:
         return found_devices(self.name, named, attributes=not self.move)
 
     def place(self, result: Any, back: torch.device) -> Any:
-        """Move a result (or a yielded item) to where ``output=`` says."""
-        return _move.move_to(
-            result,
-            back,
-            non_blocking=self.non_blocking,
-            skip=_Module,
-            name="result",
-            coalesce=self.coalesce,
-            where=self.where_result,
-            fix=self._result_fix,
-            who=f"{self.name}()",
-        )
+        """Move a result (or a yielded item) to where ``output=`` says: copied as ``.to``
+        copies, through autograd (a returned parameter's gradient reaches it)."""
+        lend_grad = not grad_kept()  # a result the body made under enable_grad keeps its path
+        if lend_grad:
+            torch.set_grad_enabled(True)
+        try:
+            return _move.move_to(
+                result,
+                back,
+                non_blocking=self.non_blocking,
+                skip=_Module,
+                name="result",
+                coalesce=self.coalesce,
+                where=self.where_result,
+                fix=self._result_fix,
+                who=f"{self.name}()",
+                parameters=False,
+            )
+        finally:
+            if lend_grad:
+                torch.set_grad_enabled(False)
 
     def _result_fix(self, path: str) -> str:
         """The fix of a result that cannot go where ``output=`` sends it (a sparse tensor a

@@ -405,6 +405,7 @@ def move_to(
     fix: Fix | None = None,
     left: list[object] | None = None,
     who: str = "to_device()",
+    parameters: bool = True,
 ) -> T:
     """:func:`to_device` for a device already resolved: no resolution cost per call.
 
@@ -425,6 +426,8 @@ def move_to(
             ``to_device(name, device, skip=[path])``.
         left: gets an optimizer the move left where it was, beside a module it moved.
         who: what an error says failed (a decorated function moving its result back).
+        parameters: False copies an ``nn.Parameter`` as ``.to`` does, through autograd
+            (a result's, whose gradient then reaches the parameter), not as a new one.
 
     Moving ``(args, kwargs)`` in one call keeps aliasing across arguments: a tensor
     passed twice becomes one moved tensor.
@@ -435,7 +438,10 @@ def move_to(
     if skip is None and dtypes is None and holds_every_dtype(device):
         if _nothing_to_move(obj, device, ()):
             return obj
-        return _move(obj, device, non_blocking, None, name, fix, who, coalesce, where, left=left)
+        return _move(
+            obj, device, non_blocking, None, name, fix, who, coalesce, where, left=left,
+            parameters=parameters,
+        )  # fmt: skip
     compiled = compile_skip(skip, name)
     policy = policy_for(dtypes, device)
     if policy is not None:  # the dtype policy: casts made (or refused) before the move
@@ -444,7 +450,10 @@ def move_to(
         obj = policy.apply(obj, compiled, name, who, fix, suggest)
     if (compiled is None or not compiled.slow) and _nothing_to_move(obj, device, _types(compiled)):
         return obj
-    return _move(obj, device, non_blocking, compiled, name, fix, who, coalesce, where, left=left)
+    return _move(
+        obj, device, non_blocking, compiled, name, fix, who, coalesce, where, left=left,
+        parameters=parameters,
+    )  # fmt: skip
 
 
 def move_call(
