@@ -17,6 +17,7 @@ import pytest
 import torch
 from filelock import FileLock
 from torch import nn
+from warm_python import run_python
 
 
 def accelerator(index: int = 0) -> torch.device:
@@ -67,14 +68,13 @@ def python_command(*argv: str) -> list[str]:
 
 
 def python_output(source: str) -> str:
-    """What ``source`` prints, run in a fresh interpreter; its error output if it fails.
+    """What ``source`` prints, run in a fresh interpreter (one that starts with torch
+    imported: :func:`warm_python.run_python`); its error output if it fails.
 
     For what must start from a fresh process: dynamo's tables built at its first compile,
     torch's import-time state.
     """
-    done = subprocess.run(
-        [sys.executable, "-c", source], capture_output=True, text=True, check=False
-    )
+    done = run_python(source)
     assert 0 == done.returncode, done.stderr[-3000:]
     return done.stdout.strip()
 
@@ -165,16 +165,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def passing_run(*arguments: str) -> subprocess.CompletedProcess[str]:
-    """pytest run with ``arguments`` (test files or ids, and options) in a fresh process,
-    which must pass; the test skips where the emulated accelerator cannot be built."""
-    command = [sys.executable, "-m", "pytest", *arguments, "-q", "-p", "no:cacheprovider"]
-    done = subprocess.run(
-        [*command, "-p", "no:xdist"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    """pytest run with ``arguments`` (test files or ids, and options) in a fresh process
+    (:func:`warm_python.run_python`), which must pass; the test skips where the emulated
+    accelerator cannot be built."""
+    options = [*arguments, "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    done = run_python(f"import sys, pytest\nsys.exit(pytest.main({options!r}))", cwd=ROOT)
     if "the emulated accelerator is unavailable" in done.stdout:
         pytest.skip(done.stdout[-2000:])
     assert 0 == done.returncode, done.stdout[-4000:] + done.stderr[-2000:]

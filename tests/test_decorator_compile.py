@@ -15,8 +15,6 @@ import inspect
 import logging
 import os
 import pickle
-import subprocess
-import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -27,6 +25,7 @@ import torch
 from helpers import accelerator, mps_like
 from hypothesis import given
 from torch import nn
+from warm_python import run_python
 
 from devicectx import (
     DeviceMismatchError,
@@ -539,9 +538,7 @@ def test_wrapt_without_its_extension() -> None:
     """With wrapt's pure-Python wrappers (``WRAPT_DISABLE_EXTENSIONS=1``), eager calls,
     bound methods and ``torch.compile`` act as with the C ones."""
     env = {**os.environ, "WRAPT_DISABLE_EXTENSIONS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", _PURE_WRAPT], env=env, capture_output=True, text=True, check=False
-    )
+    done = run_python(_PURE_WRAPT, env=env)
     assert 0 == done.returncode, done.stderr
     assert "['meta']" == done.stdout.strip()
 

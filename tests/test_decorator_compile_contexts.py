@@ -11,11 +11,11 @@ must behave as one whose probe ran in an ordinary compile first.
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
+from warm_python import run_python
 
 from devicectx import device_agnostic
 
@@ -121,9 +121,7 @@ def test_the_probe_ignores_the_context_of_the_first_compile(context: str) -> Non
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=False
-    )
+    return run_python(code, ignore_warnings=True)
 
 
 # --- a compiled module given to the decorator --------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import subprocess
 import sys
 import threading
 import weakref
@@ -15,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from warm_python import run_python
 
 from devicectx import DeviceMismatchError, device_agnostic
 from devicectx.decorator import _module_watch
@@ -124,7 +124,8 @@ def test_importing_devicectx_leaves_torch_alone() -> None:
         "assert torch.nn.Module._apply.__wrapped__ is apply\n"
         "assert len(m._global_parameter_registration_hooks) == 1\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    done = run_python(code)
+    assert 0 == done.returncode, done.stderr
 
 
 # --- moves --------------------------------------------------------------------------------

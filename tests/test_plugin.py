@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from warm_python import run_python
 
 import devicectx
 from devicectx import DeviceUnavailableError
@@ -507,21 +508,14 @@ def test_fixture_ids_on_cuda(pytester: pytest.Pytester) -> None:
     pytester.runpytest().assert_outcomes(passed=len(expected))
 
 
-def run_python(code: str) -> subprocess.CompletedProcess[str]:
+def run_in_root(code: str) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter of this venv, from the project root."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
+    return run_python(textwrap.dedent(code), cwd=ROOT)
 
 
 def test_import_devicectx_imports_no_test_tools() -> None:
     """`import devicectx` (and `import devicectx.testing`) never imports hypothesis or pytest."""
-    result = run_python(
+    result = run_in_root(
         """
         import sys
         import devicectx
@@ -538,7 +532,7 @@ def test_import_devicectx_imports_no_test_tools() -> None:
 def test_plugin_works_without_hypothesis(tmp_path: Path) -> None:
     """In an environment without hypothesis, the plugin loads and the fixture works."""
     (tmp_path / "test_it.py").write_text(textwrap.dedent(TEST_DEVICE))
-    result = run_python(
+    result = run_in_root(
         f"""
         import sys
         from importlib.abc import MetaPathFinder

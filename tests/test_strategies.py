@@ -12,8 +12,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-import subprocess
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -22,6 +20,7 @@ import torch
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 from torch.nn.utils.rnn import PackedSequence
+from warm_python import run_python
 
 from devicectx import (
     DeviceUnavailableError,
@@ -592,8 +591,8 @@ def test_import_devicectx_imports_no_hypothesis() -> None:
         "print(sorted(m for m in sys.modules if m.startswith(('hypothesis', "
         "'devicectx.testing.strategies'))))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
+    done = run_python(code)
+    assert (0, "[]") == (done.returncode, done.stdout.strip()), done.stderr
 
 
 # Leaves of every layout, and the mapping kinds to_device rebuilds as their own types.
