@@ -510,7 +510,7 @@ def test_fixture_ids_on_cuda(pytester: pytest.Pytester) -> None:
 
 def run_in_root(code: str) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter of this venv, from the project root."""
-    return run_python(textwrap.dedent(code), cwd=ROOT)
+    return run_python(textwrap.dedent(code), cwd=ROOT, timeout=120)
 
 
 def test_import_devicectx_imports_no_test_tools() -> None:

@@ -79,6 +79,16 @@ def test_a_child_has_the_callers_environment_and_folder(
     assert f"given {other}\n" == run_python(source, env=given, cwd=other).stdout
 
 
+def test_a_child_past_its_timeout_is_killed_and_the_next_runs() -> None:
+    """As subprocess.run: a child still running after ``timeout`` is killed and
+    TimeoutExpired raised, with what it printed; the server goes on."""
+    waits = "import threading\nprint('waiting', flush=True)\nthreading.Event().wait()"
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        run_python(waits, timeout=0.5)
+    assert "waiting\n" == raised.value.output
+    assert "next\n" == run_python("print('next')").stdout
+
+
 def test_children_share_nothing() -> None:
     """What one child does (an import, a compile) is not in the next."""
     run_python("import torch, devicectx\ntorch.compile(lambda x: x + 1, backend='eager')")

@@ -6,9 +6,16 @@ most of its life importing torch (3.5 s here for the CPU build, 5 s for a CUDA o
 than most of these tests' own work). Here a server imports torch once per test process,
 and each run is a child it forks: a fresh process in every way these tests look at (no
 compile yet, no devicectx imported, its own ``__main__``, the caller's environment and
-working directory, its threads joined and ``atexit`` run at the end, as Python's exit
-does), but for what happened at torch's import (a variable read then was read with the
-environment the server started with).
+working directory, Python's own traceback and exit status, its threads joined and
+``atexit`` run at the end, as Python's exit does).
+
+What differs from a real ``python -c``: what happened at torch's import (a variable read
+then, ``PYTHONPATH`` and the other ``PYTHON*`` start-up variables, were read with the
+environment the server started with: this process's as the tests were collected); the hash
+seed, shared by every child; no interpreter shutdown (``__del__`` of what is left alive at
+exit does not run); an uncaught ``KeyboardInterrupt`` exits with status 1, not by SIGINT.
+Tests whose subject is the process's own start (the examples, the emulate runner's exits, a
+spawned process, torchrun) keep real processes.
 
 ``DEVICECTX_TESTS_COLD_PYTHON=1`` runs a real ``python -c`` instead, to check that a test
 passes either way.
@@ -19,6 +26,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,15 +35,16 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-# The server: reads one request (JSON) a line, forks a child for it, and answers with the
-# child's exit status. Its stdout is the answers' pipe: the child points its own 1 and 2 at
-# the request's files before anything runs.
+# The server: reads one request (JSON) a line, forks a child for it, answers with the
+# child's pid, then with its exit status. Its stdout is the answers' pipe: the child points
+# its own 0, 1 and 2 elsewhere before anything runs.
 _SERVER = r"""
 import json, os, sys
 import torch  # the one import every child shares
 
 answers = os.fdopen(os.dup(1), "w")
 devnull = os.open(os.devnull, os.O_RDWR)
+os.dup2(devnull, 1)
 
 
 def child(request):
@@ -47,16 +57,21 @@ def child(request):
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = ["-c"]
-    import atexit, builtins, threading, traceback, types, warnings
+    import atexit, builtins, linecache, threading, types, warnings
+    if "multiprocessing.process" in sys.modules:  # where a spawned process starts from
+        sys.modules["multiprocessing.process"].ORIGINAL_DIR = os.getcwd()
     if request["ignore_warnings"]:
         sys.warnoptions.append("ignore")
         warnings.simplefilter("ignore")
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
+    source = request["source"]
+    if sys.version_info >= (3, 13):  # python -c shows the source's lines in tracebacks
+        linecache.cache["<string>"] = (len(source), None, source.splitlines(True), "<string>")
     status = 0
     try:
-        exec(compile(request["source"], "<string>", "exec"), main.__dict__)
+        exec(compile(source, "<string>", "exec"), main.__dict__)
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
             status = exit_.code or 0
@@ -64,7 +79,8 @@ def child(request):
             print(exit_.code, file=sys.stderr)
             status = 1
     except BaseException as error:  # printed as Python prints it: no frame of this server
-        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+        error = error.with_traceback(error.__traceback__.tb_next)
+        sys.excepthook(type(error), error, error.__traceback__)
         status = 1
     # What Python's own exit does, in its order: non-daemon threads joined, atexit run,
     # the streams flushed.
@@ -84,8 +100,14 @@ for line in iter(sys.stdin.readline, ""):
     if pid == 0:
         try:
             child(request)
+        except BaseException:  # the child's own set-up failed: said where the test reads
+            import traceback
+            traceback.print_exc()
+            sys.stderr.flush()
         finally:
             os._exit(70)
+    answers.write(f"{pid}\n")
+    answers.flush()
     _, wait_status = os.waitpid(pid, 0)
     answers.write(f"{os.waitstatus_to_exitcode(wait_status)}\n")
     answers.flush()
@@ -95,8 +117,69 @@ _COLD = os.environ.get("DEVICECTX_TESTS_COLD_PYTHON") == "1"
 # The environment the server imports torch with: this process's as the tests were
 # collected, not whatever a test has set when the first run starts the server.
 _STARTING_ENV = dict(os.environ)
+
+
+class _Server:
+    """The server of this process (a forked test process starts its own), its answers
+    read unbuffered so that a wait for one can time out."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.log = tempfile.NamedTemporaryFile(prefix="warm-python-server-", suffix=".log")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SERVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=_STARTING_ENV,
+            bufsize=0,
+        )
+        atexit.register(self.stop)
+
+    def alive(self) -> bool:
+        return self.owner == os.getpid() and self.process.poll() is None
+
+    def ask(self, request: dict[str, object], timeout: float | None) -> int:
+        """Send ``request``; the child's exit status. A child still running after
+        ``timeout`` seconds is killed, and TimeoutExpired raised."""
+        assert self.process.stdin is not None
+        unsent = memoryview(json.dumps(request).encode() + b"\n")
+        while unsent:  # a raw pipe may take part of a large request (an environment)
+            unsent = unsent[os.write(self.process.stdin.fileno(), unsent) :]
+        pid = int(self._answer(None))
+        try:
+            return int(self._answer(timeout))
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            self._answer(None)
+            raise
+
+    def _answer(self, timeout: float | None) -> str:
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        read = b""
+        while not read.endswith(b"\n"):
+            if not select.select([fd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired("warm python", timeout or 0)
+            byte = os.read(fd, 1)
+            if not byte:
+                self.process.wait()
+                self.log.seek(0)
+                said = self.log.read().decode(errors="replace")[-3000:]
+                msg = f"the warm Python server ended (status {self.process.returncode}):\n{said}"
+                raise RuntimeError(msg)
+            read += byte
+        return read.decode()
+
+    def stop(self) -> None:
+        """End of input: the server's loop ends and it exits."""
+        if self.owner == os.getpid() and self.process.stdin is not None:
+            self.process.stdin.close()
+            self.process.wait()
+
+
 _lock = threading.Lock()
-_server: subprocess.Popen[str] | None = None
+_server: _Server | None = None
 
 
 def run_python(
@@ -105,13 +188,17 @@ def run_python(
     env: Mapping[str, str] | None = None,
     cwd: Path | str | None = None,
     ignore_warnings: bool = False,
+    timeout: float | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """What ``python -c source`` gives (``python -W ignore -c`` with ``ignore_warnings``):
     its exit status and output, run in a process forked from one that imported torch.
 
     ``env`` is the child's whole environment (None: this process's, as now); ``cwd`` its
-    working directory (None: this process's).
+    working directory (None: this process's). A child still running after ``timeout``
+    seconds is killed, and ``subprocess.TimeoutExpired`` raised, as ``subprocess.run``
+    does.
     """
+    global _server
     environment = dict(os.environ if env is None else env)
     folder = os.getcwd() if cwd is None else str(cwd)
     if _COLD:
@@ -123,10 +210,11 @@ def run_python(
             capture_output=True,
             text=True,
             check=False,
+            timeout=timeout,
         )
     with _lock, tempfile.TemporaryDirectory(prefix="warm-python-") as outputs:
         stdout, stderr = Path(outputs, "stdout"), Path(outputs, "stderr")
-        request = {
+        request: dict[str, object] = {
             "source": source,
             "env": environment,
             "cwd": folder,
@@ -134,38 +222,14 @@ def run_python(
             "stdout": str(stdout),
             "stderr": str(stderr),
         }
-        server = _started()
-        assert server.stdin is not None
-        assert server.stdout is not None
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
-        answer = server.stdout.readline()
-        if not answer:
-            raise RuntimeError(f"the warm Python server ended (exit status {server.wait()})")
+        if _server is None or not _server.alive():
+            _server = _Server()
+        command = [sys.executable, "-c", source]
+        try:
+            status = _server.ask(request, timeout)
+        except subprocess.TimeoutExpired:
+            out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
+            raise subprocess.TimeoutExpired(command, timeout or 0, out, err) from None
         return subprocess.CompletedProcess(
-            [sys.executable, "-c", source],
-            int(answer),
-            stdout.read_text(errors="replace"),
-            stderr.read_text(errors="replace"),
+            command, status, stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
         )
-
-
-def _started() -> subprocess.Popen[str]:
-    global _server
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen(
-            [sys.executable, "-c", _SERVER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=_STARTING_ENV,
-            text=True,
-        )
-        atexit.register(_stop, _server)
-    return _server
-
-
-def _stop(server: subprocess.Popen[str]) -> None:
-    """End of input: the server's loop ends and it exits."""
-    if server.stdin is not None:
-        server.stdin.close()
-    server.wait()
