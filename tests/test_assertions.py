@@ -1562,6 +1562,189 @@ def test_a_step_that_trains_differently_on_the_accelerator_is_caught(optimizer: 
     assert message_lines(raised)[2].startswith("    out['weight']: ")
 
 
+def loss_step(
+    model: nn.Linear, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """One training step that returns its loss alone, computed before the step."""
+    optimizer.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    torch.autograd.backward(loss)
+    optimizer.step()
+    return loss.detach()
+
+
+class Doubled(torch.autograd.Function):
+    """Twice its input; the backward, given ``off``, gives zero gradients off the CPU (a
+    backward with a bug on one device)."""
+
+    off = False
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        return a * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * (0 if Doubled.off and grad.device.type != "cpu" else 2)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_step_that_returns_its_loss_alone_is_checked_by_the_model_it_trained(
+    optimizer: str,
+) -> None:
+    """A step whose update differs between runs, its loss alike, is caught though it
+    returns the loss alone: each run's copy of the model is compared after the call, by
+    path (a parameter by its gradient); the correct step passes."""
+    model, made, x, y = trained(optimizer)
+    assert_device_agnostic(loss_step, model, made, x, y, devices=["cpu", "meta"])
+    calls = itertools.count()
+
+    def step(
+        model: nn.Linear, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        torch.autograd.backward(loss + next(calls) * model.weight.sum())  # on one run only
+        optimizer.step()
+        return loss.detach()
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(step, model, made, x, y, devices=["cpu", "cpu"])
+    lines = message_lines(raised)
+    assert [
+        "step is not device-agnostic (ran on cpu, cpu):",
+        "  its outputs agree; what it left in the modules it was given (each parameter's "
+        "gradient, or the parameter where it has none, and the buffers):",
+        "  on cpu, compared with cpu:",
+    ] == lines[:3]
+    reported = [line.split(":")[0].strip() for line in lines if line.startswith("    model")]
+    # The weights it stepped are not compared, their gradients are; the extra term reaches
+    # the weight's alone.
+    assert ["model.weight.grad"] == reported
+
+
+def test_weights_an_optimizer_stepped_are_compared_by_their_gradients() -> None:
+    """Where a parameter has a gradient, the gradient is compared, not the weight stepped
+    from it: Adam's first step moves a weight by about lr * sign(grad), so gradients that
+    agree within any tolerance (rounding noise around zero, another sign on each device)
+    step the weight apart; the check passes."""
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    signs = iter([1.0, -1.0])
+    stepped: list[torch.Tensor] = []
+
+    def step(model: nn.Linear, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        assert model.bias.grad is not None
+        model.bias.grad.fill_(next(signs) * 1e-9)  # a bias a BatchNorm cancels: noise
+        optimizer.step()
+        stepped.append(model.bias.detach().clone())
+
+    assert_device_agnostic(step, model, optimizer, x, devices=["cpu", "cpu"])
+    assert not torch.allclose(stepped[0], stepped[1], atol=1e-3)
+
+
+def test_gradients_the_call_leaves_are_compared_where_nothing_steps() -> None:
+    """A call that only computes gradients (backward, no step) is checked by them: a
+    gradient on one run only, or of other values, is reported at its path."""
+    model = nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+    calls = itertools.count()
+
+    def backward_once(model: nn.Linear, x: torch.Tensor) -> None:
+        if next(calls) == 1:
+            model(x).sum().backward()
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(backward_once, model, x, devices=["cpu", "cpu"])
+    assert "    model.weight.grad: " in str(raised.value)
+    assert model.weight.grad is None  # the caller's model is not the one that ran
+
+
+@pytest.mark.requires_device("accelerator")
+def test_a_backward_wrong_on_the_accelerator_is_caught_by_the_gradients() -> None:
+    """A training step whose backward gives zero gradients on the accelerator only, its
+    loss alike on every device, fails the check with those gradients; with the backward
+    right, it passes."""
+    device = accelerator()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(8, 4)
+
+    def step(model: nn.Linear, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = Doubled.apply(model(x)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    assert_device_agnostic(step, model, optimizer, x, devices=["cpu", device])
+    Doubled.off = True
+    try:
+        with pytest.raises(AssertionError) as raised:
+            assert_device_agnostic(step, model, optimizer, x, devices=["cpu", device])
+    finally:
+        Doubled.off = False
+    lines = message_lines(raised)
+    assert f"  on {device}, compared with cpu:" == lines[2]
+    reported = [line.split(":")[0].strip() for line in lines if line.startswith("    model")]
+    assert ["model.weight.grad", "model.bias.grad"] == reported
+
+
+def test_a_module_met_twice_is_compared_once_at_its_first_path() -> None:
+    """A submodule passed beside its model (or a weight two modules share) is compared
+    once, at the path it is first met at."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    calls = itertools.count()
+
+    def step(model: nn.Sequential, head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            head.weight.add_(next(calls))  # on the second run only
+        return x
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(step, model, model[0], torch.ones(2), devices=["cpu", "cpu"])
+    reported = [
+        line.split(":")[0].strip() for line in message_lines(raised) if line.startswith("    ")
+    ]
+    assert ["model.0.weight"] == [path for path in reported if "weight" in path]
+
+
+def test_a_weight_two_module_arguments_share_stays_tied_in_each_runs_copies() -> None:
+    """Two modules passed apart that share a weight (an embedding and a head) stay tied in
+    each run's copies, on meta and on a backend out of tree too (whose module.to unties
+    them): a step that trains the one weight runs alike everywhere, and what it left is
+    compared once, at the embedding's path."""
+    embed = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = embed.weight
+    tokens = torch.tensor([0, 1, 2, 3, 4])
+
+    def step(embed: nn.Embedding, head: nn.Linear, tokens: torch.Tensor) -> dict[str, object]:
+        loss = nn.functional.cross_entropy(head(embed(tokens[:-1])), tokens[1:])
+        loss.backward()
+        return {"loss": loss.detach(), "tied": head.weight is embed.weight}
+
+    devices = ["cpu", "meta", *map(str, devicectx.available_devices()[1:])]
+    assert_device_agnostic(step, embed, head, tokens, devices=devices)
+    calls = itertools.count()
+
+    def drifting_step(
+        embed: nn.Embedding, head: nn.Linear, tokens: torch.Tensor
+    ) -> dict[str, object]:
+        loss = nn.functional.cross_entropy(head(embed(tokens[:-1])), tokens[1:])
+        (loss + next(calls) * head.weight.sum()).backward()  # on the second run only
+        return {"loss": loss.detach(), "tied": head.weight is embed.weight}
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(drifting_step, embed, head, tokens, devices=["cpu", "cpu"])
+    reported = [line.split(":")[0].strip() for line in message_lines(raised)[3:]]
+    assert ["embed.weight.grad"] == [path for path in reported if path.endswith(".grad")]
+
+
 class TiedLanguageModel(nn.Module):
     """An embedding whose weight is the output head's too, as language models tie them."""
 
@@ -1859,6 +2042,72 @@ def test_a_tensor_made_in_a_wrapped_module_is_blamed_on_that_module() -> None:
         "@devicectx.device_agnostic so that those made without device= land there"
     )
     assert_device_agnostic(nn.Sequential(StrayDecorated()), torch.ones(2, 3), devices=CPU_META)
+
+
+class OnesIn(torch.autograd.Function):
+    """Its input times ones its forward makes without ``device=``."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        return a * torch.ones(a.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class OnesOut(torch.autograd.Function):
+    """Its input; its backward multiplies the gradient by ones made without ``device=``."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * torch.ones(grad.shape)
+
+
+class OnesInSetUp(torch.autograd.Function):
+    """``OnesIn`` in the ``setup_context`` form: its forward takes no ctx."""
+
+    @staticmethod
+    def forward(a: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return a * torch.ones(a.shape)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+@pytest.mark.parametrize(
+    ("function", "part"),
+    [(OnesIn, "forward"), (OnesInSetUp, "forward"), (OnesOut, "backward")],
+    ids=["forward", "forward without ctx", "backward"],
+)
+def test_a_tensor_made_in_an_autograd_function_is_blamed_on_it_without_the_decorator(
+    function: type[torch.autograd.Function], part: str
+) -> None:
+    """A tensor made without device= in an autograd.Function's forward or backward names
+    that method, and the fix offers no decorator: backward runs outside any block, and a
+    decorated forward's moves break its gradients."""
+
+    def train(model: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        loss = function.apply(model(x)).sum()
+        loss.backward()
+        return loss.detach()
+
+    with pytest.raises(AssertionError) as raised:
+        assert_device_agnostic(train, nn.Linear(3, 3), torch.ones(2, 3), devices=CPU_META)
+    assert message_lines(raised)[-1] == (
+        f"fix: make the tensors {function.__name__}.{part} creates on its inputs' device, "
+        f"torch.zeros(n, device=x.device), and move none to cpu (a tensor made without "
+        f"device= is on cpu, as is one moved there: .cpu(), .to('cpu'))"
+    )
 
 
 def test_code_in_a_package_named_after_torch_is_the_callers_not_torchs() -> None:

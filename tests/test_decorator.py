@@ -691,6 +691,22 @@ def test_exclude_keeps_values_in_place_while_others_move() -> None:
     )
 
 
+def test_an_in_place_write_to_a_leaf_that_requires_grad_fails_only_where_nothing_moved() -> None:
+    """The body writes to the copy the call moved: no leaf, so torch lets an in-place op
+    change it, the caller's leaf untouched; where nothing moved, torch refuses the write to
+    the leaf itself (docs/limits.md says so)."""
+
+    @device_agnostic(device="meta")
+    def normalized(x: torch.Tensor) -> torch.Tensor:
+        return x.div_(x.norm())
+
+    x = torch.ones(3, requires_grad=True)
+    assert META == normalized(x).device
+    assert torch.equal(torch.ones(3), x.detach())
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        normalized(torch.ones(3, device="meta", requires_grad=True))
+
+
 def test_exclude_varargs_and_varkw() -> None:
     """Naming ``*args`` or ``**kwargs`` excludes all that they collect."""
 

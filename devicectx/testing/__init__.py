@@ -15,8 +15,9 @@ package, so it is imported into every test session, and must cost nothing there 
 without hypothesis.
 
 The modules: ``_assertions`` (``assert_device_agnostic``), with ``_inputs`` (each device's
-copies of the call's inputs), ``_compare`` (the comparison of the outputs and its message)
-and ``_sets`` (sets of tensors paired across devices); ``strategies``; ``emulated`` (the
+copies of the call's inputs), ``_compare`` (the comparison of the outputs and its message),
+``_left`` (what a call left in its modules, compared after the outputs) and ``_sets`` (sets
+of tensors paired across devices); ``strategies``; ``emulated`` (the
 emulated accelerator's API), ``_emulated`` (its C++ sources, their build, and its device
 module) and ``emulate`` (its command-line runner, ``python -m devicectx.testing.emulate
 train.py``); ``_plugin`` (the pytest plugin).

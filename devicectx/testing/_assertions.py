@@ -11,11 +11,12 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd.function import FunctionCtx
 
 from devicectx._errors import DeviceMismatchError, DeviceWarning, with_article
 from devicectx.decorator._wrappers import DeviceAgnosticWrapper, _BoundWrapper
@@ -34,6 +35,7 @@ from devicectx.move._unseen import (
 )
 from devicectx.testing._compare import Hints, Run, compare, memory_of, moves_to
 from devicectx.testing._inputs import Inputs, holds_for, leave_out, named_arguments, walk_arguments
+from devicectx.testing._left import LEFT_FIXES, left_in
 
 _META = torch.device("meta")
 # What torch says where code asks for CUDA by name on a machine (or a build) without it.
@@ -107,7 +109,10 @@ def assert_device_agnostic(
     first device's: the same containers and tensors at the same paths, each tensor on the
     device it ran on, with the same dtype, shape, layout and ``requires_grad``, the same
     tensors shared between paths (the same object, or views of one tensor), and values
-    within ``rtol``/``atol``.
+    within ``rtol``/``atol``. Where the outputs agree, what ``fn`` left in the modules it
+    was given is compared so too, after the call: each parameter by its gradient where it
+    has one (``model.weight.grad``), by its value where it has none, and each buffer; so a
+    training step that returns its loss alone is checked by the gradients it computed.
 
     Example:
         >>> import torch
@@ -146,7 +151,9 @@ def assert_device_agnostic(
             tensors, a container's type, the device, dtype, shape, layout,
             ``requires_grad``, which tensors are one or share memory, or how many values
             differ and by how much (max abs and rel diff), or a number in the output that
-            differs (``out['loss']: 4.5, expected 4.0``). Also raised, chained to what
+            differs (``out['loss']: 4.5, expected 4.0``); or, the outputs alike, a
+            gradient, parameter or buffer of a module in the call that differs after it
+            (``model.weight.grad: 4 of 4 values differ``). Also raised, chained to what
             ``fn`` raised: when ``fn`` raises on a device other than the first; on any
             device, for torch's device mismatch (the message names the tensors the move
             could not see, in attributes of a plain object or a module's attribute that is
@@ -182,8 +189,13 @@ def assert_device_agnostic(
           container argument: a dict, a list, a dataclass) is deep-copied for each device,
           one copy per module, so the caller's model is never moved or changed (a model
           accelerate placed with its hooks is refused: a copy would not follow them); a module's
-          parameter passed beside it is the copy's. One inside an object with its own
-          ``.to``, or in a plain object (a trainer's ``self.model``), is left as it is.
+          parameter passed beside it is the copy's, and a weight two modules share stays
+          one in their copies. One inside an object with its own ``.to``, or in a plain
+          object (a trainer's ``self.model``), is left as it is, and what ``fn`` leaves in
+          it is not compared. A weight an optimizer stepped is compared by its gradient,
+          not by its value: an adaptive optimizer's first steps move a weight by about
+          ``lr * sign(grad)``, so rounding noise around a zero gradient moves it another
+          way on each device.
         - An optimizer (``torch.optim.Optimizer``) or LR scheduler in the arguments is
           copied with the modules, for each device: the copy steps the copied model's
           parameters, from the caller's state (momentum, moments), moved as
@@ -228,7 +240,7 @@ def assert_device_agnostic(
     # Every run's inputs are built from the caller's untouched objects before any run.
     calls = [(device, inputs.on(device)) for device in targets]
     outputs: list[tuple[torch.device, object]] = []
-    for device, (call_fn, call_args, call_kwargs) in calls:
+    for device, (call_fn, call_args, call_kwargs, _) in calls:
         try:
             outputs.append((device, call_fn(*call_args, **call_kwargs)))
         except Exception as error:
@@ -237,16 +249,30 @@ def assert_device_agnostic(
             if raised is None:
                 raise
             raise AssertionError(raised) from error
-    runs = [Run(device, holds_for(dtypes, device), memory_of(call)) for device, call in calls]
+    runs = [Run(device, holds_for(dtypes, device), memory_of(call[:3])) for device, call in calls]
     call = "model" if isinstance(fn, nn.Module) else "fn"
     if inspect.isfunction(fn) and inputs.name.isidentifier():
         call = inputs.name
     hidden = functools.partial(_hidden, inputs)
     hints = Hints(_decorated(fn, inputs.name), functools.partial(_training, inputs), call, hidden)
     message = compare(inputs.name, outputs, tolerances, runs, hints)
+    if message is None:  # the outputs agree; what the call left in its modules must too
+        left: list[tuple[torch.device, object]] = [
+            (device, left_in(run.modules)) for device, run in calls
+        ]
+        message = compare(inputs.name, left, tolerances, runs, hints, LEFT_FIXES)
+        if message is not None:
+            title, _, rest = message.partition("\n")
+            message = f"{title}\n{_LEFT_IN_MODULES}\n{rest}"
     if message is not None:
         raise AssertionError(message)
     _warn_uncompared(inputs.name, outputs[0][1])
+
+
+_LEFT_IN_MODULES = (
+    "  its outputs agree; what it left in the modules it was given (each parameter's "
+    "gradient, or the parameter where it has none, and the buffers):"
+)
 
 
 def _warn_uncompared(name: str, output: object) -> None:
@@ -427,8 +453,11 @@ def _raised(
             )
         elif inner is not None and inner != _decorated(inputs.fn, name):
             # The op that met the stray tensor is in code fn calls (a submodule of a
-            # wrapper, say): the tensor was made there, or passed there.
-            lines.append(_made_without_device(inner, inner, device))
+            # wrapper, say): the tensor was made there, or passed there. An
+            # autograd.Function's forward and backward take no decorator (backward runs
+            # outside any block, and a decorated forward's moves break its gradients).
+            decorate = None if _in_autograd_function(error) else inner
+            lines.append(_made_without_device(inner, decorate, device))
         else:
             lines.append(_made_without_device(name, _decorated(inputs.fn, name), device))
         return "\n".join(lines)
@@ -626,7 +655,7 @@ def _fails_on_meta(inputs: Inputs) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            call_fn, args, kwargs = inputs.on(_META)
+            call_fn, args, kwargs, _ = inputs.on(_META)
             call_fn(*args, **kwargs)
     except Exception as error:  # whatever stops fn there makes meta no second device
         missing = _missing_op(error)
@@ -701,11 +730,42 @@ def _failed_in(error: Exception) -> str | None:
         return None
     found = entry.tb_frame
     code = found.f_code
+    function = _autograd_function(found)
+    if function is not None:
+        return f"{function}.{code.co_name}"
     # A method's first parameter, whatever its name: an instance whose class has it.
     owner = found.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
     if owner is None or getattr(type(owner), code.co_name, None) is None:
         return code.co_name
     return f"{type(owner).__qualname__}.{code.co_name}"
+
+
+def _in_autograd_function(error: Exception) -> bool:
+    """Whether the line that raised ``error`` (:func:`_raising_entry`'s) is in an
+    ``autograd.Function``'s ``forward`` or ``backward``."""
+    entry = _raising_entry(error)
+    return entry is not None and _autograd_function(entry.tb_frame) is not None
+
+
+_FUNCTION_APPLY = inspect.getsourcefile(torch.autograd.function)
+
+
+def _autograd_function(frame: FrameType) -> str | None:
+    """The name of the ``autograd.Function`` whose ``forward`` or ``backward`` ``frame``
+    runs: one given a ctx (its backward node, of a class torch names
+    ``<Function>Backward``), or one that torch's ``Function.apply`` called (a forward of
+    the ``setup_context`` form takes none); None where it is neither."""
+    code = frame.f_code
+    first = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    if isinstance(first, FunctionCtx):
+        return type(first).__name__.removesuffix("Backward")
+    caller = frame.f_back
+    if caller is None or caller.f_code.co_name != "apply":
+        return None
+    if caller.f_code.co_filename != _FUNCTION_APPLY:
+        return None
+    function = caller.f_locals.get("cls")
+    return function.__name__ if isinstance(function, type) else None
 
 
 def _over_numpy(error: Exception) -> bool:

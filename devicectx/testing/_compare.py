@@ -7,7 +7,7 @@ from __future__ import annotations
 import cmath
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from numbers import Complex, Integral
 from typing import Any, NamedTuple
 
@@ -101,8 +101,12 @@ def compare(
     tolerances: tuple[float, float] | None,
     runs: list[Run],
     hints: Hints | None = None,
+    fixes: Mapping[str, str] | None = None,
 ) -> str | None:
     """The failure message for ``outputs`` (one per device, the first the reference), or None.
+
+    ``fixes`` replaces the fix lines of some kinds of problem (keys of ``_FIXES``): those
+    of the outputs speak of what ``fn`` returns.
 
     Raises:
         TypeError: an output holds an iterator (a generator), which cannot be compared
@@ -176,7 +180,7 @@ def compare(
     verdict = "could not be checked" if found.keys() == {"unreadable"} else "is not device-agnostic"
     lines = [f"{name} {verdict} (ran on {ran}):", *sections]
     hints = hints or Hints(name, _no_training)
-    for kind, fix in _FIXES.items():
+    for kind, fix in {**_FIXES, **(fixes or {})}.items():
         if kind not in found:
             continue
         if kind == "values":

@@ -10,7 +10,7 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -79,6 +79,7 @@ class Inputs:
         self.name = name_of(fn)
         self.names, self.rest = positional_names(fn)
         self._groups: dict[int, list[torch.Tensor]] | None = None
+        self._paths: dict[int, str] | None = None  # id(module) -> its path, found once
 
     def anchor_of(self, view: torch.Tensor) -> torch.Tensor | None:
         """The input tensor that ``view``'s copy is made a view of, as the move chooses it
@@ -96,10 +97,8 @@ class Inputs:
         members = self._groups.get(id(base_of(view)), [])
         return anchor_among(members, view) if any(m is view for m in members) else None
 
-    def on(
-        self, device: torch.device
-    ) -> tuple[Callable[..., object], tuple[object, ...], dict[str, object]]:
-        """``fn``, ``args`` and ``kwargs`` for one run on ``device``."""
+    def on(self, device: torch.device) -> RunInputs:
+        """``fn``, ``args`` and ``kwargs`` for one run on ``device``, with its module copies."""
         __tracebackhide__ = True
         fn, args, kwargs, dtypes = self.fn, self.args, self.kwargs, self.dtypes
         policy = policy_for(dtypes, device)
@@ -129,7 +128,19 @@ class Inputs:
             raise DtypeUnsupportedError(msg, device=device, paths=error.paths) from None
         except MoveError as error:
             raise self._move_error(error, device) from error.__cause__
-        return call_fn, moved_args, moved_kwargs
+        modules = [(self._path_of(m), m, copied) for m, copied in copies.modules]
+        return RunInputs(call_fn, moved_args, moved_kwargs, modules)
+
+    def _path_of(self, module: nn.Module) -> str:
+        """Where ``module`` is in the call (``model``, ``batch['model']``; ``self`` for
+        ``fn`` itself or its module): its first path, as the checks' messages write it."""
+        if self._paths is None:
+            named = named_arguments(self.fn, self.args, self.kwargs)
+            self._paths = {}
+            for path, value in walk_arguments(named):
+                if isinstance(value, nn.Module):
+                    self._paths.setdefault(id(value), path)
+        return self._paths.get(id(module), type(module).__qualname__)
 
     def _move_error(self, error: MoveError, device: torch.device) -> MoveError:
         """``error`` with a fix for this kit: the move's is written for ``@device_agnostic``
@@ -152,6 +163,15 @@ class Inputs:
 
 # How the move's fix for an argument begins (devicectx.move._move's, for @device_agnostic).
 _CALL_FIX = "move it yourself, or leave the argument out of the move"
+
+
+class RunInputs(NamedTuple):
+    """One run's call, and each module in it: its path, the caller's, and the run's copy."""
+
+    fn: Callable[..., object]
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+    modules: list[tuple[str, nn.Module, nn.Module]]
 
 
 def positional_names(fn: Callable[..., object]) -> tuple[list[str], str]:
@@ -191,6 +211,9 @@ class _Copies:
         self.modules: list[tuple[nn.Module, nn.Module]] = []  # (original, copy)
         self.optimizers: list[Optimizer] = []  # the originals, each once
         self.now: dict[int, torch.Tensor] = {}  # id(a module's tensor) -> the copy's, moved
+        # id(a copy's tensor before its move) -> (that tensor, what the move made of it):
+        # modules that share a weight stay tied across their moves (meta unties them).
+        self.moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.passed: set[int] = set()  # the tensors left to the move, off the device
 
     def call(
@@ -320,7 +343,12 @@ class _Copies:
             _own_methods(copied)
             if self.cast:
                 _cast(copied, self.cast)
-            return move_module(copied, self.device)
+            before = dict(module_tensors(copied))
+            moved = move_module(copied, self.device, earlier=self._earlier)
+            after = dict(module_tensors(moved))
+            for name, tensor in before.items():
+                self.moved.setdefault(id(tensor), (tensor, after[name]))
+            return moved
         except Exception as error:
             kind = type(module).__qualname__
             msg = (
@@ -329,6 +357,11 @@ class _Copies:
                 f"fix: make the module deep-copyable, or create it inside fn"
             )
             raise TypeError(msg) from error
+
+    def _earlier(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """What the move of a module copied before made of ``tensor``, which it shares."""
+        found = self.moved.get(id(tensor))
+        return None if found is None else found[1]
 
     def optimizing(self, obj: Optimizer | LRScheduler) -> object:
         """A copy of an optimizer, or of an LR scheduler with its optimizer, in the modules'
