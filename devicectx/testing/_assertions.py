@@ -747,25 +747,27 @@ def _in_autograd_function(error: Exception) -> bool:
     return entry is not None and _autograd_function(entry.tb_frame) is not None
 
 
-_FUNCTION_APPLY = inspect.getsourcefile(torch.autograd.function)
-
-
 def _autograd_function(frame: FrameType) -> str | None:
     """The name of the ``autograd.Function`` whose ``forward`` or ``backward`` ``frame``
     runs: one given a ctx (its backward node, of a class torch names
-    ``<Function>Backward``), or one that torch's ``Function.apply`` called (a forward of
-    the ``setup_context`` form takes none); None where it is neither."""
+    ``<Function>Backward``), or the one whose ``forward`` is the frame's code (a forward of
+    the ``setup_context`` form takes no ctx, and some torch releases call it from C, with
+    no frame of ``Function.apply`` above it); None where it is neither."""
     code = frame.f_code
     first = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
     if isinstance(first, FunctionCtx):
         return type(first).__name__.removesuffix("Backward")
-    caller = frame.f_back
-    if caller is None or caller.f_code.co_name != "apply":
+    if code.co_name != "forward":
         return None
-    if caller.f_code.co_filename != _FUNCTION_APPLY:
-        return None
-    function = caller.f_locals.get("cls")
-    return function.__name__ if isinstance(function, type) else None
+    pending: list[type] = [torch.autograd.Function]
+    while pending:  # the Function classes alive now: a few hundred, on an error's path
+        function = pending.pop()
+        forward = vars(function).get("forward")
+        made = getattr(forward, "__func__", None)  # a staticmethod's function
+        if getattr(made, "__code__", None) is code:
+            return function.__name__
+        pending += function.__subclasses__()
+    return None
 
 
 def _over_numpy(error: Exception) -> bool:
