@@ -2183,3 +2183,99 @@ def test_functional_call_s_stand_ins_off_the_model_s_device_are_to_pass_there() 
         with pytest.raises(DeviceMismatchError) as caught:
             functional_call(net, swapped, (torch.ones(3, 4),))
         assert "declare_spread(self)" in str(caught.value).splitlines()[-1]
+
+
+class ScaledIn(torch.autograd.Function):
+    """``x * w``, with the decorator on ``forward`` (where it does not belong)."""
+
+    @staticmethod
+    @device_agnostic(device="meta")
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (w,) = ctx.saved_tensors
+        return grad * w, None
+
+
+class ScaledInSetUp(torch.autograd.Function):
+    """``x * w``, a forward of the ``setup_context`` form (no ctx) decorated."""
+
+    @staticmethod
+    @device_agnostic(device="meta")
+    def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (w,) = ctx.saved_tensors
+        return grad * w, None
+
+
+def test_a_move_inside_an_autograd_functions_forward_is_refused() -> None:
+    """A decorated ``forward`` of an autograd.Function that would move an input requiring
+    grad is stopped before the body, with the fix of moving before ``apply``: torch's own
+    error came at backward ("returned an invalid gradient", the gradient on the target)."""
+    x = torch.ones(3, requires_grad=True)
+    w = torch.ones(3)
+    with pytest.raises(DeviceMismatchError) as caught:
+        ScaledIn.apply(x, w)
+    assert str(caught.value).splitlines() == [
+        "ScaledIn.forward() got tensors that require grad on cpu, not on its target:",
+        "    cpu <- x",
+        'target meta (from @device_agnostic(device="meta"))',
+        'fix: pass x.to("meta") to ScaledIn.apply, or decorate the function that calls '
+        "ScaledIn.apply instead of ScaledIn.forward: a move inside forward has no backward, "
+        "and ScaledIn.backward must return each gradient on its input's device",
+    ]
+
+
+def test_a_move_inside_a_forward_of_inputs_that_need_no_grad_goes_on() -> None:
+    """Inputs that need no gradient move inside a Function's forward (one given a ctx,
+    which saves the moved copies): the gradient of an input already on the target
+    reaches it."""
+    x = torch.ones(3, device="meta", requires_grad=True)
+    out = ScaledIn.apply(x, torch.ones(3))
+    out.sum().backward()
+    assert (out.device, x.grad.device if x.grad is not None else None) == (META, META)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_move_inside_a_setup_context_forward_is_refused(grad: bool) -> None:
+    """A forward of the ``setup_context`` form moves nothing: ``setup_context`` is given
+    the inputs as passed to ``apply``, so what it saves stays off the target (torch's
+    error came at backward); a 0-dim CPU tensor, which mixes with any device, moves."""
+    x = torch.ones(3, device="meta", requires_grad=True)
+    w = torch.ones(3, requires_grad=grad)
+    with pytest.raises(DeviceMismatchError) as caught:
+        ScaledInSetUp.apply(x, w)
+    assert str(caught.value).splitlines() == [
+        "ScaledInSetUp.forward() got tensors on cpu, not on its target:",
+        "    cpu <- w",
+        'target meta (from @device_agnostic(device="meta"))',
+        'fix: pass w.to("meta") to ScaledInSetUp.apply, or decorate the function that calls '
+        "ScaledInSetUp.apply instead of ScaledInSetUp.forward: ScaledInSetUp.setup_context "
+        "is given the inputs as passed to ScaledInSetUp.apply, not moved",
+    ]
+    assert ScaledInSetUp.apply(x, torch.tensor(2.0)).device == META
+
+
+def test_a_forward_that_is_no_autograd_functions_moves_under_no_grad() -> None:
+    """A decorated function named ``forward`` that belongs to no autograd.Function (a
+    module's, called under no_grad for inference) moves its inputs as before."""
+
+    class Net(nn.Module):
+        @device_agnostic(device="meta")
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    x = torch.ones(3, requires_grad=True)
+    with torch.no_grad():
+        assert Net()(x).device == META
+        assert Net()(x).device == META  # the answer kept from the first call

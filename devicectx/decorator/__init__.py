@@ -7,6 +7,7 @@
 - ``_stand_ins``: the errors traced code raises on torch 2.6 (delete with 2.6);
 - ``_probe``: whether this torch's dynamo honours the inline hook;
 - ``_params``, ``_inputs``: a signature's tensor parameters, and reading a call's tensors;
+- ``_autograd``: which ``autograd.Function`` a ``forward`` belongs to (no move in there);
 - ``_optimizers``: an optimizer argument still stepping the parameters a move replaced;
 - ``_target``: the call's device (``device=``, a module's parameters, the scope);
 - ``_module_watch``: a module's device, cached until torch says its tensors moved;

@@ -110,6 +110,48 @@ def instance_off_target(
     return _error(function, what, _target_first(found, target), target, reason, fix)
 
 
+def moved_in_function(
+    function: str,
+    owner: str,
+    found: Mapping[torch.device, Sequence[str]],
+    target: torch.device,
+    reason: str,
+    dtypes: Mapping[str, Collection[torch.dtype]] | None = None,
+    *,
+    set_up: bool = False,
+) -> DeviceMismatchError:
+    """Tensors that require grad, to be moved inside the ``forward`` of the
+    ``autograd.Function`` named ``owner``: its backward would return their gradients on
+    ``target``, which torch refuses ("invalid gradient"), so the move belongs before
+    ``apply``. With ``set_up`` (a forward of the ``setup_context`` form), any tensor:
+    ``setup_context`` sees the inputs as passed to ``apply``, not the moved ones.
+
+    Args:
+        function: the qualname of the decorated function (``Scale.forward``).
+        owner: the Function's name (``Scale``).
+        found: each device with the paths of the tensors that require grad on it.
+        target: the device the call would move them to.
+        reason: why ``target``, in words.
+        dtypes: the dtypes of each argument's tensors, where known.
+    """
+    off = [path for paths in found.values() for path in paths]
+    why = (
+        f"{owner}.setup_context is given the inputs as passed to {owner}.apply, not moved"
+        if set_up
+        else f"a move inside forward has no backward, and {owner}.backward must return "
+        f"each gradient on its input's device"
+    )
+    fix = (
+        f"pass {_to_calls(off, target, dtypes)} to {owner}.apply, or decorate the function "
+        f"that calls {owner}.apply instead of {function}: {why}"
+    )
+    what = "tensors" if set_up else "tensors that require grad"
+    if len(found) == 1:
+        what = f"{what} on {next(iter(found))}, not on its target"
+        return _error(function, what, found, target, reason, fix, count=False)
+    return _error(function, what, found, target, reason, fix)
+
+
 def method_call(function: str) -> str:
     """How code calls the decorated method ``function`` (a qualname) on an object ``obj``.
 

@@ -22,9 +22,12 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.autograd.function import FunctionCtx
 
 from devicectx._errors import DeviceError, DeviceMismatchError
+from devicectx._torch.tensors import is_cpu_scalar
 from devicectx.decorator import _mismatch, _unseen
+from devicectx.decorator._autograd import function_of
 from devicectx.decorator._inputs import (
     Held,
     found_devices,
@@ -87,6 +90,8 @@ _Tensor = torch.Tensor
 _Device = torch.device
 # Why the target is what it is, where no rule chose it: the tensor arguments agreed on it.
 _FROM_INPUTS = "the tensor arguments"
+# Not yet looked for: whether the function is the forward of an autograd.Function.
+_UNKNOWN = "?"
 # True only where dynamo traces the code that calls it (not for code run during a compile).
 _is_traced = torch.compiler.is_dynamo_compiling
 FUNCTION, GENERATOR, COROUTINE, ASYNC_GENERATOR = range(4)
@@ -116,6 +121,7 @@ class Plan:
         "device",
         "dtypes",
         "exclude",
+        "function_of",
         "kind",
         "move",
         "move_fix",
@@ -237,6 +243,7 @@ class Plan:
         # The call dynamo traces, set by the layer above (decorator._compiled), which knows
         # how; every plan @device_agnostic makes gets one.
         self.when_traced: Callable[..., Any] = _untraced
+        self.function_of: str | None = _UNKNOWN
 
     def call(
         self,
@@ -548,7 +555,10 @@ class Plan:
                 # The copies are the decorator's own: under the caller's no_grad they keep
                 # autograd, so that a body turning it on sees them as the caller's tensors.
                 lend_grad = not grad_kept()
-                if lend_grad:
+                if lend_grad:  # as in an autograd.Function's forward, which runs without grad
+                    self._refuse_in_function(
+                        wrapped, module, instance, seen_args, seen_kwargs, offset, target
+                    )
                     torch.set_grad_enabled(True)
                 try:
                     moved = _move.move_call(
@@ -585,6 +595,54 @@ class Plan:
         if self.output is not None:
             return args, kwargs, target, self.output.resolve()
         return args, kwargs, target, home if self.to_input else None
+
+    def _refuse_in_function(
+        self,
+        wrapped: Callable[..., Any],
+        module: nn.Module | None,
+        instance: object,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        offset: int,
+        target: torch.device,
+    ) -> None:
+        """Refuse to move tensors that require grad in an ``autograd.Function``'s
+        ``forward``: its backward would return their gradients on ``target``, and torch
+        stops at the first with its "invalid gradient". Tensors that need no gradient move.
+        A forward of the ``setup_context`` form gets no move at all: ``setup_context`` is
+        given the inputs as passed to ``apply``, so what it saves is not on the target.
+
+        A forward that takes a ctx says so at each call; one of the ``setup_context`` form
+        is looked for among the Function classes once, at its first call without grad.
+        """
+        __tracebackhide__ = True
+        code = getattr(wrapped, "__code__", None)
+        if code is None:
+            return
+        first = args[0] if args else None
+        set_up = not isinstance(first, FunctionCtx)
+        owner = None if set_up else function_of(code, first)
+        if set_up and code.co_name == "forward":
+            if self.function_of is _UNKNOWN:
+                self.function_of = function_of(code, None)
+            owner = self.function_of
+        if owner is None:
+            return
+        found: dict[torch.device, list[str]] = {}
+        for name, value, _ in self.params.named(args, kwargs, offset):
+            for path, tensor in _move.iter_tensors(value, name):
+                if tensor.device == target:
+                    continue
+                # A 0-dim CPU tensor saved unmoved mixes with any device; its gradient not.
+                if tensor.requires_grad or (set_up and not is_cpu_scalar(tensor)):
+                    found.setdefault(tensor.device, []).append(path)
+        if found:
+            named = list(self.params.named(args, kwargs, offset))
+            dtypes = _unseen.argument_dtypes(named)
+            reason = self._reason(module, instance, args, kwargs, offset)
+            raise _mismatch.moved_in_function(
+                self.name, owner, found, target, reason, dtypes, set_up=set_up
+            )
 
     def _instance(
         self,

@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.autograd.function import FunctionCtx
 
 from devicectx._errors import DeviceMismatchError, DeviceWarning, with_article
+from devicectx.decorator._autograd import function_of
 from devicectx.decorator._wrappers import DeviceAgnosticWrapper, _BoundWrapper
 from devicectx.devices._capabilities import CAPABILITIES, nearest_dtype
 from devicectx.devices._resolve import DeviceLike, available_devices, resolve_device
@@ -749,25 +749,10 @@ def _in_autograd_function(error: Exception) -> bool:
 
 def _autograd_function(frame: FrameType) -> str | None:
     """The name of the ``autograd.Function`` whose ``forward`` or ``backward`` ``frame``
-    runs: one given a ctx (its backward node, of a class torch names
-    ``<Function>Backward``), or the one whose ``forward`` is the frame's code (a forward of
-    the ``setup_context`` form takes no ctx, and some torch releases call it from C, with
-    no frame of ``Function.apply`` above it); None where it is neither."""
+    runs (:func:`~devicectx.decorator._autograd.function_of`); None where it is neither."""
     code = frame.f_code
     first = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-    if isinstance(first, FunctionCtx):
-        return type(first).__name__.removesuffix("Backward")
-    if code.co_name != "forward":
-        return None
-    pending: list[type] = [torch.autograd.Function]
-    while pending:  # the Function classes alive now: a few hundred, on an error's path
-        function = pending.pop()
-        forward = vars(function).get("forward")
-        made = getattr(forward, "__func__", None)  # a staticmethod's function
-        if getattr(made, "__code__", None) is code:
-            return function.__name__
-        pending += function.__subclasses__()
-    return None
+    return function_of(code, first)
 
 
 def _over_numpy(error: Exception) -> bool:
