@@ -592,20 +592,22 @@ def _loaded(workers: int) -> list[list[int]]:
     return [*shuffled, *seeds]
 
 
+@pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize(
     "target",
     ["meta", pytest.param("accelerator", marks=pytest.mark.requires_device("accelerator"))],
 )
-def test_a_dataloader_in_a_block_draws_the_seeds_a_cpu_run_draws(target: str) -> None:
+def test_a_dataloader_in_a_block_draws_the_seeds_a_cpu_run_draws(target: str, exact: bool) -> None:
     """torch.utils.data draws its shuffling sampler's seed and its workers' base seed with
     ``torch.empty((), dtype=torch.int64).random_()``: in a block they are drawn on the host,
     as outside it, so a block gives the order and the worker seeds of a CPU run with the
     same ``torch.manual_seed`` (torch's ``with torch.device`` draws them on the device, and
-    a shuffling loader fails in a ``meta`` block: no values to read)."""
+    a shuffling loader fails in a ``meta`` block: no values to read); ``exact=True``'s mode
+    leaves them to the host too."""
     device = accelerator() if target == "accelerator" else torch.device("meta")
     workers = 1 if target == "meta" else 0  # no fork of a process using the accelerator
     outside = _loaded(workers)
-    with on_device(device):
+    with on_device(device, exact=exact):
         inside = _loaded(workers)
         assert device == torch.empty(()).device  # a block's own 0-d tensors stay its
         assert device == torch.empty((), dtype=torch.int64).device

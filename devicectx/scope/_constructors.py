@@ -146,7 +146,8 @@ def constructor_patch(
         active: the running task's blocks (empty outside every block): asked first, on
             every constructor call, so it must be cheap.
         calls: a ``threading.local`` whose ``scopes`` lists the scopes of the decorated
-            calls running in this thread (empty outside them): asked next.
+            calls running in this thread (empty outside them): asked next; its
+            ``seeding`` is set while a ``torch.utils.data`` seed is drawn on the host.
         scope_device: the device a constructor called without ``device=`` gets here, or
             None to leave torch's own default (and modes) in charge; asked inside blocks.
         traced_scope_device: the same, for code dynamo traces: a trace-time constant.
@@ -211,7 +212,11 @@ def _fill_device(
         scoped = calls.scopes or (blocks and blocks[-1].previous is not torch_own)
         if scoped and kwargs.get("device") is None:
             if seeds and args == _SEED_SHAPE and _draws_a_seed(kwargs):
-                return original(*args, **kwargs)
+                calls.seeding = True
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    calls.seeding = False
             if nested:
                 return original(*args, **kwargs)
             generator = kwargs.get("generator")

@@ -170,6 +170,9 @@ class _ThreadScopes(threading.local):
     def __init__(self) -> None:
         self.scopes: list[_Call] = []
         self.index = ThreadIndex()
+        # A seed torch.utils.data draws, being made on the host (the constructors' own
+        # replacement says so): exact=True's mode, which sees the call next, leaves it there.
+        self.seeding = False
 
 
 class _ExactMode(TorchFunctionMode):
@@ -194,7 +197,8 @@ class _ExactMode(TorchFunctionMode):
                 # context variable, so both are answered once, at trace time.
                 device = _traced_device_of(func)
             else:
-                device = scope_device() if func in _CONSTRUCTORS else None
+                exempt = func not in _CONSTRUCTORS or _THREAD.seeding
+                device = None if exempt else scope_device()
             if device is not None:
                 kwargs["device"] = device
         return func(*args, **kwargs)
