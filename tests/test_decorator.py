@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import accelerator as accelerator_at
@@ -823,6 +824,32 @@ def test_output_input_returns_0_dim_inputs_to_where_they_came_from(
 
     result = passed_through(wrap(torch.tensor(1.5)))
     assert {CPU} == set(find_devices(result))
+
+
+@pytest.mark.requires_device("accelerator")
+@pytest.mark.parametrize(
+    "observation",
+    [np.ones(4, dtype=np.float32), [1.0, 1.0, 1.0, 1.0], None],
+    ids=["numpy", "list", "nothing"],
+)
+def test_output_input_returns_to_the_cpu_where_no_input_is_a_tensor(observation: Any) -> None:
+    """No tensor among the inputs (an RL policy given the numpy array ``env.step``
+    returned, Python numbers, nothing but the model): the caller's data lives on the
+    host, so the result goes back to the CPU; it stayed on the model's device."""
+    net = nn.Linear(4, 2).to(accelerator_at())
+
+    @device_agnostic(output="input")
+    def policy(net: nn.Linear, obs: Any) -> torch.Tensor:
+        made = torch.ones(4) if obs is None else torch.as_tensor(obs, dtype=torch.float32)
+        return net(made).detach()
+
+    assert CPU == policy(net, observation).device
+
+    @device_agnostic(output="input")
+    def rollout(net: nn.Linear, obs: Any) -> Iterator[torch.Tensor]:
+        yield policy.__wrapped__(net, obs)
+
+    assert [CPU] == [item.device for item in rollout(net, observation)]
 
 
 def test_output_device_moves_the_result() -> None:

@@ -720,6 +720,20 @@ def test_pytree_containers_and_a_dataclass_without_tensors_trace_whole() -> None
 
 
 @needs_accelerator
+def test_output_input_with_no_tensor_input_returns_to_the_cpu_when_compiled() -> None:
+    """``output="input"`` where no input is a tensor (a list of numbers): the result goes
+    back to the CPU, traced as in the eager call."""
+    device = accelerator()
+
+    @device_agnostic(device=device, output="input")
+    def scaled(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values) * 2
+
+    got = compiled(scaled)([1.0, 2.0])
+    assert (CPU, [2.0, 4.0]) == (got.device, got.tolist())
+
+
+@needs_accelerator
 def test_float64_on_a_device_without_it_is_refused_before_the_body_when_compiled() -> None:
     """On a device without float64, a float64 argument is refused as the eager call refuses
     it (DtypeUnsupportedError, naming each path), not by the backend in the body;

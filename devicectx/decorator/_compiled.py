@@ -94,6 +94,7 @@ _META = torch.device("meta")
 # True only where dynamo traces the code that calls it (not for code run during a compile).
 _is_traced = torch.compiler.is_dynamo_compiling
 
+_CPU = torch.device("cpu")  # output="input" where no input is a tensor: the host's data
 # Whether decorated calls run eagerly under torch.compile (graph breaks) instead of being
 # traced: None until decided (by the probe, at first use), then a bool for the process.
 _FALLBACK: bool | None = None
@@ -278,7 +279,8 @@ def traced_call(
     elif not plan.move and any(device != target for device in found):
         message = _message("off", plan.name, _frozen(found), target, reason)
         return _refuse(TracedMismatchError, message, plan, wrapped, instance, args, kwargs)
-    back = _first(found, target) if plan.to_input else None
+    # Found empty: no tensor input but 0-dim CPU ones, or none (numpy arrays, numbers).
+    back = _first(found, _CPU) if plan.to_input else None
     if plan.output is not None:
         back = _resolve_while_tracing(plan.output.spec)
 

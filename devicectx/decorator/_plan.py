@@ -88,6 +88,7 @@ _Scanned = tuple[
 _PRECISION = "precision"  # the key of a call's precision among CAPABILITIES.derived
 _Tensor = torch.Tensor
 _Device = torch.device
+_CPU = torch.device("cpu")  # output="input" where no input is a tensor: the host's data
 # Why the target is what it is, where no rule chose it: the tensor arguments agreed on it.
 _FROM_INPUTS = "the tensor arguments"
 # Not yet looked for: whether the function is the forward of an autograd.Function.
@@ -326,8 +327,8 @@ class Plan:
             if optimizers is not None and module is not None and target is not None:
                 self._optimizers(optimizers, wrapped, instance, args, kwargs, module, target)
             back = self.output.resolve() if self.output is not None else None
-            if self.to_input:
-                back = first
+            if self.to_input:  # no tensor input: numpy arrays, numbers, lists live on the host
+                back = first if first is not None else _CPU
         else:
             # What the look above found is prepare()'s first step, where it looked at all
             # the arguments (nothing excluded) and chose the target by every rule.
@@ -594,7 +595,9 @@ class Plan:
                     )
         if self.output is not None:
             return args, kwargs, target, self.output.resolve()
-        return args, kwargs, target, home if self.to_input else None
+        if self.to_input:  # no tensor input: numpy arrays, numbers, lists live on the host
+            return args, kwargs, target, home if home is not None else _CPU
+        return args, kwargs, target, None
 
     def _refuse_in_function(
         self,
