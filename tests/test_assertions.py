@@ -1236,6 +1236,34 @@ def test_a_dtype_the_device_cannot_hold_is_refused_with_a_fix_that_works() -> No
         assert_device_agnostic(decorated, x, devices=["cpu", device], dtypes="device")
 
 
+@pytest.mark.requires_device("accelerator")
+def test_float64_inputs_of_a_float32_model_get_the_mapping_as_their_fix() -> None:
+    """A float32 model fed numpy's float64 on a device without float64: the fix is the
+    mapping, which casts on every device and passes; ``dtypes="device"`` keeps the CPU's
+    inputs float64, which the model refuses there (torch's "mat1 and mat2 must have the
+    same dtype"), and is no longer offered first."""
+    net = nn.Linear(4, 2)
+    s = torch.from_numpy(np.random.default_rng(0).random((8, 4)))
+
+    def value_loss(net: nn.Linear, s: torch.Tensor) -> torch.Tensor:
+        return net(s).pow(2).mean()
+
+    with mps_like() as device:
+        with pytest.raises(devicectx.DtypeUnsupportedError) as raised:
+            assert_device_agnostic(value_loss, net, s, devices=["cpu", device])
+        assert (
+            "fix: assert_device_agnostic(value_loss, ..., dtypes={torch.float64: "
+            "torch.float32}), which casts torch.float64 to torch.float32 on every device, as "
+            'net (torch.float32) needs; dtypes="device" keeps them torch.float64 on the '
+            f"devices that hold it, where net refuses them; or leave {device} out: "
+            f"devices=['cpu', 'meta'] ({LEAVE_OUT_META})"
+        ) == str(raised.value).splitlines()[-1]
+        mapping = {torch.float64: torch.float32}
+        assert_device_agnostic(value_loss, net, s, devices=["cpu", device], dtypes=mapping)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            assert_device_agnostic(value_loss, net, s, devices=["cpu", device], dtypes="device")
+
+
 class _ClassWeights(nn.Module):
     """A loss whose class weights come from numpy: float64 unless made float32."""
 

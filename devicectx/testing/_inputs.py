@@ -477,10 +477,13 @@ def _refuse_dtypes(
     dtypes ``device`` cannot hold that ``dtypes`` casts to none it holds."""
     paths: dict[torch.dtype, list[str]] = {}
     owned: list[str] = []  # a module's parameters and buffers, which its own .to moves
+    modules: dict[torch.dtype, str] = {}  # floating point dtypes of modules' tensors
     count = 0
     for name, value in named_arguments(fn, args, kwargs):
         plain = {path for path, _ in iter_tensors(value, name)}
         for path, tensor in iter_tensors(value, name, modules=True):
+            if path not in plain and tensor.is_floating_point():
+                modules.setdefault(tensor.dtype, path)
             if tensor.dtype in missing:
                 paths.setdefault(tensor.dtype, []).append(path)
                 owned += [] if path in plain else [path]
@@ -493,7 +496,7 @@ def _refuse_dtypes(
         f"assert_device_agnostic({name_of(fn)}) cannot move {what} to {device}, which holds "
         f"no {' or '.join(str(dtype) for dtype in paths)}:",
         *(f"    {dtype!s:<{width}} <- {', '.join(p)}" for dtype, p in paths.items()),
-        f"fix: {_dtype_fix(device, paths, name_of(fn), dtypes, devices, owned)}",
+        f"fix: {_dtype_fix(device, paths, name_of(fn), dtypes, devices, owned, modules)}",
     ]
     raise DtypeUnsupportedError("\n".join(lines), device=device, paths=paths)
 
@@ -505,7 +508,15 @@ def _dtype_fix(
     dtypes: DtypesLike,
     devices: list[torch.device],
     owned: Sequence[str] = (),
+    modules: Mapping[torch.dtype, str] | None = None,
 ) -> str:
+    """The fix of inputs of dtypes ``device`` cannot hold (``paths``): a module's own
+    tensors made in one it holds (``owned``); then a ``dtypes=`` policy, or leaving the
+    device out. ``modules``: the floating point dtypes of the modules' tensors, each with
+    a path of one, where the inputs meet a module of the dtype the casts make (a float32
+    model fed numpy's float64): there the mapping, which casts on every device, comes
+    first, as ``"device"`` keeps the reference's inputs in their dtype, which the module
+    refuses on the CPU itself."""
     left_out = leave_out(device, devices, paths)
     nearest = {dtype: nearest_dtype(device, dtype) for dtype in paths}
     held = {dtype: to for dtype, to in nearest.items() if to is not None}
@@ -526,10 +537,21 @@ def _dtype_fix(
         casts = ", ".join(f"{dtype} to {to}" for dtype, to in held.items())
         lacking = ", ".join(str(d) for d in lacking_devices(device, devices, paths))
         which = " or ".join(str(dtype) for dtype in held)
-        return (
+        device_fix = (
             f'assert_device_agnostic({name}, ..., dtypes="device"), which casts {casts} on '
-            f"each device that holds no {which} (here {lacking}), or {left_out}"
+            f"each device that holds no {which} (here {lacking})"
         )
+        met = [modules[to] for to in held.values() if modules and to in modules]
+        if len(met) == len(held):  # a module of the dtypes the casts make meets the inputs
+            pairs = ", ".join(f"{k}: {v}" for k, v in held.items())
+            module = met[0].rpartition(".")[0] or met[0]
+            return (
+                f"assert_device_agnostic({name}, ..., dtypes={{{pairs}}}), which casts "
+                f"{casts} on every device, as {module} ({next(iter(held.values()))}) needs; "
+                f'dtypes="device" keeps them {which} on the devices that hold it, where '
+                f"{module} refuses them; or {left_out}"
+            )
+        return f"{device_fix}, or {left_out}"
     mapping = {**(dtypes if isinstance(dtypes, Mapping) else {}), **held}
     pairs = ", ".join(f"{k}: {v}" for k, v in mapping.items())  # torch.float64: ...
     return f"assert_device_agnostic({name}, ..., dtypes={{{pairs}}}), or {left_out}"
