@@ -710,6 +710,43 @@ def test_a_model_held_by_a_plain_object_is_named_with_the_device_to_follow() -> 
     )
 
 
+def test_a_network_held_by_an_agent_given_numpy_gets_a_fix_that_keeps_it_agnostic() -> None:
+    """An RL agent, a plain object holding its network, acting on a numpy observation: no
+    tensor argument chose a target, which the message says (not "from the tensor
+    arguments"), and the fix makes the agent a module, whose network then chooses, before
+    naming a device; followed, the call runs on the network's device."""
+    net = nn.Linear(4, 2, device="meta")
+    obs = np.zeros(4, dtype=np.float32)
+
+    class Agent:
+        def __init__(self, net: nn.Linear) -> None:
+            self.net = net
+
+        @device_agnostic
+        def act(self, obs: np.ndarray) -> torch.Tensor:
+            return self.net(torch.as_tensor(obs))  # type: ignore[no-any-return]
+
+    with pytest.raises(DeviceMismatchError) as error:
+        Agent(net).act(obs)
+    assert lines_of(error)[2] == (
+        "no target: no device= argument, no nn.Module argument, no tensor argument and no "
+        "on_device block to choose one"
+    )
+    assert lines_of(error)[-1] == (
+        "fix: make Agent an nn.Module (class Agent(nn.Module), super().__init__() first in "
+        'its __init__), so that self.net chooses the target, or @device_agnostic(device="meta")'
+    )
+
+    class ModuleAgent(nn.Module):
+        def __init__(self, net: nn.Linear) -> None:
+            super().__init__()
+            self.net = net
+
+        act = Agent.act
+
+    assert META == ModuleAgent(net).act(obs).device
+
+
 def test_modules_in_a_container_are_named_when_torch_fails() -> None:
     """Modules inside a container argument are not checked; torch's failure names them."""
 

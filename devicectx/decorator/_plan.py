@@ -91,6 +91,11 @@ _Device = torch.device
 _CPU = torch.device("cpu")  # output="input" where no input is a tensor: the host's data
 # Why the target is what it is, where no rule chose it: the tensor arguments agreed on it.
 _FROM_INPUTS = "the tensor arguments"
+# Why there is no target: none of the rules had anything to read.
+_NOTHING_CHOSE = (
+    "no device= argument, no nn.Module argument, no tensor argument and no on_device block "
+    "to choose one"
+)
 # Not yet looked for: whether the function is the forward of an autograd.Function.
 _UNKNOWN = "?"
 # True only where dynamo traces the code that calls it (not for code run during a compile).
@@ -411,6 +416,8 @@ class Plan:
             checked.add(id(module))
             checked.update(id(part) for part in unwrap(module).modules())
         follow = reason == _FROM_INPUTS
+        if follow and target is None:
+            reason = _NOTHING_CHOSE
         mine = instance is not None and not isinstance(instance, _Module)
         return _unseen.explain(
             error,

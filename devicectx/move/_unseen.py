@@ -433,9 +433,22 @@ def fix_for(
             return (
                 f'{first.path}.to("{target}") before the call: modules are never moved implicitly'
             )
+        named = f'@device_agnostic(device="{first.device}")'
+        if (
+            target is None
+            and first.holder_path == "self"
+            and not issubclass(first.holder, nn.Module)
+        ):
+            # A method of an object holding its network, given no tensor (an RL agent's
+            # act(obs) on a numpy array): as a module, its submodule chooses the target.
+            kind = first.holder.__name__
+            return (
+                f"make {kind} an nn.Module (class {kind}(nn.Module), super().__init__() "
+                f"first in its __init__), so that {first.path} chooses the target, or {named}"
+            )
         return (
-            f'@device_agnostic(device="{first.device}"), or pass {first.path} as the first '
-            "module argument, so that the inputs follow it"
+            f"{named}, or pass {first.path} as the first module argument, so that the "
+            "inputs follow it"
         )
     holders = first.holders or ((first.holder, first.holder_path),)
     root, root_path = holders[0]
