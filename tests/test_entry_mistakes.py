@@ -202,6 +202,13 @@ def test_above_a_context_manager_or_a_cache_the_fix_says_below_it(
     ) as error:
         device_agnostic(below(body))
     assert f"write @device_agnostic below @{name}, on the line above the `def`" == fix_code(error)
+    if "contextmanager" in name:  # the fix covers the generator's code, not the with body
+        below_it = (
+            "(below it, the generator's own code runs in the call's scope; the `with` body, "
+            "run at its `yield`, does not: put `with on_device(...):` around the `yield` for "
+            "that)"
+        )
+        assert str(error.value).splitlines()[0].endswith(below_it)
 
 
 def test_below_a_context_manager_or_a_cache_the_body_is_the_calls() -> None:

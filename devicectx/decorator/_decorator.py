@@ -289,7 +289,9 @@ def _belongs_below(wrapped: object) -> tuple[str, str] | None:
     if name is not None:
         return name, (
             "move the inputs and return, leaving the body to run at the `with` statement, "
-            "outside the call's scope and checks"
+            "outside the call's scope and checks (below it, the generator's own code runs in "
+            "the call's scope; the `with` body, run at its `yield`, does not: put "
+            "`with on_device(...):` around the `yield` for that)"
         )
     if isinstance(wrapped, _CACHE_TYPE):
         return "lru_cache (or @cache)", (

@@ -319,7 +319,7 @@ def scope_device() -> torch.device | None:
     torch_mode = innermost_device_mode() if _stack_length() else None
     at_entry = scope.torch_slot_at_entry
     if (
-        torch_mode is not scope.torch_mode_at_entry
+        (torch_mode is not scope.torch_mode_at_entry and _entered_since(scope, torch_mode))
         or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not at_entry
     ) and (type(at_entry) is not Suspended or _set_aside(scope, at_entry, calls, torch_mode)):
         # torch.device entered, or set_default_device called, inside the block; or the
@@ -345,9 +345,27 @@ def _set_aside(
             return True
         scope.torch_slot_at_entry = marker.slot
     return (
-        torch_mode is not scope.torch_mode_at_entry
-        or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not marker.slot
-    )
+        torch_mode is not scope.torch_mode_at_entry and _entered_since(scope, torch_mode)
+    ) or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not marker.slot
+
+
+def _entered_since(scope: Scope, torch_mode: DeviceContext | None) -> bool:
+    """Whether ``torch_mode``, torch's innermost ``DeviceContext`` here and not the one at
+    ``scope``'s entry, was entered since (a ``with torch.device`` inside the block: it wins).
+
+    False where the one at entry has ended and left none innermost, or the one
+    ``set_default_device`` entered before the block (the slot the block recorded): a
+    ``torch.device`` scope around the block, held by another task across an ``await`` or by
+    a suspended generator, that closed while the block is open. The block still applies.
+    Another ``torch.device`` scope left innermost cannot be told from one entered since.
+    Asked only where the innermost one differs from the one at entry.
+    """
+    if torch_mode is None:
+        return False
+    slot = scope.torch_slot_at_entry
+    if type(slot) is Suspended:
+        slot = slot.slot
+    return torch_mode is not slot
 
 
 def set_aside(frame: FrameType) -> tuple[Scope, Suspended] | None:
