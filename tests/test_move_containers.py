@@ -15,6 +15,7 @@ import functools
 import keyword
 import re
 import types
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -1157,6 +1158,47 @@ def test_an_iterator_given_whole_is_warned_of_with_a_fix_that_moves_its_items() 
         assert [b.shape for b in batches] == [b.shape for b in iterator]  # not used up
     assert all(META == b.device for b in to_device(list(iter(batches)), "meta"))
     assert all(META == b.device for b in prefetch(iter(batches), "meta"))
+
+
+Transition = collections.namedtuple("Transition", "obs reward")
+
+
+@pytest.mark.parametrize(
+    ("batch", "shown"),
+    [
+        (np.zeros(3), "obj"),
+        ({"obs": np.zeros(3), "reward": 1.0}, "obj['obs']"),
+        (Transition(np.zeros(3), np.ones(1)), "obj[0], obj[1]"),
+        ([np.zeros(3), None, "tag"], "obj[0]"),
+    ],
+    ids=["array", "dict", "namedtuple", "list"],
+)
+def test_numpy_arrays_and_no_tensor_are_warned_of(batch: Any, shown: str) -> None:
+    """A batch of numpy arrays (an RL replay buffer's sample) comes back as it was, the
+    arrays left on the host: where they are all it holds, a warning says nothing moved,
+    with the fix, which moves them when followed."""
+    with pytest.warns(DeviceWarning) as caught:
+        assert batch is to_device(batch, "meta")
+    (warning,) = caught
+    assert (
+        f"to_device() got numpy arrays and no tensor ({shown}): a move takes tensors and "
+        f"leaves every other object as it is, so nothing went to meta\n"
+        f"fix: torch.as_tensor(obj, device='meta') for one array; for a batch, make its "
+        f"arrays tensors where it is made (torch.as_tensor(array), as a DataLoader's default "
+        f"collate_fn does), then to_device(batch, 'meta')"
+    ) == str(warning.message)
+    assert META == torch.as_tensor(np.zeros(3), device="meta").device
+
+
+def test_numpy_arrays_beside_a_tensor_are_no_warning() -> None:
+    """An array beside a tensor (a batch's metadata), or an array's subclass, moves quietly:
+    only a move that got arrays alone is warned of."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        to_device({"x": torch.ones(2), "ids": np.arange(3)}, "meta")
+        to_device([torch.ones(2), np.zeros(2)], "meta")
+        to_device(np.ma.masked_array(np.zeros(2)), "meta")
+        to_device({"x": 1.0}, "meta")
 
 
 def test_a_skip_entry_inside_an_object_with_its_own_to_is_warned_of() -> None:

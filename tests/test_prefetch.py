@@ -1396,6 +1396,28 @@ def test_a_skip_entry_naming_nothing_in_the_first_batch_is_warned_of(
     assert all(b["meta"].is_cpu for b in prefetch(batches, "meta", skip=[meant]))
 
 
+def test_batches_of_numpy_arrays_alone_are_warned_of_at_the_first() -> None:
+    """Batches of numpy arrays (a replay buffer sampled with numpy) come back as they were:
+    prefetch says at the first batch that nothing moved, at the line that called it; the
+    fix, applied, moves them."""
+    import numpy as np
+
+    batches = [{"obs": np.zeros((2, 4), np.float32), "reward": np.ones(2)} for _ in range(3)]
+    (warning,) = _first_batch_warnings(batches, "meta")
+    assert (__file__, _PREFETCH_LINE) == (warning.filename, warning.lineno)
+    assert (
+        "prefetch() at its first batch got numpy arrays and no tensor (batch['obs'], "
+        "batch['reward']): a move takes tensors and leaves every other object as it is, so "
+        "nothing went to meta\n"
+        "fix: make them tensors where the batches are made: torch.as_tensor(array) in the "
+        "loader's collate_fn (a DataLoader's default collate_fn does it), or around the "
+        "sampler's arrays"
+    ) == str(warning.message)
+    made = [{k: torch.as_tensor(v) for k, v in b.items()} for b in batches]
+    assert [] == _first_batch_warnings(made, "meta")
+    assert all(b["obs"].is_meta for b in prefetch(made, "meta"))
+
+
 def test_tensors_the_move_cannot_see_in_the_first_batch_are_warned_of() -> None:
     """A batch of a type the move cannot look into keeps its tensors where the loader made
     them: prefetch says so once, naming them and the type, with a fix that, applied,

@@ -26,6 +26,8 @@
   at another device, made before any module moves;
 - ``_hooks``: modules accelerate hooked (where each part runs), and the refusal of a move
   that takes a part off its hook's device;
+- ``_host_arrays``: numpy arrays, which a move leaves on the host (the warning where a
+  move got nothing else);
 - ``_unseen``: the tensors a move cannot see (attributes of plain objects), looked for
   after a device mismatch, so that the error names them;
 - ``_staging`` and ``_pinned``: small tensors moved in one copy through pinned buffers;

@@ -50,6 +50,7 @@ from devicectx.move._dtypes import (
     code_of,
     policy_for,
 )
+from devicectx.move._host_arrays import arrays_only, arrays_unmoved
 from devicectx.move._kinds import CONTAINER, Kind
 from devicectx.move._paths import NAME
 from devicectx.move._rebuild import Call, Fix, Rebuild
@@ -281,6 +282,10 @@ def to_device(
     left: list[object] = []
     if skip is None and dtypes is None and holds_every_dtype(target):
         if _nothing_to_move(obj, target, ()):
+            arrays = arrays_only(obj) if type(obj) is not _Tensor else None
+            if arrays is not None:
+                message = arrays_unmoved("to_device()", "obj", arrays, target, _arrays_fix(target))
+                warnings.warn(message, DeviceWarning, stacklevel=2)
             return obj
         fix = _FIXES.get(target)
         if fix is None:
@@ -365,6 +370,15 @@ def _optimizer_unmoved(optimizer: object, target: torch.device, beside: bool = F
     )
 
 
+def _arrays_fix(target: torch.device) -> str:
+    """The fix of ``to_device`` given numpy arrays alone: tensors of them, then moved."""
+    return (
+        f"torch.as_tensor(obj, device={str(target)!r}) for one array; for a batch, make its "
+        f"arrays tensors where it is made (torch.as_tensor(array), as a DataLoader's default "
+        f"collate_fn does), then to_device(batch, {str(target)!r})"
+    )
+
+
 def _iterator_unmoved(iterator: object, target: torch.device) -> str:
     """The warning for ``to_device(iterator, ...)``: reading it would use up its items, so
     it comes back as it was, whatever it yields left where it is made."""
@@ -377,6 +391,7 @@ def _iterator_unmoved(iterator: object, target: torch.device) -> str:
     )
 
 
+_Tensor = torch.Tensor
 # The fix of a failed to_device(obj, target) with no other argument, written once per target.
 _FIXES: dict[torch.device, Fix] = {}
 # Explicit specs whose resolution cannot change: resolving costs more than a small move.

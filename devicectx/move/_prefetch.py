@@ -58,6 +58,7 @@ from devicectx.devices._resolve import DeviceLike, accelerator_type, resolve_dev
 from devicectx.move import _repeats
 from devicectx.move._background import Ticket, Worker
 from devicectx.move._dtypes import DtypesLike, Suggest, call_suggest, cast_batch, check_dtypes
+from devicectx.move._host_arrays import arrays_only, arrays_unmoved
 from devicectx.move._move import _move, _nothing_to_move
 from devicectx.move._skip import (
     Skip,
@@ -555,6 +556,14 @@ def _look_at_first(
             messages.append(unmatched_message(spec, missing, _NAME, "prefetch()"))
         if inside:
             messages.append(inside_own_to_message(inside, device, "prefetch()"))
+    arrays = arrays_only(batch)
+    if arrays is not None:
+        fix = (
+            "make them tensors where the batches are made: torch.as_tensor(array) in the "
+            "loader's collate_fn (a DataLoader's default collate_fn does it), or around the "
+            "sampler's arrays"
+        )
+        messages.append(arrays_unmoved("prefetch() at its first batch", _NAME, arrays, device, fix))
     types = () if skip is None else skip.types
     left = [
         unseen
