@@ -3133,6 +3133,41 @@ def test_an_inference_tensor_on_the_runs_device_fails_the_check_there_with_the_f
 TABLE = np.ones(3, dtype=np.float32)
 
 
+def test_the_numpy_fix_reads_the_device_of_an_input_the_function_has() -> None:
+    """An RL policy ``act(net, obs)`` given a numpy ``obs`` has no tensor input: the numpy
+    fix reads the device from the module (``next(net.parameters()).device``), as written
+    it passes; with a tensor input, from that input by its name."""
+
+    def act(net: nn.Linear, obs: np.ndarray) -> torch.Tensor:
+        return net(torch.from_numpy(obs))
+
+    obs = np.ones(3, dtype=np.float32)
+    with pytest.raises(AssertionError) as caught:
+        devicectx.testing.assert_device_agnostic(act, nn.Linear(3, 2), obs, devices=["cpu", "meta"])
+    assert (
+        str(caught.value)
+        .splitlines()[-1]
+        .endswith(
+            "torch.as_tensor(array, device=next(net.parameters()).device) makes it on its inputs' "
+            "device"
+        )
+    )
+
+    def fixed(net: nn.Linear, obs: np.ndarray) -> torch.Tensor:
+        return net(torch.as_tensor(obs, device=next(net.parameters()).device))
+
+    devicectx.testing.assert_device_agnostic(fixed, nn.Linear(3, 2), obs, devices=["cpu", "meta"])
+
+    def shift(table: np.ndarray, bias: torch.Tensor) -> torch.Tensor:
+        return bias + torch.from_numpy(table)
+
+    with pytest.raises(AssertionError) as caught:
+        devicectx.testing.assert_device_agnostic(
+            shift, TABLE, torch.ones(3), devices=["cpu", "meta"]
+        )
+    assert "torch.as_tensor(array, device=bias.device)" in str(caught.value).splitlines()[-1]
+
+
 def test_a_tensor_made_over_numpy_inside_fn_gets_the_fix_that_works() -> None:
     """A tensor ``fn`` makes with ``torch.from_numpy`` stays on the CPU whatever the scope,
     so decorating ``fn`` is no fix: the check says to make it with ``torch.as_tensor(array,

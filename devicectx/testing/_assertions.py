@@ -449,7 +449,8 @@ def _raised(
             lines.append(
                 f"fix: {inner or name} makes a tensor over a numpy array's memory "
                 f"(torch.from_numpy), which stays on the CPU, decorated or not: "
-                f"torch.as_tensor(array, device=x.device) makes it on its inputs' device"
+                f"torch.as_tensor(array, device={_inputs_device(call)}) makes it on its "
+                f"inputs' device"
             )
         elif inner is not None and inner != _decorated(inputs.fn, name):
             # The op that met the stray tensor is in code fn calls (a submodule of a
@@ -753,6 +754,23 @@ def _autograd_function(frame: FrameType) -> str | None:
     code = frame.f_code
     first = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
     return function_of(code, first)
+
+
+def _inputs_device(
+    call: tuple[Callable[..., object], tuple[object, ...], dict[str, object]],
+) -> str:
+    """Where the call's inputs are, as code for a fix: its first tensor argument's
+    ``device`` (``x.device``), else its first module argument's (``next(net.parameters())
+    .device``: an RL policy's ``act(net, obs)`` given a numpy ``obs``); ``x.device`` where
+    it has neither, a placeholder."""
+    named = list(named_arguments(*call))
+    for argument, value in named:
+        if isinstance(value, torch.Tensor) and argument.isidentifier():
+            return f"{argument}.device"
+    for argument, value in named:
+        if isinstance(value, nn.Module) and argument.isidentifier():
+            return f"next({argument}.parameters()).device"
+    return "x.device"
 
 
 def _over_numpy(error: Exception) -> bool:
