@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from helpers import emulated_tests_in_a_child, passing_run, python_output, skip_unless_emulated
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from packaging.version import Version
 from torch.utils._pytree import tree_leaves
 
 import devicectx
@@ -1168,6 +1169,38 @@ def test_the_mps_profile_prints_tensors_as_the_cuda_profile(emu: torch.device, n
             tensor.double()
     assert expected == printed
     assert "device='emu:0'" in printed[0]
+
+
+def test_the_mps_profile_runs_a_grad_scaler_step_where_torch_runs_one_on_mps(
+    emu: torch.device,
+) -> None:
+    """A float16 step with ``torch.amp.GradScaler`` runs under "mps" as under "cuda", from
+    torch 2.8, which takes the scale's reciprocal in float32 on MPS (in float64 on every
+    other device); before, it fails there, as on MPS; float64 made on the device in the
+    step is still refused."""
+
+    def step() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).to(emu)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler(emu.type)
+        with torch.autocast(emu.type, dtype=torch.float16):
+            loss = model(torch.ones(8, 4, device=emu)).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return model.weight.detach().cpu()
+
+    with emulated.profile("cuda"):
+        expected = step()
+    with emulated.profile("mps"):
+        if Version(torch.__version__).release < (2, 8):
+            with pytest.raises(TypeError, match="doesn't support float64"):
+                step()
+            return
+        assert torch.equal(expected, step())
+        with pytest.raises(TypeError, match="doesn't support float64"):
+            torch.ones(1, device=emu).double()
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=30)

@@ -86,6 +86,17 @@ def test_dict_and_ordered_dict() -> None:
     assert on_meta((moved_plain, moved_ordered))
 
 
+def test_a_state_dicts_metadata_is_kept() -> None:
+    """A module's ``state_dict()`` is an OrderedDict holding ``_metadata`` (module
+    versions, which ``load_state_dict`` reads) beside its entries: moved, it keeps it, as
+    a dict subclass keeps its attributes; the original keeps its own."""
+    state = nn.BatchNorm1d(3).state_dict()
+    moved = to_device(state, "meta")
+    assert state._metadata == moved._metadata  # type: ignore[attr-defined]
+    assert on_meta(list(moved.values()))
+    assert all(t.device == torch.device("cpu") for t in state.values())
+
+
 def test_defaultdict_keeps_its_factory() -> None:
     """A defaultdict comes back a defaultdict with the same default factory."""
     moved = to_device(collections.defaultdict(list, {"x": torch.zeros(1)}), "meta")

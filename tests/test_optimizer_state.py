@@ -173,6 +173,11 @@ def test_state_left_behind_by_an_optimizer_the_call_cannot_see_is_named_after_to
     assert lines[-1].startswith(
         "fix: self.optimizer.load_state_dict(self.optimizer.state_dict()) once the model"
     )
+    assert lines[-1].endswith(  # torch's step failed part way: the state may have changed
+        "; the failed step may have changed the state already (a momentum scaled, a counter "
+        "counted, weights decayed): where that matters, load it from your last checkpoint "
+        "instead"
+    )
 
 
 @pytest.mark.requires_device("accelerator")

@@ -90,7 +90,9 @@ _BUILTIN: dict[type, Kind] = {
         CONTAINER,
         ITEM,
         dict_split,
-        lambda o, k, old, new: collections.OrderedDict(zip(k, new, strict=True)),
+        lambda o, k, old, new: _with_attributes(
+            collections.OrderedDict(zip(k, new, strict=True)), o
+        ),
     ),
     collections.defaultdict: Kind(
         CONTAINER,
@@ -104,6 +106,16 @@ _BUILTIN: dict[type, Kind] = {
     set: Kind(CONTAINER, MEMBER, listed_split, lambda o, k, old, new: set(new)),
     frozenset: Kind(CONTAINER, MEMBER, listed_split, lambda o, k, old, new: frozenset(new)),
 }
+
+def _with_attributes(made: C, original: object) -> C:
+    """``made`` with the attributes ``original`` holds beside its entries, as they are:
+    an ``OrderedDict`` takes them (``state_dict()``'s ``_metadata``, module versions that
+    ``load_state_dict`` reads)."""
+    held = getattr(original, "__dict__", None)
+    if held:
+        vars(made).update(held)
+    return made
+
 
 # Never iterated, though some are Sequences or Sets: iterating a str or a range is
 # pointless, and a dict view, an array or a memoryview never holds a tensor.

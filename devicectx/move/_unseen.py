@@ -375,9 +375,11 @@ def _ties(module: nn.Module) -> bool:
     return len(set(every)) < len(every)
 
 
-def optimizer_state_fix(name: str, kind: str, paths: Sequence[str]) -> str:
+def optimizer_state_fix(name: str, kind: str, paths: Sequence[str], failed: bool = False) -> str:
     """The fix for the state of the optimizer ``name`` (a ``kind``) off its parameters'
     devices, ``paths`` those of its tensors off the CPU: reloaded, as torch puts it.
+    ``failed``: told after torch's step failed on it, which may have changed the state
+    already (a momentum scaled, a counter counted, weights decayed), so the fix says so.
 
     Its state follows its parameters only when loaded; a container registered for it would
     move the state into a copy at every call, and the updates would be lost.
@@ -394,6 +396,12 @@ def optimizer_state_fix(name: str, kind: str, paths: Sequence[str]) -> str:
             f"; then its step counters, which load_state_dict leaves where they are, "
             f"back to the CPU: for s in {name}.state.values(): "
             f's["step"] = s["step"].cpu() (not with capturable=True or fused=True)'
+        )
+    if failed:
+        fix += (
+            "; the failed step may have changed the state already (a momentum scaled, a "
+            "counter counted, weights decayed): where that matters, load it from your last "
+            "checkpoint instead"
         )
     return fix
 
@@ -459,7 +467,7 @@ def fix_for(
     held = next(((tp, at) for tp, at in holders if issubclass(tp, Optimizer)), None)
     if held is not None:
         counters = [u.path for u in unseen if u.device.type != "cpu"]
-        return optimizer_state_fix(held[1], held[0].__qualname__, counters)
+        return optimizer_state_fix(held[1], held[0].__qualname__, counters, failed=True)
     if _moves_itself(root):
         return _own_fix(first, root, root_path, unseen, target)
     # Held by a dict or list subclass's attribute, which the move does not take (nor would a

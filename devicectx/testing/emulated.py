@@ -106,6 +106,7 @@ from types import MappingProxyType, TracebackType
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 from devicectx._errors import DeviceUnavailableError
 from devicectx._torch.backends import privateuse1_name, register_device_module
@@ -522,6 +523,7 @@ def _register(devices: int) -> None:
     register_device_module(DEVICE_TYPE, _device_module)
     generate_methods_for_privateuse1_backend(for_storage=True)
     _print_as_mps(extension)
+    _scale_as_mps(extension)
     _extension = extension
     # torch's accelerator is now this one: forget what devicectx worked out before.
     from devicectx.move import _staging
@@ -529,6 +531,33 @@ def _register(devices: int) -> None:
 
     _index.INDEX_READERS.clear()
     _staging.forget_accelerator()
+
+
+def _scale_as_mps(extension: Any) -> None:
+    """Let ``torch.amp.GradScaler.unscale_`` take its scale's reciprocal where the device
+    holds no float64, as it does on MPS.
+
+    From torch 2.8 it computes the reciprocal in float64 on every device but ``mps:0``,
+    which it names (``torch/amp/grad_scaler.py``), so under the "mps" profile a mixed
+    precision step with a scaler failed where a Mac runs it. Float64 is allowed on the
+    thread only during ``unscale_``, as for printing; before torch 2.8, MPS fails there
+    too, and so does the emulated device.
+    """
+    if Version(torch.__version__).release < (2, 8):
+        return
+    scaler = torch.amp.GradScaler
+    original: Callable[..., None] = scaler.unscale_
+
+    def unscale_(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        if self._device != DEVICE_TYPE:
+            return original(self, optimizer)
+        previous = extension.set_float64_for_printing(True)
+        try:
+            return original(self, optimizer)
+        finally:
+            extension.set_float64_for_printing(previous)
+
+    scaler.unscale_ = unscale_  # type: ignore[method-assign]
 
 
 def _print_as_mps(extension: Any) -> None:
