@@ -107,6 +107,7 @@ _BUILTIN: dict[type, Kind] = {
     frozenset: Kind(CONTAINER, MEMBER, listed_split, lambda o, k, old, new: frozenset(new)),
 }
 
+
 def _with_attributes(made: C, original: object) -> C:
     """``made`` with the attributes ``original`` holds beside its entries, as they are:
     an ``OrderedDict`` takes them (``state_dict()``'s ``_metadata``, module versions that
