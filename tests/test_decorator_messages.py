@@ -491,7 +491,7 @@ def test_a_tensor_in_a_plain_object_is_named_when_torch_fails() -> None:
         'register_container(Config, children=lambda obj: [("scale", '
         "obj.scale)], rebuild=lambda obj, new: (clone := copy.copy(obj), setattr(clone, "
         '"scale", new[0]))[0]), pass cfg.scale as an argument, or give Config a .to(device) '
-        "method",
+        "method" + written_into("cfg.scale"),
     ] == lines_of(error)
     assert {CPU: ["cfg.scale"]} == error.value.devices
     assert META == error.value.target
@@ -1410,6 +1410,55 @@ def looked_up(x: torch.Tensor, lookup: Any) -> torch.Tensor:
     return x * lookup.table  # type: ignore[no-any-return]
 
 
+def written_into(held: str) -> str:
+    """How a plain object's fix ends: the move to make once, for an object the call writes
+    into (``held``, its attribute, on ``meta``)."""
+    return (
+        "; where the call writes into them (an EMA's update), move them once instead, before "
+        f"the calls: {held} = to_device({held}, 'meta') (a move at each call writes into a "
+        "copy, and the update is lost)"
+    )
+
+
+class _Ema:
+    """A hand-made EMA of a model's weights: a plain object whose tensors a step updates."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        for k, v in model.state_dict().items():
+            self.shadow[k].mul_(0.5).add_(v, alpha=0.5)
+
+
+@pytest.mark.requires_device("accelerator")
+def test_the_fix_for_a_plain_object_the_call_writes_into_keeps_its_updates() -> None:
+    """An EMA object made on the CPU, passed to a step on the accelerator: taught to the
+    walk, it would be copied at each call and its updates written into the copy, lost; the
+    fix says to move it once, and, followed as printed, the updates reach it."""
+    device = accelerator()
+    model = nn.Linear(2, 2).to(device)
+    ema = _Ema(nn.Linear(2, 2))
+
+    @device_agnostic
+    def step(model: nn.Linear, ema: _Ema) -> None:
+        ema.update(model)
+
+    with pytest.raises(DeviceMismatchError) as error:
+        step(model, ema)
+    fix = lines_of(error)[-1]
+    moved = f"ema.shadow = to_device(ema.shadow, '{device}')"
+    assert fix.endswith(
+        "; where the call writes into them (an EMA's update), move them once instead, before "
+        f"the calls: {moved} (a move at each call writes into a copy, and the update is lost)"
+    )
+    exec(moved, {"to_device": to_device, "ema": ema})
+    before = ema.shadow["weight"].clone()
+    step(model, ema)
+    assert not torch.equal(before, ema.shadow["weight"])  # the caller's EMA was updated
+
+
 def test_a_tensor_in_a_plain_class_body_is_named_and_an_instance_one_shadows_it() -> None:
     """A plain object's class attribute is named as one; set on the instance, the
     instance's (here on the target) is what ``lookup.table`` reads, and nothing is named."""
@@ -1421,7 +1470,7 @@ def test_a_tensor_in_a_plain_class_body_is_named_and_an_instance_one_shadows_it(
         'register_container(Lookup, children=lambda obj: [("table", '
         "obj.table)], rebuild=lambda obj, new: (clone := copy.copy(obj), setattr(clone, "
         '"table", new[0]))[0]), pass lookup.table as an argument, or give Lookup a '
-        ".to(device) method"
+        ".to(device) method" + written_into("lookup.table")
     )
     shadowed = Lookup()
     shadowed.table = on_meta(2, 2)
@@ -1494,7 +1543,7 @@ def test_a_nested_plain_object_fix_teaches_every_type_the_walk_passes() -> None:
         'setattr(clone, "inner", new[0]), setattr(clone, "k", new[1]))[0]); '
         'register_container(Inner, children=lambda obj: [("t", obj.t)], rebuild=lambda obj, '
         'new: (clone := copy.copy(obj), setattr(clone, "t", new[0]))[0]), or give Outer a '
-        ".to(device) method",
+        ".to(device) method" + written_into("cache.inner"),
     ] == lines_of(error)
     fix = lines_of(error)[-1]
     with printed_fix_run(fix, {"Outer": Outer, "Inner": Inner}) as registered:
@@ -1506,7 +1555,7 @@ def test_a_nested_plain_object_fix_teaches_every_type_the_walk_passes() -> None:
     )
     with printed_fix_run(inner_only, {"Inner": Inner}), pytest.raises(DeviceMismatchError):
         cached(on_meta(2), Outer())
-    assert fix.endswith(", or give Outer a .to(device) method")
+    assert ", or give Outer a .to(device) method; " in fix
     assert META == cached(on_meta(2), OuterWithTo()).device
 
 

@@ -136,6 +136,9 @@ def explain(
     fix = _self_fix(unseen, named[0][1], function, target) if instance and not held else None
     if fix is None:
         fix = _excluded_fix(unseen, held, excluded, target, follow)
+        once = _moved_once(unseen[0], target) if "register_container(" in fix else None
+        if once is not None:
+            fix = f"{fix}; where the call writes into them (an EMA's update), {once}"
     lines.append(f"fix: {fix}")
     devices = {device: [u.path for u in group] for device, group in found.items()}
     for device, paths in held.items():
@@ -426,6 +429,26 @@ def _held_out(
             if target is None or tensor.device != target:
                 held.setdefault(tensor.device, []).append(path)
     return held
+
+
+def _moved_once(item: Unseen, target: torch.device | None) -> str | None:
+    """The fix that moves the attribute of an argument's plain object holding ``item``
+    once, before the calls (``ema.shadow = to_device(ema.shadow, "cuda:0")``): the object
+    taught to the walk would be copied at each call, and what the body writes into it (an
+    EMA's update, a running statistic) written into the copy, and lost. None where the
+    path does not start with an argument's attribute, or no target is known."""
+    argument = attribute_of(item.path)
+    rest = item.path[len(argument) :]
+    if target is None or argument == "self" or not rest.startswith("."):
+        return None
+    name = attribute_of(rest[1:])
+    if not name.isidentifier():
+        return None
+    held = f"{argument}.{name}"
+    return (
+        f"move them once instead, before the calls: {held} = to_device({held}, "
+        f"{str(target)!r}) (a move at each call writes into a copy, and the update is lost)"
+    )
 
 
 def _self_fix(
