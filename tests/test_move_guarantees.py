@@ -339,6 +339,25 @@ def test_a_skip_entry_that_names_nothing_warns_with_what_it_meant(given: str, me
     assert len(find_devices(kept)[CPU]) == 2
 
 
+def test_a_skip_key_that_is_a_word_of_a_key_suggests_that_key() -> None:
+    """``skip=["rng", "step"]`` on a checkpoint keyed ``"rng_state"`` (as many are): the
+    warning suggests that key, too long beside "rng" for a typo's likeness, rather than a
+    fix that drops the entry; run as printed, the RNG state stays where torch takes it."""
+    optimizer = {"state": {0: {"step": torch.tensor(1.0)}}}
+    ckpt = {
+        "model": {"w": torch.ones(2)},
+        "optimizer": optimizer,
+        "rng_state": torch.get_rng_state(),
+    }
+    with pytest.warns(DeviceWarning) as warned:
+        to_device(ckpt, "meta", skip=["rng", "step"])
+    lines = str(warned[0].message).splitlines()
+    assert "'rng' (did you mean 'rng_state'?)" in lines[0]
+    assert "fix: skip=['rng_state', 'step']" == lines[-1]
+    kept = to_device(ckpt, "meta", skip=eval(lines[-1].removeprefix("fix: skip=")))
+    torch.set_rng_state(kept["rng_state"])  # torch refuses a state moved off the CPU
+
+
 def test_a_skip_entry_with_nothing_near_is_named_and_left_out_of_the_fix() -> None:
     """An entry with nothing near it in the structure: named, and the fix keeps the rest."""
     with pytest.warns(DeviceWarning, match="'labels'\n") as warned:

@@ -316,7 +316,12 @@ def _near(entry: Any, root: str, keys: set[Any], paths: list[str]) -> Any:
     if same:
         return same[0]
     close = difflib.get_close_matches(entry, texts, n=1, cutoff=0.6)
-    return close[0] if close else None
+    if close:
+        return close[0]
+    # A key of which the entry is a word ("rng" for "rng_state", "step" for "global_step"):
+    # too short beside it for the ratio above; the shortest such key, the likeliest.
+    words = [k for k in keys if isinstance(k, str) and entry in re.split(r"[^A-Za-z0-9]+", k)]
+    return min(words, key=len) if words else None
 
 
 def _bare(path: str) -> str:
