@@ -271,7 +271,8 @@ def test_module_spread_over_devices() -> None:
         "no accelerate hook, no declare_spread)",
         'fix: model[1].to_empty(device="cpu") before calling '
         "test_module_spread_over_devices.<locals>.step() (modules are never moved "
-        "implicitly; then load its weights: model[1]'s tensors on meta hold no data), or "
+        "implicitly; then load or initialise its weights: model[1]'s tensors on meta hold "
+        "no data), or "
         "declare_spread(model) if the split is on purpose",
     ] == lines_of(error)
     # On meta there is no data to copy: the fix makes the part anew, and, run as printed
@@ -301,7 +302,9 @@ def test_a_model_wholly_on_meta_gets_a_fix_that_makes_it_anew() -> None:
         'fix: model.to_empty(device="cpu") before calling '
         "test_a_model_wholly_on_meta_gets_a_fix_that_makes_it_anew.<locals>.predict(): "
     )
-    assert fix.endswith("(then load its weights: model's tensors on meta hold no data)")
+    assert fix.endswith(
+        "(then load or initialise its weights: model's tensors on meta hold no data)"
+    )
     exec(fix.removeprefix("fix: ").partition(" before calling")[0], {"model": model})
     model.load_state_dict({"weight": torch.eye(2), "bias": torch.zeros(2)})
     assert torch.equal(torch.ones(2), predict(model, torch.ones(2)))

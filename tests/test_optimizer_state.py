@@ -402,12 +402,12 @@ def test_an_optimizer_holding_the_parameters_a_move_replaced_is_stopped() -> Non
         "target meta (from the parameters of model (Linear))",
         "fix: state = optimizer.state_dict(); "
         "optimizer.param_groups[0]['params'] = list(model.parameters()); "
-        "optimizer.load_state_dict(state) (a move to meta makes new parameters, and "
-        "optimizer steps the old ones: it would train nothing), or build the optimizer "
-        "after the move",
+        "optimizer.load_state_dict(state) (the model's parameters are new ones (a move to "
+        "meta makes them, as does load_state_dict(..., assign=True)), and optimizer steps the "
+        "old ones: it would train nothing), or build the optimizer after the move",
     ] == str(raised.value).splitlines()
     assert META == raised.value.target
-    code = str(raised.value).splitlines()[-1].removeprefix("fix: ").partition(" (a move")[0]
+    code = str(raised.value).splitlines()[-1].removeprefix("fix: ").partition(" (the model's")[0]
     exec(code, {"optimizer": optimizer, "model": model})
     assert [model.weight, model.bias] == optimizer.param_groups[0]["params"]
     assert META == optimizer.state[model.weight]["momentum_buffer"].device
@@ -438,7 +438,7 @@ def test_a_stale_optimizer_on_the_accelerator_is_stopped_and_its_fix_trains() ->
         pytest.skip(f"module moves to {target.type} keep the parameter objects")
     with pytest.raises(DeviceMismatchError) as raised:
         train(model, optimizer, x)
-    code = str(raised.value).splitlines()[-1].removeprefix("fix: ").partition(" (a move")[0]
+    code = str(raised.value).splitlines()[-1].removeprefix("fix: ").partition(" (the model's")[0]
     exec(code, {"optimizer": optimizer, "model": model})
     x = x.to(target)
     losses = [train(model, optimizer, x) for _ in range(3)]
@@ -490,7 +490,7 @@ def test_the_fix_of_a_stale_optimizer_ties_again_what_module_to_untied(where: st
         "optimizer.param_groups[0]['params'] = list(model.parameters()); "
         "optimizer.load_state_dict(state) ("
     )
-    code = fix.replace(" (the move untied its tied weights)", "").partition(" (a move")[0]
+    code = fix.replace(" (the move untied its tied weights)", "").partition(" (the model's")[0]
     exec(code, {"optimizer": optimizer, "model": model})
     assert model.head.weight is model.embed.weight
     assert target == optimizer.state[model.embed.weight]["exp_avg"].device
@@ -544,7 +544,7 @@ def test_a_decorated_method_of_the_model_itself_is_stopped(keyword: bool) -> Non
     lines = str(raised.value).splitlines()
     assert lines[0].endswith("got optimizer (SGD) stepping parameters no module of the call holds:")
     assert "target meta (from the parameters of self (Stepped))" == lines[2]
-    code = lines[-1].removeprefix("fix: ").partition(" (a move")[0]
+    code = lines[-1].removeprefix("fix: ").partition(" (the model's")[0]
     assert "optimizer.param_groups[0]['params'] = list(self.parameters())" in code
     exec(code, {"optimizer": optimizer, "self": model})
     model.train_step(x, optimizer)
@@ -562,8 +562,9 @@ def test_the_fix_of_a_model_in_several_groups_says_how_to_rebuild() -> None:
     with pytest.raises(DeviceMismatchError) as raised:
         step(model, optimizer, torch.ones(2, device="meta"))
     assert str(raised.value).splitlines()[-1] == (
-        "fix: build the optimizer after the move, from model's parameters (a move to meta "
-        "makes new parameters, and optimizer steps the old ones: it would train nothing); "
+        "fix: build the optimizer after the move, from model's parameters (the model's "
+        "parameters are new ones (a move to meta makes them, as does load_state_dict(..., "
+        "assign=True)), and optimizer steps the old ones: it would train nothing); "
         "to keep its state, take state = optimizer.state_dict() now and "
         "optimizer.load_state_dict(state) on the new optimizer"
     )

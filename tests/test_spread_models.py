@@ -558,7 +558,8 @@ def test_a_declared_part_of_a_model_covers_only_that_part() -> None:
     assert [
         'fix: model[2].to_empty(device="cpu") before calling '
         "test_a_declared_part_of_a_model_covers_only_that_part.<locals>.<lambda>(): each part "
-        "where it runs (then load its weights: model[2]'s tensors on meta hold no data)"
+        "where it runs (then load or initialise its weights: model[2]'s tensors on meta hold "
+        "no data)"
     ] == lines(error)[-1:]
     assert "    meta <- model[1].second, model[2] (off where model starts, cpu)" in lines(error)
 

@@ -465,7 +465,8 @@ def _cast_and_move(
     """
     if from_meta:
         move = f"{path}.to_empty(device={_quote(destination)})"
-        return move, f"then load its weights: {path}'s tensors on meta hold no data"
+        why = f"then load or initialise its weights: {path}'s tensors on meta hold no data"
+        return move, why
     under = [(at, dtype) for at, dtype in dtypes if within(at, path)]
     missing = missing_dtypes(destination)
     unheld = [str(dtype) for dtype in dict.fromkeys(d for _, d in under) if dtype in missing]

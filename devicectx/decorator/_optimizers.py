@@ -225,7 +225,8 @@ def _fix(
     ``load_state_dict`` puts beside them), where one expression gives a group's
     parameters back; else say how to build the optimizer anew."""
     why = (
-        f"a move to {target} makes new parameters, and {name} steps the old ones: it would "
+        f"the model's parameters are new ones (a move to {target} makes them, as does "
+        f"load_state_dict(..., assign=True)), and {name} steps the old ones: it would "
         "train nothing"
     )
     groups: list[str] = []
