@@ -70,13 +70,7 @@ from devicectx.scope._precision import (
     check_precision_name,
     choose_precision,
 )
-from devicectx.scope._resumed import (
-    async_resumed,
-    awaited,
-    disable_resume_under_compile,
-    in_steps,
-    resumed,
-)
+from devicectx.scope._resumed import async_resumed, awaited, disable_resume_under_compile, resumed
 from devicectx.scope._stack import (
     active_device,
     call_scoped,
@@ -917,29 +911,13 @@ class Plan:
             return self.unseen(error, module, instance, args, kwargs, target, wrapped)
 
         inner = wrapped(*args, **kwargs)  # runs none of the body yet
-        if self.kind == COROUTINE:
-            if self.precision is not None:
-                # Autocast is the thread's: entered at each of the body's steps, so other
-                # tasks run outside it while the body awaits. The scope is the task's,
-                # held across the awaits, so that tasks the body creates see it.
-                make = functools.partial(self.autocast, target)
-                inner = in_steps(inner, functools.partial(_entered, make), _left)
-            return awaited(inner, enter, leave, place, explain)
         if self.precision is not None:
             enter, leave = _with_autocast(enter, functools.partial(self.autocast, target))
         if self.kind == GENERATOR:
             return resumed(inner, enter, leave, place, explain)
+        if self.kind == COROUTINE:
+            return awaited(inner, enter, leave, place, explain)
         return async_resumed(inner, enter, leave, place, explain)
-
-
-def _entered(make: Callable[[], AbstractContextManager[Any]]) -> AbstractContextManager[Any]:
-    amp = make()
-    amp.__enter__()
-    return amp
-
-
-def _left(amp: AbstractContextManager[Any]) -> None:
-    amp.__exit__(None, None, None)
 
 
 def _with_autocast(

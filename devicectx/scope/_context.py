@@ -25,13 +25,8 @@ from devicectx._torch.dynamo import constant, disable, graph_break
 from devicectx._torch.modes import DeviceContext
 from devicectx.devices._resolve import DeviceLike, check_form, resolve_device
 from devicectx.scope._audit import AuditLevel, AuditOption, check_audit
-from devicectx.scope._precision import (
-    Precision,
-    PrecisionName,
-    check_precision_name,
-    choose_precision,
-)
-from devicectx.scope._resumed import in_steps, resumed, resumed_async_generator_function
+from devicectx.scope._precision import PrecisionName, check_precision_name, choose_precision
+from devicectx.scope._resumed import resumed, resumed_async_generator_function
 from devicectx.scope._stack import (
     Block,
     Scope,
@@ -201,9 +196,9 @@ class on_device:
         - Above ``@contextlib.contextmanager`` it is refused; below, the block is left at the
           ``yield``, so the ``with`` body runs outside it: write ``with on_device(...):``
           around the ``yield`` instead.
-        - ``precision=`` is autocast, torch's per-thread state: a block held across an
-          ``await`` computes other tasks' code in it meanwhile. A decorated coroutine leaves
-          it at each ``await`` and enters it again at each resume.
+        - ``precision=`` is autocast, torch's per-thread state: a block or a decorated
+          coroutine held across an ``await`` computes other tasks' code in it meanwhile (the
+          tasks it creates or gathers too).
         - torch's default device does not reach ``*_like`` functions, ``torch.from_numpy``,
           ``torch.frombuffer`` or ``torch.Generator``; nor do ops on existing tensors.
         - A reference to one of torch's constructors held inside an object, a closure or
@@ -376,32 +371,10 @@ class on_device:
         return run
 
     def _wrap_coroutine(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        if self.precision is not None:
-            return self._wrap_coroutine_with_precision(func)
-
         @functools.wraps(func)
         async def run(*args: Any, **kwargs: Any) -> Any:
             with self._again():
                 return await func(*args, **kwargs)
-
-        return run
-
-    def _wrap_coroutine_with_precision(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        """A coroutine whose autocast is entered at every resume and left at every
-        suspension: autocast is torch's per-thread state, which other tasks of the thread
-        would compute in while this one awaits. The device's block stays open across the
-        awaits, as without ``precision=`` (the context keeps it to this task, and tasks
-        created in the body see it while the coroutine runs)."""
-        precision = cast(PrecisionName, self.precision)
-        spec, exact, audit = self.spec, self.exact, self.audit
-
-        @functools.wraps(func)
-        async def run(*args: Any, **kwargs: Any) -> Any:
-            device = resolve_device(spec)
-            chosen = choose_precision(device, precision)  # refused before the block opens
-            with on_device(device, exact=exact, audit=audit):
-                enter = functools.partial(_enter_autocast, chosen)
-                return await in_steps(func(*args, **kwargs), enter, _leave_autocast)
 
         return run
 
@@ -418,17 +391,6 @@ class on_device:
         self, func: Callable[..., AsyncGenerator[Any, Any]]
     ) -> Callable[..., Any]:
         return resumed_async_generator_function(func, self._resumable)
-
-
-def _enter_autocast(precision: Precision) -> _Amp:
-    # Made at each step: "32" turns off only an autocast on at that step.
-    amp = precision.autocast()
-    amp.__enter__()
-    return amp
-
-
-def _leave_autocast(amp: _Amp) -> None:
-    amp.__exit__(None, None, None)
 
 
 def _made_by(factory: Callable[..., Any]) -> object:
@@ -452,7 +414,8 @@ def _context_manager_refusal(block: on_device, factory: Callable[..., Any], made
         f"{name}() makes its context manager: the generator's code and the `with` body "
         f"run after, outside it (below @{made_by}, the block is left at the `yield`, so "
         f"the `with` body runs outside it too)\n"
-        f"fix: in `def {name}`, write `with {block!r}:` around the `yield`"
+        f"fix: in `{'async def' if made_by.startswith('async') else 'def'} {name}`, write "
+        f"`with {block!r}:` around the `yield`"
     )
 
 

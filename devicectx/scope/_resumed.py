@@ -11,7 +11,6 @@ error to raise in its place, or None to let torch's through).
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import AsyncGenerator, Callable, Coroutine, Generator
 from typing import Any, cast
 
@@ -101,31 +100,6 @@ async def awaited(
     finally:
         leave(scope)
     return result if place is None else place(result)
-
-
-@types.coroutine
-def in_steps(
-    inner: Coroutine[Any, Any, Any], enter: Enter, leave: Leave
-) -> Generator[Any, Any, Any]:
-    """Await ``inner`` with ``enter()`` before each of its steps and ``leave`` after it, as
-    :func:`resumed` drives a generator: for state of the thread, not of the task (an
-    autocast), which other tasks would see while ``inner`` awaits. What ``inner`` yields to
-    the event loop passes through, and what the loop sends or throws passes back.
-
-    Example:
-        >>> import asyncio
-        >>> async def twice():
-        ...     await asyncio.sleep(0)
-        ...     return "done"
-        >>> log = []
-        >>> def enter():
-        ...     log.append("in")
-        >>> async def main():
-        ...     return await in_steps(twice(), enter, lambda _: log.append("out"))
-        >>> asyncio.run(main()), log
-        ('done', ['in', 'out', 'in', 'out'])
-    """
-    return (yield from resumed(inner, enter, leave))  # type: ignore[arg-type]
 
 
 async def async_resumed(

@@ -423,7 +423,10 @@ def traced_scope_device() -> torch.device | None:
         at_entry = at_entry.slot
     if default_slot() is not at_entry:
         return None
-    return scope.target if innermost_of(traced_mode_stack()) is scope.torch_mode_at_entry else None
+    mode = innermost_of(traced_mode_stack())
+    if mode is not scope.torch_mode_at_entry and _entered_since(scope, mode):
+        return None
+    return scope.target
 
 
 def _torch_default() -> torch.device:
