@@ -852,6 +852,33 @@ def test_output_input_returns_to_the_cpu_where_no_input_is_a_tensor(observation:
     assert [CPU] == [item.device for item in rollout(net, observation)]
 
 
+class _Held:
+    """A plain object holding a tensor, which the decorator's look does not see into."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+
+@pytest.mark.requires_device("accelerator")
+def test_output_input_leaves_a_result_whose_inputs_it_could_not_look_at() -> None:
+    """No tensor input the look saw, but one it did not look at (in a plain object, or an
+    excluded argument): the caller's data may be on the device, so the result stays there,
+    as before the CPU default for host data; it is not copied to the CPU."""
+    device = accelerator_at()
+    net = nn.Linear(4, 2).to(device)
+
+    @device_agnostic(output="input")
+    def held(net: nn.Linear, batch: _Held) -> torch.Tensor:
+        return net(batch.x)
+
+    @device_agnostic(output="input", exclude=("x",))
+    def excluded(net: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return net(x)
+
+    x = torch.ones(4, device=device)
+    assert [device, device] == [held(net, _Held(x)).device, excluded(net, x).device]
+
+
 def test_output_device_moves_the_result() -> None:
     """``output=<device>`` moves the result there, whatever the target."""
 

@@ -732,6 +732,12 @@ def test_output_input_with_no_tensor_input_returns_to_the_cpu_when_compiled() ->
     got = compiled(scaled)([1.0, 2.0])
     assert (CPU, [2.0, 4.0]) == (got.device, got.tolist())
 
+    @device_agnostic(device=device, output="input", exclude=("x",))
+    def excluded(x: torch.Tensor) -> torch.Tensor:
+        return x * 2  # an excluded argument's device is not looked at: the result stays
+
+    assert device == compiled(excluded)(torch.ones(2, device=device)).device
+
 
 @needs_accelerator
 def test_float64_on_a_device_without_it_is_refused_before_the_body_when_compiled() -> None:

@@ -279,8 +279,10 @@ def traced_call(
     elif not plan.move and any(device != target for device in found):
         message = _message("off", plan.name, _frozen(found), target, reason)
         return _refuse(TracedMismatchError, message, plan, wrapped, instance, args, kwargs)
-    # Found empty: no tensor input but 0-dim CPU ones, or none (numpy arrays, numbers).
-    back = _first(found, _CPU) if plan.to_input else None
+    # Found empty: no tensor input but 0-dim CPU ones, or none (numpy arrays, numbers: the
+    # host's data); with exclude=, what the excluded hold was not looked at: the result stays.
+    home = _CPU if plan.exclude is None else None
+    back = _first(found, home) if plan.to_input else None
     if plan.output is not None:
         back = _resolve_while_tracing(plan.output.spec)
 

@@ -102,7 +102,7 @@ def device_agnostic(
             tensor is elsewhere (a 0-dim CPU tensor is allowed, as PyTorch allows it).
         output: ``None`` leaves the result alone; a device spec moves it there;
             ``"input"`` moves it to the device the tensor inputs came from (the CPU
-            where no input is a tensor: numpy arrays, numbers). For a
+            where the inputs are host data: numpy arrays, numbers). For a
             generator, each yielded item; for an async function, the awaited result.
         exclude: names of parameters whose values are neither moved nor checked.
         non_blocking: passed to the copies to an accelerator (see
@@ -155,8 +155,9 @@ def device_agnostic(
           tensors is checked at every call; tensors written around torch's hooks
           (``module._parameters[name] = t``) are noticed at the next such report.
         - ``output="input"`` with inputs on several devices: the device of the first
-          tensor argument (0-dim CPU tensors aside); with no tensor argument (a numpy
-          array, Python numbers, only the model), the CPU: the caller's data is the host's.
+          tensor argument (0-dim CPU tensors aside); with no tensor argument, the CPU where
+          every argument is host data (a numpy array, Python numbers, the model), else
+          (a plain object, an excluded argument) the result is left where it is.
         - A generator's or async function's inputs are moved or checked at the call; its
           body is scoped at every resume, and left at every yield.
         - Under ``torch.compile`` the target is chosen while tracing, and with

@@ -31,6 +31,40 @@ _Optimizer = torch.optim.Optimizer
 _LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.device, torch.dtype})
 
 
+def host_only(values: Iterable[Any], depth: int = 0) -> bool:
+    """Whether ``values`` hold only what lives on the host and names no device: numbers,
+    strings, numpy arrays and scalars, modules (the model), and lists, tuples and dicts of
+    them: where ``output="input"`` finds no tensor input, the caller's data is then the
+    host's. False for anything else (a plain object, which may hold tensors the look did
+    not see), and past a few levels of nesting.
+
+    Example:
+        >>> import numpy as np
+        >>> host_only([np.zeros(3), {"gamma": 0.99}, nn.Linear(2, 2)])
+        True
+        >>> host_only([object()])
+        False
+    """
+    if depth > _HOST_DEPTH:
+        return False
+    for value in values:
+        kind = type(value)
+        if kind in _LEAVES or isinstance(value, _Module) or kind.__module__ == "numpy":
+            continue
+        if kind in (list, tuple) or (isinstance(value, tuple) and hasattr(kind, "_fields")):
+            if not host_only(value, depth + 1):
+                return False
+        elif kind is dict:
+            if not host_only(value.values(), depth + 1):
+                return False
+        else:
+            return False
+    return True
+
+
+_HOST_DEPTH = 4  # a batch's nesting: deeper, the look gives up (and the result stays)
+
+
 def scan(
     values: tuple[Any, ...], expected: torch.device | None
 ) -> tuple[torch.device | None, bool, nn.Module | None, tuple[Any, ...] | None]:

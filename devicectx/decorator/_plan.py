@@ -31,6 +31,7 @@ from devicectx.decorator._autograd import function_of
 from devicectx.decorator._inputs import (
     Held,
     found_devices,
+    host_only,
     instance_device,
     optimizer_arguments,
     scan,
@@ -332,8 +333,8 @@ class Plan:
             if optimizers is not None and module is not None and target is not None:
                 self._optimizers(optimizers, wrapped, instance, args, kwargs, module, target)
             back = self.output.resolve() if self.output is not None else None
-            if self.to_input:  # no tensor input: numpy arrays, numbers, lists live on the host
-                back = first if first is not None else _CPU
+            if self.to_input:
+                back = first if first is not None else self._host(args, kwargs)
         else:
             # What the look above found is prepare()'s first step, where it looked at all
             # the arguments (nothing excluded) and chose the target by every rule.
@@ -602,9 +603,17 @@ class Plan:
                     )
         if self.output is not None:
             return args, kwargs, target, self.output.resolve()
-        if self.to_input:  # no tensor input: numpy arrays, numbers, lists live on the host
-            return args, kwargs, target, home if home is not None else _CPU
+        if self.to_input:
+            return args, kwargs, target, home if home is not None else self._host(args, kwargs)
         return args, kwargs, target, None
+
+    @staticmethod
+    def _host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+        """Where ``output="input"`` sends a result when no input is a tensor: the CPU where
+        every argument is host data (a numpy array from ``env.step``, numbers, the model);
+        None (the result stays) where one may hold tensors the look did not see (a plain
+        object, an excluded argument's contents)."""
+        return _CPU if host_only((*args, *kwargs.values())) else None
 
     def _refuse_in_function(
         self,
