@@ -1461,6 +1461,22 @@ def test_the_fix_for_a_plain_object_the_call_writes_into_keeps_its_updates() -> 
     step(model, ema)
     assert not torch.equal(before, ema.shadow["weight"])  # the caller's EMA was updated
 
+    class Holder:
+        def __init__(self, ema: _Ema) -> None:
+            self.ema = ema
+
+    @device_agnostic
+    def nested(model: nn.Linear, h: Holder) -> None:
+        h.ema.update(model)
+
+    h = Holder(_Ema(nn.Linear(2, 2)))  # one object deeper: the attribute that holds them
+    with pytest.raises(DeviceMismatchError) as error:
+        nested(model, h)
+    moved = f"h.ema.shadow = to_device(h.ema.shadow, '{device}')"
+    assert f"before the calls: {moved} (a move" in lines_of(error)[-1]
+    exec(moved, {"to_device": to_device, "h": h})
+    nested(model, h)
+
 
 def test_a_tensor_in_a_plain_class_body_is_named_and_an_instance_one_shadows_it() -> None:
     """A plain object's class attribute is named as one; set on the instance, the
@@ -1546,7 +1562,7 @@ def test_a_nested_plain_object_fix_teaches_every_type_the_walk_passes() -> None:
         'setattr(clone, "inner", new[0]), setattr(clone, "k", new[1]))[0]); '
         'register_container(Inner, children=lambda obj: [("t", obj.t)], rebuild=lambda obj, '
         'new: (clone := copy.copy(obj), setattr(clone, "t", new[0]))[0]), or give Outer a '
-        ".to(device) method" + written_into("cache.inner"),
+        ".to(device) method" + written_into("cache.inner.t"),
     ] == lines_of(error)
     fix = lines_of(error)[-1]
     with printed_fix_run(fix, {"Outer": Outer, "Inner": Inner}) as registered:

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1171,8 +1172,9 @@ def test_the_mps_profile_prints_tensors_as_the_cuda_profile(emu: torch.device, n
     assert "device='emu:0'" in printed[0]
 
 
+@pytest.mark.parametrize("named", [lambda emu: emu.type, str, lambda emu: emu])
 def test_the_mps_profile_runs_a_grad_scaler_step_where_torch_runs_one_on_mps(
-    emu: torch.device,
+    emu: torch.device, named: Callable[[torch.device], Any]
 ) -> None:
     """A float16 step with ``torch.amp.GradScaler`` runs under "mps" as under "cuda", from
     torch 2.8, which takes the scale's reciprocal in float32 on MPS (in float64 on every
@@ -1183,7 +1185,7 @@ def test_the_mps_profile_runs_a_grad_scaler_step_where_torch_runs_one_on_mps(
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2).to(emu)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler(emu.type)
+        scaler = torch.amp.GradScaler(named(emu))  # "emu", "emu:0", a torch.device
         with torch.autocast(emu.type, dtype=torch.float16):
             loss = model(torch.ones(8, 4, device=emu)).pow(2).mean()
         scaler.scale(loss).backward()

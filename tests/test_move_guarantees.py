@@ -357,6 +357,14 @@ def test_a_skip_key_that_is_a_word_of_a_key_suggests_that_key() -> None:
     kept = to_device(ckpt, "meta", skip=eval(lines[-1].removeprefix("fix: skip=")))
     torch.set_rng_state(kept["rng_state"])  # torch refuses a state moved off the CPU
 
+    # Two such keys (the CPU's and a GPU's RNG states): both, shortest and then by name.
+    two = {"w": torch.ones(2), "rng_state_gpu": ckpt["rng_state"], "rng_state": ckpt["rng_state"]}
+    with pytest.warns(DeviceWarning) as warned:
+        to_device(two, "meta", skip=["rng"])
+    lines = str(warned[0].message).splitlines()
+    assert "'rng' (did you mean 'rng_state' or 'rng_state_gpu'?)" in lines[0]
+    assert "fix: skip=['rng_state', 'rng_state_gpu']" == lines[-1]
+
 
 def test_a_skip_entry_with_nothing_near_is_named_and_left_out_of_the_fix() -> None:
     """An entry with nothing near it in the structure: named, and the fix keeps the rest."""

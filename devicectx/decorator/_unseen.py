@@ -432,19 +432,21 @@ def _held_out(
 
 
 def _moved_once(item: Unseen, target: torch.device | None) -> str | None:
-    """The fix that moves the attribute of an argument's plain object holding ``item``
-    once, before the calls (``ema.shadow = to_device(ema.shadow, "cuda:0")``): the object
+    """The fix that moves the innermost attribute on ``item``'s path (the container or the
+    tensor a plain object holds) once, before the calls (``ema.shadow =
+    to_device(ema.shadow, "cuda:0")``, ``h.ema.shadow`` one object deeper): the object
     taught to the walk would be copied at each call, and what the body writes into it (an
     EMA's update, a running statistic) written into the copy, and lost. None where the
     path does not start with an argument's attribute, or no target is known."""
     argument = attribute_of(item.path)
-    rest = item.path[len(argument) :]
-    if target is None or argument == "self" or not rest.startswith("."):
-        return None
-    name = attribute_of(rest[1:])
-    if not name.isidentifier():
-        return None
-    held = f"{argument}.{name}"
+    held, rest = argument, item.path[len(argument) :]
+    while rest.startswith("."):  # down the attributes, to the container or the tensor
+        name = attribute_of(rest[1:])
+        if not name.isidentifier():
+            return None
+        held, rest = f"{held}.{name}", rest[1 + len(name) :]
+    if target is None or argument == "self" or held == argument or "]." in rest:
+        return None  # "]." : a plain object inside a list or dict, which to_device keeps
     return (
         f"move them once instead, before the calls: {held} = to_device({held}, "
         f"{str(target)!r}) (a move at each call writes into a copy, and the update is lost)"

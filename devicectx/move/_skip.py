@@ -301,7 +301,8 @@ def _walk_names(
 
 def _near(entry: Any, root: str, keys: set[Any], paths: list[str]) -> Any:
     """What ``entry`` (a key or path that names nothing) most likely meant: the same path
-    under ``root``, else the nearest key or path in the structure; None if nothing is near."""
+    under ``root``, else the nearest key or path in the structure, else the keys of which
+    it is a word (a tuple where several are); None if nothing is near."""
     if not isinstance(entry, str):
         return None
     other = _OTHER_ROOT.match(entry)
@@ -318,10 +319,12 @@ def _near(entry: Any, root: str, keys: set[Any], paths: list[str]) -> Any:
     close = difflib.get_close_matches(entry, texts, n=1, cutoff=0.6)
     if close:
         return close[0]
-    # A key of which the entry is a word ("rng" for "rng_state", "step" for "global_step"):
-    # too short beside it for the ratio above; the shortest such key, the likeliest.
+    # Keys of which the entry is a word ("rng" for "rng_state", "step" for "global_step"):
+    # too short beside them for the ratio above. Every one (two RNG states, the CPU's and a
+    # GPU's, are both to be kept), shortest first, in an order that is the same every run.
     words = [k for k in keys if isinstance(k, str) and entry in re.split(r"[^A-Za-z0-9]+", k)]
-    return min(words, key=len) if words else None
+    words.sort(key=lambda k: (len(k), k))
+    return words[0] if len(words) == 1 else (tuple(words) or None)
 
 
 def _bare(path: str) -> str:
@@ -344,17 +347,24 @@ def inside_own_to_message(found: list[InsideOwnTo], target: torch.device, who: s
     )
 
 
+def _either(near: Any) -> str:
+    """``'a'``, or ``'a' or 'b'`` where several keys were near."""
+    return " or ".join(map(repr, near)) if type(near) is tuple else repr(near)
+
+
 def unmatched_message(spec: SkipLike, missing: list[tuple[Any, Any]], root: str, who: str) -> str:
     """The warning for ``skip=`` entries that name nothing (from :func:`unmatched`): which,
     how paths are written, and ``skip=`` with each replaced by what it likely meant."""
     shown = ", ".join(
-        repr(entry) if near is None else f"{entry!r} (did you mean {near!r}?)"
+        repr(entry) if near is None else f"{entry!r} (did you mean {_either(near)}?)"
         for entry, near in missing
     )
     items = list(spec) if isinstance(spec, (list, tuple, set, frozenset)) else [spec]
     replaced = dict(missing)  # every item of a compiled spec is hashable
-    kept = [replaced.get(item, item) for item in items]
-    kept = [item for item in kept if item is not None]
+    kept = []
+    for item in items:
+        near = replaced.get(item, item)
+        kept += list(near) if type(near) is tuple else [] if near is None else [near]
     fix = (
         f"skip={kept!r}"
         if kept

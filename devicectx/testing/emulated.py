@@ -541,7 +541,8 @@ def _scale_as_mps(extension: Any) -> None:
     which it names (``torch/amp/grad_scaler.py``), so under the "mps" profile a mixed
     precision step with a scaler failed where a Mac runs it. Float64 is allowed on the
     thread only during ``unscale_``, as for printing; before torch 2.8, MPS fails there
-    too, and so does the emulated device.
+    too, and so does the emulated device. Installed with the device, whatever its
+    profile: under one that holds float64 it changes nothing.
     """
     if Version(torch.__version__).release < (2, 8):
         return
@@ -549,7 +550,10 @@ def _scale_as_mps(extension: Any) -> None:
     original: Callable[..., None] = scaler.unscale_
 
     def unscale_(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
-        if self._device != DEVICE_TYPE:
+        # The scale's device, as torch decides (GradScaler("emu"), "emu:0" or a device
+        # alike); _scale, set by scale(), read as torch 2.8 to 2.15 read it there.
+        scale = self._scale
+        if scale is None or scale.device.type != DEVICE_TYPE:
             return original(self, optimizer)
         previous = extension.set_float64_for_printing(True)
         try:
