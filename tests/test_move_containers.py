@@ -1179,7 +1179,7 @@ Transition = collections.namedtuple("Transition", "obs reward")
     [
         (np.zeros(3), "obj"),
         ({"obs": np.zeros(3), "reward": 1.0}, "obj['obs']"),
-        (Transition(np.zeros(3), np.ones(1)), "obj[0], obj[1]"),
+        (Transition(np.zeros(3), np.float32(1.0)), "obj.obs"),
         ([np.zeros(3), None, "tag"], "obj[0]"),
     ],
     ids=["array", "dict", "namedtuple", "list"],
@@ -1190,6 +1190,8 @@ def test_numpy_arrays_and_no_tensor_are_warned_of(batch: Any, shown: str) -> Non
     with the fix, which moves them when followed."""
     with pytest.warns(DeviceWarning) as caught:
         assert batch is to_device(batch, "meta")
+    with pytest.warns(DeviceWarning):  # whatever else the call asks
+        to_device(batch, "meta", skip=["other"], dtypes="device")
     (warning,) = caught
     assert (
         f"to_device() got numpy arrays and no tensor ({shown}): a move takes tensors and "
@@ -1202,14 +1204,16 @@ def test_numpy_arrays_and_no_tensor_are_warned_of(batch: Any, shown: str) -> Non
 
 
 def test_numpy_arrays_beside_a_tensor_are_no_warning() -> None:
-    """An array beside a tensor (a batch's metadata), or an array's subclass, moves quietly:
-    only a move that got arrays alone is warned of."""
+    """An array beside a tensor (a batch's metadata), or an array's subclass, moves quietly,
+    as arrays alone moved to the CPU: only a move to a device that got arrays alone is
+    warned of."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         to_device({"x": torch.ones(2), "ids": np.arange(3)}, "meta")
         to_device([torch.ones(2), np.zeros(2)], "meta")
         to_device(np.ma.masked_array(np.zeros(2)), "meta")
         to_device({"x": 1.0}, "meta")
+        to_device({"obs": np.zeros(3)}, "cpu")  # the host is where they are: nothing to say
 
 
 def test_a_skip_entry_inside_an_object_with_its_own_to_is_warned_of() -> None:

@@ -98,7 +98,7 @@ _NOTHING_CHOSE = (
     "to choose one"
 )
 # Not yet looked for: whether the function is the forward of an autograd.Function.
-_UNKNOWN = "?"
+_UNKNOWN: Any = object()
 # True only where dynamo traces the code that calls it (not for code run during a compile).
 _is_traced = torch.compiler.is_dynamo_compiling
 FUNCTION, GENERATOR, COROUTINE, ASYNC_GENERATOR = range(4)
@@ -128,7 +128,7 @@ class Plan:
         "device",
         "dtypes",
         "exclude",
-        "function_of",
+        "forward_of",
         "kind",
         "move",
         "move_fix",
@@ -250,7 +250,7 @@ class Plan:
         # The call dynamo traces, set by the layer above (decorator._compiled), which knows
         # how; every plan @device_agnostic makes gets one.
         self.when_traced: Callable[..., Any] = _untraced
-        self.function_of: str | None = _UNKNOWN
+        self.forward_of: str | None = _UNKNOWN  # the autograd.Function, by function_of
 
     def call(
         self,
@@ -642,9 +642,9 @@ class Plan:
         set_up = not isinstance(first, FunctionCtx)
         owner = None if set_up else function_of(code, first)
         if set_up and code.co_name == "forward":
-            if self.function_of is _UNKNOWN:
-                self.function_of = function_of(code, None)
-            owner = self.function_of
+            if self.forward_of is _UNKNOWN:
+                self.forward_of = function_of(code, None)
+            owner = self.forward_of
         if owner is None:
             return
         found: dict[torch.device, list[str]] = {}

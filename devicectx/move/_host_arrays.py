@@ -9,13 +9,17 @@ torch, or runs on the CPU. Where the arrays are all there is to move, the move s
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-# What may stand beside the arrays in a batch that holds nothing to move (exact types, read
-# with a hash: a failed isinstance of a tensor against several types costs ~0.5 us).
+# What may stand beside the arrays in a batch that holds nothing to move: exact types, read
+# with a hash (isinstance of a tensor against several types is slower), and numpy's scalars.
 _SCALARS = frozenset({bool, int, float, complex, str, bytes, type(None)})
+_Tensor = torch.Tensor
 _ndarray: type | None = None  # numpy's, once numpy is imported
+_generic: type | None = None  # numpy's scalars' base (np.float32(1.0), np.bool_)
 
 
 def arrays_only(obj: object) -> list[str] | None:
@@ -31,30 +35,34 @@ def arrays_only(obj: object) -> list[str] | None:
         >>> arrays_only({"obs": np.zeros(3), "mask": torch.ones(3)}) is None
         True
     """
-    global _ndarray
-    ndarray = _ndarray
-    if ndarray is None:
+    global _ndarray, _generic
+    ndarray, generic = _ndarray, _generic
+    if ndarray is None or generic is None:
         numpy = sys.modules.get("numpy")  # no array exists where numpy was never imported
         if numpy is None:
             return None
-        ndarray = _ndarray = numpy.ndarray
+        ndarray, generic = _ndarray, _generic = numpy.ndarray, numpy.generic
     if type(obj) is ndarray:
         return ["obj"]
-    # A batch of tensors fails at its first item: the usual case costs one look.
     if type(obj) is dict:
-        for value in obj.values():
-            kind = type(value)
-            if kind is not ndarray and kind not in _SCALARS:
-                return None
-        found = [f"obj[{key!r}]" for key, value in obj.items() if type(value) is ndarray]
+        values: Iterable[Any] = obj.values()
     elif type(obj) is list or isinstance(obj, tuple):
-        for value in obj:
-            kind = type(value)
-            if kind is not ndarray and kind not in _SCALARS:
-                return None
-        found = [f"obj[{i}]" for i, value in enumerate(obj) if type(value) is ndarray]
+        values = obj
     else:
         return None
+    # A batch of tensors fails at its first item: the usual case costs one look.
+    for value in values:
+        kind = type(value)
+        if kind is _Tensor or (
+            kind is not ndarray and kind not in _SCALARS and not issubclass(kind, generic)
+        ):
+            return None
+    if type(obj) is dict:
+        found = [f"obj[{key!r}]" for key, value in obj.items() if type(value) is ndarray]
+    else:
+        fields = getattr(type(obj), "_fields", None)  # a namedtuple's, as find_devices names
+        names = [f".{f}" for f in fields] if fields else [f"[{i}]" for i in range(len(obj))]
+        found = [f"obj{n}" for n, value in zip(names, obj, strict=True) if type(value) is ndarray]
     return found or None
 
 

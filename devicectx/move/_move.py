@@ -279,13 +279,14 @@ def to_device(
         warnings.warn(_optimizer_unmoved(obj, target), DeviceWarning, stacklevel=2)
     elif hasattr(type(obj), "__next__"):
         warnings.warn(_iterator_unmoved(obj, target), DeviceWarning, stacklevel=2)
+    if type(obj) is not _Tensor and target.type != "cpu":
+        arrays = arrays_only(obj)
+        if arrays is not None:
+            message = arrays_unmoved("to_device()", "obj", arrays, target, _arrays_fix(target))
+            warnings.warn(message, DeviceWarning, stacklevel=2)
     left: list[object] = []
     if skip is None and dtypes is None and holds_every_dtype(target):
         if _nothing_to_move(obj, target, ()):
-            arrays = arrays_only(obj) if type(obj) is not _Tensor else None
-            if arrays is not None:
-                message = arrays_unmoved("to_device()", "obj", arrays, target, _arrays_fix(target))
-                warnings.warn(message, DeviceWarning, stacklevel=2)
             return obj
         fix = _FIXES.get(target)
         if fix is None:

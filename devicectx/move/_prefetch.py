@@ -556,7 +556,7 @@ def _look_at_first(
             messages.append(unmatched_message(spec, missing, _NAME, "prefetch()"))
         if inside:
             messages.append(inside_own_to_message(inside, device, "prefetch()"))
-    arrays = arrays_only(batch)
+    arrays = arrays_only(batch) if device.type != "cpu" else None
     if arrays is not None:
         fix = (
             "make them tensors where the batches are made: torch.as_tensor(array) in the "
