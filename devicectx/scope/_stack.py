@@ -345,8 +345,9 @@ def _set_aside(
             return True
         scope.torch_slot_at_entry = marker.slot
     return (
-        torch_mode is not scope.torch_mode_at_entry and _entered_since(scope, torch_mode)
-    ) or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not marker.slot
+        torch_mode is not scope.torch_mode_at_entry
+        or _SLOT.__dict__.get(_SLOT_KEY, _EMPTY_SLOT) is not marker.slot
+    )
 
 
 def _entered_since(scope: Scope, torch_mode: DeviceContext | None) -> bool:
