@@ -648,7 +648,8 @@ class Plan:
         if owner is None:
             return
         found: dict[torch.device, list[str]] = {}
-        for name, value, _ in self.params.named(args, kwargs, offset):
+        named = list(self.params.named(args, kwargs, offset))
+        for name, value, _ in named:
             for path, tensor in _move.iter_tensors(value, name):
                 if tensor.device == target:
                     continue
@@ -656,7 +657,6 @@ class Plan:
                 if tensor.requires_grad or (set_up and not is_cpu_scalar(tensor)):
                     found.setdefault(tensor.device, []).append(path)
         if found:
-            named = list(self.params.named(args, kwargs, offset))
             dtypes = _unseen.argument_dtypes(named)
             reason = self._reason(module, instance, args, kwargs, offset)
             raise _mismatch.moved_in_function(
@@ -914,14 +914,14 @@ class Plan:
             _no_scope if scoped is None else functools.partial(push_nested, scoped)
         )
         leave: Callable[[Any], None] = pop_nested
+        if self.precision is not None:
+            enter, leave = _with_autocast(enter, functools.partial(self.autocast, target))
         place = None if back is None else functools.partial(self.place, back=back)
 
         def explain(error: RuntimeError) -> DeviceMismatchError | None:
             return self.unseen(error, module, instance, args, kwargs, target, wrapped)
 
         inner = wrapped(*args, **kwargs)  # runs none of the body yet
-        if self.precision is not None:
-            enter, leave = _with_autocast(enter, functools.partial(self.autocast, target))
         if self.kind == GENERATOR:
             return resumed(inner, enter, leave, place, explain)
         if self.kind == COROUTINE:
